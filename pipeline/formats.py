@@ -1,0 +1,231 @@
+"""The on-disk contract between stages (DESIGN.md section 4), compatible with speculators' loaders.
+
+Owns every file name and layout that one stage writes and another reads:
+
+prepared dir (``prepare``)::
+
+    tokens.npy       int32[total]      all samples' token ids, concatenated
+    loss_mask.npy    uint8[total]      1 on assistant tokens
+    offsets.npy      int64[N + 1]      sample i is tokens[offsets[i]:offsets[i+1]]
+    metadata.json    tokenizer, model, seq_length, counts, format version
+    token_freq.pt    dict[int, int]    counts over tokens with loss_mask == 1
+    d2t.npy          int64[draft_vocab]  target id = i + d2t[i]
+    t2d.npy          bool[target_vocab]  sum == draft_vocab
+
+hidden-states dir (``extract``)::
+
+    data_{i}.pt           {"input_ids": int64[T], "hidden_states": [4 x dtype[T, H]], "loss_mask": int64[T]}
+    data_config.json      model, layer ids, hidden size, dtype, sample count, format version
+    sample_lengths.json   {"0": T0, "1": T1, ...}
+
+Nothing else in the project writes these files; this module does no computation beyond (de)serialising.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.atomic import atomic_path, write_json
+from pipeline.errors import StageError
+
+FORMAT_VERSION = 1
+
+PREPARED_FILES = ("tokens.npy", "loss_mask.npy", "offsets.npy", "metadata.json")
+TOKEN_FREQ = "token_freq.pt"
+D2T = "d2t.npy"
+T2D = "t2d.npy"
+DATA_CONFIG = "data_config.json"
+SAMPLE_LENGTHS = "sample_lengths.json"
+DATA_FILE_RE = re.compile(r"^data_(\d+)\.pt$")
+DATA_KEYS = ("input_ids", "hidden_states", "loss_mask")
+
+
+def data_file(directory: Path, index: int) -> Path:
+    return directory / f"data_{index}.pt"
+
+
+# ---------------------------------------------------------------- prepared samples
+
+
+@dataclass(frozen=True)
+class PreparedSamples:
+    """Token ids and loss masks of N samples, held as three flat arrays."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def length(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def ids(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    def mask(self, i: int) -> np.ndarray:
+        return self.loss_mask[self.offsets[i] : self.offsets[i + 1]]
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[list[int], list[int]]]) -> PreparedSamples:
+        lengths = [len(ids) for ids, _ in rows]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.fromiter((t for ids, _ in rows for t in ids), dtype=np.int32, count=int(offsets[-1]))
+        mask = np.fromiter((m for _, ms in rows for m in ms), dtype=np.uint8, count=int(offsets[-1]))
+        return cls(tokens, mask, offsets)
+
+
+@dataclass
+class PreparedMetadata:
+    """What ``prepare`` produced, and from what."""
+
+    model: str
+    seq_length: int
+    max_tokens: int
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+    target_vocab_size: int
+    draft_vocab_size: int | None
+    source: str
+    mask_method: str
+    skipped_rows: int = 0
+    truncated_rows: int = 0
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)
+
+
+def _save_npy(target: Path, array: np.ndarray) -> None:
+    with atomic_path(target) as tmp:
+        with open(tmp, "wb") as fh:
+            np.save(fh, array)
+
+
+def write_prepared(directory: Path, samples: PreparedSamples, metadata: PreparedMetadata) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    _save_npy(directory / "tokens.npy", samples.tokens)
+    _save_npy(directory / "loss_mask.npy", samples.loss_mask)
+    _save_npy(directory / "offsets.npy", samples.offsets)
+    write_json(directory / "metadata.json", asdict(metadata))  # last: its presence marks completeness
+
+
+def is_prepared_dir(directory: Path) -> bool:
+    return (directory / "metadata.json").is_file() and (directory / "offsets.npy").is_file()
+
+
+def read_prepared(directory: Path) -> tuple[PreparedSamples, PreparedMetadata]:
+    directory = Path(directory)
+    missing = [n for n in PREPARED_FILES if not (directory / n).is_file()]
+    if missing:
+        raise StageError(f"{directory} is not a prepared dataset: missing {', '.join(missing)} (run `pipeline prepare`)")
+    meta = json.loads((directory / "metadata.json").read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise StageError(f"{directory}/metadata.json has format_version {meta.get('format_version')}, expected {FORMAT_VERSION}")
+    known = PreparedMetadata.__dataclass_fields__
+    metadata = PreparedMetadata(**{k: v for k, v in meta.items() if k in known})
+    samples = PreparedSamples(
+        tokens=np.load(directory / "tokens.npy", mmap_mode="r"),
+        loss_mask=np.load(directory / "loss_mask.npy", mmap_mode="r"),
+        offsets=np.load(directory / "offsets.npy"),
+    )
+    if len(samples) != metadata.num_samples or int(samples.offsets[-1]) != len(samples.tokens):
+        raise StageError(f"{directory}: offsets.npy does not match tokens.npy/metadata.json (re-run `pipeline prepare --overwrite`)")
+    return samples, metadata
+
+
+# ---------------------------------------------------------------- vocab mapping and token frequencies
+
+
+def write_token_freq(target: Path, freq: dict[int, int]) -> None:
+    with atomic_path(target) as tmp:
+        torch.save(freq, tmp)
+
+
+def read_token_freq(path: Path) -> dict[int, int]:
+    return torch.load(path, weights_only=True)
+
+
+def write_vocab(directory: Path, d2t: np.ndarray, t2d: np.ndarray) -> None:
+    _save_npy(directory / D2T, d2t.astype(np.int64))
+    _save_npy(directory / T2D, t2d.astype(bool))
+
+
+def read_vocab(directory: Path) -> tuple[np.ndarray, np.ndarray]:
+    for name in (D2T, T2D):
+        if not (directory / name).is_file():
+            raise StageError(f"{directory / name} not found (run `pipeline prepare --draft-vocab-size N`)")
+    return np.load(directory / D2T), np.load(directory / T2D)
+
+
+# ---------------------------------------------------------------- hidden states
+
+
+@dataclass
+class DataConfig:
+    """Describes a hidden-states directory; written by ``extract``."""
+
+    model: str
+    layer_ids: list[int]
+    num_layers: int
+    hidden_size: int
+    dtype: str
+    num_samples: int
+    seq_length: int
+    prepared: str
+    backend: str
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)
+
+
+def write_data_config(directory: Path, config: DataConfig) -> None:
+    write_json(directory / DATA_CONFIG, asdict(config))
+
+
+def read_data_config(directory: Path) -> DataConfig:
+    path = directory / DATA_CONFIG
+    if not path.is_file():
+        raise StageError(f"{path} not found: {directory} is not a hidden-states directory (run `pipeline extract`)")
+    raw = json.loads(path.read_text())
+    known = DataConfig.__dataclass_fields__
+    return DataConfig(**{k: v for k, v in raw.items() if k in known})
+
+
+def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torch.Tensor], loss_mask: torch.Tensor) -> None:
+    """Write one ``data_{i}.pt`` atomically. Tensors must own their storage (no views of a padded batch)."""
+    sample = {
+        "input_ids": input_ids.to(torch.int64),
+        "hidden_states": hidden_states,
+        "loss_mask": loss_mask.to(torch.int64),
+    }
+    with atomic_path(target, fsync=False) as tmp:
+        torch.save(sample, tmp)
+
+
+def read_sample(path: Path) -> dict:
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def existing_data_indices(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in directory.iterdir() if (m := DATA_FILE_RE.match(p.name)))
+
+
+def write_sample_lengths(directory: Path, lengths: dict[int, int]) -> None:
+    write_json(directory / SAMPLE_LENGTHS, {str(k): int(v) for k, v in sorted(lengths.items())})
+
+
+def read_sample_lengths(directory: Path) -> dict[int, int]:
+    path = directory / SAMPLE_LENGTHS
+    return {int(k): int(v) for k, v in json.loads(path.read_text()).items()} if path.is_file() else {}
