@@ -1,0 +1,33 @@
+# Every target is a short alias of a command that also runs without make.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DIR ?= demo
+
+.PHONY: env demo test test-fast help
+help:
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
+
+# The light environment: CPU torch, transformers, speculators (no deps), ops deps, test tools.
+$(VENV)/.ready: requirements/dev.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -r requirements/dev.txt
+	$(PY) -m pip install -q --no-deps speculators==0.4.0.1
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+env: $(VENV)/.ready ## build (or reuse) the light environment in .venv
+
+demo: env ## tiny model end to end: prepare -> extract -> weights -> train -> verify
+	$(PY) -m pipeline.demo --workdir $(DEMO_DIR)
+
+test-fast: env ## tests that need only the light environment
+	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+
+test: test-fast ## every test (also the vLLM CPU environment's)
+
+-include mk/*.mk

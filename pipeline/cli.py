@@ -1,0 +1,58 @@
+"""``python -m pipeline``: the command line of every stage.
+
+Owns argument parsing and the translation of StageError into a one-line message and an exit code.
+Each stage's command lives in its own module and is imported only when invoked, so that
+``pipeline verify`` never pays for importing vLLM and ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from pipeline.errors import StageError
+
+# command name -> "module:attribute" of a click.Command
+COMMANDS = {
+    "prepare": "pipeline.prepare_cli:command",
+    "extract": "pipeline.extract_cli:command",
+    "weights": "pipeline.weights:command",
+    "verify": "pipeline.verify_cli:command",
+    "preflight": "pipeline.preflight:command",
+    "train": "pipeline.train_cli:command",
+    "demo-assets": "pipeline.tiny:command",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """EAGLE-3 data pipeline: prepare -> extract -> weights -> train, and verify any output."""
+
+
+def run() -> None:
+    try:
+        main(standalone_mode=False)
+    except StageError as exc:
+        click.secho(f"error: {exc}", fg="red", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
