@@ -16,10 +16,10 @@ from pipeline.errors import StageError
 
 # command name -> "module:attribute" of a click.Command
 COMMANDS = {
-    "prepare": "pipeline.prepare_cli:command",
-    "extract": "pipeline.extract_cli:command",
+    "prepare": "pipeline.prepare:command",
+    "extract": "pipeline.extract:command",
     "weights": "pipeline.weights:command",
-    "verify": "pipeline.verify_cli:command",
+    "verify": "pipeline.verify:command",
     "preflight": "pipeline.preflight:command",
     "train": "pipeline.train_cli:command",
     "demo-assets": "pipeline.tiny:command",
