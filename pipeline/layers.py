@@ -15,8 +15,10 @@ NUM_CAPTURED = 4
 
 def default_layer_ids(num_layers: int) -> list[int]:
     """[2, L//2, L-3, L-1]: three intermediate layers and the last one."""
-    if num_layers < 6:
-        raise StageError(f"model has {num_layers} decoder layers; at least 6 are needed for the default layer ids")
+    if num_layers < 7:
+        raise StageError(
+            f"model has {num_layers} decoder layers; the default layer ids need at least 7 (pass --layer-ids explicitly)"
+        )
     return [2, num_layers // 2, num_layers - 3, num_layers - 1]
 
 
@@ -40,7 +42,7 @@ def validate_layer_ids(ids: Sequence[int] | None, num_layers: int) -> list[int]:
     if problems:
         raise StageError(
             f"bad --layer-ids {ids} for a {num_layers}-layer model: {'; '.join(problems)} "
-            f"(default: {default_layer_ids(num_layers) if num_layers >= 6 else 'n/a'})"
+            f"(default: {default_layer_ids(num_layers) if num_layers >= 7 else 'n/a'})"
         )
     return ids
 

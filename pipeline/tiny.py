@@ -132,7 +132,7 @@ def _llama_config(vocab_size: int, **overrides):
     from transformers import LlamaConfig
 
     cfg = dict(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+        vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=5, pad_token_id=0,
         dtype="bfloat16",
@@ -146,7 +146,7 @@ def _deepseek_config(vocab_size: int, **overrides):
 
     cfg = dict(
         vocab_size=vocab_size, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5,
         first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=32, qk_nope_head_dim=32,
         v_head_dim=64, max_position_embeddings=4096, rope_scaling=None, tie_word_embeddings=False,

@@ -1,0 +1,346 @@
+"""The ``verify`` stage: a summary.json and a table for any stage's output, non-zero exit on a failed check.
+
+Owns the checks of each output kind: prepared data (arrays, masks, token_freq, vocab mapping), hidden
+states (count, contiguity, keys, shapes, dtypes, NaN/Inf, lengths, equality with the prepared rows, and the
+alignment check: final norm + lm_head on the last captured layer must give the target's own next-token
+argmax), verifier weights, and draft checkpoints (delegated to pipeline/checkpoint_checks.py).
+It reads outputs; it never modifies them (summary.json aside).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import numpy as np
+import torch
+
+from pipeline import formats
+from pipeline.checks import CheckResult, Summary, check, fail, ok, render, warn
+from pipeline.errors import CheckFailed, StageError
+from pipeline.vocab import token_frequencies, vocab_mapping_problems
+
+SUMMARY = "summary.json"
+KINDS = ("prepared", "hidden_states", "verifier", "checkpoint")
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """Options of the verify stage."""
+
+    path: Path  # any stage's output directory
+    prepared: Path | None = None  # hidden states: compare input_ids with these rows (default: from data_config)
+    verifier: Path | None = None  # hidden states: verifier.safetensors dir for the alignment check
+    model: Path | None = None  # hidden states: target model for its own next-token argmax
+    alignment_samples: int = 4  # files checked for alignment
+    min_agreement: float = 0.95  # per-file argmax agreement needed
+    workers: int = 4  # parallel file readers
+    write_summary: bool = True
+
+
+def detect_kind(path: Path) -> str:
+    if not path.is_dir():
+        raise StageError(f"{path} is not a directory: pass a stage output directory to verify")
+    if (path / formats.DATA_CONFIG).is_file() or formats.existing_data_indices(path):
+        return "hidden_states"
+    if formats.is_prepared_dir(path) or (path / "metadata.json").is_file():
+        return "prepared"
+    if (path / "verifier.safetensors").is_file():
+        return "verifier"
+    if (path / "config.json").is_file() and "speculators_config" in (path / "config.json").read_text():
+        return "checkpoint"
+    raise StageError(f"{path} is not a stage output (no data_config.json, metadata.json, verifier.safetensors or draft config.json)")
+
+
+# ---------------------------------------------------------------- prepared data
+
+
+def verify_prepared(path: Path) -> Summary:
+    s = Summary("prepared", str(path))
+    try:
+        samples, meta = formats.read_prepared(path)
+    except StageError as exc:
+        s.checks.append(fail("readable", str(exc)))
+        return s
+    s.checks.append(ok("readable", f"{len(samples)} samples, {int(samples.offsets[-1])} tokens"))
+    lengths = samples.lengths()
+    s.checks.append(check("lengths", bool(lengths.min() >= 1 and lengths.max() <= meta.max_tokens),
+                          f"1..{int(lengths.max())} <= {meta.max_tokens}", f"lengths {int(lengths.min())}..{int(lengths.max())} outside 1..{meta.max_tokens}"))
+    s.checks.append(check("token_ids", bool(samples.tokens.max() < meta.target_vocab_size and samples.tokens.min() >= 0),
+                          f"all < {meta.target_vocab_size}", f"ids up to {int(samples.tokens.max())} >= vocab {meta.target_vocab_size}"))
+    loss = int(samples.loss_mask.sum())
+    s.checks.append(check("loss_mask", loss > 0 and set(np.unique(samples.loss_mask).tolist()) <= {0, 1},
+                          f"{loss} assistant tokens ({loss / max(1, len(samples.tokens)):.1%})", "no assistant tokens, or values other than 0/1"))
+    freq_path = path / formats.TOKEN_FREQ
+    if freq_path.is_file():
+        freq = formats.read_token_freq(freq_path)
+        s.checks.append(check("token_freq", freq == token_frequencies(samples.tokens, samples.loss_mask),
+                              f"{len(freq)} distinct tokens", "token_freq.pt differs from counts over the loss mask"))
+    else:
+        s.checks.append(fail("token_freq", "token_freq.pt missing"))
+    if (path / formats.D2T).is_file() or (path / formats.T2D).is_file() or meta.draft_vocab_size:
+        s.checks.append(_vocab_check(path, meta.draft_vocab_size, meta.target_vocab_size))
+    s.stats = {"samples": len(samples), "tokens": int(samples.offsets[-1]), "loss_tokens": loss,
+               "max_length": int(lengths.max()), "mean_length": round(float(lengths.mean()), 1)}
+    return s
+
+
+def _vocab_check(path: Path, draft_vocab: int | None, target_vocab: int | None) -> CheckResult:
+    try:
+        d2t, t2d = formats.read_vocab(path)
+    except StageError as exc:
+        return fail("vocab_mapping", str(exc))
+    problems = vocab_mapping_problems(d2t, t2d, draft_vocab, target_vocab)
+    return check("vocab_mapping", not problems, f"draft {len(d2t)} -> target {len(t2d)}", "; ".join(problems))
+
+
+# ---------------------------------------------------------------- hidden states
+
+
+def _check_file(directory: Path, i: int, dc: formats.DataConfig, lengths: dict[int, int], prepared) -> list[CheckResult]:
+    name = f"data_{i}.pt"
+    try:
+        d = formats.read_sample(directory / name)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
+        return [fail("loadable", f"cannot load: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", name)]
+    out: list[CheckResult] = []
+    if not isinstance(d, dict) or set(d) != set(formats.DATA_KEYS):
+        return [fail("keys", f"keys {sorted(d) if isinstance(d, dict) else type(d).__name__}, expected {list(formats.DATA_KEYS)}", name)]
+    ids, mask, hs = d["input_ids"], d["loss_mask"], d["hidden_states"]
+    t = int(ids.shape[0]) if ids.ndim == 1 else -1
+    if ids.dtype != torch.int64 or ids.ndim != 1 or mask.dtype != torch.int64 or tuple(mask.shape) != (t,):
+        out.append(fail("ids_mask", f"input_ids {ids.dtype}{tuple(ids.shape)}, loss_mask {mask.dtype}{tuple(mask.shape)}; expected int64[T] both", name))
+        return out
+    if not isinstance(hs, list) or len(hs) != len(dc.layer_ids):
+        out.append(fail("layers", f"{len(hs) if isinstance(hs, list) else type(hs).__name__} hidden-state tensors, expected {len(dc.layer_ids)}", name))
+        return out
+    want_dtype = getattr(torch, dc.dtype)
+    for j, h in enumerate(hs):
+        if tuple(h.shape) != (t, dc.hidden_size) or h.dtype != want_dtype:
+            out.append(fail("shape_dtype", f"hidden_states[{j}] is {str(h.dtype).removeprefix('torch.')}{list(h.shape)}, expected {dc.dtype}[{t}, {dc.hidden_size}]", name))
+    if out:
+        return out
+    bad = [int((~torch.isfinite(h)).sum()) for h in hs]
+    if any(bad):
+        out.append(fail("nan_inf", f"non-finite values per layer: {bad}", name))
+    if t > dc.seq_length - 1 or t < 1:
+        out.append(fail("length", f"T = {t} outside 1..seq_length-1 = {dc.seq_length - 1}", name))
+    if lengths and lengths.get(i) != t:
+        out.append(fail("sample_lengths", f"T = {t} but sample_lengths.json says {lengths.get(i)}", name))
+    if prepared is not None and i < len(prepared):
+        same = np.array_equal(ids.numpy(), prepared.ids(i).astype(np.int64)) and np.array_equal(mask.numpy(), prepared.mask(i).astype(np.int64))
+        if not same:
+            out.append(fail("prepared_match", "input_ids/loss_mask differ from the prepared row", name))
+    return out
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The final norm as transformers' RMSNorm computes it (fp32 statistics, result in the states' dtype)."""
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(h.dtype) * x.to(h.dtype)
+
+
+def alignment(directory: Path, indices: list[int], verifier: dict, model_dir: Path | None, eps: float) -> dict[int, dict]:
+    """Per file: argmax of lm_head(norm(last captured)) vs the target's own argmax, and vs input_ids[t+1]."""
+    target = _load_target(model_dir) if model_dir else None
+    norm_w, head = verifier["norm.weight"], verifier["lm_head.weight"]
+    result = {}
+    for i in indices:
+        d = formats.read_sample(directory / f"data_{i}.pt")
+        last = d["hidden_states"][-1]
+        logits = _rms_norm(last, norm_w, eps).to(torch.float32) @ head.to(torch.float32).T
+        pred = logits.argmax(-1)
+        ids = d["input_ids"]
+        row = {"next_token_rate": float((pred[:-1] == ids[1:]).float().mean()) if len(ids) > 1 else math.nan}
+        if target is not None:
+            own = _target_argmax(target, ids)
+            row["agreement"] = float((pred == own).float().mean())
+        result[i] = row
+    return result
+
+
+def _load_target(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+
+
+@torch.inference_mode()
+def _target_argmax(model, ids: torch.Tensor) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return model(input_ids=ids[None].to(device), use_cache=False).logits[0].argmax(-1).cpu()
+
+
+def verify_hidden_states(cfg: VerifyConfig) -> Summary:
+    path = cfg.path
+    s = Summary("hidden_states", str(path))
+    try:
+        dc = formats.read_data_config(path)
+    except StageError as exc:
+        s.checks.append(fail("data_config", str(exc)))
+        return s
+    s.checks.append(ok("data_config", f"{dc.num_samples} samples, layers {dc.layer_ids}, H={dc.hidden_size}, {dc.dtype}"))
+    indices = formats.existing_data_indices(path)
+    missing = sorted(set(range(dc.num_samples)) - set(indices))
+    extra = sorted(set(indices) - set(range(dc.num_samples)))
+    s.checks.append(check("count", len(indices) == dc.num_samples and not extra, f"{len(indices)} files",
+                          f"{len(indices)} data files, data_config.json says {dc.num_samples}"))
+    s.checks.append(check("contiguity", not missing and not extra, f"data_0..data_{dc.num_samples - 1}",
+                          f"missing {_ranges(missing)}" + (f"; unexpected {_ranges(extra)}" if extra else "")))
+    partials = [p.name for p in path.glob(".*.partial")]
+    if partials:
+        s.checks.append(warn("partials", f"{len(partials)} leftover partial files (removed by --resume)"))
+    lengths = formats.read_sample_lengths(path)
+    s.checks.append(check("sample_lengths", bool(lengths) and len(lengths) == dc.num_samples, f"{len(lengths)} entries",
+                          "sample_lengths.json missing" if not lengths else f"{len(lengths)} entries for {dc.num_samples} samples"))
+    prepared_dir = cfg.prepared or (Path(dc.prepared) if dc.prepared and Path(dc.prepared).is_dir() else None)
+    prepared = formats.read_prepared(prepared_dir)[0] if prepared_dir else None
+    with ThreadPoolExecutor(max_workers=max(1, cfg.workers)) as pool:
+        per_file = list(pool.map(lambda i: _check_file(path, i, dc, lengths, prepared), sorted(set(indices) & set(range(dc.num_samples)))))
+    findings = [c for cs in per_file for c in cs]
+    s.checks.extend(findings)
+    names = ("loadable", "keys", "ids_mask", "layers", "shape_dtype", "nan_inf", "length", "sample_lengths", "prepared_match")
+    failed_names = {c.name for c in findings}
+    for n in names:
+        if n == "prepared_match" and prepared is None:
+            s.checks.append(warn(n, "no prepared dir found: input_ids not compared"))
+        elif n not in failed_names:
+            s.checks.append(ok(n if n != "sample_lengths" else "lengths_match", f"all {len(per_file)} files"))
+    s.stats = {"samples": dc.num_samples, "files": len(indices), "layer_ids": dc.layer_ids, "dtype": dc.dtype}
+    if cfg.verifier or cfg.model:
+        s.checks.extend(_alignment_checks(cfg, dc, sorted(set(indices) - {int(c.file[5:-3]) for c in findings if c.file}), s))
+    return s
+
+
+def _alignment_checks(cfg: VerifyConfig, dc: formats.DataConfig, good: list[int], s: Summary) -> list[CheckResult]:
+    from pipeline.weights import load_verifier
+
+    if not good:
+        return [fail("alignment", "no intact files to check")]
+    if cfg.verifier:
+        verifier = load_verifier(cfg.verifier)
+    else:
+        from safetensors import safe_open
+
+        from pipeline.weights import read_tensors, resolve_names, weight_map
+        from pipeline.modeldir import read_model_dir
+
+        md = read_model_dir(cfg.model)
+        wmap = weight_map(cfg.model)
+        names = resolve_names(sorted(wmap), md.tie_word_embeddings)
+        t = read_tensors(cfg.model, wmap, sorted({names.norm, names.lm_head}))
+        verifier = {"norm.weight": t[names.norm], "lm_head.weight": t[names.lm_head]}
+        del safe_open
+    model_dir = cfg.model
+    cfg_path = Path(dc.model) / "config.json"
+    raw = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    eps = float((raw.get("text_config") or raw).get("rms_norm_eps", 1e-6))
+    step = max(1, len(good) // max(1, cfg.alignment_samples))
+    picked = good[::step][: cfg.alignment_samples]
+    rows = alignment(cfg.path, picked, verifier, model_dir, eps)
+    s.stats["alignment"] = {f"data_{i}.pt": r for i, r in rows.items()}
+    out = []
+    for i, r in rows.items():
+        if "agreement" in r:
+            out.append(check("alignment", r["agreement"] >= cfg.min_agreement,
+                             f"argmax agreement {r['agreement']:.3f}, next-token {r['next_token_rate']:.3f}",
+                             f"argmax agreement {r['agreement']:.3f} < {cfg.min_agreement}: states are not the last layer's pre-norm output",
+                             f"data_{i}.pt"))
+        else:
+            out.append(ok("next_token_rate", f"{r['next_token_rate']:.3f} (no --model: target argmax not compared)", f"data_{i}.pt"))
+    return out
+
+
+def _ranges(values: list[int], limit: int = 6) -> str:
+    if not values:
+        return "none"
+    spans, start, prev = [], values[0], values[0]
+    for v in values[1:]:
+        if v != prev + 1:
+            spans.append((start, prev))
+            start = v
+        prev = v
+    spans.append((start, prev))
+    text = ", ".join(f"data_{a}" if a == b else f"data_{a}..{b}" for a, b in spans[:limit])
+    return text + (f" (+{len(spans) - limit} more ranges)" if len(spans) > limit else "")
+
+
+# ---------------------------------------------------------------- verifier weights
+
+
+def verify_verifier(path: Path) -> Summary:
+    from pipeline.weights import KEYS, VERIFIER_META, load_verifier
+
+    s = Summary("verifier", str(path))
+    try:
+        tensors = load_verifier(path)
+    except Exception as exc:  # noqa: BLE001
+        s.checks.append(fail("loadable", f"{type(exc).__name__}: {exc}"))
+        return s
+    s.checks.append(check("keys", set(tensors) == set(KEYS), ", ".join(sorted(tensors)), f"keys {sorted(tensors)}, expected {list(KEYS)}"))
+    if set(tensors) != set(KEYS):
+        return s
+    e, n, h = tensors["embed_tokens.weight"], tensors["norm.weight"], tensors["lm_head.weight"]
+    shapes_ok = e.ndim == 2 and h.shape == e.shape and tuple(n.shape) == (e.shape[1],)
+    s.checks.append(check("shapes", shapes_ok, f"embed {list(e.shape)}, norm {list(n.shape)}, lm_head {list(h.shape)}",
+                          f"embed {list(e.shape)}, norm {list(n.shape)}, lm_head {list(h.shape)} are inconsistent"))
+    bad = {k: int((~torch.isfinite(t)).sum()) for k, t in tensors.items()}
+    s.checks.append(check("nan_inf", not any(bad.values()), "all finite", f"non-finite values: {bad}"))
+    meta_path = path / VERIFIER_META
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        same = all(list(tensors[k].shape) == v for k, v in meta.get("shapes", {}).items())
+        s.checks.append(check("metadata", same, f"from {meta.get('source')}", "verifier.json shapes differ from the tensors"))
+        s.stats = {"source": meta.get("source"), "tied": meta.get("tied_word_embeddings"), "dtype": meta.get("dtype")}
+    else:
+        s.checks.append(fail("metadata", "verifier.json missing"))
+    return s
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def verify(cfg: VerifyConfig) -> Summary:
+    kind = detect_kind(cfg.path)
+    if kind == "prepared":
+        summary = verify_prepared(cfg.path)
+    elif kind == "hidden_states":
+        summary = verify_hidden_states(cfg)
+    elif kind == "verifier":
+        summary = verify_verifier(cfg.path)
+    else:
+        from pipeline.checkpoint_checks import verify_checkpoint
+
+        summary = verify_checkpoint(cfg.path)
+    if cfg.write_summary:
+        summary.write(cfg.path / SUMMARY)
+    return summary
+
+
+def report(cfg: VerifyConfig) -> Summary:
+    """Verify, print the table, raise CheckFailed (one line) if any check failed."""
+    summary = verify(cfg)
+    render(summary)
+    if not summary.ok:
+        raise CheckFailed(summary.first_failure_line())
+    return summary
+
+
+@click.command("verify")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--prepared", type=click.Path(path_type=Path), default=None, help="Prepared dir to compare input_ids with.")
+@click.option("--verifier", type=click.Path(path_type=Path), default=None, help="Dir with verifier.safetensors (alignment check).")
+@click.option("--model", type=click.Path(path_type=Path), default=None, help="Target model dir: compare with its own argmax.")
+@click.option("--alignment-samples", type=int, default=4, show_default=True)
+@click.option("--min-agreement", type=float, default=0.95, show_default=True)
+@click.option("--workers", type=int, default=4, show_default=True)
+def command(path: Path, **kwargs) -> None:
+    """Check any stage's output; write PATH/summary.json; exit non-zero on a failed check."""
+    report(VerifyConfig(path=path, **kwargs))
