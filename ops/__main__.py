@@ -1,0 +1,3 @@
+from ops.cli import run
+
+run()

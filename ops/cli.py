@@ -1,0 +1,126 @@
+"""`python -m ops`: the operator's commands.
+
+Owns argument parsing, opening the one connection per command, calling the step modules, printing
+through ops.report, and turning results and OpsError into exit codes (see ops.errors). No logic of its
+own beyond that.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+from rich.console import Console
+
+from ops import errors
+from ops.connection import Runner, connect
+from ops.hosts import HostConfig, resolve_host
+
+console = Console(highlight=False, soft_wrap=True)
+
+
+def host_options(fn):
+    @click.option("--host", "host_spec", required=True, metavar="NAME|user@host[:port]|local",
+                  help="a name from the hosts file, user@host[:port], or `local` (this machine, no SSH)")
+    @click.option("--hosts-file", type=click.Path(dir_okay=False), default=None,
+                  help="hosts TOML (default: $EAGLE_OPS_HOSTS, ./hosts.toml, ~/.config/eagle-ops/hosts.toml)")
+    @click.option("--accept-new-host-key", is_flag=True, help="trust and record an unknown SSH host key")
+    @functools.wraps(fn)
+    def wrapper(host_spec, hosts_file, accept_new_host_key, **kw):
+        host = resolve_host(host_spec, hosts_file)
+        runner = connect(host, accept_new_host_key=accept_new_host_key)
+        try:
+            return fn(host=host, runner=runner, **kw)
+        finally:
+            runner.close()
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Drive a GPU host: gpu-status, gpu-clean, stop/restore the server, run pipeline stages remotely."""
+
+
+@main.command("gpu-status")
+@host_options
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def gpu_status(host: HostConfig, runner: Runner, as_json: bool) -> None:
+    """Per GPU: memory, utilisation and every compute process, classified protected/server/orphan."""
+    from ops.gpus import probe
+    from ops.report import dumps, print_status
+
+    state = probe(runner, host)
+    if as_json:
+        click.echo(dumps(state))
+    else:
+        print_status(console, state)
+
+
+@main.command("gpu-clean")
+@host_options
+@click.option("--dry-run", is_flag=True, help="print the plan; stop and signal nothing")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable report")
+def gpu_clean(host: HostConfig, runner: Runner, dry_run: bool, as_json: bool) -> None:
+    """Stop the server, SIGTERM/SIGKILL the other GPU holders (never protected ones), verify clean."""
+    from ops.clean import CLEAN, UNKILLABLE, gpu_clean as clean
+    from ops.report import dumps, print_clean
+
+    report = clean(runner, host, dry_run=dry_run)
+    if as_json:
+        click.echo(dumps(report))
+    else:
+        print_clean(console, report)
+    if dry_run or report.verdict == CLEAN:
+        return
+    sys.exit(errors.EXIT_UNKILLABLE if report.verdict == UNKILLABLE else errors.EXIT_NOT_CLEAN)
+
+
+@main.command("stop-server")
+@host_options
+def stop_server(host: HostConfig, runner: Runner) -> None:
+    """Stop the inference server by the host's strategy and check nothing of it is left."""
+    from ops import server
+    from ops.gpus import probe
+
+    record = server.stop(runner, host, probe(runner, host).server)
+    left = probe(runner, host).server
+    if not record.was_running:
+        console.print(f"server {record.strategy}: not running, nothing to stop")
+    else:
+        console.print(f"stopped server {record.strategy}: {', '.join(record.stopped)}")
+    if left.running or record.survivors:
+        pids = ", ".join(str(p) for p in left.members) or ", ".join(c[:12] for c in left.running_container_ids)
+        raise errors.OpsError(f"server {record.strategy} still has processes after stop: {pids}",
+                              exit_code=errors.EXIT_UNKILLABLE)
+
+
+@main.command("restore-server")
+@host_options
+def restore_server(host: HostConfig, runner: Runner) -> None:
+    """Bring the inference server back by the host's strategy (no-op when it already runs)."""
+    from ops import server
+    from ops.gpus import probe
+
+    done = server.restore(runner, host, probe(runner, host).server)
+    console.print("\n".join(done) if done else f"server {host.server}: already running or strategy none")
+
+
+def run() -> None:
+    try:
+        main(standalone_mode=False)
+    except errors.OpsError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(errors.EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(errors.EXIT_INTERRUPTED)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)

@@ -1,0 +1,247 @@
+"""The one connection to a host that a whole ops command uses.
+
+Owns opening it (Fabric over paramiko, host keys checked against known_hosts; an unknown key is refused
+unless the operator passed --accept-new-host-key, a changed key always is), running commands over it,
+moving files over it (SFTP on the same transport), and the local mode: the same interface on this
+machine, for a GPU host without sshd (commands run through bash, files copied). Everything else takes a
+Runner and never opens one. Commands are strings for the remote shell: callers build them from argv
+with shlex (see ops.shell).
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Protocol
+
+from ops.errors import ConnectError, OpsError
+from ops.hosts import HostConfig
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a command did: expected failures are data, not exceptions."""
+
+    command: str
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class Runner(Protocol):
+    """What every step needs from a connection."""
+
+    label: str
+
+    def run(
+        self, command: str, *, stdin: str | None = None, timeout: float | None = None, stream: IO[str] | None = None
+    ) -> Result: ...
+
+    def get(self, remote: str, local: Path) -> None: ...
+
+    def put(self, local: Path, remote: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class CommandLog:
+    """Every command a runner ran, in order (for --verbose, tests and the benchmark)."""
+
+    commands: list[str] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+
+class LocalRunner:
+    """Runs commands on this machine through bash: the mode for a GPU host with no sshd."""
+
+    def __init__(self, label: str = "local") -> None:
+        self.label = label
+        self.log = CommandLog()
+
+    def run(self, command, *, stdin=None, timeout=None, stream=None) -> Result:
+        start = time.monotonic()
+        self.log.commands.append(command)
+        try:
+            if stream is None:
+                proc = subprocess.run(
+                    ["bash", "-c", command], input=stdin if stdin is not None else "", capture_output=True,
+                    text=True, timeout=timeout,
+                )
+                out, err, code = proc.stdout, proc.stderr, proc.returncode
+            else:
+                out, err, code = _run_streaming(command, stdin, timeout, stream)
+        except subprocess.TimeoutExpired:
+            raise OpsError(f"command timed out after {timeout:.0f} s: {command[:120]}") from None
+        self.log.seconds.append(time.monotonic() - start)
+        return Result(command, code, out, err)
+
+    def get(self, remote: str, local: Path) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(remote, local)
+
+    def put(self, local: Path, remote: str) -> None:
+        shutil.copyfile(local, remote)
+
+    def close(self) -> None:
+        pass
+
+
+def _run_streaming(command: str, stdin: str | None, timeout: float | None, stream: IO[str]):
+    proc = subprocess.Popen(
+        ["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, bufsize=1,
+    )
+    assert proc.stdin and proc.stdout
+    proc.stdin.write(stdin or "")
+    proc.stdin.close()
+    chunks = []
+    try:
+        for line in proc.stdout:
+            chunks.append(line)
+            stream.write(line)
+            stream.flush()
+        code = proc.wait(timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return "".join(chunks), "", code
+
+
+class _AcceptAndRecord:
+    """paramiko policy for --accept-new-host-key: trust an unknown key and append it to known_hosts."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def missing_host_key(self, client, hostname, key) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as fh:
+            fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+        client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+class _RefuseUnknown:
+    def missing_host_key(self, client, hostname, key) -> None:
+        import paramiko
+
+        raise paramiko.SSHException(f"__unknown_host_key__ {key.get_name()} {key.get_fingerprint().hex()}")
+
+
+class RemoteRunner:
+    """One Fabric connection, opened once, reused for every command and SFTP transfer."""
+
+    def __init__(self, host: HostConfig, *, accept_new_host_key: bool = False) -> None:
+        import fabric
+        import paramiko
+
+        self.label = host.name
+        self.host = host
+        self.log = CommandLog()
+        connect_kwargs: dict = {}
+        if host.key:
+            key = Path(host.key).expanduser()
+            if not key.is_file():
+                raise ConnectError(f"key file {key} does not exist; fix `key` for host {host.name}")
+            # an explicit key is the only identity offered (like IdentitiesOnly=yes): a refused key is
+            # reported as refused instead of silently trying the agent and ~/.ssh/id_*
+            connect_kwargs.update(key_filename=str(key), look_for_keys=False, allow_agent=False)
+        self._conn = fabric.Connection(
+            host.host, user=host.user, port=host.port, connect_timeout=int(host.timeouts.connect),
+            connect_kwargs=connect_kwargs,
+        )
+        known = self._known_hosts_path()
+        client = self._conn.client
+        if known.is_file():
+            client.load_host_keys(str(known))
+        policy = _AcceptAndRecord(known) if accept_new_host_key else _RefuseUnknown()
+        client.set_missing_host_key_policy(policy)
+        self._known = known
+        self._paramiko = paramiko
+        self._open()
+
+    def _known_hosts_path(self) -> Path:
+        if self.host.known_hosts:
+            return Path(self.host.known_hosts).expanduser()
+        configured = self._conn.ssh_config.get("userknownhostsfile")
+        if configured:
+            return Path(configured.split()[0]).expanduser()
+        return Path("~/.ssh/known_hosts").expanduser()
+
+    def _open(self) -> None:
+        p = self._paramiko
+        target = f"{self._conn.user}@{self._conn.host}:{self._conn.port}"
+        try:
+            self._conn.open()
+        except socket.gaierror:
+            raise ConnectError(f"unknown host {self._conn.host!r}: name does not resolve; check HOST") from None
+        except p.BadHostKeyException as exc:
+            raise ConnectError(
+                f"host key of {target} CHANGED (got {exc.key.get_name()} {exc.key.get_fingerprint().hex()}, "
+                f"{self._known} has another); refusing. If the host was reinstalled, remove its line "
+                f"from {self._known}"
+            ) from None
+        except p.AuthenticationException:
+            raise ConnectError(f"{target} refused our key/credentials; check `user` and `key`") from None
+        except p.SSHException as exc:
+            text = str(exc)
+            if text.startswith("__unknown_host_key__"):
+                _, kind, fp = text.split()
+                raise ConnectError(
+                    f"host key of {target} is unknown ({kind} {fp}) and not in {self._known}; verify it, "
+                    "then pass --accept-new-host-key once"
+                ) from None
+            raise ConnectError(f"SSH to {target} failed: {text}") from None
+        except (ConnectionRefusedError, TimeoutError, socket.timeout) as exc:
+            what = "refused" if isinstance(exc, ConnectionRefusedError) else "timed out"
+            raise ConnectError(f"connection to {target} {what}; check host and port") from None
+        except OSError as exc:
+            raise ConnectError(f"cannot connect to {target}: {exc.strerror or exc}") from None
+
+    def run(self, command, *, stdin=None, timeout=None, stream=None) -> Result:
+        from invoke.exceptions import CommandTimedOut
+
+        start = time.monotonic()
+        self.log.commands.append(command)
+        kwargs: dict = dict(warn=True, in_stream=io.StringIO(stdin) if stdin is not None else False)
+        if stream is not None:
+            kwargs.update(hide=False, out_stream=stream, err_stream=stream)
+        else:
+            kwargs.update(hide=True)
+        try:
+            res = self._conn.run(command, timeout=timeout, **kwargs)
+        except CommandTimedOut:
+            raise OpsError(f"remote command timed out after {timeout:.0f} s: {command[:120]}") from None
+        except (self._paramiko.SSHException, EOFError, OSError) as exc:
+            raise OpsError(f"lost the SSH connection to {self.label}: {exc}") from None
+        self.log.seconds.append(time.monotonic() - start)
+        return Result(command, res.exited, res.stdout, res.stderr)
+
+    def get(self, remote: str, local: Path) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self._conn.sftp().get(remote, str(local))
+
+    def put(self, local: Path, remote: str) -> None:
+        self._conn.sftp().put(str(local), remote)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def connect(host: HostConfig, *, accept_new_host_key: bool = False) -> Runner:
+    """Open the command's one connection (or the local runner for host `local`)."""
+    if host.is_local:
+        return LocalRunner(host.name)
+    return RemoteRunner(host, accept_new_host_key=accept_new_host_key)
+

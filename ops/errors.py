@@ -1,0 +1,56 @@
+"""Errors and exit codes of ops.
+
+Owns the exception type every ops module raises for expected failures (bad input, refused connection,
+failed remote command) and the table of exit codes. Only the CLI turns these into exit codes; checks and
+plans return values.
+"""
+
+from __future__ import annotations
+
+# Exit codes of `python -m ops`. A stage's own exit code is propagated verbatim by remote-run/attach.
+EXIT_OK = 0
+EXIT_ERROR = 1  # a remote step failed (the message says which)
+EXIT_USAGE = 2  # bad input: host spec, hosts file, strategy, path (click also uses 2)
+EXIT_CONNECT = 3  # cannot connect: unknown host, refused, bad key, unknown or changed host key
+EXIT_PREFLIGHT = 4  # a preflight check failed; nothing was stopped or started
+EXIT_UNKILLABLE = 5  # a GPU holder survived SIGKILL: reboot needed
+EXIT_NOT_CLEAN = 6  # GPUs still busy (compute process or memory over threshold) after the timeout
+EXIT_INTERRUPTED = 130
+
+
+class OpsError(Exception):
+    """An expected failure with a one-line message and the exit code the CLI should use."""
+
+    exit_code = EXIT_ERROR
+
+    def __init__(self, message: str, *, exit_code: int | None = None, detail: str = "") -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+        #: extra output (e.g. the failing command's stderr), shown below the one-line message
+        self.detail = detail
+
+
+class ConfigError(OpsError):
+    """Bad host spec, hosts file, strategy or argument."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConnectError(OpsError):
+    """The SSH connection could not be made or was not trusted."""
+
+    exit_code = EXIT_CONNECT
+
+
+class RemoteCommandError(OpsError):
+    """A remote command failed; carries the command and its output."""
+
+    def __init__(self, what: str, command: str, exit_code: int, stdout: str, stderr: str) -> None:
+        last = (stderr.strip() or stdout.strip()).splitlines()
+        tail = last[-1] if last else "no output"
+        super().__init__(f"{what} failed (exit {exit_code}): {tail}", detail=f"$ {command}\n{stderr}")
+        self.command = command
+        self.remote_exit_code = exit_code
+        self.stdout = stdout
+        self.stderr = stderr

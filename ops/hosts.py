@@ -1,0 +1,256 @@
+"""Host configuration: who to connect to and how the host is laid out.
+
+Owns parsing and validation of `HOST=user@host[:port]`, of the special name `local`, and of the hosts
+file (TOML, `[hosts.NAME]` tables), and the server strategy grammar. Everything is checked up front, so a
+command never starts with a half-valid configuration. Does not connect (connection.py) and does not read
+~/.ssh/config itself: Fabric does that when the connection is made.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ops.errors import ConfigError
+
+DEFAULT_PROTECTED = ("nvidia-persistenced", "nv-hostengine", "dcgm-exporter", "Xorg")
+HOSTS_FILE_ENV = "EAGLE_OPS_HOSTS"
+DEFAULT_HOSTS_FILES = (Path("hosts.toml"), Path("~/.config/eagle-ops/hosts.toml"))
+LOCAL = "local"
+
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+_SPEC = re.compile(rf"^(?:(?P<user>{_NAME})@)?(?P<host>{_NAME}|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]+))?$")
+_CONTAINER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # docker's own rule for container names
+_UNIT = re.compile(r"^[A-Za-z0-9:_.@\\-]+$")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How the inference server is stopped and brought back: one of
+    `compose:PROJECT/SERVICE`, `container:NAME`, `systemd:UNIT`, `pidfile:PATH`, `none`."""
+
+    kind: str  # compose | container | systemd | pidfile | none
+    target: str = ""  # the NAME/UNIT/PATH, or "PROJECT/SERVICE"
+
+    @property
+    def project(self) -> str:
+        return self.target.split("/", 1)[0]
+
+    @property
+    def service(self) -> str:
+        return self.target.split("/", 1)[1]
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "none" else f"{self.kind}:{self.target}"
+
+
+def parse_strategy(text: str) -> Strategy:
+    """Parse a strategy string; raise ConfigError naming the accepted forms."""
+    forms = "compose:PROJECT/SERVICE, container:NAME, systemd:UNIT, pidfile:/ABS/PATH or none"
+    text = text.strip()
+    if text == "none":
+        return Strategy("none")
+    kind, sep, target = text.partition(":")
+    if not sep or not target:
+        raise ConfigError(f"server strategy {text!r} is malformed; use one of {forms}")
+    if kind == "container" and _CONTAINER.match(target):
+        return Strategy(kind, target)
+    if kind == "compose":
+        project, slash, service = target.partition("/")
+        if slash and _CONTAINER.match(project) and _CONTAINER.match(service):
+            return Strategy(kind, target)
+    if kind == "systemd" and _UNIT.match(target):
+        return Strategy(kind, target)
+    if kind == "pidfile" and target.startswith("/") and "\0" not in target:
+        return Strategy(kind, target)
+    raise ConfigError(f"server strategy {text!r} is malformed; use one of {forms}")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds allowed for each kind of wait."""
+
+    connect: float = 10.0  #: TCP + SSH handshake
+    command: float = 120.0  #: one ordinary remote command
+    grace: float = 10.0  #: between SIGTERM and SIGKILL of a GPU holder
+    kill_wait: float = 5.0  #: after SIGKILL, before a survivor is declared unkillable
+    stop: float = 60.0  #: graceful server stop (docker stop --time, systemctl stop, pidfile TERM)
+    clean: float = 60.0  #: verify-clean retries until this many seconds
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Everything ops needs to know about one GPU host. Field docs are the hosts-file keys."""
+
+    name: str  #: the label used for runs/<name>/ and messages
+    host: str  #: address to connect to, or "local" (run on this machine, no SSH)
+    user: str | None = None  #: SSH user (default: ~/.ssh/config, then the local user)
+    port: int | None = None  #: SSH port (default: ~/.ssh/config, then 22)
+    key: str | None = None  #: private key file (default: ~/.ssh/config / agent / default keys)
+    known_hosts: str | None = None  #: known_hosts file (default: ssh config UserKnownHostsFile, ~/.ssh/known_hosts)
+    data_root: str = "/data/eagle"  #: host folder mounted at /data in the stage container
+    model_dir: str = "/models/target"  #: host folder with the target model, mounted read-only at /model
+    cache_dir: str = "/data/eagle/cache"  #: host folder mounted at /cache (HF cache, compile caches)
+    image: str = "eagle-ops:latest"  #: image reference the stages run in
+    server: Strategy = field(default_factory=lambda: Strategy("none"))  #: inference server stop strategy
+    server_start: tuple[str, ...] = ()  #: argv that starts the server again (pidfile strategy only)
+    protected: tuple[str, ...] = DEFAULT_PROTECTED  #: process names never killed
+    clean_threshold_mib: int = 1024  #: a GPU counts as clean below this used memory (NVML v2, no process)
+    device_glob: str = "/dev/nvidia*"  #: files whose holders are GPU users (fuser)
+    gpu_source: str = "nvml"  #: "nvml", or "table:/host/path.json" (a process table in the probe's format)
+    python: str = "python3"  #: the host's interpreter that runs the probe (stdlib only)
+    docker_gpus: str = "all"  #: value of `docker run --gpus`; "" for hosts without the NVIDIA runtime
+    mounts: tuple[str, ...] = ()  #: extra `docker run -v` specs for the stage container
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    @property
+    def is_local(self) -> bool:
+        return self.host == LOCAL
+
+
+_KEYS = {f.name for f in fields(HostConfig)} - {"name"}
+
+
+def parse_host_spec(spec: str) -> HostConfig:
+    """`user@host[:port]`, `host`, or `local` -> HostConfig with defaults for everything else."""
+    if spec == LOCAL:
+        return HostConfig(name=LOCAL, host=LOCAL)
+    m = _SPEC.match(spec)
+    if not m:
+        raise ConfigError(f"host {spec!r} is neither user@host[:port] nor a name from the hosts file")
+    port = int(m["port"]) if m["port"] else None
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"port {port} in {spec!r} is out of range 1-65535")
+    host = m["host"].strip("[]")
+    return HostConfig(name=host, host=host, user=m["user"], port=port)
+
+
+def _str(value: object, key: str, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: {key} must be a non-empty string")
+    if "\0" in value or "\n" in value:
+        raise ConfigError(f"{where}: {key} contains a NUL or newline")
+    return value
+
+
+def _abs(value: object, key: str, where: str) -> str:
+    text = _str(value, key, where)
+    if not text.startswith("/"):
+        raise ConfigError(f"{where}: {key} must be an absolute path on the host, got {text!r}")
+    return text
+
+
+def host_from_table(name: str, table: dict, where: str) -> HostConfig:
+    """Validate one `[hosts.NAME]` table."""
+    unknown = sorted(set(table) - _KEYS - {"address"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}")
+    base = parse_host_spec(_str(table["address"], "address", where)) if "address" in table else None
+    if base is None and "host" not in table:
+        raise ConfigError(f"{where}: give `address = \"user@host[:port]\"` or `host = ...`")
+    kw: dict = {}
+    if base is not None:
+        kw.update(host=base.host, user=base.user, port=base.port)
+    for key in ("host", "user", "key", "known_hosts", "image", "gpu_source", "python", "device_glob"):
+        if key in table:
+            kw[key] = _str(table[key], key, where)
+    if "docker_gpus" in table:
+        if not isinstance(table["docker_gpus"], str):
+            raise ConfigError(f"{where}: docker_gpus must be a string")
+        kw["docker_gpus"] = table["docker_gpus"]
+    for key in ("data_root", "model_dir", "cache_dir"):
+        if key in table:
+            kw[key] = _abs(table[key], key, where)
+    if "port" in table:
+        port = table["port"]
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise ConfigError(f"{where}: port must be an integer 1-65535, got {port!r}")
+        kw["port"] = port
+    if "server" in table:
+        kw["server"] = parse_strategy(_str(table["server"], "server", where))
+    for key in ("server_start", "protected", "mounts"):
+        if key in table:
+            items = table[key]
+            if not isinstance(items, list) or not all(isinstance(x, str) and x for x in items):
+                raise ConfigError(f"{where}: {key} must be a list of non-empty strings")
+            kw[key] = tuple(items)
+    if "clean_threshold_mib" in table:
+        value = table["clean_threshold_mib"]
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{where}: clean_threshold_mib must be a non-negative integer")
+        kw["clean_threshold_mib"] = value
+    if "timeouts" in table:
+        kw["timeouts"] = _timeouts(table["timeouts"], where)
+    gpu_source = kw.get("gpu_source", "nvml")
+    if gpu_source != "nvml" and not (gpu_source.startswith("table:/")):
+        raise ConfigError(f"{where}: gpu_source must be 'nvml' or 'table:/ABS/PATH.json', got {gpu_source!r}")
+    for spec in kw.get("mounts", ()):
+        parts = spec.split(":")
+        if len(parts) not in (2, 3) or not parts[0].startswith("/") or not parts[1].startswith("/"):
+            raise ConfigError(f"{where}: mount {spec!r} must be /host/path:/container/path[:ro]")
+    return HostConfig(name=name, **kw)
+
+
+def _timeouts(table: object, where: str) -> Timeouts:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: timeouts must be a table")
+    known = {f.name for f in fields(Timeouts)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown timeout(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    for key, value in table.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{where}: timeouts.{key} must be a positive number of seconds")
+    return Timeouts(**{k: float(v) for k, v in table.items()})
+
+
+def find_hosts_file(explicit: str | None) -> Path | None:
+    """The hosts file to use: --hosts-file, $EAGLE_OPS_HOSTS, ./hosts.toml, ~/.config/eagle-ops/hosts.toml."""
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"hosts file {path} does not exist")
+        return path
+    env = os.environ.get(HOSTS_FILE_ENV)
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{HOSTS_FILE_ENV}={env} does not exist")
+        return path
+    for candidate in DEFAULT_HOSTS_FILES:
+        path = candidate.expanduser()
+        if path.is_file():
+            return path
+    return None
+
+
+def load_hosts_file(path: Path) -> dict[str, HostConfig]:
+    """Parse and validate every host of a hosts file."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"hosts file {path}: {exc}") from None
+    hosts = data.get("hosts", {})
+    if not isinstance(hosts, dict) or set(data) - {"hosts"}:
+        raise ConfigError(f"hosts file {path}: expected only [hosts.NAME] tables")
+    out = {}
+    for name, table in hosts.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"hosts file {path}: hosts.{name} must be a table")
+        out[name] = host_from_table(name, table, f"{path} [hosts.{name}]")
+    return out
+
+
+def resolve_host(spec: str, hosts_file: str | None = None) -> HostConfig:
+    """A name from the hosts file wins; otherwise `user@host[:port]` or `local`."""
+    if not spec:
+        raise ConfigError("no host given; pass --host NAME|user@host[:port] (make: HOST=...)")
+    path = find_hosts_file(hosts_file)
+    if path is not None:
+        hosts = load_hosts_file(path)
+        if spec in hosts:
+            return hosts[spec]
+    return parse_host_spec(spec)

@@ -1,0 +1,115 @@
+"""Rendering for people (rich tables) and machines (JSON) of what ops found and did.
+
+Owns every table and summary line ops prints; nothing else formats output. Takes facts and reports,
+returns nothing but output on the given console.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from ops.clean import CleanPlan, CleanReport
+from ops.gpus import GpuState, Holder
+
+STYLE = {"protected": "green", "server": "yellow", "orphan": "red"}
+
+
+def to_jsonable(obj):
+    if dataclasses.is_dataclass(obj):
+        return {k: to_jsonable(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+def dumps(obj) -> str:
+    return json.dumps(to_jsonable(obj), indent=2, sort_keys=True)
+
+
+def _holder_row(h: Holder) -> list[str]:
+    mem = "" if h.used_mib is None else f"{h.used_mib}"
+    return [str(h.proc.pid), h.proc.comm, h.proc.user, h.proc.container or "", f"[{STYLE[h.klass]}]{h.klass}[/]",
+            h.reason, mem, h.via, h.proc.state]
+
+
+def _holders_table(title: str, holders: list[Holder]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in ("PID", "name", "user", "container", "class", "why", "MiB", "seen by", "state"):
+        t.add_column(col)
+    for h in holders:
+        t.add_row(*_holder_row(h))
+    return t
+
+
+def print_status(console: Console, state: GpuState) -> None:
+    console.print(f"[bold]{state.host}[/] ({state.hostname}): {len(state.gpus)} GPU(s), "
+                  f"{len(state.device_files)} device file(s), server {_server_line(state)}")
+    if state.gpu_error:
+        console.print(f"[red]GPU facts unavailable:[/] {state.gpu_error}")
+    if state.fuser_error:
+        console.print(f"[red]device-file holders unavailable:[/] {state.fuser_error}")
+    for g in state.gpus:
+        util = "n/a" if g.util_gpu is None else f"{g.util_gpu}%"
+        title = (f"GPU {g.index} {g.name}: {g.memory_used_mib}/{g.memory_total_mib} MiB used "
+                 f"(NVML {g.memory_api}), util {util}")
+        console.print(_holders_table(title, [h for h in state.holders if g.index in h.gpus]))
+    others = [h for h in state.holders if not h.gpus]
+    if others:
+        console.print(_holders_table("holding device files only (no NVML compute process)", others))
+
+
+def _server_line(state: GpuState) -> str:
+    s = state.server
+    if s.kind == "none":
+        return "strategy none"
+    what = "running" if s.running else "not running"
+    if s.error:
+        what += f" ({s.error})"
+    return f"{s.kind}: {what}"
+
+
+def print_plan(console: Console, plan: CleanPlan) -> None:
+    console.print("[bold]plan[/]")
+    if not plan.stop.steps:
+        console.print(f"  server: nothing to stop ({plan.stop.strategy})")
+    for step in plan.stop.steps:
+        console.print(f"  1. {step.show()}")
+    if plan.kill_step is not None:
+        console.print(f"  2. {plan.kill_step.show()}")
+        for h in plan.kill:
+            console.print(f"     - {h.proc.pid} {h.proc.comm} [{STYLE[h.klass]}]{h.klass}[/] ({h.reason})")
+    else:
+        console.print("  no GPU holder to terminate")
+    for h in plan.spare:
+        console.print(f"  spare {h.proc.pid} {h.proc.comm} ({h.reason})")
+    console.print("  3. verify: no compute process and used memory under the threshold on every GPU")
+
+
+def print_clean(console: Console, report: CleanReport) -> None:
+    print_plan(console, report.plan)
+    if report.dry_run:
+        console.print("[bold]dry run[/]: nothing was stopped or signalled")
+        return
+    if report.stopped and report.stopped.was_running:
+        console.print(f"stopped server {report.stopped.strategy}: {', '.join(report.stopped.stopped) or '-'}")
+    for s in report.signalled:
+        console.print(f"signalled {s['pid']} {s['comm']}: {' then '.join(s['signals'])}")
+    for s in report.skipped:
+        console.print(f"skipped {s['pid']}: {s['reason']}")
+    for c in report.checks:
+        mark = "[green]ok[/]" if c.ok else "[red]busy[/]"
+        console.print(f"GPU {c.index}: {mark} {c.reason}")
+    if report.survivors:
+        pids = ", ".join(f"{s['pid']} {s['comm']} state {s['state']}" for s in report.survivors)
+        console.print(f"[bold red]unkillable: reboot needed[/]: {pids}")
+    elif report.verdict == "clean":
+        nothing = report.plan.empty
+        console.print("[bold green]clean[/]" + (" (nothing to do)" if nothing else ""))
+    else:
+        console.print(f"[bold red]{report.verdict}[/]")

@@ -1,0 +1,97 @@
+"""The one SSH connection: host keys, bad hosts/ports/keys, connection reuse (real sshd on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import run_ops, ssh_table, write_hosts
+from ops.connection import RemoteRunner
+from ops.errors import ConnectError
+from ops.hosts import HostConfig
+from ops_sshd import keygen
+
+pytestmark = pytest.mark.sshd
+
+
+def host(sshd, known: Path, **kw) -> HostConfig:
+    base = dict(name="t", host="127.0.0.1", port=sshd.port, user=sshd.user, key=str(sshd.user_key),
+                known_hosts=str(known))
+    base.update(kw)
+    return HostConfig(**base)
+
+
+def test_commands_and_transfers_share_one_connection(sshd, tmp_path):
+    """Several commands and an SFTP round trip go over a single TCP connection to sshd."""
+    known = sshd.write_known_hosts(tmp_path / "known_hosts")
+    before = sshd.connections()
+    runner = RemoteRunner(host(sshd, known))
+    try:
+        assert runner.run("echo hello").stdout == "hello\n"
+        assert runner.run("exit 7").exit_code == 7
+        assert runner.run("cat", stdin="from stdin").stdout == "from stdin"
+        src = tmp_path / "up.txt"
+        src.write_text("payload")
+        runner.put(src, str(tmp_path / "remote.txt"))
+        runner.get(str(tmp_path / "remote.txt"), tmp_path / "down" / "back.txt")
+        assert (tmp_path / "down" / "back.txt").read_text() == "payload"
+    finally:
+        runner.close()
+    assert sshd.connections() - before == 1
+
+
+def test_unknown_host_key_is_refused(sshd, tmp_path):
+    """A host whose key is not in known_hosts is refused, with the fingerprint in the message."""
+    known = tmp_path / "known_hosts"
+    with pytest.raises(ConnectError, match="unknown .*--accept-new-host-key"):
+        RemoteRunner(host(sshd, known))
+    assert not known.exists()
+
+
+def test_accept_new_host_key_records_it(sshd, tmp_path):
+    """--accept-new-host-key trusts an unknown key once and records it, so the next connect needs no flag."""
+    known = tmp_path / "known_hosts"
+    RemoteRunner(host(sshd, known), accept_new_host_key=True).close()
+    assert sshd.host_pub.split()[1] in known.read_text()
+    RemoteRunner(host(sshd, known)).close()
+
+
+def test_changed_host_key_is_refused_even_with_accept_flag(sshd, tmp_path):
+    """A known host presenting another key is refused, also with --accept-new-host-key."""
+    other = keygen(tmp_path / "other_host_key").split()
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{sshd.port} {other[0]} {other[1]}\n")
+    with pytest.raises(ConnectError, match="CHANGED"):
+        RemoteRunner(host(sshd, known), accept_new_host_key=True)
+
+
+def test_refused_key(sshd, tmp_path):
+    """A user key sshd does not authorize gives a 'refused our key' error, not a hang or a traceback."""
+    keygen(tmp_path / "stranger")
+    known = sshd.write_known_hosts(tmp_path / "known_hosts")
+    with pytest.raises(ConnectError, match="refused our key"):
+        RemoteRunner(host(sshd, known, key=str(tmp_path / "stranger")))
+
+
+def test_cli_bad_hosts_are_one_line_errors(sshd, tmp_path):
+    """Unknown host name, wrong port, refused key and unknown host key each end in one error line, exit 3."""
+    from ops_sshd import free_port
+
+    known = sshd.write_known_hosts(tmp_path / "known_hosts")
+    keygen(tmp_path / "stranger")
+    cases = {
+        "unresolvable": dict(host="no-such-host.invalid"),
+        "wrong-port": dict(port=free_port()),
+        "bad-key": dict(key=str(tmp_path / "stranger")),
+        "unknown-key": dict(known_hosts=str(tmp_path / "empty_known_hosts")),
+    }
+    for name, override in cases.items():
+        table = ssh_table(sshd, known)
+        table.update(override)
+        hosts = write_hosts(tmp_path / f"{name}.toml", name, **table)
+        res = run_ops("gpu-status", "--host", name, "--hosts-file", str(hosts))
+        assert res.returncode == 3, (name, res.stdout, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), (name, res.stderr)

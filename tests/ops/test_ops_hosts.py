@@ -1,0 +1,80 @@
+"""Host specs, hosts files and server strategies are validated up front with one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import write_hosts
+from ops.errors import ConfigError
+from ops.hosts import Strategy, load_hosts_file, parse_host_spec, parse_strategy, resolve_host
+
+
+@pytest.mark.parametrize(
+    "spec, host, user, port",
+    [("gpu-box", "gpu-box", None, None), ("ubuntu@10.0.0.5:2222", "10.0.0.5", "ubuntu", 2222),
+     ("me@[::1]:22", "::1", "me", 22)],
+)
+def test_host_spec_forms(spec, host, user, port):
+    """user@host[:port] parses into its parts; missing parts stay None for ~/.ssh/config to fill."""
+    cfg = parse_host_spec(spec)
+    assert (cfg.host, cfg.user, cfg.port) == (host, user, port)
+
+
+@pytest.mark.parametrize("spec", ["a b", "user@", "host:99999", "host:0", "$(reboot)", "u@h;rm -rf /", ""])
+def test_bad_host_specs(spec):
+    """Malformed host specs (spaces, metacharacters, bad ports) are refused."""
+    with pytest.raises(ConfigError):
+        resolve_host(spec, None) if spec == "" else parse_host_spec(spec)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("none", Strategy("none")), ("container:vllm", Strategy("container", "vllm")),
+     ("compose:infer/vllm-server", Strategy("compose", "infer/vllm-server")),
+     ("systemd:vllm@0.service", Strategy("systemd", "vllm@0.service")),
+     ("pidfile:/run/vllm.pid", Strategy("pidfile", "/run/vllm.pid"))],
+)
+def test_strategies(text, expected):
+    """Each documented strategy form parses to its kind and target."""
+    assert parse_strategy(text) == expected
+
+
+@pytest.mark.parametrize("text", ["docker:vllm", "container:", "compose:onlyproject", "pidfile:relative.pid",
+                                  "container:a;b", "systemd:$(id)", "kill-everything"])
+def test_malformed_strategies(text):
+    """Unknown kinds, missing targets and metacharacters give an error listing the accepted forms."""
+    with pytest.raises(ConfigError, match="compose:PROJECT/SERVICE"):
+        parse_strategy(text)
+
+
+def test_hosts_file_full_table(tmp_path):
+    """Every key of a hosts-file table lands in the config; the address form fills user/host/port."""
+    path = write_hosts(tmp_path / "h.toml", "box", address="ops@box.example:2200", key="~/.ssh/k",
+                       data_root="/srv/data", model_dir="/srv/model", image="reg/img:1", server="container:vllm",
+                       protected=["Xorg"], clean_threshold_mib=512, device_glob="/tmp/dev/nvidia*",
+                       timeouts={"grace": 3, "clean": 30})
+    cfg = load_hosts_file(path)["box"]
+    assert (cfg.user, cfg.host, cfg.port) == ("ops", "box.example", 2200)
+    assert cfg.server == Strategy("container", "vllm") and cfg.protected == ("Xorg",)
+    assert cfg.timeouts.grace == 3 and cfg.timeouts.clean == 30 and cfg.timeouts.stop == 60
+    assert resolve_host("box", str(path)) == cfg
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [({"host": "h", "colour": "red"}, "unknown key"), ({"host": "h", "port": "22"}, "port must be"),
+     ({"host": "h", "data_root": "rel/dir"}, "absolute path"), ({"host": "h", "server": "docker:x"}, "malformed"),
+     ({"host": "h", "timeouts": {"grace": -1}}, "positive"), ({"host": "h", "gpu_source": "fake"}, "gpu_source"),
+     ({"user": "u"}, "address"), ({"host": "h", "mounts": ["rel:/x"]}, "mount")],
+)
+def test_bad_hosts_tables(tmp_path, table, message):
+    """Each invalid hosts-file value is named in the error."""
+    path = write_hosts(tmp_path / "h.toml", "box", **table)
+    with pytest.raises(ConfigError, match=message):
+        load_hosts_file(path)
+
+
+def test_missing_hosts_file_is_an_error(tmp_path):
+    """An explicit --hosts-file that does not exist is an error, not a silent fallback."""
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_host("box", str(tmp_path / "nope.toml"))
