@@ -149,7 +149,8 @@ def read_prepared(directory: Path) -> tuple[PreparedSamples, PreparedMetadata]:
 
 def write_token_freq(target: Path, freq: dict[int, int]) -> None:
     with atomic_path(target) as tmp:
-        torch.save(freq, tmp)
+        with open(tmp, "wb") as fh:
+            torch.save(freq, fh)
 
 
 def read_token_freq(path: Path) -> dict[int, int]:
@@ -209,7 +210,10 @@ def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torc
         "loss_mask": loss_mask.to(torch.int64),
     }
     with atomic_path(target, fsync=False) as tmp:
-        torch.save(sample, tmp)
+        # a file object, not a path: torch names the zip's records after a path's basename, and the
+        # temporary name (with its pid) would then make reruns differ byte for byte
+        with open(tmp, "wb") as fh:
+            torch.save(sample, fh)
 
 
 def read_sample(path: Path) -> dict:

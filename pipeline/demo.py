@@ -1,0 +1,62 @@
+"""``make demo``: the whole pipeline on a built-in tiny model, from nothing, in a few minutes on a CPU.
+
+Owns only the sequence of stage invocations and their arguments for the demo; every stage runs through
+its real command line (``python -m pipeline ...``) in a subprocess, exactly as an operator would run it.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+
+def stage(args: list[str]) -> None:
+    cmd = [sys.executable, "-m", "pipeline", *args]
+    click.secho(f"\n$ {shlex.join(['python', '-m', 'pipeline', *args])}", fg="cyan", bold=True)
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        raise SystemExit(f"demo: stage `{args[0]}` failed with exit code {rc}")
+    click.secho(f"  ({time.perf_counter() - t0:.1f} s)", dim=True)
+
+
+def steps(work: Path, kind: str, samples: int, seq_length: int, train: bool) -> list[list[str]]:
+    assets, prepared, states, verifier, draft = (work / n for n in ("assets", "prepared", "hidden_states", "verifier", "draft"))
+    model = assets / "model"
+    plan = [
+        ["demo-assets", "--out", str(assets), "--kind", kind, "--conversations", str(samples)],
+        ["prepare", "--data", str(assets / "conversations.jsonl"), "--model", str(model), "--out", str(prepared),
+         "--seq-length", str(seq_length), "--draft-vocab-size", "256", "--overwrite"],
+        ["extract", "--prepared", str(prepared), "--model", str(model), "--out", str(states), "--overwrite", "--no-verify"],
+        ["weights", "--model", str(model), "--out", str(verifier), "--overwrite"],
+        ["verify", str(prepared)],
+        ["verify", str(states), "--verifier", str(verifier), "--model", str(model)],
+    ]
+    if train:
+        plan.append(["train", "--data", str(states), "--prepared", str(prepared), "--verifier", str(verifier),
+                     "--model", str(model), "--out", str(draft), "--overwrite"])
+        plan.append(["verify", str(draft)])
+    return plan
+
+
+@click.command()
+@click.option("--workdir", type=click.Path(path_type=Path), default=Path("demo"), show_default=True)
+@click.option("--kind", type=click.Choice(["llama", "deepseek_v3"]), default="llama", show_default=True)
+@click.option("--samples", type=int, default=300, show_default=True)
+@click.option("--seq-length", type=int, default=256, show_default=True)
+@click.option("--train/--no-train", default=False, show_default=True)
+def main(workdir: Path, kind: str, samples: int, seq_length: int, train: bool) -> None:
+    """prepare -> extract -> weights -> train -> verify on a tiny random model."""
+    t0 = time.perf_counter()
+    for args in steps(workdir, kind, samples, seq_length, train):
+        stage(args)
+    click.secho(f"\ndemo finished in {time.perf_counter() - t0:.0f} s; outputs under {workdir}/", fg="green", bold=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny local models and prepared datasets, built once per test session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def run_pipeline(*args: str, check: bool = False, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``python -m pipeline ARGS`` as an operator would; return the completed process."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    proc = subprocess.run([PYTHON, "-m", "pipeline", *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=timeout, **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"pipeline {args[0]} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory) -> Path:
+    """A tiny random Llama and synthetic conversations (assets/model, assets/conversations.jsonl)."""
+    from pipeline.tiny import build_tiny_model, write_conversations
+
+    out = tmp_path_factory.mktemp("assets-llama")
+    build_tiny_model("llama", out / "model")
+    write_conversations(out / "conversations.jsonl", n=60)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_assets) -> Path:
+    return tiny_assets / "model"
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory) -> Path:
+    from pipeline.tiny import build_tiny_model
+
+    return build_tiny_model("deepseek_v3", tmp_path_factory.mktemp("assets-dsv3") / "model")
+
+
+@pytest.fixture(scope="session")
+def conversations(tiny_assets) -> Path:
+    return tiny_assets / "conversations.jsonl"
+
+
+@pytest.fixture(scope="session")
+def prepared_llama(tmp_path_factory, tiny_llama, conversations) -> Path:
+    """60 prepared samples of at most 127 tokens, draft vocab 128."""
+    out = tmp_path_factory.mktemp("prepared") / "prepared"
+    run_pipeline("prepare", "--data", conversations, "--model", tiny_llama, "--out", out,
+                 "--seq-length", 128, "--draft-vocab-size", 128, check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def extracted_llama(tmp_path_factory, tiny_llama, prepared_llama) -> Path:
+    """Hidden states of the first 24 prepared samples (fp32, CPU)."""
+    out = tmp_path_factory.mktemp("states") / "states"
+    run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", out, "--limit", 24,
+                 "--no-progress", check=True)
+    return out

@@ -1,0 +1,154 @@
+"""The hf backend and the extract loop: states equal a reference forward, padding never leaks, resume is exact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pipeline import formats
+from pipeline.backends.base import BackendOptions
+from pipeline.backends.hf import HFBackend
+from pipeline.extract import Batch, pending_batches, plan_batches
+from pipeline.modeldir import read_model_dir
+from tests.conftest import REPO, run_pipeline
+
+# fp32: the batch (padded, masked) and the unpadded reference differ only by summation order.
+FP32_ATOL, FP32_RTOL = 2e-5, 1e-4
+# bf16: one rounding of the residual stream per layer; relative error of the whole tensor.
+BF16_REL = 2e-2
+
+SEQS = [
+    [1, 3, 17, 250, 251, 99, 7, 8, 9, 10, 11, 12, 400, 401, 5],
+    [1, 3, 42, 43, 44],
+    [1, 3, 600, 601, 602, 603, 604, 605, 606],
+]
+
+
+def reference(model_dir, seq, dtype):
+    """Per-sample unpadded forward with output_hidden_states=True, and the final norm module."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([seq]), output_hidden_states=True, use_cache=False)
+    return [h[0] for h in out.hidden_states], model.model.norm
+
+
+def expected_states(model_dir, seq, layer_ids, dtype):
+    """What a capture must equal: hidden_states[k+1] for k < L-1; for L-1, norm(captured) == hidden_states[L]."""
+    hs, norm = reference(model_dir, seq, dtype)
+    return [hs[k + 1] for k in layer_ids[:-1]], hs[-1], norm
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("batched", [False, True], ids=["batch1", "mixed-batch"])
+def test_captured_states_equal_reference_forward_fp32(family, batched, tiny_llama, tiny_deepseek):
+    """fp32 capture equals transformers' output_hidden_states (index k+1; last layer through the final norm)."""
+    model_dir = tiny_llama if family == "llama" else tiny_deepseek
+    md = read_model_dir(model_dir)
+    layer_ids = (2, 4, 5, 7)
+    backend = HFBackend(BackendOptions(model=md, layer_ids=layer_ids, device="cpu", dtype="float32"))
+    captured = backend.capture(SEQS) if batched else [backend.capture([s])[0] for s in SEQS]
+    for seq, states in zip(SEQS, captured, strict=True):
+        inter, last_normed, norm = expected_states(model_dir, seq, layer_ids, torch.float32)
+        assert [tuple(h.shape) for h in states] == [(len(seq), md.hidden_size)] * 4
+        for got, want in zip(states[:-1], inter, strict=True):
+            torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=FP32_RTOL)
+        with torch.inference_mode():
+            torch.testing.assert_close(norm(states[-1]), last_normed, atol=FP32_ATOL, rtol=FP32_RTOL)
+        # the capture is pre-norm: it must NOT already equal the normed last entry
+        assert rel_err(states[-1], last_normed) > 0.1
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_captured_states_match_reference_in_bf16(family, tiny_llama, tiny_deepseek):
+    """bf16 capture of a mixed-length batch is within bf16 error of the bf16 reference."""
+    model_dir = tiny_llama if family == "llama" else tiny_deepseek
+    md = read_model_dir(model_dir)
+    backend = HFBackend(BackendOptions(model=md, layer_ids=(2, 4, 5, 7), device="cpu", dtype="bfloat16"))
+    for seq, states in zip(SEQS, backend.capture(SEQS), strict=True):
+        inter, last_normed, norm = expected_states(model_dir, seq, (2, 4, 5, 7), torch.bfloat16)
+        assert all(h.dtype == torch.bfloat16 for h in states)
+        for got, want in zip(states[:-1], inter, strict=True):
+            assert rel_err(got, want) < BF16_REL
+        with torch.inference_mode():
+            assert rel_err(norm(states[-1]), last_normed) < BF16_REL
+
+
+def test_padding_never_leaks(tiny_llama):
+    """In a mixed batch each sample keeps exactly its own T rows, equal to its batch-of-one result,
+    and its tensors own storage of exactly T x H elements (no padded batch behind a view)."""
+    md = read_model_dir(tiny_llama)
+    backend = HFBackend(BackendOptions(model=md, layer_ids=(2, 4, 5, 7), device="cpu", dtype="float32"))
+    batched = backend.capture(SEQS)
+    for seq, states in zip(SEQS, batched, strict=True):
+        alone = backend.capture([seq])[0]
+        for got, want in zip(states, alone, strict=True):
+            assert got.shape[0] == len(seq)
+            assert got.untyped_storage().nbytes() == len(seq) * md.hidden_size * 4
+            torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+def test_batch_plan_is_length_bucketed_and_complete():
+    """Every sample is planned once; batches respect the token budget; longest first; deterministic."""
+    lengths = [5, 100, 37, 100, 3, 64, 64, 12, 90]
+    plan = plan_batches(lengths, max_batch_tokens=200, max_batch_size=3)
+    flat = [i for b in plan for i in b.indices]
+    assert sorted(flat) == list(range(len(lengths)))
+    assert all(b.padded_tokens <= 200 or len(b.indices) == 1 for b in plan)
+    assert all(len(b.indices) <= 3 for b in plan)
+    assert [lengths[b.indices[0]] for b in plan] == sorted((lengths[b.indices[0]] for b in plan), reverse=True)
+    assert plan == plan_batches(lengths, 200, 3)
+    assert pending_batches(plan, set(flat)) == []
+    assert pending_batches([Batch((0, 1), 10)], {0}) == [Batch((0, 1), 10)]
+
+
+def test_extract_output_verifies_and_matches_prepared(extracted_llama, prepared_llama):
+    """The extract CLI writes data_0..N-1, data_config.json, sample_lengths.json and a passing summary.json."""
+    import json
+
+    cfg = formats.read_data_config(extracted_llama)
+    assert cfg.num_samples == 24 and cfg.layer_ids == [2, 4, 5, 7] and cfg.dtype == "float32"
+    assert formats.existing_data_indices(extracted_llama) == list(range(24))
+    summary = json.loads((extracted_llama / "summary.json").read_text())
+    assert summary["ok"] is True
+    prepared, _ = formats.read_prepared(prepared_llama)
+    d = formats.read_sample(extracted_llama / "data_7.pt")
+    assert d["input_ids"].tolist() == prepared.ids(7).tolist()
+    assert d["loss_mask"].tolist() == prepared.mask(7).tolist()
+    assert not list(extracted_llama.glob("*.partial"))
+
+
+def test_killed_run_resumes_to_identical_files(tmp_path, tiny_llama, prepared_llama):
+    """SIGKILL mid-way, then --resume: every file is byte-identical to an uninterrupted run, none partial."""
+    common = ["extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 24,
+              "--max-batch-size", 3, "--no-progress", "--no-verify"]
+    reference_dir = tmp_path / "uninterrupted"
+    run_pipeline(*common, "--out", reference_dir, check=True)
+    out = tmp_path / "states"
+    args = [*common, "--out", out]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *map(str, args)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(formats.existing_data_indices(out)) < 5 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = formats.existing_data_indices(out)
+    assert 5 <= len(written) < 24, f"kill landed outside the run ({len(written)} files)"
+    run_pipeline(*args, "--resume", check=True)
+    assert formats.existing_data_indices(out) == list(range(24))
+    for i in range(24):
+        assert (out / f"data_{i}.pt").read_bytes() == (reference_dir / f"data_{i}.pt").read_bytes(), f"data_{i}.pt differs"
+    assert not list(out.glob(".*partial"))
