@@ -174,6 +174,10 @@ def build_tiny_model(kind: str, out_dir: Path, *, seed: int = 0, **overrides) ->
     config = (_llama_config if kind == "llama" else _deepseek_config)(vocab_size, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():  # norms of ones are idempotent; real checkpoints' are not, and checks must see that
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.5 * torch.randn_like(param, dtype=torch.float32))
     if kind == "deepseek_v3":  # a non-zero routing bias so that the noaux_tc path is exercised
         for layer in model.model.layers[config.first_k_dense_replace :]:
             layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(config.n_routed_experts) * 0.01)
