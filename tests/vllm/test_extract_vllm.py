@@ -1,0 +1,130 @@
+"""`extract --backend vllm` on a real vLLM 0.16.0 (CPU build) against `--backend hf`, and batched vs one-by-one.
+
+Tolerances (fp32 on both sides, so that a real mismatch cannot hide in bf16 rounding): the worst relative
+error of any single token's vector, ||vllm_t - hf_t|| / ||hf_t||, must stay below 1e-4 for the dense Llama
+(seen: 4e-7) and below 1e-3 for the MoE DeepseekV3 (MLA disabled on CPU). An off-by-one layer, a missing
+layer or a reordered sample gives errors of order 1, far above either bound.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from pipeline import formats
+from tests.conftest import run_pipeline
+from tests.vllm.conftest import compare_dirs, per_token_rel
+
+pytestmark = pytest.mark.vllm
+
+LLAMA_TOL = 1e-4
+DEEPSEEK_TOL = 1e-3
+LIMIT = 40  # samples per extraction: more than max_num_seqs (32) of the generator's scheduler
+
+
+def extract(backend: str, prepared, model, out, *extra) -> None:
+    run_pipeline("extract", "--backend", backend, "--dtype", "float32", "--prepared", prepared, "--model", model,
+                 "--out", out, "--limit", LIMIT, "--no-progress", *extra, check=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def hf_llama_states(tmp_path_factory, prepared_llama, tiny_llama):
+    out = tmp_path_factory.mktemp("hf") / "llama"
+    extract("hf", prepared_llama, tiny_llama, out)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_llama_matches_hf(tp, tmp_path, prepared_llama, tiny_llama, hf_llama_states):
+    """extract --backend vllm on the tiny Llama at tensor parallel 1 and 2 writes the hf backend's files."""
+    out = tmp_path / f"vllm-tp{tp}"
+    extract("vllm", prepared_llama, tiny_llama, out, "--tensor-parallel-size", tp)
+    result = compare_dirs(out, hf_llama_states)
+    assert result["files"] == LIMIT
+    assert max(result["worst_per_layer"]) < LLAMA_TOL, result["worst_per_layer"]
+    config = formats.read_data_config(out)
+    assert (config.backend, config.dtype, config.layer_ids, config.num_samples) == ("vllm", "float32", [2, 4, 5, 7], LIMIT)
+    lengths = formats.read_sample_lengths(out)
+    assert lengths == formats.read_sample_lengths(hf_llama_states)
+    assert json.loads((out / "summary.json").read_text())["ok"] if (out / "summary.json").exists() else True
+
+
+def test_vllm_deepseek_v3_matches_hf(tmp_path, prepared_llama, tiny_deepseek):
+    """extract --backend vllm on the tiny DeepseekV3 (MoE, MLA disabled on CPU) matches --backend hf."""
+    hf, vl = tmp_path / "hf", tmp_path / "vllm"
+    extract("hf", prepared_llama, tiny_deepseek, hf)
+    extract("vllm", prepared_llama, tiny_deepseek, vl, "--tensor-parallel-size", 1)
+    result = compare_dirs(vl, hf)
+    assert result["files"] == LIMIT
+    assert max(result["worst_per_layer"]) < DEEPSEEK_TOL, result["worst_per_layer"]
+
+
+def test_vllm_resume_completes_an_interrupted_run(tmp_path, prepared_llama, tiny_llama, hf_llama_states):
+    """A vllm extraction with files missing (an interrupted run) resumes to the same files as the hf run."""
+    out = tmp_path / "vllm"
+    extract("vllm", prepared_llama, tiny_llama, out, "--tensor-parallel-size", 1)
+    for i in (3, 17, 39):
+        formats.data_file(out, i).unlink()
+    extract("vllm", prepared_llama, tiny_llama, out, "--tensor-parallel-size", 1, "--resume")
+    result = compare_dirs(out, hf_llama_states)
+    assert result["files"] == LIMIT and max(result["worst_per_layer"]) < LLAMA_TOL
+
+
+def _mixed_batch(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [rng.choice([1, 2, 5, 17, 33, 64, 100, 127]) for _ in range(n)]
+    return [[rng.randrange(6, 1000) for _ in range(t)] for t in lengths]
+
+
+def test_batched_equals_one_by_one_beyond_step_and_seq_limits(llama_backend_small_steps):
+    """A 45-sequence batch of mixed lengths (2,000+ tokens in steps of <= 128, > 32 sequences) equals one-by-one."""
+    backend = llama_backend_small_steps
+    batch = _mixed_batch(45, seed=1)
+    batch.append(list(batch[7]))  # a duplicate must come back twice, at its own position
+    assert sum(map(len, batch)) > 10 * backend.settings["max_num_batched_tokens"]
+    batched = backend.capture(batch)
+    singles = [backend.capture([seq])[0] for seq in batch]
+    assert len(batched) == len(batch)
+    for i, (seq, got, want) in enumerate(zip(batch, batched, singles, strict=True)):
+        assert [tuple(h.shape) for h in got] == [(len(seq), 256)] * 4, i
+        for k, (x, y) in enumerate(zip(got, want, strict=True)):
+            assert per_token_rel(x, y) < 1e-5, (i, k, per_token_rel(x, y))
+    # the four captured layers are four different layers (the field bug kept one of four)
+    states = batched[0]
+    assert min(per_token_rel(states[a], states[b]) for a in range(4) for b in range(a + 1, 4)) > 0.05
+
+
+def test_backend_states_are_the_hf_layer_outputs(llama_backend_small_steps, tiny_llama):
+    """Each of the 4 vLLM states equals the hf backend's output of the same layer (not its input, not another)."""
+    from pipeline.backends.base import BackendOptions
+    from pipeline.backends.hf import HFBackend
+    from pipeline.modeldir import read_model_dir
+
+    batch = _mixed_batch(6, seed=2)
+    hf = HFBackend(BackendOptions(model=read_model_dir(tiny_llama), layer_ids=(2, 4, 5, 7), device="cpu", dtype="float32"))
+    want = hf.capture(batch)
+    got = llama_backend_small_steps.capture(batch)
+    for w, g in zip(want, got, strict=True):
+        for k in range(4):
+            assert per_token_rel(g[k], w[k]) < LLAMA_TOL
+            if k:
+                assert per_token_rel(g[k], w[k - 1]) > 0.05  # a neighbouring layer would not pass
+
+
+def test_backend_rejects_sequences_longer_than_seq_length(llama_backend_small_steps):
+    """A sequence longer than seq_length - 1 is a one-line StageError, not a silent truncation."""
+    from pipeline.errors import StageError
+
+    with pytest.raises(StageError, match="seq_length - 1"):
+        llama_backend_small_steps.capture([[7] * 200])
+
+
+def test_forced_settings_are_in_effect(llama_backend_small_steps):
+    """Prefix caching, chunked prefill and async scheduling are off and eager mode on in the live vLLM config."""
+    s = llama_backend_small_steps.settings
+    assert (s["enable_prefix_caching"], s["enable_chunked_prefill"], s["async_scheduling"], s["enforce_eager"]) == (
+        False, False, False, True)
+    assert llama_backend_small_steps.dtype == torch.float32
