@@ -80,36 +80,59 @@ def pending_batches(batches: list[Batch], done: set[int]) -> list[Batch]:
 
 
 class Writer:
-    """Writes samples on a background thread so the device computes the next batch meanwhile."""
+    """Writes samples on background threads so the device computes the next batch meanwhile.
 
-    def __init__(self, out: Path, depth: int = 2):
+    Several threads: torch.save spends most of its time in memcpy and write(2), which release the GIL.
+    """
+
+    def __init__(self, out: Path, threads: int = 4, depth: int = 4):
         self.out = out
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.bytes = 0
-        self.thread = threading.Thread(target=self._loop, name="extract-writer", daemon=True)
-        self.thread.start()
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._loop, name=f"extract-writer-{n}", daemon=True) for n in range(threads)]
+        for t in self.threads:
+            t.start()
 
     def _loop(self) -> None:
         while (item := self.queue.get()) is not None:
             if self.error is not None:
                 continue
             try:
-                for index, ids, states, mask in item:
-                    target = formats.data_file(self.out, index)
-                    formats.write_sample(target, ids, states, mask)
-                    self.bytes += target.stat().st_size
+                index, ids, states, mask = item
+                target = formats.data_file(self.out, index)
+                formats.write_sample(target, ids, states, mask)
+                size = target.stat().st_size
+                with self._lock:
+                    self.bytes += size
             except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
                 self.error = exc
 
     def put(self, items: list) -> None:
-        self._raise()
-        self.queue.put(items)
+        for item in items:
+            self._raise()
+            self.queue.put(item)
 
     def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join()
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join()
         self._raise()
+
+    def abort(self) -> None:
+        """Stop the threads after an error on the main thread; queued samples are dropped, none half-written."""
+        self.error = self.error or RuntimeError("aborted")
+        try:
+            while True:
+                self.queue.get_nowait()
+        except queue.Empty:
+            pass
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join()
 
     def _raise(self) -> None:
         if self.error is not None:
@@ -171,13 +194,23 @@ def run_loop(backend: Backend, prepared: formats.PreparedSamples, batches: list[
              num_layers: int, total: int, done: int, progress: bool) -> dict:
     """Capture and write every pending batch; return throughput figures."""
     writer = Writer(out)
-    tokens = 0
     t0 = time.perf_counter()
+    try:
+        return _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, done, progress, t0)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, done, progress, t0) -> dict:
+    tokens, capture_s = 0, 0.0
     with _progress(progress) as bar:
         task = bar.add_task("extract", total=total, completed=done, tps=0.0)
         for batch in batches:
             seqs = [prepared.ids(i) for i in batch.indices]
+            c0 = time.perf_counter()
             states = backend.capture([s.tolist() for s in seqs])
+            capture_s += time.perf_counter() - c0
             if len(states) != len(seqs) or any(len(s) != num_layers for s in states):
                 raise StageError(
                     f"backend {backend.name} returned {len(states)} samples x {[len(s) for s in states][:3]} layers "
@@ -197,7 +230,9 @@ def run_loop(backend: Backend, prepared: formats.PreparedSamples, batches: list[
             bar.update(task, advance=len(seqs), tps=tokens / elapsed if elapsed else 0.0)
         writer.close()
     elapsed = time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else 0.0, "bytes": writer.bytes}
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else 0.0, "bytes": writer.bytes,
+            # time the main thread spent waiting for anything but the backend (queue full, progress, checks)
+            "capture_seconds": capture_s, "non_capture_fraction": 1 - capture_s / elapsed if elapsed else 0.0}
 
 
 def run(cfg: ExtractConfig) -> dict:

@@ -170,7 +170,7 @@ def build_tiny_model(kind: str, out_dir: Path, *, seed: int = 0, **overrides) ->
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     tokenizer = train_tokenizer(staging, seed=seed)
-    vocab_size = max(VOCAB_SIZE, len(tokenizer))
+    vocab_size = overrides.pop("vocab_size", max(VOCAB_SIZE, len(tokenizer)))
     config = (_llama_config if kind == "llama" else _deepseek_config)(vocab_size, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

@@ -1,9 +1,15 @@
 """The transformers backend: forward hooks on the chosen decoder layers of an HF causal LM.
 
 Owns loading the model with transformers, finding its decoder layers (plain causal LMs and wrappers that
-keep the text model under ``language_model``), padding a batch on the right with a correct attention
-mask, and returning each sample's layer outputs with the padding stripped. The forward runs the decoder
-stack only (no lm_head), and the hooks keep nothing but the chosen layers' outputs.
+keep the text model under ``language_model``), padding a batch on the right, and returning each sample's
+layer outputs with the padding stripped. The forward runs the decoder stack only (no lm_head), and the
+hooks keep nothing but the chosen layers' outputs.
+
+Right padding needs no attention mask: under causal attention a real token at position t < T_i only
+sees positions <= t, which are all real, and its position id is t either way. Passing no mask lets SDPA
+use its fused causal kernels instead of materialising a [B, heads, T, T] mask (tests compare every
+sample with its batch-of-one result). Pad positions compute garbage that is cut off before anything is
+copied to the host: the real rows of all samples are packed on the device and copied once.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class HFBackend(Backend):
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [layers[k].register_forward_hook(self._hook(k)) for k in options.layer_ids]
         self.pad_id = 0
+        self._pinned: torch.Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -71,22 +78,39 @@ class HFBackend(Backend):
         lengths = [len(s) for s in batch]
         t_max = max(lengths)
         ids = torch.full((len(batch), t_max), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), t_max), dtype=torch.long)
         for i, s in enumerate(batch):
             ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-            mask[i, : len(s)] = 1
         self._captured.clear()
-        self.decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        self.decoder(input_ids=ids.to(self.device), use_cache=False)  # causal; right padding needs no mask
         outs = [self._captured.pop(k) for k in self.options.layer_ids]
         return outs, lengths
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
         outs, lengths = self.forward_layers(batch)
-        host = [o.to("cpu", non_blocking=False) for o in outs]
+        # pack the real rows of every sample and layer on the device: [layers, sum T, H], one copy to the host
+        packed = torch.stack([torch.cat([o[i, :n] for i, n in enumerate(lengths)]) for o in outs])
+        host = self._host_buffer(packed)
+        host.copy_(packed, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        del packed, outs
         # .clone(): each sample's tensors must own their storage, or torch.save writes the whole batch
-        return [[h[i, :n].clone() for h in host] for i, n in enumerate(lengths)]
+        result, start = [], 0
+        for n in lengths:
+            result.append([host[j, start : start + n].clone() for j in range(host.shape[0])])
+            start += n
+        return result
+
+    def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A host tensor shaped like ``like``; on CUDA a reused pinned buffer (pinning is slow, reuse is free)."""
+        if self.device.type != "cuda":
+            return torch.empty(like.shape, dtype=like.dtype)
+        if self._pinned is None or self._pinned.numel() < like.numel() or self._pinned.dtype != like.dtype:
+            self._pinned = torch.empty(int(like.numel() * 1.25), dtype=like.dtype, pin_memory=True)
+        return self._pinned[: like.numel()].view(like.shape)
 
     def close(self) -> None:
+        self._pinned = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
