@@ -1,0 +1,122 @@
+"""Benchmark: the whole path to a trained draft on a random-weight Llama, with throughput and acceptance.
+
+Builds the target (pipeline/tiny.py: random weights, the demo tokenizer, synthetic conversations), then
+runs the real stages in-process: prepare -> extract (hf backend) -> weights -> train (speculators' Trainer)
+-> offline acceptance. Prints a markdown table and writes every figure to --json after each phase, so a
+run cut short by a time limit still reports what it finished.
+
+    python bench/train_bench.py --preset tiny          # CPU, the demo model (8 layers, hidden 256)
+    python bench/train_bench.py --preset llama-1b      # GPU, ~1.2B random Llama, seq 2048, draft vocab 32000
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import click
+import torch
+
+PRESETS = {
+    # name: model overrides, conversations, seq_length, draft vocab (None = full), train options
+    "tiny": (dict(), 200, 256, None, dict(epochs=2, max_len=1024, lr=1e-3)),
+    "llama-1b": (dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+                 1500, 2048, 32000, dict(epochs=2, max_len=2048, lr=3e-4)),
+}
+
+
+class Report:
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.data: dict = {"host": platform.node(), "torch": torch.__version__,
+                           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "phases": {}}
+
+    def phase(self, name: str, seconds: float, **figures) -> None:
+        self.data["phases"][name] = {"seconds": round(seconds, 2), **figures}
+        click.echo(f"[{name}] {seconds:.1f} s {json.dumps(figures, default=str)[:400]}", err=True)
+        self.write()
+
+    def write(self) -> None:
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+
+
+def _timed(fn, *args, **kwargs):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+@click.command()
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
+@click.option("--workdir", type=click.Path(path_type=Path), default=Path("runs/bench-train"), show_default=True)
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write figures here.")
+@click.option("--conversations", type=int, default=None, help="Override the preset's conversation count.")
+@click.option("--epochs", type=int, default=None, help="Override the preset's epochs.")
+def main(preset: str, workdir: Path, json_path: Path | None, conversations: int | None, epochs: int | None) -> None:
+    """Build a random target, extract, train a draft, measure; print a markdown table."""
+    import shutil
+
+    from pipeline import extract, formats, prepare, tiny, weights
+    from pipeline.train import TrainConfig, run
+    from pipeline.train_cli import quiet_libraries
+
+    quiet_libraries()
+    overrides, n_conv, seq_length, draft_vocab, train_opts = PRESETS[preset]
+    n_conv = conversations or n_conv
+    train_opts = {**train_opts, **({"epochs": epochs} if epochs else {})}
+    report = Report(json_path)
+    report.data.update(preset=preset, conversations=n_conv, seq_length=seq_length, draft_vocab=draft_vocab, train=train_opts)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+
+    model, s = _timed(tiny.build_tiny_model, "llama", workdir / "model", seed=0, **overrides)
+    convs = tiny.write_conversations(workdir / "conversations.jsonl", n=n_conv, seed=0)
+    params = sum(p.numel() for p in __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(model / "model.safetensors")).values())
+    report.phase("target", s, parameters=params)
+
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    meta, s = _timed(prepare.run, prepare.PrepareConfig(data=convs, model=model, out=workdir / "prepared", seq_length=seq_length,
+                                                        draft_vocab_size=draft_vocab or vocab))
+    report.phase("prepare", s, samples=meta.num_samples, tokens=meta.num_tokens)
+
+    _, s = _timed(extract.run, extract.ExtractConfig(prepared=workdir / "prepared", model=model, out=workdir / "hidden_states",
+                                                     verify=False, progress=False))
+    dc = formats.read_data_config(workdir / "hidden_states")
+    report.phase("extract", s, tokens_per_s=round(meta.num_tokens / s, 1), dtype=dc.dtype, layer_ids=dc.layer_ids)
+
+    _, s = _timed(weights.run, model, workdir / "verifier")
+    report.phase("weights", s)
+
+    cfg = TrainConfig(data=workdir / "hidden_states", verifier=workdir / "verifier", out=workdir / "train", model=model,
+                      prepared=workdir / "prepared", eval_max_samples=32, **train_opts)
+    summary, s = _timed(run, cfg, log=lambda m: click.echo(m, err=True))
+    ev = summary.get("eval", {})
+    report.phase("train", s, train=summary["train"], eval=ev)
+    base = ev["baselines"][ev["best_baseline"]] if ev else {}
+    rows = [
+        ("target", f"random Llama, {params / 1e9:.2f} B parameters, {dc.num_layers} layers, hidden {dc.hidden_size}, vocab {vocab}"),
+        ("data", f"{meta.num_samples} samples, {meta.num_tokens} tokens, seq_length {seq_length}"),
+        ("extract (hf, ours)", f"{meta.num_tokens / report.data['phases']['extract']['seconds']:.0f} tokens/s"),
+        ("train", f"{summary['train']['train_tokens_per_s']} tokens/s over {summary['train']['epochs_run_now']} epochs "
+                  f"({summary['train']['steps_per_epoch']} steps/epoch, {summary['train']['device']})"),
+        ("draft acceptance length", f"{ev.get('draft', {}).get('acceptance_length', float('nan')):.3f} (k={ev.get('k')})"),
+        ("per position", ", ".join(f"{x:.3f}" for x in ev.get("draft", {}).get("per_position", []))),
+        (f"best baseline ({ev.get('best_baseline')})", f"{base.get('acceptance_length', float('nan')):.3f}"),
+        ("greedy tokens inside the draft vocab", f"{ev.get('greedy_in_draft_vocab', float('nan')):.3f}"),
+    ]
+    click.echo("\n| figure | value |\n|---|---|")
+    for k, v in rows:
+        click.echo(f"| {k} | {v} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,607 @@
+"""The ``train`` stage: hidden states + verifier weights + vocab mapping in, an EAGLE-3 draft checkpoint out.
+
+Owns the training run: checking every input before the first step, the train/held-out split, the data
+loaders (speculators' ``Eagle3SampleFileDataset``, multipack sampler and collate), speculators' ``Trainer``
+(subclassed only for what it lacks: device-independent checkpoint loading, full-precision checkpoints so
+that a resumed run equals an uninterrupted one, atomic per-epoch checkpoint directories, stopping after
+N epochs of an invocation, a throughput figure), per-step metrics in ``metrics.jsonl``, the servable
+export ``draft/`` and the final ``summary.json`` with the offline acceptance (pipeline/evaluate.py) and
+the plots (pipeline/plots.py).
+
+Output directory::
+
+    train_config.json        resolved options, layer ids in both conventions, the split
+    verifier/                the verifier view speculators loads embed_tokens / norm / lm_head from
+    checkpoints/<epoch>/     per epoch: config.json, model.safetensors (fp32), optimizer + scheduler state
+    draft/                   the final draft (config.json + model.safetensors in --save-dtype): serve this
+    metrics.jsonl            one JSON line per training step (loss, per-TTT-step accuracy, lr) and per validation
+    eval.json                offline acceptance of the draft and of the baselines on held-out samples
+    summary.json             train figures + eval.json
+    loss.png, acceptance.png
+
+Data parallel: started by ``torchrun --nproc-per-node N -m pipeline train ...`` each process trains on its
+shard through speculators' FSDP setup; rank 0 writes everything else. The draft architecture and its
+config live in pipeline/draft.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline import formats
+from pipeline.atomic import write_json
+from pipeline.draft import TargetFacts, read_target_facts
+from pipeline.errors import StageError
+from pipeline.layers import NUM_CAPTURED, to_vllm_aux_ids, validate_layer_ids
+from pipeline.vocab import vocab_mapping_problems
+
+CHECKPOINTS = "checkpoints"
+DRAFT = "draft"
+VERIFIER_VIEW = "verifier"
+TRAIN_CONFIG = "train_config.json"
+METRICS = "metrics.jsonl"
+EVAL = "eval.json"
+SUMMARY = "summary.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FLEX_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of the train stage; flags only override these defaults."""
+
+    data: Path  # hidden-states dir written by `pipeline extract`
+    verifier: Path  # dir written by `pipeline weights` (verifier.safetensors + verifier.json)
+    out: Path  # output dir (layout in the module docstring)
+    prepared: Path | None = None  # dir with d2t.npy / t2d.npy / token_freq.pt; default: data_config's `prepared`
+    model: Path | None = None  # target model dir (config.json only); default: verifier.json `source`, then data_config `model`
+    epochs: int = 3  # total epochs of the run (a resumed run counts the epochs already done)
+    lr: float = 1e-4  # AdamW learning rate
+    ttt_steps: int = 3  # training-time-test steps (draft tokens unrolled per position)
+    ttt_step_loss_decay: float = 1.0  # loss weight of TTT step j is decay**j
+    num_layers: int = 1  # draft decoder layers
+    intermediate_size: int | None = None  # draft MLP width; default: the target's intermediate_size
+    norm_before_residual: bool = False  # speculators' Eagle3 option
+    max_len: int = 2048  # tokens per packed batch (samples are packed up to this length)
+    eval_fraction: float = 0.1  # share of samples held out for validation and acceptance
+    eval_k: int | None = None  # draft tokens proposed per position in the acceptance measurement; default ttt_steps
+    eval_max_samples: int = 64  # held-out samples used for the acceptance measurement
+    seed: int = 0  # seeds python, numpy, torch, the split and the sampler
+    resume: bool = False  # continue from the last complete epoch in OUT/checkpoints
+    overwrite: bool = False  # replace an existing output dir
+    stop_after_epochs: int | None = None  # train at most this many epochs in this invocation (resume later)
+    scheduler: str = "linear"  # linear | cosine | none
+    warmup_steps: int | None = None  # default: 1% of all steps (speculators' default)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (torchrun: the local rank's GPU)
+    attention: str = "auto"  # auto | flex | dense (see pipeline/draft.py)
+    num_workers: int | None = None  # data loader workers; default 0 on the CPU, 4 on a GPU
+    save_dtype: str = "bfloat16"  # dtype of the exported draft/ weights
+    draft_vocab_size: int | None = None  # if given, must equal len(d2t)
+    evaluate: bool = True  # measure acceptance and draw plots after training
+    plots: bool = True
+
+
+@dataclass
+class TrainInputs:
+    """Everything checked before training starts."""
+
+    files: list[Path]
+    train_files: list[Path]
+    eval_files: list[Path]
+    data_config: formats.DataConfig
+    layer_ids: list[int]
+    vllm_aux_layer_ids: list[int]
+    target: TargetFacts
+    model_dir: Path
+    verifier: dict[str, torch.Tensor]
+    d2t: np.ndarray
+    t2d: np.ndarray
+    token_freq: dict[int, int] = field(default_factory=dict)
+    train_tokens: int = 0
+
+
+# ---------------------------------------------------------------- input checks
+
+
+def _resolve_prepared(cfg: TrainConfig, dc: formats.DataConfig) -> Path:
+    if cfg.prepared is not None:
+        return Path(cfg.prepared)
+    if dc.prepared and Path(dc.prepared).is_dir():
+        return Path(dc.prepared)
+    raise StageError(f"{cfg.data}/data_config.json names prepared dir {dc.prepared!r}, which does not exist: pass --prepared DIR (with d2t.npy, t2d.npy)")
+
+
+def _resolve_model(cfg: TrainConfig, meta: dict, dc: formats.DataConfig) -> Path:
+    candidates = [cfg.model, meta.get("source"), dc.model]
+    for c in candidates:
+        if c and (Path(c) / "config.json").is_file():
+            return Path(c)
+    raise StageError(f"no target config.json found (tried --model, verifier.json source {meta.get('source')!r}, data_config model {dc.model!r}): pass --model DIR")
+
+
+def _read_verifier(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from pipeline.weights import KEYS, VERIFIER_META, load_verifier
+
+    tensors = load_verifier(Path(directory))
+    missing = [k for k in KEYS if k not in tensors]
+    if missing:
+        raise StageError(f"{directory}/verifier.safetensors lacks {', '.join(missing)}: re-run `pipeline weights`")
+    meta_path = Path(directory) / VERIFIER_META
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    return tensors, meta
+
+
+def split_indices(n: int, eval_fraction: float, seed: int, min_eval: int = 1) -> tuple[list[int], list[int]]:
+    """Seeded shuffle of 0..n-1 into (train, held-out); both non-empty."""
+    if n < 2:
+        raise StageError(f"{n} sample(s) in the hidden-states dir: at least 2 are needed (one to train on, one held out)")
+    if not 0.0 < eval_fraction < 1.0:
+        raise StageError(f"--eval-fraction {eval_fraction} must be between 0 and 1 (exclusive)")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_eval = min(n - 1, max(min_eval, round(n * eval_fraction)))
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+def _check_sample(path: Path, dc: formats.DataConfig, vocab: int) -> None:
+    try:
+        sample = formats.read_sample(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same operator problem
+        raise StageError(f"{path} cannot be read ({type(exc).__name__}: {exc}): re-run `pipeline extract`") from None
+    missing = [k for k in formats.DATA_KEYS if k not in sample]
+    if missing:
+        raise StageError(f"{path} lacks {', '.join(missing)}: not a hidden-states sample")
+    hs = sample["hidden_states"]
+    if not isinstance(hs, (list, tuple)) or len(hs) != NUM_CAPTURED:
+        got = len(hs) if isinstance(hs, (list, tuple)) else type(hs).__name__
+        raise StageError(
+            f"{path} has {got} captured hidden-state tensors, EAGLE-3 needs {NUM_CAPTURED} (3 auxiliary layers + the last): "
+            "re-run `pipeline extract` with 4 --layer-ids"
+        )
+    t = int(sample["input_ids"].shape[0])
+    for j, h in enumerate(hs):
+        if tuple(h.shape) != (t, dc.hidden_size):
+            raise StageError(f"{path}: hidden_states[{j}] has shape {tuple(h.shape)}, expected ({t}, {dc.hidden_size}) (hidden size from data_config.json)")
+    if t < 2:
+        raise StageError(f"{path} has {t} token(s): at least 2 are needed")
+    if int(sample["input_ids"].max()) >= vocab or int(sample["input_ids"].min()) < 0:
+        raise StageError(f"{path}: token ids outside the target vocab of {vocab}: hidden states and model disagree")
+
+
+def check_inputs(cfg: TrainConfig) -> TrainInputs:
+    """Read and cross-check every input; raise a one-line StageError before any training step."""
+    data = Path(cfg.data)
+    dc = formats.read_data_config(data)
+    indices = formats.existing_data_indices(data)
+    if not indices:
+        raise StageError(f"{data} has no data_*.pt files: run `pipeline extract` first")
+    if indices != list(range(len(indices))):
+        gaps = sorted(set(range(indices[-1] + 1)) - set(indices))[:5]
+        raise StageError(f"{data}: data files are not numbered 0..N-1 (missing e.g. {gaps}): resume `pipeline extract`")
+    if len(indices) != dc.num_samples:
+        raise StageError(f"{data} holds {len(indices)} data files but data_config.json says {dc.num_samples}: extraction incomplete, resume `pipeline extract`")
+    if len(dc.layer_ids) != NUM_CAPTURED:
+        raise StageError(
+            f"{data}/data_config.json lists {len(dc.layer_ids)} layer ids {dc.layer_ids}, EAGLE-3 needs {NUM_CAPTURED} "
+            "(3 auxiliary layers + the last): re-run `pipeline extract`"
+        )
+    layer_ids = validate_layer_ids(dc.layer_ids, dc.num_layers)
+
+    verifier, meta = _read_verifier(Path(cfg.verifier))
+    model_dir = _resolve_model(cfg, meta, dc)
+    target = read_target_facts(model_dir)
+    emb, norm, head = verifier["embed_tokens.weight"], verifier["norm.weight"], verifier["lm_head.weight"]
+    sizes = {"data_config.json": dc.hidden_size, "target config.json": target.hidden_size,
+             "verifier embed_tokens": int(emb.shape[-1]), "verifier lm_head": int(head.shape[-1]), "verifier norm": int(norm.shape[0])}
+    if len(set(sizes.values())) != 1:
+        raise StageError("hidden size mismatch: " + ", ".join(f"{k} {v}" for k, v in sizes.items()) + ": hidden states, verifier and target must come from the same model")
+    if dc.num_layers != target.num_layers:
+        raise StageError(f"data_config.json says {dc.num_layers} decoder layers, the target config {target.num_layers}: hidden states come from another model")
+    vocab = {"target config.json": target.vocab_size, "verifier embed_tokens": int(emb.shape[0]), "verifier lm_head": int(head.shape[0])}
+    if len(set(vocab.values())) != 1:
+        raise StageError("target vocab mismatch: " + ", ".join(f"{k} {v}" for k, v in vocab.items()) + ": re-run `pipeline weights` for this target")
+
+    prepared = _resolve_prepared(cfg, dc)
+    d2t, t2d = formats.read_vocab(prepared)
+    expected_draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else len(d2t)
+    problems = vocab_mapping_problems(d2t, t2d, expected_draft, target.vocab_size)
+    if problems:
+        raise StageError(f"vocab mapping in {prepared} does not fit this draft: {'; '.join(problems)} (re-run `pipeline prepare --draft-vocab-size N`)")
+    freq_path = prepared / formats.TOKEN_FREQ
+    token_freq = formats.read_token_freq(freq_path) if freq_path.is_file() else {}
+
+    files = [formats.data_file(data, i) for i in indices]
+    for path in {files[0], files[-1]}:
+        _check_sample(path, dc, target.vocab_size)
+
+    ttt = int(cfg.ttt_steps)
+    if ttt < 1:
+        raise StageError(f"--ttt-steps {ttt} must be at least 1")
+    if cfg.epochs < 1:
+        raise StageError(f"--epochs {cfg.epochs} must be at least 1")
+    if cfg.scheduler not in ("linear", "cosine", "none"):
+        raise StageError(f"unknown --scheduler {cfg.scheduler!r}: choose linear, cosine or none")
+    if cfg.save_dtype not in DTYPES:
+        raise StageError(f"unknown --save-dtype {cfg.save_dtype!r}: choose {', '.join(DTYPES)}")
+    train_idx, eval_idx = split_indices(len(files), cfg.eval_fraction, cfg.seed)
+    lengths = formats.read_sample_lengths(data)
+    train_tokens = sum(min(lengths.get(i, 0), cfg.max_len + 1) - 1 for i in train_idx) if lengths else 0
+    return TrainInputs(
+        files=files,
+        train_files=[files[i] for i in train_idx],
+        eval_files=[files[i] for i in eval_idx],
+        data_config=dc,
+        layer_ids=layer_ids,
+        vllm_aux_layer_ids=to_vllm_aux_ids(layer_ids),
+        target=target,
+        model_dir=Path(model_dir).resolve(),
+        verifier=verifier,
+        d2t=np.asarray(d2t, dtype=np.int64),
+        t2d=np.asarray(t2d, dtype=bool),
+        token_freq=token_freq,
+        train_tokens=train_tokens,
+    )
+
+
+# ---------------------------------------------------------------- runtime
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    distributed: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def trainer_rank(self):
+        """What speculators' Trainer passes to ``.to()``: a GPU index, or "cpu"."""
+        if self.device.type == "cuda":
+            return self.device.index or 0
+        return self.device.type
+
+
+def setup_runtime(device: str) -> Runtime:
+    if "LOCAL_RANK" in os.environ:  # torchrun
+        from speculators.train.utils import maybe_setup_distributed
+
+        local_rank, world_size, rank, distributed = maybe_setup_distributed()
+        return Runtime(torch.device("cuda", local_rank), rank, world_size, distributed)
+    if device == "auto":
+        return Runtime(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise StageError("--device cuda but no CUDA device is visible: use --device cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev.index or 0)
+    return Runtime(dev)
+
+
+def _barrier(rt: Runtime) -> None:
+    if rt.distributed:
+        torch.distributed.barrier()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)  # noqa: NPY002
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+class MetricsFile(logging.Handler):
+    """Appends speculators' per-step metric records to metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, path: Path):
+        super().__init__(logging.INFO)
+        self.path = path
+        self.fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not isinstance(record.msg, dict):
+            return
+        row = {"step": getattr(record, "step", None), **record.msg}
+        self.fh.write(json.dumps(row, default=float) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+        super().close()
+
+
+def _trainer_class():
+    from speculators.train.checkpointer import SingleGPUCheckpointer, convert_float_dtype, load_safetensors_state_dict
+    from speculators.train.trainer import Trainer
+
+    class DeviceCheckpointer(SingleGPUCheckpointer):
+        """speculators' single-process checkpointer, loading onto the model's device (also the CPU)."""
+
+        def __init__(self, path, device: torch.device):
+            self.device = str(device)
+            super().__init__(path)
+
+        def load_model_state_dict(self, model, float_dtype=None):
+            state = load_safetensors_state_dict(self.model_path(self.previous_epoch), self.device)
+            model.load_state_dict(convert_float_dtype(state, float_dtype or model.dtype), strict=False)
+
+        def load_optimizer_state_dict(self, model, optimizer, float_dtype=None):
+            state = torch.load(self.optimizer_path(self.previous_epoch), weights_only=True, map_location=self.device)
+            optimizer.load_state_dict(convert_float_dtype(state, float_dtype or model.dtype))
+
+    class PipelineTrainer(Trainer):
+        """speculators' Trainer plus: CPU-capable loads, fp32 atomic checkpoints, stop-after, timing."""
+
+        def __init__(self, *args, runtime: Runtime, stop_after: int | None, **kwargs):
+            self.runtime = runtime
+            self.stop_after = stop_after
+            self.epoch_seconds: list[float] = []
+            super().__init__(*args, **kwargs)
+
+        def setup_trainer(self):
+            if not self.is_distributed:
+                self.checkpointer = DeviceCheckpointer(self.config.save_path, self.runtime.device)
+            super().setup_trainer()
+            self.global_step = self.current_epoch * len(self.train_loader)
+
+        def setup_optimizer(self):
+            super().setup_optimizer()
+            if self.resume_from_checkpoint and self.checkpointer.previous_epoch != -1 and self.scheduler is not None:
+                # speculators builds the scheduler with last_epoch=<epoch number>, whose constructor step sets
+                # the learning rate of step 1; the restored scheduler state knows the right one
+                for group, lr in zip(self.opt.param_groups, self.scheduler.get_last_lr(), strict=True):
+                    group["lr"] = lr
+
+        def save_checkpoint(self, epoch: int):
+            final_root = self.checkpointer.path
+            staging_root = final_root / ".staging"
+            self.checkpointer.path = staging_root
+            try:
+                # full precision: a resumed run must continue from exactly the weights and moments it stopped at
+                self.checkpointer.save_checkpoint(self.model, self.opt, epoch, float_dtype=torch.float32)
+                if self.scheduler is not None and self.runtime.is_main:
+                    self.checkpointer.save_scheduler_state_dict(self.scheduler, epoch)
+            finally:
+                self.checkpointer.path = final_root
+            if self.runtime.is_main:
+                final = final_root / str(epoch)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(staging_root / str(epoch), final)
+                shutil.rmtree(staging_root, ignore_errors=True)
+            _barrier(self.runtime)
+
+        def run_training(self):
+            done = 0
+            for epoch in range(self.current_epoch, self.config.num_epochs):
+                if self.stop_after is not None and done >= self.stop_after:
+                    break
+                start = time.perf_counter()
+                self.train_epoch(epoch)
+                if self.runtime.device.type == "cuda":
+                    torch.cuda.synchronize()
+                self.epoch_seconds.append(time.perf_counter() - start)
+                _barrier(self.runtime)
+                self.val_epoch(epoch)
+                _barrier(self.runtime)
+                self.save_checkpoint(epoch)
+                done += 1
+            return done
+
+    return PipelineTrainer
+
+
+def make_loader(files: list[Path], cfg: TrainConfig, rt: Runtime, *, shuffle_seed: int):
+    from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from torch.utils.data import DataLoader
+
+    dataset = Eagle3SampleFileDataset(max_len=cfg.max_len, file_list=[str(f) for f in files], hidden_states_dtype=torch.float32)
+    sampler = MultipackDistributedBatchSamplerV2(
+        batch_max_length=cfg.max_len, lengths=dataset.approx_lengths, num_replicas=rt.world_size, rank=rt.rank, seed=shuffle_seed,
+    )
+    workers = cfg.num_workers if cfg.num_workers is not None else (4 if rt.device.type == "cuda" else 0)
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=rt.device.type == "cuda",
+                      collate_fn=create_collate_fn(cfg.max_len), persistent_workers=workers > 0)
+
+
+def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
+    out = Path(cfg.out)
+    ckpt = out / CHECKPOINTS
+    has_epochs = ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
+    if out.exists() and not out.is_dir():
+        raise StageError(f"output {out} exists and is not a directory: choose another --out")
+    if cfg.resume and cfg.overwrite:
+        raise StageError("--resume and --overwrite exclude each other: resume keeps the checkpoints, overwrite deletes them")
+    if out.is_dir() and any(out.iterdir()) and not (cfg.resume or cfg.overwrite):
+        raise StageError(f"output dir {out} is not empty: pass --resume to continue its checkpoints, --overwrite to replace it, or choose another --out")
+    if cfg.resume and not has_epochs and rt.is_main:
+        logging.getLogger("pipeline.train").warning("--resume: no checkpoint in %s, starting from scratch", ckpt)
+    if rt.is_main:
+        if cfg.overwrite and out.is_dir():
+            for name in (CHECKPOINTS, DRAFT, VERIFIER_VIEW, METRICS, EVAL, SUMMARY, TRAIN_CONFIG, "loss.png", "acceptance.png"):
+                p = out / name
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        shutil.rmtree(ckpt / ".staging", ignore_errors=True)  # an interrupted save
+        out.mkdir(parents=True, exist_ok=True)
+
+
+def export_draft(checkpoint: Path, target: Path, dtype: torch.dtype, verifier_name_or_path: str) -> Path:
+    """Copy an epoch checkpoint's config and weights (cast to ``dtype``) into a servable dir, atomically.
+
+    The exported config names the real target model as the verifier (what ``vllm serve DRAFT`` would
+    load as the target), not the training-time verifier view; ``load_draft`` finds the view beside it.
+    """
+    from safetensors.torch import load_file, save_file
+
+    staging = target.with_name(f".{target.name}.staging-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    state = load_file(str(checkpoint / "model.safetensors"))
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config["torch_dtype"] = config["dtype"]
+    config["speculators_config"]["verifier"]["name_or_path"] = verifier_name_or_path
+    (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def last_epoch(out: Path) -> int | None:
+    ckpt = Path(out) / CHECKPOINTS
+    epochs = [int(p.name) for p in ckpt.iterdir() if p.is_dir() and p.name.isdigit()] if ckpt.is_dir() else []
+    return max(epochs) if epochs else None
+
+
+def _config_record(cfg: TrainConfig, inputs: TrainInputs, rt: Runtime, attention: str) -> dict:
+    rec = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    rec.update(
+        layer_ids=inputs.layer_ids,
+        eagle_aux_hidden_state_layer_ids=inputs.vllm_aux_layer_ids,
+        layer_id_convention="layer_ids: OUTPUT of decoder layer k (extract); eagle_aux_hidden_state_layer_ids: INPUT of layer k+1 (vLLM)",
+        draft_vocab_size=len(inputs.d2t),
+        target_vocab_size=inputs.target.vocab_size,
+        hidden_size=inputs.target.hidden_size,
+        train_files=[p.name for p in inputs.train_files],
+        eval_files=[p.name for p in inputs.eval_files],
+        world_size=rt.world_size,
+        device=str(rt.device),
+        attention=attention,
+    )
+    return rec
+
+
+def run(cfg: TrainConfig, log=print) -> dict:
+    """Train, export, evaluate; return the summary (rank 0) or {} (other ranks)."""
+    from pipeline import draft as draft_mod
+
+    rt = setup_runtime(cfg.device)
+    if rt.device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls: the draft trains in fp32 parameters
+    try:
+        inputs = check_inputs(cfg)
+        attention = draft_mod.choose_attention(rt.device, cfg.attention)
+        if attention == draft_mod.FLEX_ATTENTION and cfg.max_len % FLEX_BLOCK:
+            raise StageError(f"--max-len {cfg.max_len} must be a multiple of {FLEX_BLOCK} with flex attention (speculators' block mask)")
+        if len(inputs.eval_files) < rt.world_size:
+            raise StageError(f"{len(inputs.eval_files)} held-out samples for {rt.world_size} processes: raise --eval-fraction")
+        _prepare_out(cfg, rt)
+        out = Path(cfg.out)
+        view = out / VERIFIER_VIEW
+        if rt.is_main:
+            draft_mod.write_verifier_view(view, inputs.verifier, inputs.target)
+            write_json(out / TRAIN_CONFIG, _config_record(cfg, inputs, rt, attention))
+        _barrier(rt)
+
+        seed_everything(cfg.seed)
+        spec_config = draft_mod.build_speculator_config(
+            target=inputs.target, verifier_view=view, draft_vocab_size=len(inputs.d2t),
+            vllm_aux_layer_ids=inputs.vllm_aux_layer_ids, ttt_steps=cfg.ttt_steps, num_layers=cfg.num_layers,
+            norm_before_residual=cfg.norm_before_residual, intermediate_size=cfg.intermediate_size,
+        )
+        draft_mod.set_attention(spec_config, attention)
+        model = draft_mod.new_draft(spec_config, inputs.d2t, inputs.t2d)
+
+        train_loader = make_loader(inputs.train_files, cfg, rt, shuffle_seed=cfg.seed)
+        val_loader = make_loader(inputs.eval_files, cfg, rt, shuffle_seed=cfg.seed)
+        if len(train_loader) == 0:
+            raise StageError(f"no training batch could be formed from {len(inputs.train_files)} samples on {rt.world_size} processes")
+        from speculators.train.trainer import TrainerConfig
+
+        call = {"ttt_steps": cfg.ttt_steps, "ttt_step_loss_decay": cfg.ttt_step_loss_decay, "use_off_policy_tokens": False}
+        tconfig = TrainerConfig(
+            lr=cfg.lr, num_epochs=cfg.epochs, save_path=str(out / CHECKPOINTS), resume_from_checkpoint=cfg.resume,
+            is_distributed=rt.distributed, local_rank=rt.trainer_rank, train_call_kwargs=call, val_call_kwargs=dict(call),
+            scheduler_type=cfg.scheduler, scheduler_warmup_steps=cfg.warmup_steps,
+        )
+        metric_logger = logging.getLogger("speculators.metrics")
+        metric_logger.setLevel(logging.INFO)
+        handler = MetricsFile(out / METRICS) if rt.is_main else None
+        if handler:
+            metric_logger.addHandler(handler)
+        try:
+            trainer = _trainer_class()(model, tconfig, train_loader, val_loader, runtime=rt, stop_after=cfg.stop_after_epochs)
+            start_epoch = trainer.current_epoch
+            log(f"training epochs {start_epoch}..{cfg.epochs - 1} on {rt.device} x{rt.world_size}: "
+                f"{len(inputs.train_files)} train / {len(inputs.eval_files)} held-out samples, {len(train_loader)} steps per epoch")
+            epochs_run = trainer.run_training()
+        finally:
+            if handler:
+                metric_logger.removeHandler(handler)
+                handler.close()
+        final = last_epoch(out)
+        complete = final is not None and final == cfg.epochs - 1
+        tokens = inputs.train_tokens * epochs_run
+        seconds = sum(trainer.epoch_seconds)
+        train_stats = {
+            "epochs_run_now": epochs_run, "last_epoch": final, "complete": complete, "world_size": rt.world_size,
+            "device": str(rt.device), "train_tokens_per_epoch": inputs.train_tokens, "train_seconds": round(seconds, 3),
+            "train_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+            "steps_per_epoch": len(train_loader),
+        }
+        if not rt.is_main:
+            return {}
+        if not complete:
+            log(f"stopped after epoch {final}; continue with --resume")
+            summary = {"stage": "train", "out": str(out), "train": train_stats, "complete": False}
+            write_json(out / SUMMARY, summary)
+            return summary
+        export_draft(out / CHECKPOINTS / str(final), out / DRAFT, DTYPES[cfg.save_dtype], str(inputs.model_dir))
+        log(f"draft checkpoint: {out / DRAFT}")
+        summary = {
+            "stage": "train", "out": str(out), "draft": str(out / DRAFT), "complete": True,
+            "layer_ids": inputs.layer_ids, "eagle_aux_hidden_state_layer_ids": inputs.vllm_aux_layer_ids,
+            "draft_vocab_size": len(inputs.d2t), "ttt_steps": cfg.ttt_steps, "epochs": cfg.epochs, "train": train_stats,
+            "train_metrics": last_metrics(out / METRICS),
+        }
+        if cfg.evaluate:
+            from pipeline.evaluate import EvalConfig, evaluate_run
+
+            ev = evaluate_run(EvalConfig(out=out, k=cfg.eval_k or cfg.ttt_steps, max_samples=cfg.eval_max_samples,
+                                         seed=cfg.seed, device=str(rt.device), attention=attention), inputs)
+            write_json(out / EVAL, ev)
+            summary["eval"] = ev
+        write_json(out / SUMMARY, summary)
+        if cfg.plots:
+            from pipeline import plots
+
+            plots.draw_all(out)
+        return summary
+    finally:
+        if rt.distributed:
+            from speculators.train.utils import maybe_destroy_distributed
+
+            maybe_destroy_distributed()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def last_metrics(path: Path) -> dict:
+    """The last training step's metrics and the last validation record."""
+    rows = read_metrics(path)
+    train = [r for r in rows if "train" in r]
+    val = [r for r in rows if "val" in r]
+    return {"last_train": train[-1] if train else None, "last_val": val[-1] if val else None, "steps": len(train)}
