@@ -103,8 +103,10 @@ def _proc(d: dict) -> Proc:
 
 
 def classify(proc: Proc, host: HostConfig, server: ServerFacts, ancestry: set[int]) -> tuple[str, str]:
-    names = {proc.comm, os.path.basename(proc.cmdline.split(" ", 1)[0]) if proc.cmdline else ""}
-    hit = sorted(n for n in names if n and n in host.protected)
+    argv0 = os.path.basename(proc.cmdline.split(" ", 1)[0]) if proc.cmdline else ""
+    # /proc comm is cut to 15 characters ("nvidia-persistenced" reads "nvidia-persiste")
+    hit = sorted(p for p in host.protected
+                 if p in (proc.comm, argv0) or (len(proc.comm) == 15 and p.startswith(proc.comm)))
     if hit:
         return PROTECTED, f"protected name {hit[0]}"
     if proc.pid in ancestry:

@@ -54,7 +54,7 @@ def toml_value(value) -> str:
 
 def ssh_table(sshd: Sshd, known_hosts: Path, **extra) -> dict:
     return dict(host="127.0.0.1", port=sshd.port, user=sshd.user, key=str(sshd.user_key),
-                known_hosts=str(known_hosts), **extra)
+                known_hosts=str(known_hosts), python="/usr/bin/python3", **extra)
 
 
 def run_ops(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -1,0 +1,34 @@
+# ops: drive a GPU host over SSH. Each target is an alias of `python -m ops ...`; HOST= is a hosts-file
+# name, user@host[:port] or `local`. OPS_ARGS passes extra flags (e.g. OPS_ARGS=--dry-run).
+OPS := $(PY) -m ops
+HOSTS_FILE ?=
+OPS_HOST_ARGS = --host "$(HOST)" $(if $(HOSTS_FILE),--hosts-file "$(HOSTS_FILE)")
+
+.PHONY: gpu-status gpu-clean remote-extract remote-run stop-server restore-server test-ops bench-ops ops-test-images
+
+gpu-status: ## per-GPU memory/processes on HOST (protected/server/orphan)
+	$(OPS) gpu-status $(OPS_HOST_ARGS) $(OPS_ARGS)
+
+gpu-clean: ## stop the server on HOST, free its GPUs, verify clean (OPS_ARGS=--dry-run for the plan)
+	$(OPS) gpu-clean $(OPS_HOST_ARGS) $(OPS_ARGS)
+
+remote-extract: ## preflight, gpu-clean, run `pipeline extract` in the image on HOST, fetch summary
+	$(OPS) remote-extract $(OPS_HOST_ARGS) $(OPS_ARGS)
+
+remote-run: ## like remote-extract for STAGE=prepare|weights|train|verify
+	$(OPS) remote-run "$(STAGE)" $(OPS_HOST_ARGS) $(OPS_ARGS)
+
+stop-server: ## stop HOST's inference server by its strategy
+	$(OPS) stop-server $(OPS_HOST_ARGS)
+
+restore-server: ## bring HOST's inference server back
+	$(OPS) restore-server $(OPS_HOST_ARGS)
+
+ops-test-images: ## the Debian 12 base image the ops tests build their images on (cached)
+	bash tests/ops/images/build_base.sh
+
+test-ops: env ## the ops tests only
+	$(PY) -m pytest tests/ops $(PYTEST_ARGS)
+
+bench-ops: env ## remote-extract overhead and SSH connection count against a loopback sshd
+	$(PY) tests/ops/bench_ops.py

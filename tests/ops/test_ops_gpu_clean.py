@@ -1,0 +1,159 @@
+"""gpu-status and gpu-clean against real processes holding files in a temporary device directory,
+over a real sshd; the NVML part is a table of the same real pids (gpu_source = table:PATH)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import run_ops, ssh_table, write_hosts
+from ops_procs import Freezer, Procs, alive, write_gpu_table
+
+pytestmark = pytest.mark.sshd
+
+FAST = {"grace": 1, "kill_wait": 2, "stop": 5, "clean": 3}
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(tmp_path)
+    yield p
+    p.cleanup()
+
+
+@pytest.fixture
+def devdir(tmp_path) -> Path:
+    d = tmp_path / "dev"
+    d.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        (d / name).write_bytes(b"")
+    (d / "unrelated").write_bytes(b"")
+    return d
+
+
+@pytest.fixture
+def scene(tmp_path, devdir, procs, sshd):
+    """A pid-file server (API + engine child), an orphan, a TERM-ignoring orphan, a protected daemon, and
+    a bystander holding a file outside the device glob."""
+    d0, d1, ctl = devdir / "nvidia0", devdir / "nvidia1", devdir / "nvidiactl"
+    api, engine = procs.server(tmp_path / "server.pid", [d0, ctl])
+    orphan = procs.holder([d0, ctl], name="python-orphan")
+    stubborn = procs.holder([d1, ctl], name="stubborn", ignore_term=True)
+    daemon = procs.renamed_binary("nvidia-persistenced", [ctl])
+    bystander = procs.holder([devdir / "unrelated"], name="bystander")
+    table = write_gpu_table(tmp_path / "gpus.json", [
+        {"name": "Table H200", "memory_total_mib": 143771, "base_used_mib": 618,
+         "processes": [{"pid": engine, "used_mib": 70000}, {"pid": orphan.pid, "used_mib": 2000}]},
+        {"name": "Table H200", "memory_total_mib": 143771, "base_used_mib": 0,
+         "processes": [{"pid": stubborn.pid, "used_mib": 1000}]},
+    ])
+    known = sshd.write_known_hosts(tmp_path / "known_hosts")
+    hosts = write_hosts(tmp_path / "hosts.toml", "box", **ssh_table(
+        sshd, known, server=f"pidfile:{tmp_path / 'server.pid'}", device_glob=f"{devdir}/nvidia*",
+        gpu_source=f"table:{table}", timeouts=FAST))
+    return dict(api=api, engine=engine, orphan=orphan, stubborn=stubborn, daemon=daemon, bystander=bystander,
+                hosts=hosts, table=table)
+
+
+def ops(scene, *args):
+    return run_ops(*args, "--host", "box", "--hosts-file", str(scene["hosts"]))
+
+
+def test_gpu_status_json_classifies_every_holder(scene):
+    """Every holder is listed with its class: the server's engine, two orphans, the protected daemon."""
+    res = ops(scene, "gpu-status", "--json")
+    assert res.returncode == 0, res.stderr
+    state = json.loads(res.stdout)
+    klass = {h["proc"]["pid"]: h["klass"] for h in state["holders"]}
+    assert klass == {scene["engine"]: "server", scene["orphan"].pid: "orphan", scene["stubborn"].pid: "orphan",
+                     scene["daemon"].pid: "protected"}
+    assert [g["memory_used_mib"] for g in state["gpus"]] == [618 + 72000, 1000]
+    engine = next(h for h in state["holders"] if h["proc"]["pid"] == scene["engine"])
+    assert engine["proc"]["comm"] == "VLLM::EngineCor" and engine["gpus"] == [0] and engine["via"] == "fuser+nvml"
+
+
+def test_gpu_status_table(scene):
+    """The human table shows each GPU's memory and each process with PID, name and class."""
+    res = ops(scene, "gpu-status")
+    assert res.returncode == 0, res.stderr
+    assert "GPU 0 Table H200: 72618/143771 MiB" in res.stdout
+    for pid, cls in ((scene["engine"], "server"), (scene["orphan"].pid, "orphan"), (scene["daemon"].pid, "protected")):
+        assert any(str(pid) in line and cls in line for line in res.stdout.splitlines()), (pid, res.stdout)
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(scene):
+    """--dry-run names what would be stopped and signalled, and every process is still alive after."""
+    res = ops(scene, "gpu-clean", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "stop server process group" in res.stdout and "dry run" in res.stdout
+    for pid in (scene["orphan"].pid, scene["stubborn"].pid):
+        assert str(pid) in res.stdout
+    assert f"spare {scene['daemon'].pid} nvidia-persiste" in res.stdout
+    for p in ("api", "orphan", "stubborn", "daemon", "bystander"):
+        assert scene[p].poll() is None, p
+    assert alive(scene["engine"])
+
+
+def test_gpu_clean_kills_exactly_the_holders_then_is_a_noop(scene):
+    """The server group is stopped, both orphans die (the TERM-ignorer by KILL), the protected daemon and
+    the bystander live, the GPUs verify clean; a second run right after does nothing."""
+    res = ops(scene, "gpu-clean")
+    assert res.returncode == 0, res.stdout + res.stderr
+    for p in ("api", "orphan", "stubborn"):
+        assert not alive(scene[p].pid), p
+    assert not alive(scene["engine"])
+    assert scene["daemon"].poll() is None and scene["bystander"].poll() is None
+    assert f"signalled {scene['stubborn'].pid} stubborn: TERM then KILL" in res.stdout
+    assert f"signalled {scene['orphan'].pid} python-orphan: TERM\n" in res.stdout
+    assert "GPU 0: ok" in res.stdout and "GPU 1: ok" in res.stdout
+    again = ops(scene, "gpu-clean")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "clean (nothing to do)" in again.stdout and "signalled" not in again.stdout
+    assert scene["daemon"].poll() is None
+
+
+def test_frozen_holder_is_unkillable_reboot_needed(scene, procs, devdir):
+    """A holder that survives SIGKILL (frozen, D state) is reported with pid and state, exit code 5."""
+    hung = procs.holder([devdir / "nvidia1"], name="hung-worker")
+    freezer = Freezer(f"eagle-ops-test-{os.getpid()}")
+    try:
+        freezer.freeze(hung.pid)
+        res = ops(scene, "gpu-clean")
+        assert res.returncode == 5, res.stdout + res.stderr
+        assert f"unkillable: reboot needed: {hung.pid} hung-worker state D" in " ".join(res.stdout.split())
+        assert scene["daemon"].poll() is None
+        assert not alive(scene["orphan"].pid)
+    finally:
+        freezer.thaw_and_remove()
+
+
+def test_memory_over_threshold_is_not_clean(scene, tmp_path):
+    """With no process left but used memory over the threshold the verdict is 'not clean', exit 6."""
+    write_gpu_table(scene["table"], [{"base_used_mib": 4096, "processes": []}])
+    for p in ("api", "orphan", "stubborn"):
+        scene[p].kill()
+    os.kill(scene["engine"], 9)
+    res = ops(scene, "gpu-clean")
+    assert res.returncode == 6, res.stdout + res.stderr
+    assert "4096 MiB used >= threshold 1024 MiB" in res.stdout
+
+
+def test_local_mode_spares_our_own_ancestry(tmp_path, devdir, procs):
+    """In local mode the shell that runs ops holds a device file: it and ops survive, the orphan dies."""
+    orphan = procs.holder([devdir / "nvidia0"], name="orphan")
+    table = write_gpu_table(tmp_path / "gpus.json", [{"processes": [{"pid": orphan.pid, "used_mib": 10}]}])
+    hosts = write_hosts(tmp_path / "hosts.toml", "here", host="local", python="/usr/bin/python3", device_glob=f"{devdir}/nvidia*",
+                        gpu_source=f"table:{table}", timeouts=FAST)
+    import subprocess
+    import sys
+
+    script = (f"exec 7<{devdir}/nvidia0; {sys.executable} -m ops gpu-clean --host here --hosts-file {hosts}; "
+              "echo shell-survived rc=$?")
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[2],
+                         env=dict(os.environ, COLUMNS="200"), timeout=60)
+    assert "shell-survived rc=0" in res.stdout, res.stdout + res.stderr
+    assert "our own ancestry" in res.stdout
+    assert not alive(orphan.pid)
