@@ -17,8 +17,8 @@ import ctypes, os, signal, sys, time
 name, ignore_term, files = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
 if name:
     ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME: what ps/comm show
-if ignore_term:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+# explicit handlers: as PID 1 of a container the default TERM action would be ignored
+signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_term else (lambda *_: sys.exit(0)))
 handles = [open(f, "rb") for f in files]
 print("ready", flush=True)
 while True:

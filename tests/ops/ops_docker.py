@@ -1,0 +1,52 @@
+"""Real containers for the ops tests, made with the docker SDK from the locally built base image."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import docker
+
+from ops_procs import HOLDER
+
+BASE_IMAGE = "eagle-ops-test-base:bookworm"
+TEST_LABEL = "eagle-ops-test"
+BUILD_BASE = Path(__file__).parent / "images" / "build_base.sh"
+
+
+def client() -> docker.DockerClient:
+    c = docker.from_env()
+    c.ping()
+    return c
+
+
+def ensure_base_image() -> str:
+    subprocess.run(["bash", str(BUILD_BASE), BASE_IMAGE], check=True, capture_output=True)
+    return BASE_IMAGE
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def holder_container(c: docker.DockerClient, name: str, devdir: Path, files: list[Path], labels: dict | None = None,
+                     proc_name: str = "VLLM::EngineCore"):
+    """A detached container whose main process holds device files (bind-mounted at the same path)."""
+    ctr = c.containers.run(
+        BASE_IMAGE, ["python3", "-c", HOLDER, proc_name, "0", *map(str, files)], name=name, detach=True,
+        labels={TEST_LABEL: "1", **(labels or {})}, volumes={str(devdir): {"bind": str(devdir), "mode": "rw"}},
+    )
+    for line in ctr.logs(stream=True):
+        if b"ready" in line:
+            break
+    ctr.reload()
+    return ctr
+
+
+def remove_test_containers(c: docker.DockerClient, names: list[str]) -> None:
+    for name in names:
+        try:
+            c.containers.get(name).remove(force=True)
+        except docker.errors.NotFound:
+            pass
