@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import imageinfo  # noqa: E402
-from selfcheck import CheckResult, check_hash, fail, ok  # noqa: E402
+import imageinfo
+from selfcheck import CheckResult, check_hash, fail, ok
 
 APP = "/opt/eagle-ops"
 
@@ -28,14 +28,19 @@ def label_checks(labels: dict[str, str], lock: Path, patches: Path) -> list[Chec
     """The image's identity labels against the local files (pure: labels are a dict)."""
     results = [
         check_hash("label lock", labels.get("eagle-ops.lock.sha256"), imageinfo.file_sha256(lock)),
-        check_hash("label patches", labels.get("eagle-ops.patches.sha256"), imageinfo.patches_sha256(patches)),
+        check_hash(
+            "label patches", labels.get("eagle-ops.patches.sha256"), imageinfo.patches_sha256(patches)
+        ),
     ]
     for res in results:
         if res.status == "warn":  # an image without the label was not built by docker/build.sh
             results[results.index(res)] = fail(res.name, "label missing: rebuild with `make image`")
     revision = labels.get("org.opencontainers.image.revision", "")
-    results.append(ok("label revision", revision) if revision and revision != "unknown"
-                   else fail("label revision", "no git revision label: rebuild with `make image`"))
+    results.append(
+        ok("label revision", revision)
+        if revision and revision != "unknown"
+        else fail("label revision", "no git revision label: rebuild with `make image`")
+    )
     return results
 
 
@@ -44,9 +49,13 @@ def selfcheck_in_image(client, image: str, lock: Path, patches: Path) -> tuple[i
     container = client.containers.run(
         image,
         ["python", f"{APP}/docker/selfcheck.py", "--lock", "/check/lock.txt", "--patches", "/check/patches"],
-        volumes={str(lock.resolve()): {"bind": "/check/lock.txt", "mode": "ro"},
-                 str(patches.resolve()): {"bind": "/check/patches", "mode": "ro"}},
-        entrypoint=[], detach=True, network_mode="none",
+        volumes={
+            str(lock.resolve()): {"bind": "/check/lock.txt", "mode": "ro"},
+            str(patches.resolve()): {"bind": "/check/patches", "mode": "ro"},
+        },
+        entrypoint=[],
+        detach=True,
+        network_mode="none",
         environment={"PYTHONDONTWRITEBYTECODE": "1"},
     )
     try:
@@ -72,8 +81,11 @@ def check_image(client, image: str, lock: Path | None, patches: Path) -> tuple[l
     results = [ok("image", f"{image} {img.id[:19]} (lock {lock})")]
     results += label_checks(labels, lock, patches)
     code, output = selfcheck_in_image(client, image, lock, patches)
-    results.append(ok("in-image selfcheck", "passed") if code == 0
-                   else fail("in-image selfcheck", f"exit {code}: see its lines above"))
+    results.append(
+        ok("in-image selfcheck", "passed")
+        if code == 0
+        else fail("in-image selfcheck", f"exit {code}: see its lines above")
+    )
     return results, output
 
 

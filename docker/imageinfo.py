@@ -84,7 +84,9 @@ def git_revision(repo: Path) -> str:
     """The commit the build context was made from, with ``-dirty`` when tracked files differ from it."""
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+        ).stdout.strip()
 
     try:
         rev = git("rev-parse", "HEAD")

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cudaarch  # noqa: E402  (sibling module; this file also runs as a plain script)
-import imageinfo  # noqa: E402
+import cudaarch
+import imageinfo
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,12 @@ def installed_distributions() -> dict[str, str]:
     return found
 
 
-def check_lock(installed: dict[str, str], pins: dict[str, str], may_differ: frozenset[str] = frozenset(),
-               tolerated_extras: frozenset[str] = frozenset({"pip"})) -> list[CheckResult]:
+def check_lock(
+    installed: dict[str, str],
+    pins: dict[str, str],
+    may_differ: frozenset[str] = frozenset(),
+    tolerated_extras: frozenset[str] = frozenset({"pip"}),
+) -> list[CheckResult]:
     """Compare installed distributions with the lock's pins (names already normalized)."""
     results = []
     missing = sorted(name for name in pins if name not in installed)
@@ -86,10 +90,14 @@ def check_lock(installed: dict[str, str], pins: dict[str, str], may_differ: froz
     else:
         results.append(ok("lock", f"{len(pins)} pins installed at exactly the locked versions"))
     for name in sorted(set(moved) & may_differ):
-        results.append(warn("lock", f"{name} {installed[name]} replaces the lock's {pins[name]} (build argument)"))
+        results.append(
+            warn("lock", f"{name} {installed[name]} replaces the lock's {pins[name]} (build argument)")
+        )
     extras = sorted(set(installed) - set(pins) - tolerated_extras)
     if extras:
-        results.append(warn("lock", "installed but not in the lock: " + ", ".join(f"{n} {installed[n]}" for n in extras)))
+        results.append(
+            warn("lock", "installed but not in the lock: " + ", ".join(f"{n} {installed[n]}" for n in extras))
+        )
     return results
 
 
@@ -124,8 +132,12 @@ def check_archs(name: str, what: str, have: frozenset[int], required: frozenset[
 
 
 def check_patches(apply_script: Path, patches: Path) -> CheckResult:
-    proc = subprocess.run([sys.executable, str(apply_script), "--check", "--patches", str(patches)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(apply_script), "--check", "--patches", str(patches)],
+        capture_output=True,
+        text=True,
+        check=False,  # its exit code is the finding
+    )
     lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
     detail = " | ".join(lines) or f"apply.py printed nothing (exit {proc.returncode})"
     return ok("patches", detail) if proc.returncode == 0 else fail("patches", detail)
@@ -136,7 +148,7 @@ def check_imports(modules: list[str]) -> list[CheckResult]:
     for module in modules:
         try:
             mod = importlib.import_module(module)
-        except Exception as exc:  # any failure to import is the finding
+        except Exception as exc:  # noqa: BLE001  (any failure to import is the finding)
             results.append(fail("imports", f"import {module}: {type(exc).__name__}: {exc}"))
             continue
         version = getattr(mod, "__version__", None)
@@ -147,13 +159,17 @@ def check_imports(modules: list[str]) -> list[CheckResult]:
 def check_torch(required: frozenset[int]) -> CheckResult:
     try:
         import torch
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (any failure to import is the finding)
         return fail("torch", f"import torch: {exc}")
     getter = getattr(torch._C, "_cuda_getArchFlags", None)
     if getter is None or not torch.version.cuda:
         return fail("torch", f"torch {torch.__version__} is not a CUDA build (no arch list)")
-    return check_archs("torch", f"torch {torch.__version__} (CUDA {torch.version.cuda})", parse_arch_flags(getter() or ""),
-                       required)
+    return check_archs(
+        "torch",
+        f"torch {torch.__version__} (CUDA {torch.version.cuda})",
+        parse_arch_flags(getter() or ""),
+        required,
+    )
 
 
 def check_kernels(spec: str, required: frozenset[int]) -> list[CheckResult]:
@@ -165,7 +181,7 @@ def check_kernels(spec: str, required: frozenset[int]) -> list[CheckResult]:
         spec_obj = None
     if spec_obj is None or not spec_obj.submodule_search_locations:
         return [fail("kernels", f"package {package} not found")]
-    root = Path(list(spec_obj.submodule_search_locations)[0])
+    root = Path(next(iter(spec_obj.submodule_search_locations)))
     results = []
     for rel in [lib for lib in libs.split(",") if lib]:
         path = root / rel
@@ -190,10 +206,14 @@ def run(args: argparse.Namespace) -> list[CheckResult]:
     results: list[CheckResult] = []
     if args.lock:
         pins = imageinfo.lock_pins(args.lock)
-        results += check_lock(installed_distributions(), pins, frozenset(map(imageinfo.normalize, args.may_differ)))
+        results += check_lock(
+            installed_distributions(), pins, frozenset(map(imageinfo.normalize, args.may_differ))
+        )
         results.append(check_hash("lock-sha256", args.expect_lock_sha256, imageinfo.file_sha256(args.lock)))
     if args.patches:
-        results.append(check_hash("patches-sha256", args.expect_patches_sha256, imageinfo.patches_sha256(args.patches)))
+        results.append(
+            check_hash("patches-sha256", args.expect_patches_sha256, imageinfo.patches_sha256(args.patches))
+        )
         results.append(check_patches(args.patches / "apply.py", args.patches))
     results += check_imports(args.imports)
     required = frozenset(args.require_arch)
@@ -210,15 +230,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patches", type=Path, help="patch tree (holding apply.py) that must be applied")
     parser.add_argument("--expect-lock-sha256", help="the lock hash the image's label claims")
     parser.add_argument("--expect-patches-sha256", help="the patch-set hash the image's label claims")
-    parser.add_argument("--may-differ", action="append", default=[], metavar="DIST",
-                        help="a distribution allowed to differ from the lock (a swapped-in nightly wheel)")
+    parser.add_argument(
+        "--may-differ",
+        action="append",
+        default=[],
+        metavar="DIST",
+        help="a distribution allowed to differ from the lock (a swapped-in nightly wheel)",
+    )
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE")
-    parser.add_argument("--require-arch", action="append", type=int, default=[], metavar="SM",
-                        help="an SM the GPU code must include (90 = sm_90, 120 = sm_120); repeatable")
-    parser.add_argument("--no-torch-archs", dest="torch_archs", action="store_false",
-                        help="skip torch's compiled arch list (a CPU torch)")
-    parser.add_argument("--kernels", action="append", default=[], metavar="PKG:LIB[,LIB]",
-                        help="compiled libraries that must carry SASS for every required SM")
+    parser.add_argument(
+        "--require-arch",
+        action="append",
+        type=int,
+        default=[],
+        metavar="SM",
+        help="an SM the GPU code must include (90 = sm_90, 120 = sm_120); repeatable",
+    )
+    parser.add_argument(
+        "--no-torch-archs",
+        dest="torch_archs",
+        action="store_false",
+        help="skip torch's compiled arch list (a CPU torch)",
+    )
+    parser.add_argument(
+        "--kernels",
+        action="append",
+        default=[],
+        metavar="PKG:LIB[,LIB]",
+        help="compiled libraries that must carry SASS for every required SM",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here (atomically)")
     args = parser.parse_args(argv)
     try:
@@ -231,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in results if r.status == "fail"]
     if args.json:
         write_json(args.json, {"ok": not failed, "results": [asdict(r) for r in results]})
-    print(f"[selfcheck] {'FAILED' if failed else 'passed'}: {len(results)} checks, {len(failed)} failed, "
-          f"{sum(r.status == 'warn' for r in results)} warnings")
+    print(
+        f"[selfcheck] {'FAILED' if failed else 'passed'}: {len(results)} checks, {len(failed)} failed, "
+        f"{sum(r.status == 'warn' for r in results)} warnings"
+    )
     return 1 if failed else 0
 
 

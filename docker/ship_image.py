@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 CHUNK = 1 << 20
 
@@ -68,8 +68,10 @@ def remote_image_id(conn, image: str, remote_docker: tuple[str, ...]) -> str | N
         return res.stdout.strip() or None
     if "No such image" in res.stderr or "no such image" in res.stderr.lower():
         return None
-    raise ShipError(f"`{remote_command(argv)}` failed on the host ({res.exited}): {res.stderr.strip()}"
-                    " (is docker installed there, and may this user run it? see --remote-docker)")
+    raise ShipError(
+        f"`{remote_command(argv)}` failed on the host ({res.exited}): {res.stderr.strip()}"
+        " (is docker installed there, and may this user run it? see --remote-docker)"
+    )
 
 
 def plan_ship(conn, image: str, local_id: str, remote_docker: tuple[str, ...] = ("docker",)) -> ShipPlan:
@@ -107,13 +109,19 @@ def stream_load(conn, plan: ShipPlan, chunks: Iterable[bytes], on_bytes: Callabl
     return text
 
 
-def ship(conn, docker_client, image: str, *, remote_docker: tuple[str, ...] = ("docker",), dry_run: bool = False,
-         console=None) -> ShipPlan:
+def ship(
+    conn,
+    docker_client,
+    image: str,
+    *,
+    remote_docker: tuple[str, ...] = ("docker",),
+    dry_run: bool = False,
+    console=None,
+) -> ShipPlan:
     """Ship IMAGE from the local engine (docker SDK client) to the host behind conn; return the plan."""
+    import docker.errors
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-    import docker.errors
 
     console = console or Console(stderr=True)
     try:
@@ -125,18 +133,26 @@ def ship(conn, docker_client, image: str, *, remote_docker: tuple[str, ...] = ("
     if not plan.needed or dry_run:
         return plan
     total = int(local.attrs.get("Size") or 0)
-    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
+    columns = (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task(f"docker save | ssh {conn.host} docker load", total=total or None)
-        printed = stream_load(conn, plan, local.save(chunk_size=CHUNK, named=True),
-                              lambda n: progress.advance(task, n))
+        printed = stream_load(
+            conn, plan, local.save(chunk_size=CHUNK, named=True), lambda n: progress.advance(task, n)
+        )
     if printed:
         console.print(printed)
     now = remote_image_id(conn, image, remote_docker)
     if now != local.id:
-        raise ShipError(f"after docker load the host's {image} is {now}, not {local.id}: re-run, or check the "
-                        "host's disk space (docker load output above)")
+        raise ShipError(
+            f"after docker load the host's {image} is {now}, not {local.id}: re-run, or check the "
+            "host's disk space (docker load output above)"
+        )
     console.print(f"{image}: host now has {local.id[:19]}")
     return plan
 
@@ -148,7 +164,11 @@ def open_connection(target: str, *, identity: Path | None, known_hosts: Path | N
 
     kwargs = {}
     if identity:
-        kwargs["connect_kwargs"] = {"key_filename": str(identity), "allow_agent": False, "look_for_keys": False}
+        kwargs["connect_kwargs"] = {
+            "key_filename": str(identity),
+            "allow_agent": False,
+            "look_for_keys": False,
+        }
     conn = fabric.Connection(target, port=port, **kwargs)
     conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
     if known_hosts:
@@ -167,18 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int)
     parser.add_argument("--identity", type=Path, help="private key file (default: ssh agent / ~/.ssh keys)")
     parser.add_argument("--known-hosts", type=Path, help="known_hosts file (default: ~/.ssh/known_hosts)")
-    parser.add_argument("--remote-docker", default="docker", help='docker command on the host, e.g. "sudo docker"')
+    parser.add_argument(
+        "--remote-docker", default="docker", help='docker command on the host, e.g. "sudo docker"'
+    )
     parser.add_argument("--dry-run", action="store_true", help="compare image ids, send nothing")
     args = parser.parse_args(argv)
     remote_docker = tuple(shlex.split(args.remote_docker))
     if not remote_docker:
         print("error: --remote-docker is empty; give the docker command to run on the host", file=sys.stderr)
         return 2
-    import docker
     import paramiko
 
+    import docker
+
     try:
-        conn = open_connection(args.host, identity=args.identity, known_hosts=args.known_hosts, port=args.port)
+        conn = open_connection(
+            args.host, identity=args.identity, known_hosts=args.known_hosts, port=args.port
+        )
     except ShipError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -188,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except paramiko.SSHException as exc:
-        print(f"error: ssh to {args.host}: {exc} (unknown host key? add it to known_hosts first: ssh {args.host})",
-              file=sys.stderr)
+        print(
+            f"error: ssh to {args.host}: {exc} (unknown host key? add it to known_hosts first: ssh {args.host})",
+            file=sys.stderr,
+        )
         return 1
     except docker.errors.DockerException as exc:
         print(f"error: local docker engine: {exc}", file=sys.stderr)

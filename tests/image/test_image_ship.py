@@ -9,10 +9,9 @@ import sys
 import tarfile
 
 import pytest
+import ship_image
 from image_helpers import REPO, sh
 from ops_sshd import start_sshd
-
-import ship_image
 
 pytestmark = [pytest.mark.docker, pytest.mark.sshd, pytest.mark.slow]
 
@@ -42,9 +41,22 @@ def sshd(tmp_path_factory):
 
 def ship_cli(sshd, engine, *extra: str, known_hosts=None) -> subprocess.CompletedProcess:
     known = known_hosts or sshd.write_known_hosts(sshd.root / "known_hosts")
-    return sh(sys.executable, "docker/ship_image.py", f"{sshd.user}@127.0.0.1", SMALL, "--port", str(sshd.port),
-              "--identity", str(sshd.user_key), "--known-hosts", str(known),
-              "--remote-docker", f"docker -H {engine.host}", *extra, timeout=300)
+    return sh(
+        sys.executable,
+        "docker/ship_image.py",
+        f"{sshd.user}@127.0.0.1",
+        SMALL,
+        "--port",
+        str(sshd.port),
+        "--identity",
+        str(sshd.user_key),
+        "--known-hosts",
+        str(known),
+        "--remote-docker",
+        f"docker -H {engine.host}",
+        *extra,
+        timeout=300,
+    )
 
 
 def remote_id(engine) -> str | None:
@@ -79,9 +91,21 @@ def test_ship_refuses_unknown_host_key(small_image, second_engine, sshd, tmp_pat
 def test_ship_reports_a_failing_remote_docker(small_image, second_engine, sshd):
     """A docker command that cannot run on the host is a one-line error naming the command."""
     known = sshd.write_known_hosts(sshd.root / "known_hosts")
-    res = sh(sys.executable, "docker/ship_image.py", f"{sshd.user}@127.0.0.1", SMALL, "--port", str(sshd.port),
-             "--identity", str(sshd.user_key), "--known-hosts", str(known),
-             "--remote-docker", "docker -H unix:///nonexistent.sock", timeout=300)
+    res = sh(
+        sys.executable,
+        "docker/ship_image.py",
+        f"{sshd.user}@127.0.0.1",
+        SMALL,
+        "--port",
+        str(sshd.port),
+        "--identity",
+        str(sshd.user_key),
+        "--known-hosts",
+        str(known),
+        "--remote-docker",
+        "docker -H unix:///nonexistent.sock",
+        timeout=300,
+    )
     assert res.returncode == 1
     assert "error: `docker -H unix:///nonexistent.sock image inspect" in res.stdout
 
@@ -89,7 +113,10 @@ def test_ship_reports_a_failing_remote_docker(small_image, second_engine, sshd):
 def test_ship_plan_quotes_remote_words():
     """Every word of the remote commands is shell-quoted (an image name cannot inject a command)."""
     plan = ship_image.ShipPlan("img;rm -rf /", "sha256:a", None, ("sudo", "docker"))
-    assert ship_image.remote_command(plan.inspect_argv) == "sudo docker image inspect --format '{{.Id}}' 'img;rm -rf /'"
+    assert (
+        ship_image.remote_command(plan.inspect_argv)
+        == "sudo docker image inspect --format '{{.Id}}' 'img;rm -rf /'"
+    )
     assert ship_image.remote_command(plan.load_argv) == "sudo docker load"
     assert plan.needed and not ship_image.ShipPlan("i", "sha256:a", "sha256:a", ("docker",)).needed
 
