@@ -154,13 +154,29 @@ def check_checkpoint(model_dir: Path, model: ModelDir, text: dict) -> Iterator[C
                 )
             else:
                 yield ok("embedding", f"{embeds[0]} {shape} matches config.json")
+    yield from check_moe_routing(names, text)
+
+
+def check_moe_routing(names: dict[str, str], text: dict) -> Iterator[CheckResult]:
+    """DeepSeek-V3-style routers: the config keys vLLM reads with defaults that differ from transformers'."""
     biases = any(n.endswith("e_score_correction_bias") for n in names)
+    if not biases and text.get("model_type") != "deepseek_v3":
+        return
+    problems = []
     if biases and text.get("topk_method") != "noaux_tc":
-        yield fail(
-            "moe routing",
-            f"the checkpoint has e_score_correction_bias tensors but config topk_method is {text.get('topk_method')!r}: "
-            'vLLM then fails on load with a KeyError; set "topk_method": "noaux_tc"',
+        problems.append(
+            f"the checkpoint has e_score_correction_bias tensors but topk_method is {text.get('topk_method')!r} "
+            '(vLLM then fails on load with a KeyError): set "topk_method": "noaux_tc"'
         )
+    if text.get("scoring_func", "softmax") != "sigmoid":
+        problems.append(
+            f"scoring_func is {text.get('scoring_func', '(missing)')!r}: vLLM then routes with softmax while "
+            'transformers\' DeepseekV3 and the checkpoint use sigmoid, silently changing every MoE layer: set "scoring_func": "sigmoid"'
+        )
+    if problems:
+        yield fail("moe routing", "; ".join(problems))
+    else:
+        yield ok("moe routing", "noaux_tc top-k with sigmoid scoring, as transformers computes it")
 
 
 def check_layer_ids(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
@@ -329,7 +345,7 @@ def patch_marker(package: str) -> CheckResult:
         mod = importlib.import_module(package)
     except Exception as exc:  # noqa: BLE001
         return fail(f"{package} patches", f"cannot import {package}: {str(exc).splitlines()[0][:200]}")
-    site = Path(mod.__file__).resolve().parent.parent
+    site = Path(os.path.abspath(mod.__file__)).parent.parent  # as imported: symlinks not followed
     state_path = site / PATCH_STATE_DIR / package / "state.json"
     if not state_path.is_file():
         return fail(f"{package} patches", f"not patched: no marker {state_path} (run `python patches/apply.py`)")

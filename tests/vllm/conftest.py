@@ -68,12 +68,28 @@ def compare_dirs(got: Path, want: Path) -> dict:
     return {"files": len(got_ids), "worst_per_layer": worst, "token_errors": torch.cat(token_errors)}
 
 
-def copy_model(src: Path, dst: Path, **config_changes) -> Path:
-    """A copy of a model dir (weights hard-linked/copied) with config.json keys changed."""
+def copy_model(src: Path, dst: Path, drop: tuple[str, ...] = (), **config_changes) -> Path:
+    """A copy of a model dir with config.json keys changed (and the keys in ``drop`` removed)."""
     import json
 
     shutil.copytree(src, dst, copy_function=shutil.copy)
     cfg = json.loads((dst / "config.json").read_text())
     cfg.update(config_changes)
+    for key in drop:
+        cfg.pop(key, None)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst
+
+
+@pytest.fixture(scope="session")
+def deepseek_for_vllm(tiny_deepseek, tmp_path_factory) -> Path:
+    """The tiny DeepseekV3 with "scoring_func": "sigmoid" in config.json (what real DeepSeek-V3/Kimi configs carry).
+
+    transformers' DeepseekV3 always scores with sigmoid; vLLM reads scoring_func and defaults to softmax, so a
+    config without it routes differently in vLLM (the preflight's "moe routing" check fails on it).
+    """
+    import json
+
+    if json.loads((tiny_deepseek / "config.json").read_text()).get("scoring_func") == "sigmoid":
+        return tiny_deepseek
+    return copy_model(tiny_deepseek, tmp_path_factory.mktemp("dsv3-sigmoid") / "model", scoring_func="sigmoid")

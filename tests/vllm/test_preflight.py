@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -34,32 +35,40 @@ UPSTREAM_CHECKS = [
 ]
 
 
-def statuses(out: str) -> dict[str, str]:
-    """check name -> ok/warn/fail, from preflight's output lines '[  0.12s] ok   name: detail'."""
-    found = {}
-    for line in out.splitlines():
-        if line.startswith("[") and "s] " in line:
-            status, rest = line.split("s] ", 1)[1].split(None, 1)
-            found.setdefault(rest.split(": ", 1)[0], status)
-            if status == "fail":
-                found[rest.split(": ", 1)[0]] = "fail"
-    return found
+class Preflight:
+    """A finished preflight run: exit code, output, and check name -> status (a failed check wins)."""
+
+    def __init__(self, proc: subprocess.CompletedProcess, report: dict):
+        self.returncode, self.stdout, self.stderr = proc.returncode, proc.stdout, proc.stderr
+        self.checks = report["checks"]
+        self.status: dict[str, str] = {}
+        for check in self.checks:
+            if self.status.get(check["name"]) != "fail":
+                self.status[check["name"]] = check["status"]
 
 
-def preflight(*args, env=None) -> subprocess.CompletedProcess:
-    return run_pipeline("preflight", *args, env=env, timeout=300)
+def preflight(*args, env=None) -> Preflight:
+    """Run `python -m pipeline preflight ARGS --json FILE` as an operator would."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "preflight.json"
+        argv = ["preflight", *map(str, args), "--json", str(report)]
+        if env is None:
+            proc = run_pipeline(*argv, timeout=300)
+        else:
+            proc = subprocess.run([sys.executable, "-m", "pipeline", *argv], capture_output=True, text=True,
+                                  cwd=REPO, env=env, timeout=300)
+        assert report.is_file(), proc.stdout + proc.stderr
+        return Preflight(proc, json.loads(report.read_text()))
 
 
 def test_preflight_passes_on_the_patched_install(tiny_llama, prepared_llama, tmp_path):
     """Every check is ok (free disk included) on .venv-vllm with the patches applied; exit 0; --json written."""
-    result = preflight("--model", tiny_llama, "--prepared", prepared_llama, "--out", tmp_path / "states",
-                       "--json", tmp_path / "preflight.json")
+    result = preflight("--model", tiny_llama, "--prepared", prepared_llama, "--out", tmp_path / "states")
     assert result.returncode == 0, result.stdout + result.stderr
-    found = statuses(result.stdout)
-    assert set(PATCH_CHECKS + UPSTREAM_CHECKS) <= set(found)
-    assert all(v == "ok" for v in found.values()), found
-    report = json.loads((tmp_path / "preflight.json").read_text())
-    assert report["ok"] is True and len(report["checks"]) == len(found)
+    assert set(PATCH_CHECKS + UPSTREAM_CHECKS) <= set(result.status)
+    assert all(v == "ok" for v in result.status.values()), result.status
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("[") and "s] ok   " in ln]
+    assert len(lines) == len(result.checks)  # one printed line per check
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +99,7 @@ def test_preflight_fails_on_an_unpatched_install_naming_each_broken_check(tiny_l
     env = {**os.environ, "PYTHONPATH": f"{unpatched_overlay}{os.pathsep}{REPO}", "COLUMNS": "200"}
     result = preflight("--model", tiny_llama, env=env)
     assert result.returncode == 3, result.stdout + result.stderr
-    found = statuses(result.stdout)
+    found = result.status
     assert {n for n in PATCH_CHECKS if found.get(n) != "fail"} == set(), found
     assert {n for n in UPSTREAM_CHECKS if found.get(n) != "ok"} == set(), found
     assert found["layer count"] == "ok" and found["tokenizer"] == "ok"
@@ -124,7 +133,7 @@ def test_data_prepared_for_another_vocab_fails(tiny_llama, prepared_llama, tmp_p
     """A model whose vocab_size differs from the prepared data's fails 'prepared data' and 'embedding'."""
     model = copy_model(tiny_llama, tmp_path / "model", vocab_size=2048)
     result = preflight("--model", model, "--prepared", prepared_llama)
-    found = statuses(result.stdout)
+    found = result.status
     assert result.returncode == 3
     assert found["prepared data"] == "fail" and found["embedding"] == "fail" and found["vocab files"] == "fail"
 
@@ -132,7 +141,7 @@ def test_data_prepared_for_another_vocab_fails(tiny_llama, prepared_llama, tmp_p
 def test_bad_layer_ids_and_tensor_parallel_fail(tiny_llama):
     """Layer ids not ending at the last layer, and a TP size that does not divide the heads, each fail by name."""
     result = preflight("--model", tiny_llama, "--layer-ids", "1,2,3", "--tensor-parallel-size", "3")
-    found = statuses(result.stdout)
+    found = result.status
     assert result.returncode == 3
     assert found["layer ids"] == "fail" and found["tensor parallel"] == "fail"
     assert "num_attention_heads 4 is not divisible by tensor parallel size 3" in result.stdout
@@ -144,7 +153,7 @@ def test_stray_pt_file_in_output_dir_fails(tiny_llama, tmp_path):
     out.mkdir()
     (out / "token_freq.pt").write_bytes(b"x")
     result = preflight("--model", tiny_llama, "--out", out, "--backend", "hf")
-    assert result.returncode == 3 and statuses(result.stdout)["output dir"] == "fail"
+    assert result.returncode == 3 and result.status["output dir"] == "fail"
 
 
 def test_missing_chat_template_fails(tiny_llama, tmp_path):
@@ -155,7 +164,7 @@ def test_missing_chat_template_fails(tiny_llama, tmp_path):
     cfg.pop("chat_template", None)
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     result = preflight("--model", model, "--backend", "hf")
-    assert result.returncode == 3 and statuses(result.stdout)["chat template"] == "fail"
+    assert result.returncode == 3 and result.status["chat template"] == "fail"
 
 
 def test_preflight_never_reads_weights(tiny_llama, tmp_path):
@@ -167,3 +176,13 @@ def test_preflight_never_reads_weights(tiny_llama, tmp_path):
     weights.write_bytes(data[: 8 + header_len + 16])
     result = preflight("--model", model, "--backend", "hf")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_deepseek_without_sigmoid_scoring_fails_moe_routing(tiny_deepseek, deepseek_for_vllm, tmp_path):
+    """A DeepseekV3 config without scoring_func (vLLM would route with softmax) fails 'moe routing'; with it, ok."""
+    bad = copy_model(tiny_deepseek, tmp_path / "model", drop=("scoring_func",))
+    result = preflight("--model", bad, "--backend", "hf")
+    assert result.returncode == 3 and result.status["moe routing"] == "fail"
+    assert '"scoring_func": "sigmoid"' in result.stdout
+    good = preflight("--model", deepseek_for_vllm, "--backend", "hf")
+    assert good.returncode == 0 and good.status["moe routing"] == "ok", good.stdout
