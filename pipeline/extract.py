@@ -9,8 +9,10 @@ is the backend's business (pipeline/backends/).
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -48,6 +50,10 @@ class ExtractConfig:
     trust_remote_code: bool = False
     verify: bool = True  # write summary.json by running verify at the end
     progress: bool = True
+    data_parallel: int = 1  # processes on this host, one per GPU, batches dealt round-robin
+    world_size: int = 1  # hosts taking part; host `rank` owns samples i with i % world_size == rank
+    rank: int = 0
+    local_rank: int | None = None  # internal: set in a data-parallel worker process
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,23 @@ def plan_batches(lengths: Sequence[int], max_batch_tokens: int, max_batch_size: 
 
 def pending_batches(batches: list[Batch], done: set[int]) -> list[Batch]:
     return [b for b in batches if not all(i in done for i in b.indices)]
+
+
+def shard_indices(num_samples: int, world_size: int, rank: int) -> list[int]:
+    """The samples a host owns: i % world_size == rank. Any host count yields one contiguous set."""
+    return list(range(rank, num_samples, world_size))
+
+
+def plan_shard(lengths: Sequence[int], world_size: int, rank: int, max_batch_tokens: int, max_batch_size: int) -> list[Batch]:
+    """The batch plan of one host: its shard's samples, bucketed; global sample indices."""
+    owned = shard_indices(len(lengths), world_size, rank)
+    local = plan_batches([lengths[i] for i in owned], max_batch_tokens, max_batch_size)
+    return [Batch(tuple(owned[j] for j in b.indices), b.padded_tokens) for b in local]
+
+
+def deal(batches: list[Batch], workers: int, worker: int) -> list[Batch]:
+    """Round-robin over a longest-first plan: every worker gets a similar token count."""
+    return batches[worker::workers]
 
 
 class Writer:
@@ -235,7 +258,27 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
             "capture_seconds": capture_s, "non_capture_fraction": 1 - capture_s / elapsed if elapsed else 0.0}
 
 
+def _check_parallel(cfg: ExtractConfig) -> None:
+    if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
+        raise StageError(f"--rank {cfg.rank} must be in 0..{cfg.world_size - 1} for --world-size {cfg.world_size}")
+    if cfg.data_parallel < 1:
+        raise StageError(f"--data-parallel {cfg.data_parallel} must be at least 1")
+    if cfg.data_parallel > 1 and cfg.backend != "hf":
+        raise StageError("--data-parallel is for the hf backend; the vllm backend uses --tensor-parallel-size")
+    if cfg.data_parallel > 1 and cfg.local_rank is None and torch.cuda.is_available():
+        if cfg.data_parallel > len(visible_devices()):
+            raise StageError(f"--data-parallel {cfg.data_parallel} but only {len(visible_devices())} GPUs are visible")
+
+
+def visible_devices() -> list[str]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d for d in env.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
 def run(cfg: ExtractConfig) -> dict:
+    _check_parallel(cfg)
     prepared, meta = formats.read_prepared(cfg.prepared)
     model = read_model_dir(cfg.model)
     if meta.target_vocab_size != model.vocab_size:
@@ -257,17 +300,88 @@ def run(cfg: ExtractConfig) -> dict:
     dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device)) if cfg.backend == "hf" else resolve_dtype(
         "bfloat16" if cfg.dtype == "auto" else cfg.dtype, torch.device("cpu"))
     expected = _expected_config(cfg, model, layer_ids, n, meta.seq_length, dtype)
-    done = prepare_output_dir(cfg, expected)
-    done &= set(range(n))
-    batches = pending_batches(plan_batches(lengths, cfg.max_batch_tokens, cfg.max_batch_size), done)
+    if cfg.local_rank is None:
+        done = prepare_output_dir(cfg, expected)
+    else:  # a worker: the launcher applied the output policy; it only re-reads what exists
+        done = set(formats.existing_data_indices(cfg.out))
+    plan = plan_shard(lengths, cfg.world_size, cfg.rank, cfg.max_batch_tokens, cfg.max_batch_size)
+    owned = {i for b in plan for i in b.indices}
+    done &= owned
+    if cfg.local_rank is not None:
+        # deal the whole plan, not the pending part: workers list the directory at different moments
+        plan = deal(plan, cfg.data_parallel, cfg.local_rank)
+    batches = pending_batches(plan, done)
     stats = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0, "bytes": 0}
-    if batches:
+    if batches and cfg.data_parallel > 1 and cfg.local_rank is None:
+        stats = launch_workers(cfg, len(owned), len(done))
+    elif batches:
         with get_backend(cfg.backend, options) as backend:
-            stats = run_loop(backend, prepared, batches, cfg.out, model.hidden_size, len(layer_ids), n,
+            stats = run_loop(backend, prepared, batches, cfg.out, model.hidden_size, len(layer_ids), len(owned),
                              len(done - {i for b in batches for i in b.indices}), cfg.progress)
-    formats.write_sample_lengths(cfg.out, {i: int(lengths[i]) for i in range(n)})
-    stats.update(samples=n, batches_run=len(batches), resumed_from=len(done), config=asdict(expected))
+    if cfg.local_rank is None:
+        formats.write_sample_lengths(cfg.out, {i: int(lengths[i]) for i in range(n)})
+    stats.update(samples=n, owned=len(owned), batches_run=len(batches), resumed_from=len(done), config=asdict(expected))
     return stats
+
+
+def worker_argv(cfg: ExtractConfig, local_rank: int) -> list[str]:
+    """The command line of one data-parallel worker: the same stage, told which slice of the plan is its own."""
+    argv = [sys.executable, "-m", "pipeline", "extract", "--prepared", str(cfg.prepared), "--model", str(cfg.model),
+            "--out", str(cfg.out), "--backend", cfg.backend, "--dtype", cfg.dtype,
+            "--max-batch-tokens", str(cfg.max_batch_tokens), "--max-batch-size", str(cfg.max_batch_size),
+            "--world-size", str(cfg.world_size), "--rank", str(cfg.rank), "--data-parallel", str(cfg.data_parallel),
+            "--local-rank", str(local_rank), "--no-verify", "--no-progress", "--json-stats"]
+    if cfg.layer_ids:
+        argv += ["--layer-ids", ",".join(map(str, cfg.layer_ids))]
+    if cfg.limit is not None:
+        argv += ["--limit", str(cfg.limit)]
+    if cfg.device != "auto":
+        argv += ["--device", cfg.device]
+    if cfg.trust_remote_code:
+        argv.append("--trust-remote-code")
+    return argv
+
+
+def launch_workers(cfg: ExtractConfig, owned: int, done: int) -> dict:
+    """Run one worker process per GPU (or per CPU slot), show their combined progress, fail if any fails."""
+    import json
+    import subprocess
+
+    devices = visible_devices() if torch.cuda.is_available() else []
+    procs = []
+    t0 = time.perf_counter()
+    for k in range(cfg.data_parallel):
+        env = dict(os.environ)
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = devices[k]
+        else:  # CPU workers share the cores instead of each taking all of them
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.data_parallel)))
+        procs.append(subprocess.Popen(worker_argv(cfg, k), env=env, stdout=subprocess.PIPE, text=True))
+    failed = []
+    try:
+        with _progress(cfg.progress) as bar:
+            task = bar.add_task("extract", total=owned, completed=done, tps=0.0)
+            while any(p.poll() is None for p in procs):
+                time.sleep(0.5)
+                count = len(set(formats.existing_data_indices(cfg.out)))
+                bar.update(task, completed=min(owned, count) if cfg.world_size == 1 else bar.tasks[0].completed)
+        outputs = [p.communicate()[0] for p in procs]
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+        raise
+    for k, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        if p.returncode != 0:
+            failed.append(f"worker {k} exited {p.returncode}")
+    if failed:
+        raise StageError(f"data-parallel extraction failed: {'; '.join(failed)} (re-run with --resume to redo what is missing)")
+    per = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
+    elapsed = time.perf_counter() - t0
+    tokens = sum(w["tokens"] for w in per)
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "bytes": sum(w["bytes"] for w in per),
+            "workers": per}
 
 
 @click.command("extract")
@@ -287,10 +401,20 @@ def run(cfg: ExtractConfig) -> dict:
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--no-verify", "verify", is_flag=True, flag_value=False, default=True, help="Skip the summary.json check at the end.")
 @click.option("--no-progress", "progress", is_flag=True, flag_value=False, default=True)
-def command(layer_ids: str | None, **kwargs) -> None:
+@click.option("--data-parallel", type=int, default=1, show_default=True, help="hf: one process per GPU on this host.")
+@click.option("--world-size", type=int, default=1, show_default=True, help="Hosts sharing the set (sample i -> host i %% W).")
+@click.option("--rank", type=int, default=0, show_default=True, help="This host's rank in --world-size.")
+@click.option("--local-rank", type=int, default=None, hidden=True)
+@click.option("--json-stats", is_flag=True, hidden=True, help="Print the run's figures as JSON (worker protocol).")
+def command(layer_ids: str | None, json_stats: bool, **kwargs) -> None:
     """Capture the outputs of 4 decoder layers for every prepared sample."""
     cfg = ExtractConfig(layer_ids=tuple(ids) if (ids := parse_layer_ids(layer_ids)) else None, **kwargs)
     stats = run(cfg)
+    if json_stats:
+        import json
+
+        click.echo(json.dumps({k: v for k, v in stats.items() if k != "config"}))
+        return
     click.echo(
         f"extracted {stats['samples']} samples into {cfg.out} ({stats['batches_run']} batches run, "
         f"{stats['resumed_from']} already done; {stats['tokens_per_s']:,.0f} tok/s)"
@@ -298,4 +422,4 @@ def command(layer_ids: str | None, **kwargs) -> None:
     if cfg.verify:
         from pipeline.verify import VerifyConfig, report
 
-        report(VerifyConfig(path=cfg.out))
+        report(VerifyConfig(path=cfg.out, world_size=cfg.world_size, rank=cfg.rank))

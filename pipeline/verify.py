@@ -40,6 +40,8 @@ class VerifyConfig:
     min_agreement: float = 0.95  # per-file argmax agreement needed
     workers: int = 4  # parallel file readers
     write_summary: bool = True
+    world_size: int = 1  # hidden states written by several hosts: check only this host's shard
+    rank: int = 0
 
 
 def detect_kind(path: Path) -> str:
@@ -187,13 +189,16 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
         s.checks.append(fail("data_config", str(exc)))
         return s
     s.checks.append(ok("data_config", f"{dc.num_samples} samples, layers {dc.layer_ids}, H={dc.hidden_size}, {dc.dtype}"))
-    indices = formats.existing_data_indices(path)
-    missing = sorted(set(range(dc.num_samples)) - set(indices))
-    extra = sorted(set(indices) - set(range(dc.num_samples)))
-    s.checks.append(check("count", len(indices) == dc.num_samples and not extra, f"{len(indices)} files",
-                          f"{len(indices)} data files, data_config.json says {dc.num_samples}"))
-    s.checks.append(check("contiguity", not missing and not extra, f"data_0..data_{dc.num_samples - 1}",
+    expected = set(range(cfg.rank, dc.num_samples, cfg.world_size))
+    present = formats.existing_data_indices(path)
+    extra = sorted(set(present) - set(range(dc.num_samples)))
+    indices = sorted(set(present) & expected)
+    missing = sorted(expected - set(indices))
+    shard = f" (shard {cfg.rank}/{cfg.world_size})" if cfg.world_size > 1 else ""
+    s.checks.append(check("contiguity", not missing and not extra, f"data_0..data_{dc.num_samples - 1}{shard}",
                           f"missing {_ranges(missing)}" + (f"; unexpected {_ranges(extra)}" if extra else "")))
+    s.checks.append(check("count", len(indices) == len(expected) and not extra, f"{len(indices)} files{shard}",
+                          f"{len(indices)} data files{shard}, expected {len(expected)} of data_config.json's {dc.num_samples}"))
     partials = [p.name for p in path.glob(".*.partial")]
     if partials:
         s.checks.append(warn("partials", f"{len(partials)} leftover partial files (removed by --resume)"))
@@ -341,6 +346,8 @@ def report(cfg: VerifyConfig) -> Summary:
 @click.option("--alignment-samples", type=int, default=4, show_default=True)
 @click.option("--min-agreement", type=float, default=0.95, show_default=True)
 @click.option("--workers", type=int, default=4, show_default=True)
+@click.option("--world-size", type=int, default=1, show_default=True, help="Check only one host's shard: i %% W == rank.")
+@click.option("--rank", type=int, default=0, show_default=True)
 def command(path: Path, **kwargs) -> None:
     """Check any stage's output; write PATH/summary.json; exit non-zero on a failed check."""
     report(VerifyConfig(path=path, **kwargs))
