@@ -45,6 +45,27 @@ class Report:
             self.path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
 
 
+def attention_check(cfg) -> dict:
+    """Loss and proposals of the trained draft on one packed batch with speculators' flex kernel and ours."""
+    from pipeline import draft as draft_mod
+    from pipeline.train import DRAFT, Runtime, check_inputs, make_loader
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    inputs = check_inputs(cfg)
+    model = draft_mod.load_draft(cfg.out / DRAFT).to(device).eval()
+    batch = next(iter(make_loader(inputs.train_files, cfg, Runtime(device), shuffle_seed=0)))
+    batch = {k: v.to(device) for k, v in batch.items()}
+    results = {}
+    for impl in (draft_mod.FLEX_ATTENTION, draft_mod.DENSE_ATTENTION):
+        draft_mod.set_attention(model.config, impl)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            tokens, loss, _ = model(**batch, ttt_steps=cfg.ttt_steps)
+        results[impl] = (tokens, float(loss))
+    (tf, lf), (td, ld) = results.values()
+    agree = float(sum((a == b).float().mean() for a, b in zip(tf, td)) / len(tf))
+    return {"flex_loss": lf, "dense_loss": ld, "proposal_agreement": agree, "documents": int(len(batch["lengths"]))}
+
+
 def _timed(fn, *args, **kwargs):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -98,9 +119,22 @@ def main(preset: str, workdir: Path, json_path: Path | None, conversations: int 
 
     cfg = TrainConfig(data=workdir / "hidden_states", verifier=workdir / "verifier", out=workdir / "train", model=model,
                       prepared=workdir / "prepared", eval_max_samples=32, **train_opts)
-    summary, s = _timed(run, cfg, log=lambda m: click.echo(m, err=True))
+    try:
+        summary, s = _timed(run, cfg, log=lambda m: click.echo(m, err=True))
+    except Exception as exc:  # noqa: BLE001 - e.g. torch.compile on an untested torch: retry once in eager mode
+        report.phase("train_failed", 0.0, error=f"{type(exc).__name__}: {exc}"[:500])
+        import dataclasses
+
+        torch._dynamo.config.disable = True
+        cfg = dataclasses.replace(cfg, overwrite=True)
+        summary, s = _timed(run, cfg, log=lambda m: click.echo(m, err=True))
     ev = summary.get("eval", {})
     report.phase("train", s, train=summary["train"], eval=ev)
+    try:
+        check, s = _timed(attention_check, cfg)
+        report.phase("attention_check", s, **check)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic; the figures above stand without it
+        report.phase("attention_check", 0.0, error=f"{type(exc).__name__}: {exc}"[:300])
     base = ev["baselines"][ev["best_baseline"]] if ev else {}
     rows = [
         ("target", f"random Llama, {params / 1e9:.2f} B parameters, {dc.num_layers} layers, hidden {dc.hidden_size}, vocab {vocab}"),

@@ -315,7 +315,7 @@ class MetricsFile(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if not isinstance(record.msg, dict):
             return
-        row = {"step": getattr(record, "step", None), **record.msg}
+        row = {"step": getattr(record, "step", None), "time": round(record.created, 3), **record.msg}
         self.fh.write(json.dumps(row, default=float) + "\n")
         self.fh.flush()
 

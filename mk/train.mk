@@ -1,0 +1,7 @@
+# The train stage: benchmark and its tests. `make test` runs tests/train (vLLM-marked ones via test-vllm).
+.PHONY: bench-train test-train
+bench-train: env ## draft training: tokens/s + offline acceptance vs baselines (tiny, CPU); BENCH_ARGS="--preset llama-1b" on a GPU
+	$(PY) bench/train_bench.py --preset tiny --json runs/bench-train.json $(BENCH_ARGS)
+
+test-train: env ## the train stage's tests in the light environment
+	$(PY) -m pytest tests/train -m "not vllm" $(PYTEST_ARGS)
