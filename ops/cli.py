@@ -107,6 +107,71 @@ def restore_server(host: HostConfig, runner: Runner) -> None:
     console.print("\n".join(done) if done else f"server {host.server}: already running or strategy none")
 
 
+def _stage_options(fn):
+    @click.option("--run-id", default=None, help="name this run (default: STAGE-UTCSTAMP-XXXX)")
+    @click.option("--resume", is_flag=True, help="continue into a non-empty output folder")
+    @click.option("--restore-server", is_flag=True, help="bring the server back at the end, also on failure/Ctrl-C")
+    @click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True,
+                  help="local folder for runs/<host>/<run-id>/")
+    @functools.wraps(fn)
+    def wrapper(**kw):
+        return fn(**kw)
+
+    return wrapper
+
+
+def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, extra):
+    from pathlib import Path
+
+    from ops.remote_run import remote_run
+    from ops.report import print_summary
+    from ops.stage import new_run_id, plan_stage
+
+    plan = plan_stage(host, stage, run_id=run_id or new_run_id(stage), extra_args=tuple(extra), resume=resume)
+    out = remote_run(runner, host, plan, runs_root=Path(runs_dir), restore_server=restore_server, console=console)
+    print_summary(console, out.summary, out.exit_code, out.local_dir)
+    if out.exit_code:
+        sys.exit(out.exit_code)
+
+
+@main.command("remote-run", context_settings={"ignore_unknown_options": True})
+@click.argument("stage", type=click.Choice(["prepare", "extract", "weights", "train", "verify"]))
+@host_options
+@_stage_options
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
+def remote_run_cmd(host, runner, stage, run_id, resume, restore_server, runs_dir, extra) -> None:
+    """Preflight, gpu-clean, run `pipeline STAGE` in the image on the host, fetch summary and logs.
+    Arguments after `--` go to the stage command."""
+    _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, extra)
+
+
+@main.command("remote-extract", context_settings={"ignore_unknown_options": True})
+@host_options
+@_stage_options
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
+def remote_extract(host, runner, run_id, resume, restore_server, runs_dir, extra) -> None:
+    """remote-run extract: hidden states of the prepared samples, verified, summary fetched."""
+    _run_stage(host, runner, "extract", run_id, resume, restore_server, runs_dir, extra)
+
+
+@main.command("attach")
+@click.argument("run_id")
+@host_options
+@click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True)
+def attach_cmd(host, runner, run_id, runs_dir) -> None:
+    """Follow a stage container again (after an SSH drop), then fetch its summary and logs."""
+    from pathlib import Path
+
+    from ops.remote_run import attach
+    from ops.report import print_summary
+    from ops.stage import check_run_id
+
+    out = attach(runner, host, check_run_id(run_id), runs_root=Path(runs_dir), console=console)
+    print_summary(console, out.summary, out.exit_code, out.local_dir)
+    if out.exit_code:
+        sys.exit(out.exit_code)
+
+
 def run() -> None:
     try:
         main(standalone_mode=False)

@@ -305,7 +305,37 @@ def terminate(req: dict) -> dict:
             "skipped": skipped}
 
 
-OPS = {"probe": probe, "terminate": terminate}
+def paths(req: dict) -> dict:
+    """Facts about host paths given as data (never through a shell): existence, kind, entry count,
+    free bytes of the file system that holds them, small JSON files' contents."""
+    facts = {}
+    for path in req.get("paths", []):
+        try:
+            st = os.stat(path)
+        except OSError:
+            facts[path] = {"exists": False}
+            continue
+        is_dir = os.path.isdir(path)
+        facts[path] = {"exists": True, "is_dir": is_dir, "entries": len(os.listdir(path)) if is_dir else None}
+    free = {}
+    for path in req.get("free", []):
+        probe_at = path
+        while probe_at and not os.path.exists(probe_at):
+            probe_at = os.path.dirname(probe_at)
+        vfs = os.statvfs(probe_at or "/")
+        free[path] = vfs.f_bavail * vfs.f_frsize
+    docs = {}
+    for path in req.get("json", []):
+        try:
+            if os.path.getsize(path) < (1 << 20):
+                with open(path) as fh:
+                    docs[path] = json.load(fh)
+        except (OSError, ValueError):
+            docs[path] = None
+    return {"paths": facts, "free": free, "json": docs}
+
+
+OPS = {"probe": probe, "terminate": terminate, "paths": paths}
 
 
 def main(req: dict) -> int:

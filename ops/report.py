@@ -113,3 +113,32 @@ def print_clean(console: Console, report: CleanReport) -> None:
         console.print("[bold green]clean[/]" + (" (nothing to do)" if nothing else ""))
     else:
         console.print(f"[bold red]{report.verdict}[/]")
+
+
+def print_checks(console: Console, checks) -> None:
+    t = Table(title="preflight", title_justify="left")
+    for col in ("check", "status", "detail"):
+        t.add_column(col)
+    colour = {"ok": "green", "warn": "yellow", "fail": "red"}
+    for c in checks:
+        t.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", c.detail)
+    console.print(t)
+
+
+def print_summary(console: Console, summary: dict | None, exit_code: int | None, local_dir) -> None:
+    """The fetched summary.json as a table: its checks, then its other scalar fields."""
+    if summary is None:
+        console.print(f"no summary.json fetched; logs in {local_dir}/stage.log")
+    else:
+        t = Table(title=f"summary ({local_dir}/summary.json)", title_justify="left")
+        for col in ("check", "status", "detail"):
+            t.add_column(col)
+        for c in summary.get("checks", []):
+            st = str(c.get("status", ""))
+            t.add_row(str(c.get("name", "")), f"[{'green' if st == 'ok' else 'red'}]{st}[/]", str(c.get("detail", "")))
+        for k, v in summary.items():
+            if k != "checks" and isinstance(v, (str, int, float, bool)) or v is None and k != "checks":
+                t.add_row(k, "", str(v))
+        console.print(t)
+    colour = "green" if exit_code == 0 else "red"
+    console.print(f"[{colour}]stage exit code {exit_code}[/]")

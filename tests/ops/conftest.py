@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ops_procs import Procs
 from ops_sshd import Sshd, start_sshd
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,6 +23,24 @@ def sshd(tmp_path_factory) -> Sshd:
     server = start_sshd(tmp_path_factory.mktemp("sshd"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Real processes started by the test; none outlives it."""
+    p = Procs(tmp_path)
+    yield p
+    p.cleanup()
+
+
+@pytest.fixture
+def devdir(tmp_path) -> Path:
+    """A temporary "device" directory: empty files named like /dev/nvidia*, plus one outside the glob."""
+    d = tmp_path / "dev"
+    d.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "unrelated"):
+        (d / name).write_bytes(b"")
+    return d
 
 
 def write_hosts(path: Path, name: str, **table) -> Path:

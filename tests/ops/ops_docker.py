@@ -50,3 +50,18 @@ def remove_test_containers(c: docker.DockerClient, names: list[str]) -> None:
             c.containers.get(name).remove(force=True)
         except docker.errors.NotFound:
             pass
+
+
+STAGE_IMAGE = "eagle-ops-test-stage:1"
+
+
+def stage_image(c: docker.DockerClient, repo: Path, python_home: str) -> tuple[str, list[str]]:
+    """A stage image for the tests: the base plus PATH to this checkout's venv; the checkout and the
+    venv's interpreter are bind-mounted read-only at the same paths (returned as hosts-file mounts)."""
+    import io
+
+    ensure_base_image()
+    dockerfile = f"FROM {BASE_IMAGE}\nENV PATH={repo}/.venv/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1\n"
+    c.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=STAGE_IMAGE, pull=False, rm=True,
+                   labels={TEST_LABEL: "1"})
+    return STAGE_IMAGE, [f"{repo}:{repo}:ro", f"{python_home}:{python_home}:ro"]

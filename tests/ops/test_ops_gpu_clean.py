@@ -10,28 +10,11 @@ from pathlib import Path
 import pytest
 
 from conftest import run_ops, ssh_table, write_hosts
-from ops_procs import Freezer, Procs, alive, write_gpu_table
+from ops_procs import Freezer, alive, write_gpu_table
 
 pytestmark = pytest.mark.sshd
 
 FAST = {"grace": 1, "kill_wait": 2, "stop": 5, "clean": 3}
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
-
-
-@pytest.fixture
-def devdir(tmp_path) -> Path:
-    d = tmp_path / "dev"
-    d.mkdir()
-    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
-        (d / name).write_bytes(b"")
-    (d / "unrelated").write_bytes(b"")
-    return d
 
 
 @pytest.fixture

@@ -15,25 +15,9 @@ from ops.gpus import ServerFacts
 from ops.hosts import HostConfig, Timeouts, parse_strategy
 from ops.server import plan_restore, plan_stop
 from ops_docker import client, ensure_base_image, holder_container, remove_test_containers, unique
-from ops_procs import HOLDER, Procs, alive, wait_for, write_gpu_table
+from ops_procs import HOLDER, alive, wait_for, write_gpu_table
 
 FAST = {"grace": 1, "kill_wait": 2, "stop": 3, "clean": 3}
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
-
-
-@pytest.fixture
-def devdir(tmp_path) -> Path:
-    d = tmp_path / "dev"
-    d.mkdir()
-    for name in ("nvidia0", "nvidiactl"):
-        (d / name).write_bytes(b"")
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,108 @@
+"""Host preflight for a stage run: everything that can be checked in seconds before anything is stopped.
+
+Owns the checks (docker, image and its digest, GPU count, input folders, model, free disk against the
+expected output size, output folder empty unless --resume, no other stage container running). Each
+returns a CheckResult; nothing here stops, starts or writes anything, and only the CLI exits.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+
+from ops.agent import call
+from ops.connection import Runner
+from ops.gpus import GpuState
+from ops.hosts import HostConfig
+from ops.stage import StagePlan, expected_output_bytes, host_path, running_stages_argv
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    status: str
+    detail: str
+
+
+def docker_checks(runner: Runner, host: HostConfig) -> tuple[list[CheckResult], str | None]:
+    """docker present and answering; image present (its id and digest); no other stage running."""
+    res = runner.run(shlex.join(["docker", "version", "--format", "{{.Server.Version}}"]))
+    if res.exit_code == 127 or "not found" in res.stderr:
+        return [CheckResult("docker", FAIL, f"docker is not installed on {host.name}")], None
+    if not res.ok:
+        return [CheckResult("docker", FAIL, f"docker daemon not reachable: {_last(res.stderr)}")], None
+    out = [CheckResult("docker", OK, f"engine {res.stdout.strip()}")]
+    res = runner.run(shlex.join(["docker", "image", "inspect", "--format", "{{.Id}} {{json .RepoDigests}}", host.image]))
+    digest = None
+    if res.ok:
+        image_id, _, digests = res.stdout.strip().partition(" ")
+        digest = ",".join(json.loads(digests or "[]") or []) or image_id
+        out.append(CheckResult("image", OK, f"{host.image} {digest}"))
+    else:
+        out.append(CheckResult("image", FAIL, f"image {host.image} is not on {host.name}; build or ship it "
+                                              f"(make ship-image HOST={host.name})"))
+    res = runner.run(shlex.join(running_stages_argv()))
+    busy = res.stdout.split()
+    out.append(CheckResult("busy", FAIL if busy else OK,
+                           f"stage container(s) running: {', '.join(busy)}; attach or wait" if busy else "no stage running"))
+    return out, digest
+
+
+def _last(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "no output"
+
+
+def gpu_check(state: GpuState) -> CheckResult:
+    if state.gpu_error:
+        return CheckResult("gpus", FAIL, state.gpu_error)
+    if not state.gpus:
+        return CheckResult("gpus", FAIL, "no GPU found")
+    return CheckResult("gpus", OK, f"{len(state.gpus)} x {state.gpus[0].name}")
+
+
+def path_checks(runner: Runner, host: HostConfig, plan: StagePlan) -> list[CheckResult]:
+    meta = host_path(host, "prepared/metadata.json")
+    config = f"{host.model_dir.rstrip('/')}/config.json"
+    req = {"op": "paths", "paths": [host.data_root, host.model_dir, *plan.host_inputs, plan.host_output],
+           "free": [plan.host_output], "json": [meta, config] if plan.stage == "extract" else []}
+    facts = call(runner, host, req)
+    paths = facts["paths"]
+    out = []
+    for p in (host.data_root, *plan.host_inputs):
+        ok = paths[p].get("exists")
+        out.append(CheckResult("input", OK if ok else FAIL, f"{p} {'present' if ok else 'missing'}"))
+    if plan.stage != "verify":
+        ok = paths[host.model_dir].get("is_dir")
+        out.append(CheckResult("model", OK if ok else FAIL, f"{host.model_dir} {'present' if ok else 'missing'}"))
+    o = paths[plan.host_output]
+    if plan.stage != "verify":
+        if o.get("exists") and o.get("entries") and not plan.resume:
+            out.append(CheckResult("output", FAIL, f"{plan.host_output} has {o['entries']} entries; pass --resume "
+                                                   "to continue it or move it away"))
+        else:
+            out.append(CheckResult("output", OK, f"{plan.host_output} {'resumed' if o.get('entries') else 'empty'}"))
+    if plan.stage == "extract":
+        out.append(_disk_check(facts["json"].get(meta), facts["json"].get(config), facts["free"][plan.host_output]))
+    return out
+
+
+def _disk_check(meta: dict | None, config: dict | None, free: int) -> CheckResult:
+    if not meta or not config:
+        return CheckResult("disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no metadata or config)")
+    hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    tokens = meta.get("num_tokens")
+    if not hidden or not tokens:
+        return CheckResult("disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no hidden_size/num_tokens)")
+    need = expected_output_bytes(int(tokens), int(hidden))
+    ok = free >= need
+    return CheckResult("disk", OK if ok else FAIL,
+                       f"need {need / 2**30:.3f} GiB ({tokens} tokens x {hidden} x 4 layers x 2 B), "
+                       f"{free / 2**30:.1f} GiB free")
+
+
+def failed(checks: list[CheckResult]) -> list[CheckResult]:
+    return [c for c in checks if c.status == FAIL]

@@ -1,0 +1,159 @@
+"""remote-run / remote-extract / attach: the whole sequence on one connection.
+
+Owns the order of steps (preflight, gpu-clean, start the stage container, follow it, fetch summary and
+logs into runs/<host>/<run-id>/, restore the server when asked, also after a failure or Ctrl-C) and
+the local run folder. Each step is a function taking the runner; a later host-side lock, state file or
+multi-host fan-out wraps these steps rather than rewriting them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from ops import report, server
+from ops.clean import CLEAN, UNKILLABLE, CleanReport, gpu_clean
+from ops.errors import EXIT_NOT_CLEAN, EXIT_PREFLIGHT, EXIT_UNKILLABLE, OpsError, RemoteCommandError
+from ops.gpus import probe
+from ops.hosts import HostConfig
+from ops.connection import Runner
+from ops.preflight import CheckResult, docker_checks, failed, gpu_check, path_checks
+from ops.stage import StagePlan, find_argv, logs_argv, wait_argv
+
+
+@dataclass
+class RunOutcome:
+    run_id: str
+    local_dir: Path
+    exit_code: int | None = None
+    summary: dict | None = None
+    checks: list[CheckResult] = field(default_factory=list)
+    clean: CleanReport | None = None
+    restored: list[str] = field(default_factory=list)
+
+
+class _Tee:
+    def __init__(self, *streams) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> None:
+        for s in self.streams:
+            s.write(text)
+
+    def flush(self) -> None:
+        for s in self.streams:
+            s.flush()
+
+
+def local_run_dir(runs_root: Path, host: HostConfig, run_id: str) -> Path:
+    d = runs_root / host.name / run_id
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+def preflight(runner: Runner, host: HostConfig, plan: StagePlan) -> tuple[list[CheckResult], str | None]:
+    checks, digest = docker_checks(runner, host)
+    checks.append(gpu_check(probe(runner, host)))
+    checks += path_checks(runner, host, plan)
+    return checks, digest
+
+
+def start(runner: Runner, plan: StagePlan) -> str:
+    cmd = shlex.join(plan.docker_run)
+    res = runner.run(cmd)
+    if not res.ok:
+        raise RemoteCommandError("starting the stage container", cmd, res.exit_code, res.stdout, res.stderr)
+    return res.stdout.strip()
+
+
+def follow(runner: Runner, host: HostConfig, container: str, host_output: str, local_dir: Path,
+           console: Console) -> tuple[int, dict | None]:
+    """Stream the container's logs (live and into stage.log), take its exit code, fetch summary.json,
+    remove the finished container. Ctrl-C stops the container (docker stop) before re-raising; a lost
+    connection leaves it running for `attach`."""
+    with (local_dir / "stage.log").open("w") as log:
+        try:
+            runner.run(shlex.join(logs_argv(container)), stream=_Tee(sys.stdout, log))
+        except KeyboardInterrupt:
+            console.print(f"interrupted: stopping container {container}")
+            runner.run(shlex.join(["docker", "stop", "--time", str(int(host.timeouts.stop)), container]))
+            raise
+    res = runner.run(shlex.join(wait_argv(container)))
+    if not res.ok:
+        raise RemoteCommandError("docker wait", shlex.join(wait_argv(container)), res.exit_code, res.stdout, res.stderr)
+    code = int(res.stdout.strip().splitlines()[-1])
+    summary = None
+    try:
+        runner.get(f"{host_output}/summary.json", local_dir / "summary.json")
+        summary = json.loads((local_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        pass
+    runner.run(shlex.join(["docker", "rm", container]))
+    return code, summary
+
+
+def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: Path, restore_server: bool,
+               console: Console) -> RunOutcome:
+    out = RunOutcome(plan.run_id, local_run_dir(runs_root, host, plan.run_id))
+    console.print(f"run id [bold]{plan.run_id}[/] on {host.name}; local folder {out.local_dir}")
+    out.checks, digest = preflight(runner, host, plan)
+    report.print_checks(console, out.checks)
+    record = {"run_id": plan.run_id, "host": host.name, "stage": plan.stage, "image": host.image,
+              "image_digest": digest, "docker_run": list(plan.docker_run), "host_output": plan.host_output,
+              "checks": [c.__dict__ for c in out.checks]}
+    write_json(out.local_dir / "run.json", record)
+    bad = failed(out.checks)
+    if bad:
+        raise OpsError(f"preflight failed: {bad[0].name}: {bad[0].detail}", exit_code=EXIT_PREFLIGHT)
+    try:
+        out.clean = gpu_clean(runner, host)
+        report.print_clean(console, out.clean)
+        if out.clean.verdict != CLEAN:
+            raise OpsError(f"GPUs not free ({out.clean.verdict}); no stage started",
+                           exit_code=EXIT_UNKILLABLE if out.clean.verdict == UNKILLABLE else EXIT_NOT_CLEAN)
+        start(runner, plan)
+        console.print(f"started {plan.container}: {shlex.join(plan.stage_argv)}")
+        out.exit_code, out.summary = follow(runner, host, plan.container, plan.host_output, out.local_dir, console)
+    finally:
+        if restore_server:
+            out.restored = _restore(runner, host, console)
+    record.update(exit_code=out.exit_code, restored=out.restored)
+    write_json(out.local_dir / "run.json", record)
+    return out
+
+
+def _restore(runner: Runner, host: HostConfig, console: Console) -> list[str]:
+    try:
+        done = server.restore(runner, host, probe(runner, host).server)
+    except (OpsError, KeyboardInterrupt) as exc:
+        console.print(f"[red]restoring the server failed:[/] {exc}")
+        return []
+    for line in done:
+        console.print(f"restored: {line}")
+    return done
+
+
+def attach(runner: Runner, host: HostConfig, run_id: str, *, runs_root: Path, console: Console) -> RunOutcome:
+    res = runner.run(shlex.join(find_argv(run_id)))
+    rows = [line.split("\t") for line in res.stdout.splitlines() if line.strip()]
+    if not res.ok or not rows:
+        raise OpsError(f"no stage container for run id {run_id} on {host.name}; a finished run's files are in "
+                       f"{runs_root / host.name / run_id}")
+    name, state, _stage, output = rows[0]
+    out = RunOutcome(run_id, local_run_dir(runs_root, host, run_id))
+    console.print(f"attached to {name} ({state})")
+    out.exit_code, out.summary = follow(runner, host, name, output, out.local_dir, console)
+    return out
+

@@ -1,0 +1,134 @@
+"""Stage container plans: what runs in the image, with which mounts, under which name and labels.
+
+Owns the per-stage defaults (container command, input and output folders under the data root), the run
+id, and the exact `docker run` / `docker logs` / `docker wait` argv. Pure: running them is
+ops.remote_run's job. Host paths are passed to docker as data (--mount fields, CSV-quoted), never
+interpolated into a shell string unquoted.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import secrets
+import shlex
+import time
+from dataclasses import dataclass
+
+from ops.errors import ConfigError
+from ops.hosts import HostConfig
+
+LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST = "eagle-ops.run-id", "eagle-ops.stage", "eagle-ops.output", "eagle-ops.host"
+DATA, MODEL, CACHE = "/data", "/model", "/cache"
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage's defaults, paths relative to the data root."""
+
+    inputs: tuple[str, ...]  # must exist on the host before the run
+    output: str  # the folder the stage writes (and summary.json lands in)
+    args: tuple[str, ...]  # `python -m pipeline STAGE ARGS` (container paths)
+    verify_after: bool  # run `pipeline verify OUTPUT` after the stage (extract verifies itself)
+    uses_model: bool = True
+
+
+STAGES: dict[str, StageSpec] = {
+    "prepare": StageSpec(("conversations.jsonl",), "prepared",
+                         ("--data", f"{DATA}/conversations.jsonl", "--model", MODEL, "--out", f"{DATA}/prepared"), False),
+    "extract": StageSpec(("prepared",), "hidden_states",
+                         ("--prepared", f"{DATA}/prepared", "--model", MODEL, "--out", f"{DATA}/hidden_states",
+                          "--no-progress"), False),
+    "weights": StageSpec((), "verifier", ("--model", MODEL, "--out", f"{DATA}/verifier"), True),
+    "train": StageSpec(("hidden_states", "verifier", "prepared"), "train",
+                       ("--data", f"{DATA}/hidden_states", "--verifier", f"{DATA}/verifier", "--prepared",
+                        f"{DATA}/prepared", "--model", MODEL, "--out", f"{DATA}/train"), True),
+    "verify": StageSpec(("hidden_states",), "hidden_states", (f"{DATA}/hidden_states",), False, uses_model=False),
+}
+
+
+def new_run_id(stage: str) -> str:
+    return f"{stage}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+
+
+def check_run_id(run_id: str) -> str:
+    if not run_id or not all(c.isalnum() or c in "-_." for c in run_id) or len(run_id) > 100:
+        raise ConfigError(f"run id {run_id!r} must be 1-100 letters, digits, '-', '_' or '.'")
+    return run_id
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    run_id: str
+    stage: str
+    container: str
+    image: str
+    host_inputs: tuple[str, ...]
+    host_output: str
+    stage_argv: tuple[str, ...]
+    verify_argv: tuple[str, ...] | None
+    docker_run: tuple[str, ...]
+    resume: bool
+
+
+def host_path(host: HostConfig, rel: str) -> str:
+    return f"{host.data_root.rstrip('/')}/{rel}"
+
+
+def _mount(src: str, dst: str, readonly: bool = False) -> str:
+    """One --mount value; fields are CSV, so a path with commas or quotes is quoted, not split."""
+    buf = io.StringIO()
+    fields = ["type=bind", f"source={src}", f"target={dst}"] + (["readonly"] if readonly else [])
+    csv.writer(buf, lineterminator="").writerow(fields)
+    return buf.getvalue()
+
+
+def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[str, ...] = (),
+               resume: bool = False) -> StagePlan:
+    if stage not in STAGES:
+        raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
+    spec = STAGES[stage]
+    check_run_id(run_id)
+    stage_argv = ("python", "-m", "pipeline", stage, *spec.args, *(("--resume",) if resume and stage in (
+        "extract", "train") else ()), *extra_args)
+    verify_argv = ("python", "-m", "pipeline", "verify", f"{DATA}/{spec.output}") if spec.verify_after else None
+    script = shlex.join(stage_argv) + (f" && {shlex.join(verify_argv)}" if verify_argv else "")
+    name = f"eagle-{run_id}"
+    argv = ["docker", "run", "--detach", "--name", name,
+            "--label", f"{LABEL_RUN}={run_id}", "--label", f"{LABEL_STAGE}={stage}",
+            "--label", f"{LABEL_OUT}={host_path(host, spec.output)}", "--label", f"{LABEL_HOST}={host.name}",
+            "--ipc", "host", "--mount", _mount(host.data_root, DATA), "--mount", _mount(host.cache_dir, CACHE),
+            "--env", f"EAGLE_RUN_ID={run_id}", "--env", f"HF_HOME={CACHE}/hf"]
+    if spec.uses_model:
+        argv += ["--mount", _mount(host.model_dir, MODEL, readonly=True)]
+    if host.docker_gpus:
+        argv += ["--gpus", host.docker_gpus]
+    for m in host.mounts:
+        src, dst, *mode = m.split(":")
+        argv += ["--mount", _mount(src, dst, readonly=mode == ["ro"])]
+    argv += ["--entrypoint", "/bin/sh", host.image, "-c", script]
+    return StagePlan(run_id=run_id, stage=stage, container=name, image=host.image,
+                     host_inputs=tuple(host_path(host, p) for p in spec.inputs), host_output=host_path(host, spec.output),
+                     stage_argv=stage_argv, verify_argv=verify_argv, docker_run=tuple(argv), resume=resume)
+
+
+def logs_argv(container: str) -> tuple[str, ...]:
+    return ("docker", "logs", "--follow", container)
+
+
+def wait_argv(container: str) -> tuple[str, ...]:
+    return ("docker", "wait", container)
+
+
+def find_argv(run_id: str) -> tuple[str, ...]:
+    fmt = "{{.Names}}\t{{.State}}\t{{.Label \"" + LABEL_STAGE + "\"}}\t{{.Label \"" + LABEL_OUT + "\"}}"
+    return ("docker", "ps", "--all", "--filter", f"label={LABEL_RUN}={run_id}", "--format", fmt)
+
+
+def running_stages_argv() -> tuple[str, ...]:
+    return ("docker", "ps", "--filter", f"label={LABEL_RUN}", "--format", "{{.Names}}")
+
+
+def expected_output_bytes(num_tokens: int, hidden_size: int, layers: int = 4, bytes_per_value: int = 2) -> int:
+    """Hidden states on disk: samples x tokens (= all tokens) x hidden x 4 layers x 2 bytes (bf16)."""
+    return num_tokens * hidden_size * layers * bytes_per_value

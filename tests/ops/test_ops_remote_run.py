@@ -1,0 +1,175 @@
+"""remote-extract / remote-run / attach end to end: real sshd, real dockerd, a real pipeline stage on
+real files in the stage container, the server container stopped and restored, one SSH connection."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_ops, ssh_table, write_hosts
+from ops_docker import client, holder_container, remove_test_containers, stage_image, unique
+from ops_procs import alive, write_gpu_table
+
+pytestmark = [pytest.mark.sshd, pytest.mark.docker]
+
+FAST = {"grace": 1, "kill_wait": 2, "stop": 3, "clean": 3}
+# a data root an unquoted shell would choke on (or worse, execute)
+WEIRD = "data dir 'single' \"double\" $(touch PWNED) `touch PWNED2`"
+
+
+@pytest.fixture(scope="module")
+def dk():
+    return client()
+
+
+@pytest.fixture(scope="module")
+def image(dk):
+    return stage_image(dk, REPO, sys.base_prefix)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A tiny real model and prepared samples (pipeline demo-assets + prepare), under a hostile path."""
+    root = tmp_path_factory.mktemp("assets")
+    data = root / WEIRD
+    data.mkdir()
+    (data / "cache").mkdir()
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    py = [sys.executable, "-m", "pipeline"]
+    subprocess.run([*py, "demo-assets", "--out", str(root / "assets"), "--conversations", "6"], check=True,
+                   capture_output=True, cwd=REPO, env=env)
+    subprocess.run([*py, "prepare", "--data", str(root / "assets" / "conversations.jsonl"), "--model",
+                    str(root / "assets" / "model"), "--out", str(data / "prepared")], check=True,
+                   capture_output=True, cwd=REPO, env=env)
+    return data, root / "assets" / "model"
+
+
+@pytest.fixture(scope="module")
+def scene(tmp_path_factory, dk, image, assets, sshd):
+    """The 'GPU host': a server container holding the device, an orphan, the hosts file."""
+    tmp = tmp_path_factory.mktemp("scene")
+    data, model = assets
+    devdir = tmp / "dev"
+    devdir.mkdir()
+    (devdir / "nvidia0").write_bytes(b"")
+    name = unique("ops-test-server")
+    server = holder_container(dk, name, devdir, [devdir / "nvidia0"])
+    orphan = subprocess.Popen([sys.executable, "-c", "import time,sys; f=open(sys.argv[1]); time.sleep(600)",
+                               str(devdir / "nvidia0")])
+    table = write_gpu_table(tmp / "gpus.json", [{"processes": [{"pid": server.attrs["State"]["Pid"], "used_mib": 9000},
+                                                               {"pid": orphan.pid, "used_mib": 10}]}])
+    known = sshd.write_known_hosts(tmp / "known_hosts")
+    img, mounts = image
+    hosts = write_hosts(tmp / "hosts.toml", "box", **ssh_table(
+        sshd, known, server=f"container:{name}", device_glob=f"{devdir}/nvidia*", gpu_source=f"table:{table}",
+        timeouts=FAST, image=img, docker_gpus="", mounts=mounts, data_root=str(data), model_dir=str(model),
+        cache_dir=str(data / "cache")))
+    yield dict(tmp=tmp, data=data, server=server, orphan=orphan, hosts=hosts, name=name, runs=tmp / "runs")
+    orphan.kill()
+    orphan.wait()
+    remove_test_containers(dk, [name])
+
+
+def ops(scene, *args, **kw):
+    return run_ops(*args, "--host", "box", "--hosts-file", str(scene["hosts"]), **kw)
+
+
+@pytest.fixture(scope="module")
+def extracted(scene, sshd):
+    before = sshd.connections()
+    res = ops(scene, "remote-extract", "--run-id", "x1", "--restore-server", "--runs-dir", str(scene["runs"]),
+              timeout=300)
+    return res, sshd.connections() - before
+
+
+@pytest.mark.slow
+def test_remote_extract_end_to_end(scene, extracted):
+    """remote-extract stops the server container, kills the orphan, runs `pipeline extract` in the stage
+    container, fetches summary.json and the log, restores the server, all over one SSH connection."""
+    res, connections = extracted
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    local = scene["runs"] / "box" / "x1"
+    summary = json.loads((local / "summary.json").read_text())
+    assert summary["checks"] and all(c["status"] == "ok" for c in summary["checks"])
+    assert "OK (0 failed checks)" in (local / "stage.log").read_text()
+    assert json.loads((local / "run.json").read_text())["exit_code"] == 0
+    assert sorted(p.name for p in (scene["data"] / "hidden_states").glob("data_*.pt")) == [f"data_{i}.pt" for i in range(6)]
+    scene["server"].reload()
+    assert scene["server"].status == "running"
+    assert "restored: start server: docker start" in res.stdout
+    assert not alive(scene["orphan"].pid)
+    assert connections == 1
+    assert not list(scene["data"].parent.rglob("PWNED*")) and not Path("/root/PWNED").exists()
+
+
+@pytest.mark.slow
+def test_ssh_drop_leaves_container_running_and_attach_finishes(scene, extracted, dk):
+    """Killing the operator's process mid-follow does not stop the stage container; attach follows it
+    again, propagates its exit code and fetches its summary."""
+    assert extracted[0].returncode == 0
+    cmd = [sys.executable, "-m", "ops", "remote-run", "verify", "--run-id", "v1", "--host", "box", "--hosts-file",
+           str(scene["hosts"]), "--runs-dir", str(scene["runs"])]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, COLUMNS="200"))
+    for line in proc.stdout:
+        if line.startswith("started eagle-v1"):
+            break
+    proc.send_signal(signal.SIGKILL)  # the laptop vanishes: no cleanup, the TCP connection just dies
+    proc.wait()
+    ctr = dk.containers.get("eagle-v1")
+    assert ctr.status in ("running", "exited") and ctr.wait(timeout=120)["StatusCode"] == 0
+    res = ops(scene, "attach", "v1", "--runs-dir", str(scene["runs"]))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads((scene["runs"] / "box" / "v1" / "summary.json").read_text())["checks"]
+    with pytest.raises(Exception):
+        dk.containers.get("eagle-v1")  # collected after attach fetched everything
+
+
+def test_preflight_failures_start_and_stop_nothing(scene, dk, tmp_path):
+    """A missing image or a non-empty output folder fails preflight with one error line (exit 4): the
+    server keeps running, no stage container exists."""
+    assert ops(scene, "restore-server").returncode == 0  # an earlier test's run left it stopped
+    scene["server"].reload()
+    assert scene["server"].status == "running"
+    text = scene["hosts"].read_text()
+    bad = tmp_path / "hosts.toml"
+    bad.write_text(text.replace("eagle-ops-test-stage:1", "eagle-ops-test-missing:0"))
+    (scene["data"] / "hidden_states").mkdir(exist_ok=True)
+    (scene["data"] / "hidden_states" / "keep").write_text("x")
+    for hosts, expect in ((bad, "image: image eagle-ops-test-missing:0 is not on box"),
+                          (scene["hosts"], "output: ")):
+        res = run_ops("remote-extract", "--run-id", "pf", "--host", "box", "--hosts-file", str(hosts),
+                      "--runs-dir", str(tmp_path / "runs"))
+        assert res.returncode == 4, res.stdout + res.stderr
+        assert res.stderr.strip().splitlines() == [res.stderr.strip()] and expect in res.stderr
+        scene["server"].reload()
+        assert scene["server"].status == "running"
+        assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=pf"})
+
+
+def test_missing_docker_is_one_line_error(tmp_path, devdir):
+    """On a host without docker, remote-extract stops at preflight with one error line and exit 4."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "sh", "fuser", "cat", "python3"):
+        path = "/usr/bin/python3" if tool == "python3" else subprocess.run(
+            ["bash", "-c", f"command -v {tool}"], capture_output=True, text=True).stdout.strip()
+        (bin_dir / tool).symlink_to(path)
+    data = tmp_path / "data"
+    (data / "prepared").mkdir(parents=True)
+    table = write_gpu_table(tmp_path / "gpus.json", [{"processes": []}])
+    hosts = write_hosts(tmp_path / "hosts.toml", "nodocker", host="local", python="/usr/bin/python3",
+                        data_root=str(data), model_dir=str(tmp_path), device_glob=f"{devdir}/nvidia*",
+                        gpu_source=f"table:{table}")
+    env = dict(os.environ, PATH=str(bin_dir))
+    res = subprocess.run([sys.executable, "-m", "ops", "remote-extract", "--host", "nodocker", "--hosts-file",
+                          str(hosts), "--runs-dir", str(tmp_path / "runs")], cwd=REPO, capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert res.returncode == 4, res.stdout + res.stderr
+    assert res.stderr.strip() == "error: preflight failed: docker: docker is not installed on nodocker"
