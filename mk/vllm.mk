@@ -25,3 +25,7 @@ test-vllm: patch-vllm ## tests on a real vLLM 0.16.0 (CPU build) + speculators 0
 	$(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)
 
 test: test-vllm
+
+.PHONY: bench-preflight
+bench-preflight: patch-vllm ## preflight's time to the first error vs. extract's time to its model load
+	$(VLLM_PY) bench/preflight_bench.py --workdir /tmp/preflight-bench --json-out preflight_bench.json

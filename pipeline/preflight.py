@@ -111,9 +111,9 @@ def check_model(cfg: PreflightConfig) -> Iterator[CheckResult]:
         yield fail("model config", f"{model.architecture} needs a text_config section in config.json")
     yield from check_checkpoint(cfg.model, model, text)
     yield from check_layer_ids(cfg, model)
-    yield from check_tokenizer(cfg, model)
     if cfg.prepared is not None:
         yield from check_prepared(cfg.prepared, model)
+    yield from check_tokenizer(cfg, model)  # imports transformers: after the checks that need only numpy
     yield from check_parallel(cfg, model, text)
     yield from check_disk(cfg, model)
 
