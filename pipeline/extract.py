@@ -45,6 +45,7 @@ class ExtractConfig:
     max_batch_size: int = 64
     limit: int | None = None  # only the first N samples
     resume: bool = False
+    repair: bool = False  # with resume: check every existing file and redo the damaged ones
     overwrite: bool = False
     tensor_parallel_size: int | None = None  # vllm only
     trust_remote_code: bool = False
@@ -180,6 +181,8 @@ def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig) -> set[
     has_config = (out / formats.DATA_CONFIG).exists()
     if cfg.resume and cfg.overwrite:
         raise StageError("--resume and --overwrite contradict each other: choose one")
+    if cfg.repair and not cfg.resume:
+        raise StageError("--repair works on an existing run: pass it together with --resume")
     if out.exists() and not out.is_dir():
         raise StageError(f"output {out} exists and is not a directory: choose another --out")
     if (existing or has_config or (out.is_dir() and any(out.iterdir()))) and not (cfg.resume or cfg.overwrite):
@@ -200,6 +203,15 @@ def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig) -> set[
                 f"{getattr(expected, k)!r}; use --overwrite or another --out"
             )
     formats.write_data_config(out, expected)
+    if cfg.repair:
+        from pipeline.verify import damaged_files
+
+        prepared = formats.read_prepared(cfg.prepared)[0]
+        bad = damaged_files(out, [i for i in existing if i < expected.num_samples], expected, prepared)
+        for i, reason in sorted(bad.items()):
+            click.echo(f"repair: data_{i}.pt will be regenerated ({reason})", err=True)
+            formats.data_file(out, i).unlink()
+        existing = [i for i in existing if i not in bad]
     return set(existing)
 
 
@@ -214,8 +226,9 @@ def _progress(enabled: bool):
 
 
 def run_loop(backend: Backend, prepared: formats.PreparedSamples, batches: list[Batch], out: Path, hidden_size: int,
-             num_layers: int, total: int, done: int, progress: bool) -> dict:
-    """Capture and write every pending batch; return throughput figures."""
+             num_layers: int, total: int, done: set[int], progress: bool) -> dict:
+    """Capture every pending batch (whole, so results never depend on what was done before) and write the
+    samples not already on disk; return throughput figures."""
     writer = Writer(out)
     t0 = time.perf_counter()
     try:
@@ -228,7 +241,7 @@ def run_loop(backend: Backend, prepared: formats.PreparedSamples, batches: list[
 def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, done, progress, t0) -> dict:
     tokens, capture_s = 0, 0.0
     with _progress(progress) as bar:
-        task = bar.add_task("extract", total=total, completed=done, tps=0.0)
+        task = bar.add_task("extract", total=total, completed=len(done), tps=0.0)
         for batch in batches:
             seqs = [prepared.ids(i) for i in batch.indices]
             c0 = time.perf_counter()
@@ -244,13 +257,15 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
                 for h in sample_states:
                     if h.shape != (len(seq), hidden_size):
                         raise StageError(f"sample {i}: backend returned a state of shape {tuple(h.shape)}, expected ({len(seq)}, {hidden_size})")
+                if i in done:
+                    continue
                 ids = torch.from_numpy(seq.astype("int64"))
                 mask = torch.from_numpy(prepared.mask(i).astype("int64"))
                 items.append((i, ids, sample_states, mask))
             writer.put(items)
             tokens += sum(len(s) for s in seqs)
             elapsed = time.perf_counter() - t0
-            bar.update(task, advance=len(seqs), tps=tokens / elapsed if elapsed else 0.0)
+            bar.update(task, advance=len(items), tps=tokens / elapsed if elapsed else 0.0)
         writer.close()
     elapsed = time.perf_counter() - t0
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else 0.0, "bytes": writer.bytes,
@@ -317,7 +332,7 @@ def run(cfg: ExtractConfig) -> dict:
     elif batches:
         with get_backend(cfg.backend, options) as backend:
             stats = run_loop(backend, prepared, batches, cfg.out, model.hidden_size, len(layer_ids), len(owned),
-                             len(done - {i for b in batches for i in b.indices}), cfg.progress)
+                             done, cfg.progress)
     if cfg.local_rank is None:
         formats.write_sample_lengths(cfg.out, {i: int(lengths[i]) for i in range(n)})
     stats.update(samples=n, owned=len(owned), batches_run=len(batches), resumed_from=len(done), config=asdict(expected))
@@ -396,6 +411,7 @@ def launch_workers(cfg: ExtractConfig, owned: int, done: int) -> dict:
 @click.option("--max-batch-size", type=int, default=64, show_default=True)
 @click.option("--limit", type=int, default=None, help="Only the first N samples.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run in --out.")
+@click.option("--repair", is_flag=True, help="With --resume: check existing files and regenerate damaged ones.")
 @click.option("--overwrite", is_flag=True, help="Delete --out first.")
 @click.option("--tensor-parallel-size", type=int, default=None, help="vllm backend: default all visible devices.")
 @click.option("--trust-remote-code", is_flag=True)

@@ -23,6 +23,7 @@ Nothing else in the project writes these files; this module does no computation 
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -209,11 +210,14 @@ def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torc
         "hidden_states": hidden_states,
         "loss_mask": loss_mask.to(torch.int64),
     }
+    # Serialised in memory first: torch names the zip's records after a path's basename (the temporary
+    # name, with its pid, would make reruns differ byte for byte), and its writer turns a full disk into
+    # an opaque RuntimeError, while a plain write raises OSError(ENOSPC) that the caller can explain.
+    buf = io.BytesIO()
+    torch.save(sample, buf)
     with atomic_path(target, fsync=False) as tmp:
-        # a file object, not a path: torch names the zip's records after a path's basename, and the
-        # temporary name (with its pid) would then make reruns differ byte for byte
         with open(tmp, "wb") as fh:
-            torch.save(sample, fh)
+            fh.write(buf.getbuffer())
 
 
 def read_sample(path: Path) -> dict:

@@ -140,6 +140,13 @@ def _check_file(directory: Path, i: int, dc: formats.DataConfig, lengths: dict[i
     return out
 
 
+def damaged_files(directory: Path, indices: list[int], dc: formats.DataConfig, prepared, workers: int = 4) -> dict[int, str]:
+    """Files among ``indices`` that fail any per-file check, with the first reason: what --repair redoes."""
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        results = list(pool.map(lambda i: (i, _check_file(directory, i, dc, {}, prepared)), indices))
+    return {i: f"{cs[0].name}: {cs[0].detail}" for i, cs in results if cs}
+
+
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The final norm as transformers' RMSNorm computes it (fp32 statistics, result in the states' dtype)."""
     x = h.to(torch.float32)

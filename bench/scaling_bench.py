@@ -1,0 +1,104 @@
+"""Benchmark: data-parallel extraction, 1 -> N GPUs of one host, and write/read bandwidth vs dd.
+
+For each N in --sweep, runs `pipeline extract --data-parallel N` on the same prepared set into a fresh
+directory under --out-root and reports tokens/s (loop time: the slowest worker's, model load excluded;
+and wall time including worker start and model load). Then times, on the same filesystem and in the same
+run: `dd` writing and reading a file of the same size, `pipeline verify` over the written set, and the
+naive verification loop (torch.load of every file, one after another).
+
+    python bench/scaling_bench.py --preset llama-1b --sweep 1,2 --out-root /dev/shm/sb
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from bench.extract_bench import PRESETS, make_prepared
+
+
+def dd(path: Path, size_bytes: int) -> dict:
+    count = max(1, size_bytes // (16 << 20))
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "conv=fdatasync"], check=True,
+                   capture_output=True)
+    w = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
+    r = time.perf_counter() - t0
+    path.unlink()
+    nbytes = count * (16 << 20)
+    return {"dd_write_gb_s": nbytes / w / 1e9, "dd_read_gb_s": nbytes / r / 1e9}
+
+
+def naive_verify(directory: Path) -> float:
+    files = sorted(directory.glob("data_*.pt"))
+    t0 = time.perf_counter()
+    for f in files:
+        d = torch.load(f, weights_only=True)
+        for h in d["hidden_states"]:
+            torch.isfinite(h).all()
+    return time.perf_counter() - t0
+
+
+@click.command()
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
+@click.option("--sweep", default="1,2", show_default=True, help="Data-parallel sizes to run.")
+@click.option("--samples", type=int, default=None)
+@click.option("--out-root", type=click.Path(path_type=Path), default=Path("/tmp/scaling-bench"), show_default=True)
+@click.option("--max-batch-tokens", type=int, default=32768, show_default=True)
+@click.option("--json-out", type=click.Path(path_type=Path), default=None)
+def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch_tokens: int, json_out: Path | None) -> None:
+    from pipeline.extract import ExtractConfig, run
+    from pipeline.tiny import build_tiny_model
+    from pipeline.verify import VerifyConfig, verify
+
+    overrides, n, seq_length, _ = PRESETS[preset]
+    n = samples or n
+    shutil.rmtree(out_root, ignore_errors=True)
+    out_root.mkdir(parents=True)
+    model_dir = build_tiny_model("llama", out_root / "model", **overrides)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    make_prepared(out_root / "prepared", n, seq_length, vocab)
+    results: dict = {"preset": preset, "samples": n, "seq_length": seq_length, "gpus": torch.cuda.device_count(), "runs": {}}
+    for dp in [int(x) for x in sweep.split(",")]:
+        out = out_root / f"dp{dp}"
+        t0 = time.perf_counter()
+        stats = run(ExtractConfig(prepared=out_root / "prepared", model=model_dir, out=out, data_parallel=dp,
+                                  max_batch_tokens=max_batch_tokens, verify=False, progress=False))
+        wall = time.perf_counter() - t0
+        workers = stats.get("workers") or [stats]
+        loop = max(w["seconds"] for w in workers)
+        results["runs"][dp] = {"tokens": stats["tokens"], "loop_tokens_per_s": stats["tokens"] / loop,
+                               "wall_tokens_per_s": stats["tokens"] / wall, "bytes": stats["bytes"],
+                               "write_gb_s": stats["bytes"] / loop / 1e9}
+        print(json.dumps({dp: results["runs"][dp]}), flush=True)
+        if dp != max(int(x) for x in sweep.split(",")):
+            shutil.rmtree(out)
+    last = out_root / f"dp{max(int(x) for x in sweep.split(','))}"
+    runs = results["runs"]
+    base = runs[min(runs)]["loop_tokens_per_s"]
+    for dp, r in runs.items():
+        r["scaling_vs_min"] = r["loop_tokens_per_s"] / base
+    total_bytes = sum(p.stat().st_size for p in last.glob("data_*.pt"))
+    results.update(dd(out_root / "dd.bin", total_bytes))
+    t0 = time.perf_counter()
+    summary = verify(VerifyConfig(path=last, workers=8, write_summary=False))
+    ours_s = time.perf_counter() - t0
+    naive_s = naive_verify(last)
+    results.update(verify_ok=summary.ok, verify_bytes=total_bytes, verify_gb_s=total_bytes / ours_s / 1e9,
+                   naive_verify_gb_s=total_bytes / naive_s / 1e9, verify_vs_naive=naive_s / ours_s)
+    results["verify_vs_dd_read"] = results["verify_gb_s"] / results["dd_read_gb_s"]
+    print(json.dumps(results, indent=2))
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
