@@ -165,7 +165,7 @@ def test_image_lock_pins_the_stack():
 @pytest.mark.slow
 def test_lock_regenerates_identically(tmp_path):
     """`make image-lock` (uv pip compile against PyPI, cut at a fixed date) reproduces both committed locks."""
-    res = sh("make", "--no-print-directory", "-n", "image-lock", timeout=60)
+    res = sh("make", "--no-print-directory", "-n", "image-lock", f"UV={BIN / 'uv'}", timeout=60)
     commands = [ln for ln in res.stdout.replace("\\\n", " ").splitlines() if "pip compile" in ln]
     assert len(commands) == 2
     for cmd in commands:
