@@ -59,19 +59,23 @@ class CleanReport:
     verdict: str = ""
 
 
-def verify_clean(runner: Runner, host: HostConfig, *, timeout: float) -> tuple[GpuState, list[GpuCheck]]:
-    """Probe until every GPU is clean or the timeout passes; the last state and checks."""
+def verify_clean(runner: Runner, host: HostConfig, *, timeout: float,
+                 first: GpuState | None = None) -> tuple[GpuState, list[GpuCheck]]:
+    """Probe until every GPU is clean or the timeout passes; the last state and checks. `first` is a
+    probe taken just now, used as the first attempt."""
     deadline = time.monotonic() + timeout
     while True:
-        state = probe(runner, host)
+        state, first = first or probe(runner, host), None
         checks = check_clean(state, host.clean_threshold_mib)
         if all(c.ok for c in checks) or time.monotonic() >= deadline:
             return state, checks
         time.sleep(1.0)
 
 
-def gpu_clean(runner: Runner, host: HostConfig, *, dry_run: bool = False) -> CleanReport:
-    before = probe(runner, host)
+def gpu_clean(runner: Runner, host: HostConfig, *, dry_run: bool = False,
+              before: GpuState | None = None) -> CleanReport:
+    """`before`: a probe the caller took moments ago (remote-run's preflight), to save a round trip."""
+    before = before or probe(runner, host)
     plan = plan_clean(before, host)
     report = CleanReport(before, plan, dry_run=dry_run)
     if dry_run:
@@ -92,6 +96,7 @@ def gpu_clean(runner: Runner, host: HostConfig, *, dry_run: bool = False) -> Cle
         report.checks = check_clean(report.after, host.clean_threshold_mib)
         report.verdict = UNKILLABLE
         return report
-    report.after, report.checks = verify_clean(runner, host, timeout=host.timeouts.clean)
+    fresh = now if again.kill_step is None and plan.stop.steps else None
+    report.after, report.checks = verify_clean(runner, host, timeout=host.timeouts.clean, first=fresh)
     report.verdict = CLEAN if all(c.ok for c in report.checks) else NOT_CLEAN
     return report

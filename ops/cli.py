@@ -8,6 +8,8 @@ own beyond that.
 from __future__ import annotations
 
 import functools
+import json
+import os
 import sys
 
 import click
@@ -34,8 +36,19 @@ def host_options(fn):
             return fn(host=host, runner=runner, **kw)
         finally:
             runner.close()
+            _write_trace(runner)
 
     return wrapper
+
+
+def _write_trace(runner: Runner) -> None:
+    """$EAGLE_OPS_TRACE=FILE: append every remote command with its seconds (benchmark breakdowns)."""
+    path = os.environ.get("EAGLE_OPS_TRACE")
+    log = getattr(runner, "log", None)
+    if path and log is not None:
+        with open(path, "a") as fh:
+            for cmd, sec in zip(log.commands, log.seconds):
+                fh.write(json.dumps({"seconds": round(sec, 4), "command": cmd[:200]}) + "\n")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -8,6 +8,7 @@ multi-host fan-out wraps these steps rather than rewriting them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -20,7 +21,7 @@ from rich.console import Console
 from ops import report, server
 from ops.clean import CLEAN, UNKILLABLE, CleanReport, gpu_clean
 from ops.errors import EXIT_NOT_CLEAN, EXIT_PREFLIGHT, EXIT_UNKILLABLE, OpsError, RemoteCommandError
-from ops.gpus import probe
+from ops.gpus import GpuState, probe
 from ops.hosts import HostConfig
 from ops.connection import Runner
 from ops.preflight import CheckResult, docker_checks, failed, gpu_check, path_checks
@@ -63,11 +64,12 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def preflight(runner: Runner, host: HostConfig, plan: StagePlan) -> tuple[list[CheckResult], str | None]:
+def preflight(runner: Runner, host: HostConfig, plan: StagePlan) -> tuple[list[CheckResult], str | None, GpuState]:
     checks, digest = docker_checks(runner, host)
-    checks.append(gpu_check(probe(runner, host)))
+    state = probe(runner, host)
+    checks.append(gpu_check(state))
     checks += path_checks(runner, host, plan)
-    return checks, digest
+    return checks, digest, state
 
 
 def start(runner: Runner, plan: StagePlan) -> str:
@@ -94,6 +96,12 @@ def follow(runner: Runner, host: HostConfig, container: str, host_output: str, l
     if not res.ok:
         raise RemoteCommandError("docker wait", shlex.join(wait_argv(container)), res.exit_code, res.stdout, res.stderr)
     code = int(res.stdout.strip().splitlines()[-1])
+    times = runner.run(shlex.join(["docker", "inspect", "--format", "{{.State.StartedAt}} {{.State.FinishedAt}}",
+                                   container]))
+    if times.ok:
+        write_json(local_dir / "container.json", {"container": container, "exit_code": code,
+                                                  "started_at": times.stdout.split()[0],
+                                                  "finished_at": times.stdout.split()[-1]})
     summary = None
     try:
         runner.get(f"{host_output}/summary.json", local_dir / "summary.json")
@@ -108,7 +116,7 @@ def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: 
                console: Console) -> RunOutcome:
     out = RunOutcome(plan.run_id, local_run_dir(runs_root, host, plan.run_id))
     console.print(f"run id [bold]{plan.run_id}[/] on {host.name}; local folder {out.local_dir}")
-    out.checks, digest = preflight(runner, host, plan)
+    out.checks, digest, state = preflight(runner, host, plan)
     report.print_checks(console, out.checks)
     record = {"run_id": plan.run_id, "host": host.name, "stage": plan.stage, "image": host.image,
               "image_digest": digest, "docker_run": list(plan.docker_run), "host_output": plan.host_output,
@@ -118,7 +126,7 @@ def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: 
     if bad:
         raise OpsError(f"preflight failed: {bad[0].name}: {bad[0].detail}", exit_code=EXIT_PREFLIGHT)
     try:
-        out.clean = gpu_clean(runner, host)
+        out.clean = gpu_clean(runner, host, before=state)
         report.print_clean(console, out.clean)
         if out.clean.verdict != CLEAN:
             raise OpsError(f"GPUs not free ({out.clean.verdict}); no stage started",
@@ -128,15 +136,23 @@ def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: 
         out.exit_code, out.summary = follow(runner, host, plan.container, plan.host_output, out.local_dir, console)
     finally:
         if restore_server:
-            out.restored = _restore(runner, host, console)
+            out.restored = _restore(runner, host, out.clean, console)
     record.update(exit_code=out.exit_code, restored=out.restored)
     write_json(out.local_dir / "run.json", record)
     return out
 
 
-def _restore(runner: Runner, host: HostConfig, console: Console) -> list[str]:
+def _restore(runner: Runner, host: HostConfig, clean: CleanReport | None, console: Console) -> list[str]:
+    """Bring back what gpu-clean stopped (from its pre-stop facts); if it was interrupted mid-way, ask
+    the host what is there."""
     try:
-        done = server.restore(runner, host, probe(runner, host).server)
+        if clean is None:
+            done = server.restore(runner, host, probe(runner, host).server)
+        elif clean.stopped is not None and clean.stopped.was_running:
+            facts = dataclasses.replace(clean.before.server, running_container_ids=(), members=())
+            done = server.restore(runner, host, facts)
+        else:
+            done = []
     except (OpsError, KeyboardInterrupt) as exc:
         console.print(f"[red]restoring the server failed:[/] {exc}")
         return []
