@@ -188,9 +188,21 @@ def pidfile_group(path: str) -> dict:
         return {"pidfile": path, "error": f"pid file holds {text.strip()[:40]!r}", "pid": None, "pgid": None,
                 "members": []}
     st = stat_fields(pid)
+    if st is not None and st["state"] != "Z" and started_at(st) > os.stat(path).st_mtime + 2:
+        # the process with this pid started after the pid file was written: the pid was reused by
+        # someone else, whose group must not be taken for the server's
+        return {"pidfile": path, "error": f"pid {pid} was reused (started after the pid file was written)",
+                "pid": pid, "pgid": None, "members": []}
     pgid = st["pgid"] if st is not None and st["state"] != "Z" else pid
     return {"pidfile": path, "error": None, "pid": pid, "pid_alive": alive(pid), "pgid": pgid,
             "members": group_members(pgid)}
+
+
+def started_at(st: dict) -> float:
+    """Wall-clock start of a process from its start time in clock ticks since boot."""
+    btime = next(int(line.split()[1]) for line in (read("/proc/stat") or "btime 0").splitlines()
+                 if line.startswith("btime"))
+    return btime + st["starttime"] / os.sysconf("SC_CLK_TCK")
 
 
 def group_members(pgid: int) -> list[int]:

@@ -178,3 +178,18 @@ def _pgid(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
+
+
+@pytest.mark.sshd
+def test_stale_pidfile_with_reused_pid_kills_nothing(tmp_path, sshd, devdir, procs):
+    """A pid file older than the process now holding its pid (pid reused) is not the server: stop-server
+    leaves that process and its group alone."""
+    bystander = procs.holder([devdir / "nvidia0"], name="bystander", start_new_session=True)
+    pidfile = tmp_path / "old.pid"
+    pidfile.write_text(str(bystander.pid))
+    os.utime(pidfile, (1, 1))  # written long before the bystander started
+    hosts = hosts_for(tmp_path, sshd, devdir, f"pidfile:{pidfile}")
+    res = ops(hosts, "stop-server")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "not running, nothing to stop" in res.stdout
+    assert bystander.poll() is None
