@@ -123,6 +123,11 @@ def _acceptance_checks(run_dir: Path | None, s: Summary) -> None:
         f"acceptance length {draft:.3f} > best trivial baseline {best} {base:.3f} (k={ev['k']}, {ev['positions']} positions)",
         f"acceptance length {draft:.3f} does not beat the trivial baseline {best} {base:.3f}: the draft is not usable",
     ))
+    coverage = ev.get("greedy_in_draft_vocab")
+    if coverage is not None:
+        s.checks.append(ok("draft_vocab_coverage", f"{coverage:.1%} of the target's greedy tokens are in the draft vocab") if coverage >= 0.5
+                        else warn("draft_vocab_coverage", f"only {coverage:.1%} of the target's greedy tokens are in the draft vocab: it was chosen "
+                                  "from data the target does not reproduce; regenerate responses with the target or raise --draft-vocab-size"))
     s.stats.update(acceptance_length=round(draft, 4), baseline=best, baseline_acceptance_length=round(base, 4),
                    per_position=[round(x, 4) for x in ev["draft"]["per_position"]], eval_k=ev["k"])
 

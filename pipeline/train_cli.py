@@ -46,6 +46,7 @@ def print_table(summary: dict) -> None:
         table.add_row(name, length, *rates)
     console = Console()
     console.print(table)
+    console.print(f"target's greedy tokens inside the draft vocab: {ev['greedy_in_draft_vocab']:.1%}")
     verdict = "beats" if ev["beats_baseline"] else "does NOT beat"
     console.print(f"trained draft {verdict} the best trivial baseline ({ev['best_baseline']}): "
                   f"{ev['draft']['acceptance_length']:.3f} vs {ev['baselines'][ev['best_baseline']]['acceptance_length']:.3f}")

@@ -31,6 +31,7 @@ def test_trained_run_passes_every_check(trained):
     s = verify_checkpoint(cfg.out)
     status = _status(s)
     assert status["aux_layer_ids"] == status["acceptance"] == status["vocab_mapping"] == status["finite"] == "ok"
+    assert status["draft_vocab_coverage"] == "ok"
     assert s.stats["acceptance_length"] == round(summary["eval"]["draft"]["acceptance_length"], 4)
 
 
@@ -79,3 +80,13 @@ def test_not_a_checkpoint(tmp_path):
     """A directory without the draft files fails with one check saying what is missing."""
     s = verify_checkpoint(tmp_path)
     assert not s.ok and s.failures[0].name == "files"
+
+
+def test_low_draft_vocab_coverage_warns(trained, tmp_path):
+    """When the target's greedy tokens mostly fall outside the draft vocab, verify warns and says why."""
+    run = _copy_run(trained, tmp_path)
+    ev = json.loads((run / "eval.json").read_text())
+    ev["greedy_in_draft_vocab"] = 0.003
+    (run / "eval.json").write_text(json.dumps(ev))
+    c = next(c for c in verify_checkpoint(run).checks if c.name == "draft_vocab_coverage")
+    assert c.status == "warn" and "0.3%" in c.detail and "--draft-vocab-size" in c.detail

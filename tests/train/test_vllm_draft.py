@@ -35,11 +35,13 @@ def test_vllm_resolves_trained_draft_as_eagle3(trained_draft, tiny_llama):
     """vLLM reads the trained draft as Eagle3LlamaForCausalLM with our aux layer ids and draft vocab."""
     from vllm.model_executor.models.registry import ModelRegistry
 
-    cfg = _engine_config(model=str(tiny_llama), speculative_config={"model": str(trained_draft), "method": "eagle3"})
+    # vLLM 0.16.0 reads speculative_tokens from the draft's config only when the draft is served as the model
+    # (test below); with --speculative-config the count must be given (without it: a TypeError in its config)
+    cfg = _engine_config(model=str(tiny_llama),
+                         speculative_config={"model": str(trained_draft), "method": "eagle3", "num_speculative_tokens": 3})
     spec = cfg.speculative_config
     saved = json.loads((trained_draft / "config.json").read_text())
-    assert spec.method == "eagle3"
-    assert spec.num_speculative_tokens == saved["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert spec.method == "eagle3" and spec.num_speculative_tokens == 3
     draft = spec.draft_model_config
     assert draft.architectures == ["Eagle3LlamaForCausalLM"]
     cls, arch = ModelRegistry.resolve_model_cls(draft.architectures, draft)
@@ -56,4 +58,5 @@ def test_vllm_serve_of_the_draft_dir_picks_the_real_target(trained_draft, tiny_l
     assert cfg.model_config.model == str(tiny_llama.resolve())
     assert cfg.model_config.architectures == ["LlamaForCausalLM"]
     assert cfg.speculative_config.method == "eagle3"
+    assert cfg.speculative_config.num_speculative_tokens == 3  # the draft config's speculative_tokens (= --ttt-steps)
     assert cfg.speculative_config.draft_model_config.model == str(trained_draft)
