@@ -23,7 +23,6 @@ Nothing else in the project writes these files; this module does no computation 
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -203,21 +202,48 @@ def read_data_config(directory: Path) -> DataConfig:
     return DataConfig(**{k: v for k, v in raw.items() if k in known})
 
 
+class _WriteErrorRecorder:
+    """A file wrapper that remembers the OSError of a failed write: torch.save turns it into an opaque
+    RuntimeError, and a full disk must be reported as such."""
+
+    def __init__(self, fh):
+        self.fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
 def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torch.Tensor], loss_mask: torch.Tensor) -> None:
-    """Write one ``data_{i}.pt`` atomically. Tensors must own their storage (no views of a padded batch)."""
+    """Write one ``data_{i}.pt`` atomically. Tensors must own their storage (no views of a padded batch).
+
+    Written through a file object, not a path: torch names the zip's records after a path's basename, and
+    the temporary name would make reruns differ byte for byte. Zip CRC32s are not computed (they cost more
+    than the write itself); truncation is still detected by the zip directory at load time.
+    """
     sample = {
         "input_ids": input_ids.to(torch.int64),
         "hidden_states": hidden_states,
         "loss_mask": loss_mask.to(torch.int64),
     }
-    # Serialised in memory first: torch names the zip's records after a path's basename (the temporary
-    # name, with its pid, would make reruns differ byte for byte), and its writer turns a full disk into
-    # an opaque RuntimeError, while a plain write raises OSError(ENOSPC) that the caller can explain.
-    buf = io.BytesIO()
-    torch.save(sample, buf)
+    torch.serialization.set_crc32_options(False)
     with atomic_path(target, fsync=False) as tmp:
         with open(tmp, "wb") as fh:
-            fh.write(buf.getbuffer())
+            recorder = _WriteErrorRecorder(fh)
+            try:
+                torch.save(sample, recorder)
+                fh.flush()
+            except RuntimeError:
+                if recorder.error is not None:
+                    raise recorder.error from None
+                raise
 
 
 def read_sample(path: Path) -> dict:
