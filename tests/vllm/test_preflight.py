@@ -110,7 +110,7 @@ def test_preflight_fails_on_an_unpatched_install_naming_each_broken_check(tiny_l
 def test_wrong_layer_count_fails_with_a_clear_message(tiny_llama, tmp_path):
     """config.json claiming 9 layers for an 8-layer checkpoint fails 'layer count', naming both numbers."""
     model = copy_model(tiny_llama, tmp_path / "model", num_hidden_layers=9)
-    result = preflight("--model", model)
+    result = preflight("--model", model, "--backend", "hf")
     assert result.returncode == 3
     line = next(ln for ln in result.stdout.splitlines() if "layer count" in ln)
     assert "fail" in line and "config.json says 9 decoder layers" in line and "layers 0..7 (8)" in line
@@ -123,7 +123,7 @@ def test_wrong_vocab_file_fails_with_a_clear_message(tiny_llama, prepared_llama,
     shutil.copytree(prepared_llama, prepared)
     t2d = np.load(prepared / "t2d.npy")
     np.save(prepared / "t2d.npy", np.concatenate([t2d, np.zeros(976, dtype=bool)]))
-    result = preflight("--model", tiny_llama, "--prepared", prepared)
+    result = preflight("--model", tiny_llama, "--prepared", prepared, "--backend", "hf")
     assert result.returncode == 3
     line = next(ln for ln in result.stdout.splitlines() if "vocab files" in ln)
     assert "fail" in line and "t2d.npy has 2000 entries, the model's vocab_size is 1024" in line
@@ -132,7 +132,7 @@ def test_wrong_vocab_file_fails_with_a_clear_message(tiny_llama, prepared_llama,
 def test_data_prepared_for_another_vocab_fails(tiny_llama, prepared_llama, tmp_path):
     """A model whose vocab_size differs from the prepared data's fails 'prepared data' and 'embedding'."""
     model = copy_model(tiny_llama, tmp_path / "model", vocab_size=2048)
-    result = preflight("--model", model, "--prepared", prepared_llama)
+    result = preflight("--model", model, "--prepared", prepared_llama, "--backend", "hf")
     found = result.status
     assert result.returncode == 3
     assert found["prepared data"] == "fail" and found["embedding"] == "fail" and found["vocab files"] == "fail"
