@@ -81,7 +81,7 @@ def print_plan(console: Console, plan: CleanPlan) -> None:
     for step in plan.stop.steps:
         console.print(f"  1. {step.show()}")
     if plan.kill_step is not None:
-        console.print(f"  2. {plan.kill_step.show()}")
+        console.print(f"  2. {plan.kill_step.show()}; only those still running after step 1")
         for h in plan.kill:
             console.print(f"     - {h.proc.pid} {h.proc.comm} [{STYLE[h.klass]}]{h.klass}[/] ({h.reason})")
     else:

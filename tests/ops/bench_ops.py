@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 
-from conftest import REPO, ssh_table, write_hosts  # noqa: E402
+from ops_helpers import REPO, ssh_table, write_hosts  # noqa: E402
 from ops_docker import client, holder_container, remove_test_containers, stage_image, unique  # noqa: E402
 from ops_procs import write_gpu_table  # noqa: E402
 from ops_sshd import start_sshd  # noqa: E402

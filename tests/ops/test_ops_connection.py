@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_ops, ssh_table, write_hosts
+from ops_helpers import run_ops, ssh_table, write_hosts
 from ops.connection import RemoteRunner
 from ops.errors import ConnectError
 from ops.hosts import HostConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_ops, ssh_table, write_hosts
+from ops_helpers import run_ops, ssh_table, write_hosts
 from ops_procs import Freezer, alive, write_gpu_table
 
 pytestmark = pytest.mark.sshd
@@ -140,3 +140,15 @@ def test_local_mode_spares_our_own_ancestry(tmp_path, devdir, procs):
     assert "shell-survived rc=0" in res.stdout, res.stdout + res.stderr
     assert "our own ancestry" in res.stdout
     assert not alive(orphan.pid)
+
+
+def test_nvml_path_without_a_driver_reports_and_refuses_to_call_clean(sshd, tmp_path, devdir):
+    """With gpu_source nvml the real binding travels to the host; without a driver gpu-status says so and
+    gpu-clean cannot prove the GPUs clean (exit 6), rather than declaring them clean."""
+    known = sshd.write_known_hosts(tmp_path / "known_hosts")
+    hosts = write_hosts(tmp_path / "hosts.toml", "box", **ssh_table(sshd, known, device_glob=f"{devdir}/nvidia*",
+                                                                    timeouts=FAST))
+    res = run_ops("gpu-status", "--host", "box", "--hosts-file", str(hosts))
+    assert res.returncode == 0 and "GPU facts unavailable: NVML init failed" in res.stdout, res.stdout + res.stderr
+    res = run_ops("gpu-clean", "--host", "box", "--hosts-file", str(hosts))
+    assert res.returncode == 6 and "cannot read GPUs: NVML init failed" in res.stdout, res.stdout + res.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import write_hosts
+from ops_helpers import write_hosts
 from ops.errors import ConfigError
 from ops.hosts import Strategy, load_hosts_file, parse_host_spec, parse_strategy, resolve_host
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_ops, ssh_table, write_hosts
+from ops_helpers import REPO, run_ops, ssh_table, write_hosts
 from ops_docker import client, holder_container, remove_test_containers, stage_image, unique
 from ops_procs import alive, write_gpu_table
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_ops, ssh_table, write_hosts
+from ops_helpers import run_ops, ssh_table, write_hosts
 from ops.gpus import ServerFacts
 from ops.hosts import HostConfig, Timeouts, parse_strategy
 from ops.server import plan_restore, plan_stop

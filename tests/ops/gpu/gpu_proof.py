@@ -98,9 +98,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+STARTED: list[int] = []
+
+
 def start(argv: list[str]) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    return p, p.stdout.readline().strip()
+    STARTED.append(p.pid)
+    line = p.stdout.readline().strip()
+    if line.startswith("ready "):
+        STARTED.append(int(line.split()[1]))
+    return p, line
+
+
+def as_json(res: subprocess.CompletedProcess) -> dict:
+    try:
+        return json.loads(res.stdout)
+    except ValueError:
+        return {"gpus": [{"memory_used_mib": None, "memory_used_v1_mib": None, "process_pids": ["?"]}], "holders": []}
 
 
 def table(procs: dict[int, int]) -> None:
@@ -120,7 +134,7 @@ def main() -> None:
                             capture_output=True, text=True)
         transcript.append(f"$ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv\n{nv.stdout}")
     idle = ops("gpu-status", "--json")
-    state = json.loads(idle.stdout)
+    state = as_json(idle)
     g = state["gpus"][0]
     step("idle NVML facts", idle.returncode == 0,
          f"v2 used {g['memory_used_mib']} MiB, v1 used {g['memory_used_v1_mib']} MiB, processes {g['process_pids']}")
@@ -135,7 +149,7 @@ def main() -> None:
     table({engine: 4096, orphan.pid: 2048, xorg.pid: 1024})
     results["pids"] = pids
     res = ops("gpu-status")
-    st = json.loads(ops("gpu-status", "--json").stdout)
+    st = as_json(ops("gpu-status", "--json"))
     klass = {h["proc"]["pid"]: h["klass"] for h in st["holders"]}
     step("gpu-status classifies", klass.get(engine) == "server" and klass.get(orphan.pid) == "orphan"
          and klass.get(xorg.pid) == "protected", json.dumps({str(k): v for k, v in klass.items()}))
@@ -151,7 +165,7 @@ def main() -> None:
         p.wait()
     res = ops("gpu-clean")
     step("after the protected holder exits: clean, exit 0", res.returncode == 0 and "clean" in res.stdout)
-    final = json.loads(ops("gpu-status", "--json").stdout)["gpus"][0]
+    final = as_json(ops("gpu-status", "--json"))["gpus"][0]
     step("final NVML facts", not final["process_pids"],
          f"v2 used {final['memory_used_mib']} MiB, v1 used {final['memory_used_v1_mib']} MiB")
     results["ok"] = all(s["ok"] for s in results["steps"])
@@ -161,6 +175,11 @@ if __name__ == "__main__":
     try:
         main()
     finally:
+        for pid in STARTED:  # new sessions outlive the command on the device machine: end them here
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         (OUT / "transcript.md").write_text("\n".join(transcript))
         (OUT / "results.json").write_text(json.dumps(results, indent=2))
         print("\n".join(transcript))
