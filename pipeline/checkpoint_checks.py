@@ -151,5 +151,7 @@ def verify_checkpoint(path: Path) -> Summary:
     _acceptance_checks(run_dir, s)
     if run_dir and (run_dir / "summary.json").is_file():
         train = json.loads((run_dir / "summary.json").read_text()).get("train") or {}
-        s.stats.update({f"train_{k}": v for k, v in train.items() if k in ("train_tokens_per_s", "last_epoch", "device", "world_size")})
+        names = {"train_tokens_per_s": "train_tokens_per_s", "last_epoch": "train_last_epoch", "device": "train_device",
+                 "world_size": "train_world_size"}
+        s.stats.update({names[k]: v for k, v in train.items() if k in names})
     return s
