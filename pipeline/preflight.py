@@ -29,7 +29,6 @@ from pathlib import Path
 
 import click
 
-from pipeline import formats
 from pipeline.checks import CheckResult, fail, ok, warn
 from pipeline.errors import CheckFailed, StageError
 from pipeline.layers import NUM_CAPTURED, default_layer_ids, parse_layer_ids, validate_layer_ids
@@ -220,6 +219,8 @@ def check_tokenizer(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResu
 
 
 def check_prepared(prepared: Path, model: ModelDir) -> Iterator[CheckResult]:
+    from pipeline import formats  # imports torch: only once the config-level checks have printed
+
     try:
         samples, meta = formats.read_prepared(prepared)
     except (StageError, OSError, ValueError) as exc:
@@ -296,6 +297,8 @@ def expected_output_bytes(num_tokens: int, num_samples: int, hidden: int, dtype:
 def check_disk(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
     if cfg.out is None:
         return
+    from pipeline import formats
+
     out = cfg.out
     stray = sorted(p.name for p in out.glob("*pt") if not formats.DATA_FILE_RE.match(p.name)) if out.is_dir() else []
     if stray:
