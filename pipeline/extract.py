@@ -274,6 +274,8 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
 
 
 def _check_parallel(cfg: ExtractConfig) -> None:
+    if cfg.max_batch_tokens < 1 or cfg.max_batch_size < 1:
+        raise StageError(f"--max-batch-tokens {cfg.max_batch_tokens} and --max-batch-size {cfg.max_batch_size} must be at least 1")
     if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
         raise StageError(f"--rank {cfg.rank} must be in 0..{cfg.world_size - 1} for --world-size {cfg.world_size}")
     if cfg.data_parallel < 1:
