@@ -490,6 +490,18 @@ def _config_record(cfg: TrainConfig, inputs: TrainInputs, rt: Runtime, attention
     return rec
 
 
+RESUME_KEYS = ("layer_ids", "draft_vocab_size", "target_vocab_size", "hidden_size", "num_layers", "ttt_steps",
+               "train_files", "eval_files", "seed", "max_len", "intermediate_size", "norm_before_residual")
+
+
+def _check_resumable(previous: dict, now: dict, out: Path) -> None:
+    """A resumed run must continue the same model on the same split; epochs and lr may change."""
+    changed = [k for k in RESUME_KEYS if previous.get(k) != now.get(k)]
+    if changed:
+        raise StageError(f"--resume: {', '.join(changed)} differ from the run in {out} (train_config.json): "
+                         "resume with the same inputs and options, or start over with --overwrite")
+
+
 def run(cfg: TrainConfig, log=print) -> dict:
     """Train, export, evaluate; return the summary (rank 0) or {} (other ranks)."""
     from pipeline import draft as draft_mod
@@ -507,9 +519,12 @@ def run(cfg: TrainConfig, log=print) -> dict:
         _prepare_out(cfg, rt)
         out = Path(cfg.out)
         view = out / VERIFIER_VIEW
+        record = _config_record(cfg, inputs, rt, attention)
+        if cfg.resume and (out / TRAIN_CONFIG).is_file():
+            _check_resumable(json.loads((out / TRAIN_CONFIG).read_text()), record, out)
         if rt.is_main:
             draft_mod.write_verifier_view(view, inputs.verifier, inputs.target)
-            write_json(out / TRAIN_CONFIG, _config_record(cfg, inputs, rt, attention))
+            write_json(out / TRAIN_CONFIG, record)
         _barrier(rt)
 
         seed_everything(cfg.seed)

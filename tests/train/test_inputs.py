@@ -121,3 +121,13 @@ def test_cli_bad_input_exit_code_and_one_line(make_inputs, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "captured hidden-state tensors" in errors[0], proc.stderr
     assert not (out / "checkpoints").exists()
+
+
+def test_resume_with_other_inputs_rejected(make_inputs, tmp_path):
+    """--resume refuses to continue a run whose model shape or split would change."""
+    inputs = make_inputs()
+    out = tmp_path / "out"
+    run(inputs.config(out, epochs=2, evaluate=False, stop_after_epochs=1), log=lambda m: None)
+    with pytest.raises(StageError, match="ttt_steps differ"):
+        run(inputs.config(out, epochs=2, evaluate=False, resume=True, ttt_steps=2), log=lambda m: None)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0"]
