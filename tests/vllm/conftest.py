@@ -18,9 +18,11 @@ from pipeline import formats
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def vllm_environment() -> None:
-    """Fail (not skip) when vLLM/speculators are missing or unpatched."""
+@pytest.fixture(autouse=True)
+def vllm_environment(request) -> None:
+    """Fail (not skip) a `vllm`-marked test when vLLM/speculators are missing; unmarked unit tests run anywhere."""
+    if request.node.get_closest_marker("vllm") is None:
+        return
     try:
         import speculators  # noqa: F401
         import vllm  # noqa: F401

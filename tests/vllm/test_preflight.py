@@ -186,3 +186,17 @@ def test_deepseek_without_sigmoid_scoring_fails_moe_routing(tiny_deepseek, deeps
     assert '"scoring_func": "sigmoid"' in result.stdout
     good = preflight("--model", deepseek_for_vllm, "--backend", "hf")
     assert good.returncode == 0 and good.status["moe routing"] == "ok", good.stdout
+
+
+def test_extract_refuses_an_unpatched_install_before_loading(tiny_llama, prepared_llama, unpatched_overlay, tmp_path):
+    """extract --backend vllm on released vLLM/speculators stops with a one-line error naming apply.py; no load."""
+    env = {**os.environ, "PYTHONPATH": f"{unpatched_overlay}{os.pathsep}{REPO}", "COLUMNS": "200"}
+    out = tmp_path / "states"
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "extract", "--backend", "vllm", "--prepared", str(prepared_llama),
+                           "--model", str(tiny_llama), "--out", str(out), "--no-progress"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    error = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(error) == 1 and "python patches/apply.py" in error[0] and "speculators patches" in error[0]
+    assert "Starting to load model" not in proc.stdout + proc.stderr
+    assert not list(out.glob("data_*.pt"))

@@ -1,0 +1,140 @@
+"""Pure parts of the vLLM path, without vLLM: the apply script's diff engine, CPU defaults, preflight helpers.
+
+Unmarked: they run in the light environment (`make test-fast`) as well as anywhere else.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+
+import pytest
+
+from tests.vllm.conftest import REPO
+
+
+def _load_apply():
+    spec = importlib.util.spec_from_file_location("apply_patches", REPO / "patches" / "apply.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+APPLY = _load_apply()
+
+
+def load_apply():
+    return APPLY
+
+
+PATCH = textwrap.dedent("""\
+    pkg 1.0: say hello differently, because the old greeting was wrong.
+
+    --- a/pkg/mod.py
+    +++ b/pkg/mod.py
+    @@ -2,3 +2,3 @@
+     def hello():
+    -    return "helo"
+    +    return "hello"
+     
+    """)
+
+
+def write_patch(tmp_path, text=PATCH):
+    path = tmp_path / "0001-hello.patch"
+    path.write_text(text)
+    return load_apply().Patch(path)
+
+
+def test_patch_parses_header_and_hunks(tmp_path):
+    """The header is the prose before '---'; one file, one hunk with old and new lines."""
+    patch = write_patch(tmp_path)
+    assert patch.header.startswith("pkg 1.0: say hello")
+    (hunk,) = patch.files["pkg/mod.py"]
+    assert hunk.old_lines == ["def hello():\n", '    return "helo"\n', "\n"]
+    assert hunk.new_lines == ["def hello():\n", '    return "hello"\n', "\n"]
+
+
+def test_hunk_applies_at_a_shifted_position(tmp_path):
+    """Context found 3 lines later than the header says still applies, exactly once."""
+    apply = load_apply()
+    patch = write_patch(tmp_path)
+    code = "# a\n# b\n# c\nimport os\ndef hello():\n    return \"helo\"\n\nx = 1\n"
+    out = apply.apply_hunks(code, patch.files["pkg/mod.py"], "mod.py")
+    assert out == code.replace('"helo"', '"hello"')
+
+
+def test_hunk_on_changed_code_raises_naming_the_line(tmp_path):
+    """Code that differs from the hunk's context is refused with the file and the first context line."""
+    apply = load_apply()
+    patch = write_patch(tmp_path)
+    with pytest.raises(apply.PatchError, match=r"mod.py: hunk 1 .* near 'def hello\(\):'"):
+        apply.apply_hunks("def hello():\n    return 'hi'\n\n", patch.files["pkg/mod.py"], "mod.py")
+
+
+def test_patch_without_header_is_rejected(tmp_path):
+    """A patch must say what it fixes: no prose before '---' is an error."""
+    apply = load_apply()
+    with pytest.raises(apply.PatchError, match="no header"):
+        write_patch(tmp_path, PATCH.split("\n\n", 1)[1])
+
+
+def test_no_newline_at_end_of_file_marker(tmp_path):
+    """'\\ No newline at end of file' strips the newline of the line before it."""
+    apply = load_apply()
+    text = "pkg 1.0: drop the final newline, for a test of the marker.\n\n" + textwrap.dedent("""\
+        --- a/pkg/mod.py
+        +++ b/pkg/mod.py
+        @@ -1,2 +1,2 @@
+         def hello():
+        -    return "helo"
+        +    return "hello"
+        \\ No newline at end of file
+        """)
+    patch = write_patch(tmp_path, text)
+    out = apply.apply_hunks('def hello():\n    return "helo"\n', patch.files["pkg/mod.py"], "mod.py")
+    assert out == 'def hello():\n    return "hello"'
+
+
+def test_cpu_thread_binding_splits_cores_between_ranks():
+    """TP ranks get disjoint CPU sets; more ranks than cores is a one-line error."""
+    from pipeline.backends.vllm import cpu_thread_binding
+    from pipeline.errors import StageError
+
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, [3, 2, 1, 0]) == "0,1|2,3"
+    assert cpu_thread_binding(1, [0, 1]) == "0,1"
+    with pytest.raises(StageError, match="at least that many CPU cores"):
+        cpu_thread_binding(3, [0, 1])
+
+
+def test_cpu_environment_never_overrides_the_operator(monkeypatch):
+    """Defaults are filled in only where the operator set nothing."""
+    from pipeline.backends import vllm as backend
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
+    monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    env = backend._cpu_environment(1)
+    assert env == {"VLLM_MLA_DISABLE": "1"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in backend._cpu_environment(2)
+
+
+def test_checkpoint_layer_names():
+    """Decoder layer indices come from plain and wrapper names; MTP layers are not decoder layers."""
+    from pipeline.preflight import checkpoint_layers
+
+    names = dict.fromkeys([
+        "model.layers.0.mlp.up_proj.weight", "model.layers.11.self_attn.q_proj.weight",
+        "language_model.model.layers.3.input_layernorm.weight", "model.mtp.layers.0.weight", "lm_head.weight",
+    ], "f")
+    assert checkpoint_layers(names) == {0, 3, 11}
+
+
+def test_expected_output_bytes():
+    """4 layers x hidden x dtype bytes + int64 ids and mask per token, plus a small per-file overhead."""
+    from pipeline.preflight import expected_output_bytes
+
+    assert expected_output_bytes(1000, 10, 256, "bfloat16") == 1000 * (4 * 256 * 2 + 16) + 10 * 2048
+    assert expected_output_bytes(1000, 10, 256, "float32") == 1000 * (4 * 256 * 4 + 16) + 10 * 2048
