@@ -33,8 +33,13 @@ CPU_KVCACHE_GIB_DEFAULT = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's own d
 
 
 def visible_device_count() -> int:
-    """Accelerators this process may use (CUDA_VISIBLE_DEVICES honoured); 0 without any."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """GPUs this process may use (CUDA_VISIBLE_DEVICES honoured); 0 without any. Counted through NVML
+    where possible, so that this process creates no CUDA context before vLLM spawns its workers."""
+    try:
+        from vllm.utils.torch_utils import cuda_device_count_stateless
+    except ImportError:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return cuda_device_count_stateless()
 
 
 def default_tensor_parallel_size() -> int:
