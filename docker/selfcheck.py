@@ -13,6 +13,10 @@ patch tree. Checks, each returning a CheckResult:
 - imports:   the modules the stages need import (torch, vllm, speculators, transformers, ...).
 - torch:     torch was compiled for every required SM (e.g. 90 for H200, 120 for RTX PRO 6000).
 - kernels:   named compiled libraries (vLLM's ``_C.abi3.so``...) carry SASS for every required SM.
+- libs:      every shared library a package's compiled modules need is in the image (the NVIDIA driver's
+             libraries excepted: the container toolkit mounts them at run time). vLLM's ``import vllm``
+             only warns when ``vllm._C`` fails to load, so a missing library would otherwise surface at
+             the first kernel call.
 
 Does not start a GPU, load a model, or change anything; the only file it writes is the ``--json`` report.
 Standard library plus whatever it is asked to import.
@@ -33,8 +37,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cudaarch
+import cudaarch  # sibling modules: this file also runs as a plain script
+import elf
 import imageinfo
+
+# Provided by the NVIDIA driver on the GPU host (mounted into the container at run time), never in the image.
+DRIVER_LIBS = frozenset({"libcuda.so.1", "libnvidia-ml.so.1"})
+SYSTEM_LIB_DIRS = (
+    "/lib",
+    "/lib64",
+    "/usr/lib",
+    "/usr/lib64",
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/local/lib",
+    "/usr/local/cuda/lib64",
+)
 
 
 @dataclass(frozen=True)
@@ -144,12 +162,17 @@ def check_patches(apply_script: Path, patches: Path) -> CheckResult:
 
 
 def check_imports(modules: list[str]) -> list[CheckResult]:
+    """Import each module; failing only for want of the driver's libraries (no GPU at build time) warns."""
     results = []
     for module in modules:
         try:
             mod = importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001  (any failure to import is the finding)
-            results.append(fail("imports", f"import {module}: {type(exc).__name__}: {exc}"))
+            text = f"import {module}: {type(exc).__name__}: {exc}"
+            if any(lib in str(exc) for lib in DRIVER_LIBS):
+                results.append(warn("imports", text + " (the NVIDIA driver provides it on the GPU host)"))
+            else:
+                results.append(fail("imports", text))
             continue
         version = getattr(mod, "__version__", None)
         results.append(ok("imports", f"{module} {version}" if version else module))
@@ -193,6 +216,54 @@ def check_kernels(spec: str, required: frozenset[int]) -> list[CheckResult]:
     return results
 
 
+def available_sonames(site: Path) -> set[str]:
+    """Shared-library file names the dynamic loader can find here: system dirs, ldconfig's cache, and
+    every library shipped inside site-packages (torch/lib, nvidia/*/lib: python loads them first)."""
+    names: set[str] = set()
+    dirs = [Path(d) for d in SYSTEM_LIB_DIRS]
+    dirs += [Path(d) for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    for folder in dirs:
+        if folder.is_dir():
+            names.update(p.name for p in folder.iterdir())
+    try:
+        cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        cache = ""
+    for line in cache.splitlines()[1:]:  # "libnuma.so.1 (libc6,x86-64) => /lib/x86_64-linux-gnu/libnuma.so.1"
+        name, _, target = line.strip().partition(" => ")
+        if target and Path(target).exists():  # the cache can be stale
+            names.add(name.split()[0])
+    names.update(p.name for p in site.rglob("*.so*"))
+    return names
+
+
+def missing_libraries(libs: list[Path], available: set[str]) -> dict[str, list[str]]:
+    """``{library: [needed sonames not available]}`` for the libraries that lack something (pure)."""
+    missing = {}
+    for lib in libs:
+        absent = [name for name in elf.needed(lib) if name not in available and name not in DRIVER_LIBS]
+        if absent:
+            missing[lib.name] = absent
+    return missing
+
+
+def check_libs(package: str) -> CheckResult:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return fail("libs", f"package {package} not found")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    libs = sorted(p for p in root.rglob("*.so") if p.is_file())
+    if not libs:
+        return fail("libs", f"{package} has no compiled modules")
+    missing = missing_libraries(libs, available_sonames(root.parent))
+    if missing:
+        text = "; ".join(f"{lib} needs {', '.join(names)}" for lib, names in sorted(missing.items()))
+        return fail("libs", f"{package}: {text}: not in the image (add the OS package to the base)")
+    driver = sorted({n for lib in libs for n in elf.needed(lib)} & DRIVER_LIBS)
+    extra = f" (from the driver at run time: {', '.join(driver)})" if driver else ""
+    return ok("libs", f"{package}: {len(libs)} compiled modules, every needed library present{extra}")
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -221,6 +292,7 @@ def run(args: argparse.Namespace) -> list[CheckResult]:
         results.append(check_torch(required))
     for spec in args.kernels:
         results += check_kernels(spec, required)
+    results += [check_libs(package) for package in args.libs_of]
     return results
 
 
@@ -258,6 +330,13 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="PKG:LIB[,LIB]",
         help="compiled libraries that must carry SASS for every required SM",
+    )
+    parser.add_argument(
+        "--libs-of",
+        action="append",
+        default=[],
+        metavar="PKG",
+        help="every shared library PKG's compiled modules need must be in the image",
     )
     parser.add_argument("--json", type=Path, help="also write the results here (atomically)")
     args = parser.parse_args(argv)

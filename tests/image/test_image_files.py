@@ -269,3 +269,17 @@ def test_fatbin_reader_without_gpu_code(tmp_path):
     text.write_text("not elf")
     with pytest.raises(ValueError, match="not an ELF file"):
         cudaarch.library_archs(text)
+
+
+def test_needed_libraries_of_a_real_module():
+    """elf.needed lists a real extension module's DT_NEEDED entries; a library absent from the image is reported,
+    the driver's libcuda.so.1 never is."""
+    import elf
+
+    module = next(Path(sys.base_prefix).glob("lib/python3*/lib-dynload/_ssl*.so"))
+    names = elf.needed(module)
+    assert any(n.startswith("libssl.so") for n in names) and "libc.so.6" in names
+    everything = set(names)
+    assert selfcheck.missing_libraries([module], everything) == {}
+    lacking = selfcheck.missing_libraries([module], everything - {"libc.so.6"} | {"libcuda.so.1"})
+    assert lacking == {module.name: ["libc.so.6"]}
