@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import elf  # noqa: E402  (sibling module; this file also runs as a plain script)
+import elf  # sibling module: this file also runs as a plain script
 
 FATBIN_MAGIC = 0xBA55ED50
 KIND_PTX = 1
