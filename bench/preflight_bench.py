@@ -6,7 +6,7 @@ from a cold start; every output line is timestamped from process start. Reported
 time to its first `fail` line and to exit, and extract's time to vLLM's "Starting to load model" line,
 to exit, its exit code and how it ended. Needs the vLLM environment (.venv-vllm).
 
-    .venv-vllm/bin/python bench/preflight_bench.py --workdir /tmp/pfb --json-out preflight_bench.json
+    .venv-vllm/bin/python bench/preflight_bench.py --workdir /tmp/pfb --json-out runs/preflight_bench.json
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ def main(workdir: Path, json_out: Path | None, timeout: float) -> None:
         click.echo(f"| {r['case']} | {p.get('first_fail', '-')} s | {p['exit_s']} s ({p['rc']}) | "
                    f"{e.get('model_load', '-')} s | {e['exit_s']} s ({e['rc']}) |")
     if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(rows, indent=2) + "\n")
 
 

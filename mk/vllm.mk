@@ -28,4 +28,4 @@ test: test-vllm
 
 .PHONY: bench-preflight
 bench-preflight: patch-vllm ## preflight's time to the first error vs. extract's time to its model load
-	$(VLLM_PY) bench/preflight_bench.py --workdir /tmp/preflight-bench --json-out preflight_bench.json
+	$(VLLM_PY) bench/preflight_bench.py --workdir /tmp/preflight-bench --json-out runs/preflight_bench.json
