@@ -184,8 +184,9 @@ def build_tiny_model(kind: str, out_dir: Path, *, seed: int = 0, **overrides) ->
     model.save_pretrained(staging, safe_serialization=True)
     cfg_path = staging / "config.json"
     raw = json.loads(cfg_path.read_text())
-    if kind == "deepseek_v3":
+    if kind == "deepseek_v3":  # what transformers hard-codes, spelled out for vLLM (which defaults to softmax)
         raw["topk_method"] = "noaux_tc"
+        raw["scoring_func"] = "sigmoid"
     cfg_path.write_text(json.dumps(raw, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
