@@ -32,3 +32,9 @@ test-ops: env ## the ops tests only
 
 bench-ops: env ## remote-extract overhead and SSH connection count against a loopback sshd
 	$(PY) tests/ops/bench_ops.py
+
+.PHONY: test-ops-vllm
+test-ops-vllm: env ## ops against a real `vllm serve` (needs .venv-vllm: make env-vllm)
+	$(PY) -m pytest -m vllm tests/ops $(PYTEST_ARGS)
+
+test: test-ops-vllm
