@@ -31,15 +31,18 @@ def steps(work: Path, kind: str, samples: int, seq_length: int, train: bool) -> 
     plan = [
         ["demo-assets", "--out", str(assets), "--kind", kind, "--conversations", str(samples)],
         ["prepare", "--data", str(assets / "conversations.jsonl"), "--model", str(model), "--out", str(prepared),
-         "--seq-length", str(seq_length), "--draft-vocab-size", "256", "--overwrite"],
+         "--seq-length", str(seq_length), "--draft-vocab-size", "1024", "--overwrite"],
         ["extract", "--prepared", str(prepared), "--model", str(model), "--out", str(states), "--overwrite", "--no-verify"],
         ["weights", "--model", str(model), "--out", str(verifier), "--overwrite"],
         ["verify", str(prepared)],
         ["verify", str(states), "--verifier", str(verifier), "--model", str(model)],
     ]
     if train:
+        # the tiny random target's greedy tokens are spread over its whole vocab: a smaller draft vocab
+        # (the real-model default) would leave the draft nothing it can predict
         plan.append(["train", "--data", str(states), "--prepared", str(prepared), "--verifier", str(verifier),
-                     "--model", str(model), "--out", str(draft), "--overwrite"])
+                     "--model", str(model), "--out", str(draft), "--overwrite", "--epochs", "2", "--max-len", "1024",
+                     "--lr", "1e-3"])
         plan.append(["verify", str(draft)])
     return plan
 
@@ -49,7 +52,7 @@ def steps(work: Path, kind: str, samples: int, seq_length: int, train: bool) -> 
 @click.option("--kind", type=click.Choice(["llama", "deepseek_v3"]), default="llama", show_default=True)
 @click.option("--samples", type=int, default=300, show_default=True)
 @click.option("--seq-length", type=int, default=256, show_default=True)
-@click.option("--train/--no-train", default=False, show_default=True)
+@click.option("--train/--no-train", default=True, show_default=True)
 def main(workdir: Path, kind: str, samples: int, seq_length: int, train: bool) -> None:
     """prepare -> extract -> weights -> train -> verify on a tiny random model."""
     t0 = time.perf_counter()

@@ -55,6 +55,8 @@ def detect_kind(path: Path) -> str:
         return "verifier"
     if (path / "config.json").is_file() and "speculators_config" in (path / "config.json").read_text():
         return "checkpoint"
+    if (path / "draft" / "config.json").is_file():  # a train output dir: its draft/ is checked
+        return "checkpoint"
     raise StageError(f"{path} is not a stage output (no data_config.json, metadata.json, verifier.safetensors or draft config.json)")
 
 
@@ -331,8 +333,8 @@ def verify(cfg: VerifyConfig) -> Summary:
         from pipeline.checkpoint_checks import verify_checkpoint
 
         summary = verify_checkpoint(cfg.path)
-    if cfg.write_summary:
-        summary.write(cfg.path / SUMMARY)
+    if cfg.write_summary:  # next to what was checked: a train dir's own summary.json is train's
+        summary.write(Path(summary.path) / SUMMARY)
     return summary
 
 
