@@ -47,8 +47,9 @@ class RemoteCommandError(OpsError):
     """A remote command failed; carries the command and its output."""
 
     def __init__(self, what: str, command: str, exit_code: int, stdout: str, stderr: str) -> None:
-        last = (stderr.strip() or stdout.strip()).splitlines()
-        tail = last[-1] if last else "no output"
+        lines = (stderr.strip() or stdout.strip()).splitlines()
+        # the line that names the error, else the last one (docker's last line is a --help hint)
+        tail = next((ln.strip() for ln in lines if "rror" in ln), lines[-1] if lines else "no output")
         super().__init__(f"{what} failed (exit {exit_code}): {tail}", detail=f"$ {command}\n{stderr}")
         self.command = command
         self.remote_exit_code = exit_code

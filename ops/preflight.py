@@ -15,7 +15,7 @@ from ops.agent import call
 from ops.connection import Runner
 from ops.gpus import GpuState
 from ops.hosts import HostConfig
-from ops.stage import StagePlan, expected_output_bytes, host_path, running_stages_argv
+from ops.stage import StagePlan, expected_output_bytes, find_argv, host_path, running_stages_argv
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -27,8 +27,9 @@ class CheckResult:
     detail: str
 
 
-def docker_checks(runner: Runner, host: HostConfig) -> tuple[list[CheckResult], str | None]:
-    """docker present and answering; image present (its id and digest); no other stage running."""
+def docker_checks(runner: Runner, host: HostConfig, run_id: str) -> tuple[list[CheckResult], str | None]:
+    """docker present and answering; image present (its id and digest); no other stage running; the
+    run id not used by an existing container."""
     res = runner.run(shlex.join(["docker", "version", "--format", "{{.Server.Version}}"]))
     if res.exit_code == 127 or "not found" in res.stderr:
         return [CheckResult("docker", FAIL, f"docker is not installed on {host.name}")], None
@@ -48,6 +49,11 @@ def docker_checks(runner: Runner, host: HostConfig) -> tuple[list[CheckResult], 
     busy = res.stdout.split()
     out.append(CheckResult("busy", FAIL if busy else OK,
                            f"stage container(s) running: {', '.join(busy)}; attach or wait" if busy else "no stage running"))
+    res = runner.run(shlex.join(find_argv(run_id)))
+    used = res.stdout.split()[:1]
+    out.append(CheckResult("run-id", FAIL if used else OK,
+                           f"container {used[0]} of run {run_id} exists; `attach {run_id}` or choose another "
+                           "--run-id" if used else f"{run_id} unused"))
     return out, digest
 
 

@@ -65,7 +65,7 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def preflight(runner: Runner, host: HostConfig, plan: StagePlan) -> tuple[list[CheckResult], str | None, GpuState]:
-    checks, digest = docker_checks(runner, host)
+    checks, digest = docker_checks(runner, host, plan.run_id)
     state = probe(runner, host)
     checks.append(gpu_check(state))
     checks += path_checks(runner, host, plan)
@@ -83,15 +83,9 @@ def start(runner: Runner, plan: StagePlan) -> str:
 def follow(runner: Runner, host: HostConfig, container: str, host_output: str, local_dir: Path,
            console: Console) -> tuple[int, dict | None]:
     """Stream the container's logs (live and into stage.log), take its exit code, fetch summary.json,
-    remove the finished container. Ctrl-C stops the container (docker stop) before re-raising; a lost
-    connection leaves it running for `attach`."""
+    remove the finished container. A lost connection (or Ctrl-C in attach) leaves it running."""
     with (local_dir / "stage.log").open("w") as log:
-        try:
-            runner.run(shlex.join(logs_argv(container)), stream=_Tee(sys.stdout, log))
-        except KeyboardInterrupt:
-            console.print(f"interrupted: stopping container {container}")
-            runner.run(shlex.join(["docker", "stop", "--time", str(int(host.timeouts.stop)), container]))
-            raise
+        runner.run(shlex.join(logs_argv(container)), stream=_Tee(sys.stdout, log))
     res = runner.run(shlex.join(wait_argv(container)))
     if not res.ok:
         raise RemoteCommandError("docker wait", shlex.join(wait_argv(container)), res.exit_code, res.stdout, res.stderr)
@@ -131,9 +125,18 @@ def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: 
         if out.clean.verdict != CLEAN:
             raise OpsError(f"GPUs not free ({out.clean.verdict}); no stage started",
                            exit_code=EXIT_UNKILLABLE if out.clean.verdict == UNKILLABLE else EXIT_NOT_CLEAN)
-        start(runner, plan)
-        console.print(f"started {plan.container}: {shlex.join(plan.stage_argv)}")
-        out.exit_code, out.summary = follow(runner, host, plan.container, plan.host_output, out.local_dir, console)
+        started = False
+        try:
+            start(runner, plan)
+            started = True
+            console.print(f"started {plan.container}: {shlex.join(plan.stage_argv)}")
+            out.exit_code, out.summary = follow(runner, host, plan.container, plan.host_output, out.local_dir, console)
+        except KeyboardInterrupt:
+            # the operator aborts the run: stop the stage gracefully (an SSH drop, by contrast, leaves it)
+            if started:
+                console.print(f"interrupted: stopping container {plan.container}")
+                runner.run(shlex.join(["docker", "stop", "--time", str(int(host.timeouts.stop)), plan.container]))
+            raise
     finally:
         if restore_server:
             out.restored = _restore(runner, host, out.clean, console)

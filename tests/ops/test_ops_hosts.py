@@ -78,3 +78,12 @@ def test_missing_hosts_file_is_an_error(tmp_path):
     """An explicit --hosts-file that does not exist is an error, not a silent fallback."""
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_host("box", str(tmp_path / "nope.toml"))
+
+
+def test_cli_malformed_strategy_is_one_line(tmp_path):
+    """A malformed strategy in the hosts file stops the CLI before connecting: one error line, exit 2."""
+    from ops_helpers import run_ops
+
+    path = write_hosts(tmp_path / "h.toml", "box", host="127.0.0.1", server="container:$(reboot)")
+    res = run_ops("gpu-clean", "--host", "box", "--hosts-file", str(path))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "malformed" in res.stderr, res.stderr

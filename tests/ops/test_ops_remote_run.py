@@ -173,3 +173,50 @@ def test_missing_docker_is_one_line_error(tmp_path, devdir):
                          text=True, env=env, timeout=60)
     assert res.returncode == 4, res.stdout + res.stderr
     assert res.stderr.strip() == "error: preflight failed: docker: docker is not installed on nodocker"
+
+
+@pytest.mark.slow
+def test_failing_stage_exit_code_is_propagated(scene, extracted):
+    """A stage that fails (verify finds a gap in the numbering) makes remote-run exit with the stage's
+    own non-zero code; its summary is still fetched and shows the failed check."""
+    assert extracted[0].returncode == 0
+    hs = scene["data"] / "hidden_states"
+    (hs / "keep").unlink(missing_ok=True)
+    (hs / "data_9.pt").write_bytes((hs / "data_0.pt").read_bytes())
+    try:
+        res = ops(scene, "remote-run", "verify", "--run-id", "bad1", "--runs-dir", str(scene["runs"]))
+        summary = json.loads((scene["runs"] / "box" / "bad1" / "summary.json").read_text())
+        run = json.loads((scene["runs"] / "box" / "bad1" / "run.json").read_text())
+        assert res.returncode != 0 and res.returncode == run["exit_code"], res.stdout[-2000:] + res.stderr
+        assert any(c["status"] != "ok" for c in summary["checks"])
+        assert f"stage exit code {run['exit_code']}" in res.stdout
+    finally:
+        (hs / "data_9.pt").unlink()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_stage_and_restores_the_server(scene, extracted, dk):
+    """Ctrl-C while following: the stage container is stopped, the server is restored (--restore-server),
+    exit code 130."""
+    assert extracted[0].returncode == 0
+    assert ops(scene, "restore-server").returncode == 0  # running, so that there is something to restore
+    cmd = [sys.executable, "-m", "ops", "remote-run", "verify", "--run-id", "int1", "--restore-server", "--host",
+           "box", "--hosts-file", str(scene["hosts"]), "--runs-dir", str(scene["runs"])]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, COLUMNS="200"))
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("started eagle-int1"):
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    text = "".join(lines) + rest
+    assert proc.returncode == 130, text
+    assert "interrupted: stopping container eagle-int1" in text and "restored: start server" in text
+    assert dk.containers.get("eagle-int1").status == "exited"
+    scene["server"].reload()
+    assert scene["server"].status == "running"
+    again = ops(scene, "remote-run", "verify", "--run-id", "int1", "--runs-dir", str(scene["runs"]))
+    assert again.returncode == 4 and "run-id: container eagle-int1 of run int1 exists" in again.stderr, again.stderr
+    dk.containers.get("eagle-int1").remove(force=True)
