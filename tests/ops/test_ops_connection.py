@@ -94,3 +94,18 @@ def test_cli_bad_hosts_are_one_line_errors(sshd, tmp_path):
         assert res.returncode == 3, (name, res.stdout, res.stderr)
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:"), (name, res.stderr)
+
+
+def test_ssh_config_is_honoured(sshd, tmp_path):
+    """A Host alias from ~/.ssh/config (HostName, Port, User, IdentityFile, UserKnownHostsFile) is
+    enough for --host ALIAS with no hosts file, as with plain ssh."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    known = sshd.write_known_hosts(home / "kh")
+    (home / ".ssh" / "config").write_text(
+        f"Host gpu-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
+        f"  IdentityFile {sshd.user_key}\n  UserKnownHostsFile {known}\n")
+    before = sshd.connections()
+    res = run_ops("gpu-status", "--host", "gpu-alias", "--json", env={"HOME": str(home)})
+    assert res.returncode == 0, res.stderr
+    assert sshd.connections() - before == 1
