@@ -15,7 +15,7 @@ from ops.agent import call
 from ops.connection import Runner
 from ops.gpus import GpuState
 from ops.hosts import HostConfig
-from ops.stage import StagePlan, expected_output_bytes, find_argv, host_path, running_stages_argv
+from ops.stage import StagePlan, expected_output_bytes, host_path, stage_containers_argv
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -28,15 +28,14 @@ class CheckResult:
 
 
 def docker_checks(runner: Runner, host: HostConfig, run_id: str) -> tuple[list[CheckResult], str | None]:
-    """docker present and answering; image present (its id and digest); no other stage running; the
-    run id not used by an existing container."""
-    res = runner.run(shlex.join(["docker", "version", "--format", "{{.Server.Version}}"]))
-    if res.exit_code == 127 or "not found" in res.stderr:
-        return [CheckResult("docker", FAIL, f"docker is not installed on {host.name}")], None
-    if not res.ok:
-        return [CheckResult("docker", FAIL, f"docker daemon not reachable: {_last(res.stderr)}")], None
-    out = [CheckResult("docker", OK, f"engine {res.stdout.strip()}")]
+    """docker present and answering, image present (its id and digest): one `docker image inspect`;
+    no other stage running and the run id unused: one `docker ps`."""
     res = runner.run(shlex.join(["docker", "image", "inspect", "--format", "{{.Id}} {{json .RepoDigests}}", host.image]))
+    if res.exit_code == 127 or "command not found" in res.stderr:
+        return [CheckResult("docker", FAIL, f"docker is not installed on {host.name}")], None
+    if not res.ok and "No such image" not in res.stderr:
+        return [CheckResult("docker", FAIL, f"docker daemon not reachable: {_last(res.stderr)}")], None
+    out = [CheckResult("docker", OK, "answers")]
     digest = None
     if res.ok:
         image_id, _, digests = res.stdout.strip().partition(" ")
@@ -45,12 +44,12 @@ def docker_checks(runner: Runner, host: HostConfig, run_id: str) -> tuple[list[C
     else:
         out.append(CheckResult("image", FAIL, f"image {host.image} is not on {host.name}; build or ship it "
                                               f"(make ship-image HOST={host.name})"))
-    res = runner.run(shlex.join(running_stages_argv()))
-    busy = res.stdout.split()
+    res = runner.run(shlex.join(stage_containers_argv()))
+    rows = [line.split("\t") for line in res.stdout.splitlines() if line.count("\t") == 2]
+    busy = [name for name, state, _ in rows if state == "running"]
+    used = [name for name, _, rid in rows if rid == run_id]
     out.append(CheckResult("busy", FAIL if busy else OK,
                            f"stage container(s) running: {', '.join(busy)}; attach or wait" if busy else "no stage running"))
-    res = runner.run(shlex.join(find_argv(run_id)))
-    used = res.stdout.split()[:1]
     out.append(CheckResult("run-id", FAIL if used else OK,
                            f"container {used[0]} of run {run_id} exists; `attach {run_id}` or choose another "
                            "--run-id" if used else f"{run_id} unused"))

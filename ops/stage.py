@@ -125,8 +125,10 @@ def find_argv(run_id: str) -> tuple[str, ...]:
     return ("docker", "ps", "--all", "--filter", f"label={LABEL_RUN}={run_id}", "--format", fmt)
 
 
-def running_stages_argv() -> tuple[str, ...]:
-    return ("docker", "ps", "--filter", f"label={LABEL_RUN}", "--format", "{{.Names}}")
+def stage_containers_argv() -> tuple[str, ...]:
+    """Every stage container on the host (running or not): name, state, run id."""
+    return ("docker", "ps", "--all", "--filter", f"label={LABEL_RUN}", "--format",
+            "{{.Names}}\t{{.State}}\t{{.Label \"" + LABEL_RUN + "\"}}")
 
 
 def expected_output_bytes(num_tokens: int, hidden_size: int, layers: int = 4, bytes_per_value: int = 2) -> int:
