@@ -163,6 +163,12 @@ def probe(runner: Runner, host: HostConfig) -> GpuState:
     return parse_probe(call(runner, host, probe_request(host)), host)
 
 
+def probe_with_paths(runner: Runner, host: HostConfig, paths: dict) -> tuple[GpuState, dict]:
+    """The GPU probe plus facts about host paths (see hostagent.paths), in one round trip."""
+    reply = call(runner, host, {**probe_request(host), "paths": paths})
+    return parse_probe(reply, host), reply["path_facts"]
+
+
 def check_clean(state: GpuState, threshold_mib: int) -> list[GpuCheck]:
     """Per GPU: clean iff no compute process and used memory (NVML v2, reserved excluded) < threshold.
     Without GPU facts nothing can be proven clean: one failing entry with the reason."""

@@ -252,9 +252,12 @@ def probe(req: dict) -> dict:
         facts = proc_facts(pid, containers)
         if facts is not None:
             procs[str(pid)] = facts
-    return {"hostname": socket.gethostname(), "agent_pid": os.getpid(), "ancestry": ancestry(),
-            "fuser": fuser, "gpu": gpu, "procs": procs, "server": server,
-            "containers": containers, "docker_error": docker_error}
+    out = {"hostname": socket.gethostname(), "agent_pid": os.getpid(), "ancestry": ancestry(),
+           "fuser": fuser, "gpu": gpu, "procs": procs, "server": server,
+           "containers": containers, "docker_error": docker_error}
+    if req.get("paths"):  # remote-run's path facts, in the same round trip
+        out["path_facts"] = paths(req["paths"])
+    return out
 
 
 def terminate(req: dict) -> dict:

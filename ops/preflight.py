@@ -11,7 +11,6 @@ import json
 import shlex
 from dataclasses import dataclass
 
-from ops.agent import call
 from ops.connection import Runner
 from ops.gpus import GpuState
 from ops.hosts import HostConfig
@@ -69,12 +68,21 @@ def gpu_check(state: GpuState) -> CheckResult:
     return CheckResult("gpus", OK, f"{len(state.gpus)} x {state.gpus[0].name}")
 
 
-def path_checks(runner: Runner, host: HostConfig, plan: StagePlan) -> list[CheckResult]:
-    meta = host_path(host, "prepared/metadata.json")
-    config = f"{host.model_dir.rstrip('/')}/config.json"
-    req = {"op": "paths", "paths": [host.data_root, host.model_dir, *plan.host_inputs, plan.host_output],
-           "free": [plan.host_output], "json": [meta, config] if plan.stage == "extract" else []}
-    facts = call(runner, host, req)
+def _meta_and_config(host: HostConfig) -> tuple[str, str]:
+    return host_path(host, "prepared/metadata.json"), f"{host.model_dir.rstrip('/')}/config.json"
+
+
+def paths_request(host: HostConfig, plan: StagePlan) -> dict:
+    """What the host agent must report about the run's paths (sent along with the GPU probe)."""
+    meta, config = _meta_and_config(host)
+    return {"paths": [host.data_root, host.model_dir, *plan.host_inputs, plan.host_output],
+            "free": [plan.host_output], "json": [meta, config] if plan.stage == "extract" else []}
+
+
+def path_checks(host: HostConfig, plan: StagePlan, facts: dict) -> list[CheckResult]:
+    """Inputs and model present, output empty unless --resume, free disk for extract; from the agent's
+    path facts (`paths_request`)."""
+    meta, config = _meta_and_config(host)
     paths = facts["paths"]
     out = []
     for p in (host.data_root, *plan.host_inputs):

@@ -21,11 +21,11 @@ from rich.console import Console
 from ops import report, server
 from ops.clean import CLEAN, UNKILLABLE, CleanReport, gpu_clean
 from ops.errors import EXIT_NOT_CLEAN, EXIT_PREFLIGHT, EXIT_UNKILLABLE, OpsError, RemoteCommandError
-from ops.gpus import GpuState, probe
+from ops.gpus import GpuState, probe, probe_with_paths
 from ops.hosts import HostConfig
 from ops.connection import Runner
-from ops.preflight import CheckResult, docker_checks, failed, gpu_check, path_checks
-from ops.stage import StagePlan, find_argv, logs_argv, wait_argv
+from ops.preflight import CheckResult, docker_checks, failed, gpu_check, path_checks, paths_request
+from ops.stage import StagePlan, find_argv, finish_argvs, logs_argv
 
 
 @dataclass
@@ -66,9 +66,9 @@ def write_json(path: Path, data: dict) -> None:
 
 def preflight(runner: Runner, host: HostConfig, plan: StagePlan) -> tuple[list[CheckResult], str | None, GpuState]:
     checks, digest = docker_checks(runner, host, plan.run_id)
-    state = probe(runner, host)
+    state, facts = probe_with_paths(runner, host, paths_request(host, plan))
     checks.append(gpu_check(state))
-    checks += path_checks(runner, host, plan)
+    checks += path_checks(host, plan, facts)
     return checks, digest, state
 
 
@@ -86,23 +86,21 @@ def follow(runner: Runner, host: HostConfig, container: str, host_output: str, l
     remove the finished container. A lost connection (or Ctrl-C in attach) leaves it running."""
     with (local_dir / "stage.log").open("w") as log:
         runner.run(shlex.join(logs_argv(container)), stream=_Tee(sys.stdout, log))
-    res = runner.run(shlex.join(wait_argv(container)))
-    if not res.ok:
-        raise RemoteCommandError("docker wait", shlex.join(wait_argv(container)), res.exit_code, res.stdout, res.stderr)
-    code = int(res.stdout.strip().splitlines()[-1])
-    times = runner.run(shlex.join(["docker", "inspect", "--format", "{{.State.StartedAt}} {{.State.FinishedAt}}",
-                                   container]))
-    if times.ok:
-        write_json(local_dir / "container.json", {"container": container, "exit_code": code,
-                                                  "started_at": times.stdout.split()[0],
-                                                  "finished_at": times.stdout.split()[-1]})
+    # exit code, run times and removal in one round trip (the stage's files live on the host's disk)
+    cmd = " && ".join(shlex.join(argv) for argv in finish_argvs(container))
+    res = runner.run(cmd)
+    words = res.stdout.split()
+    if not res.ok or len(words) < 3:
+        raise RemoteCommandError("collecting the stage container", cmd, res.exit_code, res.stdout, res.stderr)
+    code = int(words[0])
+    write_json(local_dir / "container.json", {"container": container, "exit_code": code,
+                                              "started_at": words[1], "finished_at": words[2]})
     summary = None
     try:
         runner.get(f"{host_output}/summary.json", local_dir / "summary.json")
         summary = json.loads((local_dir / "summary.json").read_text())
     except (OSError, ValueError):
         pass
-    runner.run(shlex.join(["docker", "rm", container]))
     return code, summary
 
 

@@ -116,8 +116,12 @@ def logs_argv(container: str) -> tuple[str, ...]:
     return ("docker", "logs", "--follow", container)
 
 
-def wait_argv(container: str) -> tuple[str, ...]:
-    return ("docker", "wait", container)
+def finish_argvs(container: str) -> tuple[tuple[str, ...], ...]:
+    """After the log follow ends: exit code (docker wait), start/finish times, then remove it; run as one
+    `&&` chain, the output reads `CODE STARTED FINISHED NAME`."""
+    return (("docker", "wait", container),
+            ("docker", "inspect", "--format", "{{.State.StartedAt}} {{.State.FinishedAt}}", container),
+            ("docker", "rm", "--volumes", container))
 
 
 def find_argv(run_id: str) -> tuple[str, ...]:

@@ -64,6 +64,7 @@ def scene(tmp_path_factory, dk, image, assets, sshd):
                                str(devdir / "nvidia0")])
     table = write_gpu_table(tmp / "gpus.json", [{"processes": [{"pid": server.attrs["State"]["Pid"], "used_mib": 9000},
                                                                {"pid": orphan.pid, "used_mib": 10}]}])
+    _remove_stage_containers(dk)
     known = sshd.write_known_hosts(tmp / "known_hosts")
     img, mounts = image
     hosts = write_hosts(tmp / "hosts.toml", "box", **ssh_table(
@@ -74,6 +75,13 @@ def scene(tmp_path_factory, dk, image, assets, sshd):
     orphan.kill()
     orphan.wait()
     remove_test_containers(dk, [name])
+    _remove_stage_containers(dk)
+
+
+def _remove_stage_containers(dk) -> None:
+    """Stage containers of the test host `box` left by an earlier, interrupted session."""
+    for ctr in dk.containers.list(all=True, filters={"label": "eagle-ops.host=box"}):
+        ctr.remove(force=True)
 
 
 def ops(scene, *args, **kw):
