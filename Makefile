@@ -23,7 +23,7 @@ $(VENV)/.ready: requirements/dev.txt pyproject.toml
 env: $(VENV)/.ready ## build (or reuse) the light environment in .venv
 
 demo: env ## tiny model end to end: prepare -> extract -> weights -> train -> verify
-	$(PY) -m pipeline.demo --workdir $(DEMO_DIR)
+	$(PY) -m pipeline.demo --workdir $(DEMO_DIR) $(DEMO_ARGS)
 
 test-fast: env ## tests that need only the light environment
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
