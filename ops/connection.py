@@ -183,6 +183,8 @@ class RemoteRunner:
         target = f"{self._conn.user}@{self._conn.host}:{self._conn.port}"
         try:
             self._conn.open()
+            # keepalives keep NAT/firewall state alive through long silent stages (log follow)
+            self._conn.transport.set_keepalive(30)
         except socket.gaierror:
             raise ConnectError(f"unknown host {self._conn.host!r}: name does not resolve; check HOST") from None
         except p.BadHostKeyException as exc:
@@ -237,6 +239,8 @@ class RemoteRunner:
                 got = _drain(chan.recv_stderr_ready, chan.recv_stderr, err, stream) or got
                 if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
+                if chan.closed or not transport.is_active():  # connection dropped: no exit status will come
+                    raise OpsError(f"lost the SSH connection to {self.label} while running: {command[:80]}")
                 if deadline is not None and time.monotonic() > deadline:
                     raise OpsError(f"remote command timed out after {timeout:.0f} s: {command[:120]}")
                 if not got:

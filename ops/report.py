@@ -137,7 +137,7 @@ def print_summary(console: Console, summary: dict | None, exit_code: int | None,
             st = str(c.get("status", ""))
             t.add_row(str(c.get("name", "")), f"[{'green' if st == 'ok' else 'red'}]{st}[/]", str(c.get("detail", "")))
         for k, v in summary.items():
-            if k != "checks" and isinstance(v, (str, int, float, bool)) or v is None and k != "checks":
+            if k != "checks" and (v is None or isinstance(v, (str, int, float, bool))):
                 t.add_row(k, "", str(v))
         console.print(t)
     colour = "green" if exit_code == 0 else "red"

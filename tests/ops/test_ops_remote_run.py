@@ -88,6 +88,20 @@ def ops(scene, *args, **kw):
     return run_ops(*args, "--host", "box", "--hosts-file", str(scene["hosts"]), **kw)
 
 
+def start_until_started(scene, run_id: str, *extra: str) -> tuple[subprocess.Popen, list[str]]:
+    """`remote-run verify` in the background, read until its stage container has started."""
+    cmd = [sys.executable, "-m", "ops", "remote-run", "verify", "--run-id", run_id, *extra, "--host", "box",
+           "--hosts-file", str(scene["hosts"]), "--runs-dir", str(scene["runs"])]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, COLUMNS="200"))
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(f"started eagle-{run_id}"):
+            break
+    return proc, lines
+
+
 @pytest.fixture(scope="module")
 def extracted(scene, sshd):
     before = sshd.connections()
@@ -121,13 +135,7 @@ def test_ssh_drop_leaves_container_running_and_attach_finishes(scene, extracted,
     """Killing the operator's process mid-follow does not stop the stage container; attach follows it
     again, propagates its exit code and fetches its summary."""
     assert extracted[0].returncode == 0
-    cmd = [sys.executable, "-m", "ops", "remote-run", "verify", "--run-id", "v1", "--host", "box", "--hosts-file",
-           str(scene["hosts"]), "--runs-dir", str(scene["runs"])]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, COLUMNS="200"))
-    for line in proc.stdout:
-        if line.startswith("started eagle-v1"):
-            break
+    proc, _ = start_until_started(scene, "v1")
     proc.send_signal(signal.SIGKILL)  # the laptop vanishes: no cleanup, the TCP connection just dies
     proc.wait()
     ctr = dk.containers.get("eagle-v1")
@@ -208,15 +216,7 @@ def test_ctrl_c_stops_the_stage_and_restores_the_server(scene, extracted, dk):
     exit code 130."""
     assert extracted[0].returncode == 0
     assert ops(scene, "restore-server").returncode == 0  # running, so that there is something to restore
-    cmd = [sys.executable, "-m", "ops", "remote-run", "verify", "--run-id", "int1", "--restore-server", "--host",
-           "box", "--hosts-file", str(scene["hosts"]), "--runs-dir", str(scene["runs"])]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, COLUMNS="200"))
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("started eagle-int1"):
-            break
+    proc, lines = start_until_started(scene, "int1", "--restore-server")
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=120)
     text = "".join(lines) + rest
@@ -228,3 +228,20 @@ def test_ctrl_c_stops_the_stage_and_restores_the_server(scene, extracted, dk):
     again = ops(scene, "remote-run", "verify", "--run-id", "int1", "--runs-dir", str(scene["runs"]))
     assert again.returncode == 4 and "run-id: container eagle-int1 of run int1 exists" in again.stderr, again.stderr
     dk.containers.get("eagle-int1").remove(force=True)
+
+
+@pytest.mark.slow
+def test_server_side_drop_is_reported_and_attach_recovers(scene, extracted, dk, sshd):
+    """The host end of the connection dies mid-follow (sshd's session processes killed): ops says it lost
+    the connection (exit 1) instead of hanging, the container is untouched, attach finishes the run."""
+    assert extracted[0].returncode == 0
+    proc, _ = start_until_started(scene, "drop2")
+    sessions = subprocess.run(["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert sessions
+    for pid in sessions:  # only our sshd's per-connection children: this test's connection
+        os.kill(int(pid), signal.SIGKILL)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "lost the SSH connection" in rest, rest
+    assert dk.containers.get("eagle-drop2").wait(timeout=120)["StatusCode"] == 0
+    res = ops(scene, "attach", "drop2", "--runs-dir", str(scene["runs"]))
+    assert res.returncode == 0, res.stdout + res.stderr
