@@ -52,7 +52,7 @@ def remove_test_containers(c: docker.DockerClient, names: list[str]) -> None:
             pass
 
 
-STAGE_IMAGE = "eagle-ops-test-stage:1"
+STAGE_IMAGE = "eagle-ops-test-stage"
 
 
 def stage_image(c: docker.DockerClient, repo: Path, python_home: str) -> tuple[str, list[str]]:
@@ -60,8 +60,12 @@ def stage_image(c: docker.DockerClient, repo: Path, python_home: str) -> tuple[s
     venv's interpreter are bind-mounted read-only at the same paths (returned as hosts-file mounts)."""
     import io
 
+    import hashlib
+
     ensure_base_image()
+    # one tag per checkout: two checkouts testing on one engine must not run each other's PATH
+    tag = f"{STAGE_IMAGE}:{hashlib.sha1(str(repo).encode()).hexdigest()[:12]}"
     dockerfile = f"FROM {BASE_IMAGE}\nENV PATH={repo}/.venv/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1\n"
-    c.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=STAGE_IMAGE, pull=False, rm=True,
+    c.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, pull=False, rm=True,
                    labels={TEST_LABEL: "1"})
-    return STAGE_IMAGE, [f"{repo}:{repo}:ro", f"{python_home}:{python_home}:ro"]
+    return tag, [f"{repo}:{repo}:ro", f"{python_home}:{python_home}:ro"]

@@ -147,7 +147,7 @@ def test_ssh_drop_leaves_container_running_and_attach_finishes(scene, extracted,
         dk.containers.get("eagle-v1")  # collected after attach fetched everything
 
 
-def test_preflight_failures_start_and_stop_nothing(scene, dk, tmp_path):
+def test_preflight_failures_start_and_stop_nothing(scene, dk, image, tmp_path):
     """A missing image or a non-empty output folder fails preflight with one error line (exit 4): the
     server keeps running, no stage container exists."""
     assert ops(scene, "restore-server").returncode == 0  # an earlier test's run left it stopped
@@ -155,7 +155,8 @@ def test_preflight_failures_start_and_stop_nothing(scene, dk, tmp_path):
     assert scene["server"].status == "running"
     text = scene["hosts"].read_text()
     bad = tmp_path / "hosts.toml"
-    bad.write_text(text.replace("eagle-ops-test-stage:1", "eagle-ops-test-missing:0"))
+    assert image[0] in text
+    bad.write_text(text.replace(image[0], "eagle-ops-test-missing:0"))
     (scene["data"] / "hidden_states").mkdir(exist_ok=True)
     (scene["data"] / "hidden_states" / "keep").write_text("x")
     for hosts, expect in ((bad, "image: image eagle-ops-test-missing:0 is not on box"),
