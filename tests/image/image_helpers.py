@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import subprocess
@@ -12,8 +13,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "docker"))
 
-CI_IMAGE = "eagle-ops:ci"
-CI_BASE = "eagle-ops-image-ci-base:bookworm-2"
+# Names derived from this checkout's path: test runs of two checkouts (a developer's and a CI clone) share
+# one Docker engine and must not build, tag or remove each other's images and compose projects.
+RUN_ID = hashlib.sha1(str(REPO).encode()).hexdigest()[:8]
+CI_IMAGE = f"eagle-ops:ci-{RUN_ID}"
+CI_BASE = "eagle-ops-image-ci-base:bookworm-4"
 CI_LOCK = "requirements/image-ci.lock"
 
 

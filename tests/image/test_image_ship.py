@@ -10,12 +10,12 @@ import tarfile
 
 import pytest
 import ship_image
-from image_helpers import REPO, sh
+from image_helpers import REPO, RUN_ID, sh
 from ops_sshd import start_sshd
 
 pytestmark = [pytest.mark.docker, pytest.mark.sshd, pytest.mark.slow]
 
-SMALL = "eagle-ops-ship-test:small"
+SMALL = f"eagle-ops-ship-test:{RUN_ID}"
 
 
 @pytest.fixture(scope="module")
