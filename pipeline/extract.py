@@ -332,6 +332,10 @@ def run(cfg: ExtractConfig) -> dict:
     if batches and cfg.data_parallel > 1 and cfg.local_rank is None:
         stats = launch_workers(cfg, len(owned), len(done))
     elif batches:
+        if cfg.backend == "hf" and "OMP_NUM_THREADS" not in os.environ and torch.cuda.is_available():
+            # the host side of a GPU run is copies; an OpenMP pool of every core slowed it 2x on a 32-core
+            # H200 host (docs/benchmarks.md), half the cores (at most 16) did not
+            torch.set_num_threads(max(1, min(16, (os.cpu_count() or 2) // 2)))
         with get_backend(cfg.backend, options) as backend:
             stats = run_loop(backend, prepared, batches, cfg.out, model.hidden_size, len(layer_ids), len(owned),
                              done, cfg.progress)
@@ -371,8 +375,9 @@ def launch_workers(cfg: ExtractConfig, owned: int, done: int) -> dict:
         env = dict(os.environ)
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices[k]
-        else:  # CPU workers share the cores instead of each taking all of them
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.data_parallel)))
+        # each worker's OpenMP pool gets its share of the cores (host copies, CPU forward): N pools of
+        # all cores oversubscribe the machine
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.data_parallel)))
         procs.append(subprocess.Popen(worker_argv(cfg, k), env=env, stdout=subprocess.PIPE, text=True))
     failed = []
     try:
