@@ -22,7 +22,7 @@ patch-vllm: env-vllm ## apply patches/ to .venv-vllm (a no-op when already appli
 	$(VLLM_PY) patches/apply.py
 
 test-vllm: patch-vllm ## tests on a real vLLM 0.16.0 (CPU build) + speculators 0.4.0.1
-	$(VLLM_PY) -m pytest -m vllm tests/vllm $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -m vllm tests/vllm tests/train $(PYTEST_ARGS)
 
 test: test-vllm
 
