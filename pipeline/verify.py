@@ -240,18 +240,15 @@ def _alignment_checks(cfg: VerifyConfig, dc: formats.DataConfig, good: list[int]
         return [fail("alignment", "no intact files to check")]
     if cfg.verifier:
         verifier = load_verifier(cfg.verifier)
-    else:
-        from safetensors import safe_open
-
-        from pipeline.weights import read_tensors, resolve_names, weight_map
+    else:  # no verifier dir: take the final norm and lm_head from the model itself
         from pipeline.modeldir import read_model_dir
+        from pipeline.weights import read_tensors, resolve_names, weight_map
 
         md = read_model_dir(cfg.model)
         wmap = weight_map(cfg.model)
         names = resolve_names(sorted(wmap), md.tie_word_embeddings)
         t = read_tensors(cfg.model, wmap, sorted({names.norm, names.lm_head}))
         verifier = {"norm.weight": t[names.norm], "lm_head.weight": t[names.lm_head]}
-        del safe_open
     model_dir = cfg.model
     cfg_path = Path(dc.model) / "config.json"
     raw = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
