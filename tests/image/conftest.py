@@ -3,6 +3,7 @@ second Docker engine and a real sshd standing in for a GPU host without registry
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from image_helpers import CI_BASE, CI_LOCK, REPO, build_ci_image, sh
+from image_helpers import CI_BASE, CI_IMAGE, CI_LOCK, REPO, build_ci_image, sh
 
 sys.path.insert(0, str(REPO / "tests" / "ops"))
 
@@ -28,8 +29,12 @@ def docker_client():
 
 
 @pytest.fixture(scope="session")
-def ci_image(docker_client) -> subprocess.CompletedProcess:
-    """The CI image built by the real Dockerfile (base, wheelhouse and build exactly as `make image-ci`)."""
+def ci_image(docker_client):
+    """The CI image built by the real Dockerfile (base, wheelhouse and build exactly as `make image-ci`).
+
+    Under CI (CI set) the images this session built and the engine's build cache are removed at the end:
+    together ~20 GB that the vLLM environment built after these tests needs. A developer's engine keeps
+    them, so that a re-run reuses the cached layers."""
     base = sh("docker/build-ci-base.sh", CI_BASE)
     assert base.returncode == 0, base.stdout
     wheels = sh(
@@ -38,7 +43,19 @@ def ci_image(docker_client) -> subprocess.CompletedProcess:
     assert wheels.returncode == 0, wheels.stdout
     build = build_ci_image()
     assert build.returncode == 0, build.stdout[-6000:]
-    return build
+    yield build
+    if os.environ.get("CI"):
+        _free_ci_disk(docker_client)
+
+
+def _free_ci_disk(client) -> None:
+    """Remove every tag of this checkout's CI image and prune the build cache (CI's engine is its own)."""
+    repo, _, tag = CI_IMAGE.partition(":")
+    for image in client.images.list(name=repo):
+        for name in image.tags:
+            if name.partition(":")[2].startswith(tag):
+                client.images.remove(name, force=True)
+    client.api.prune_builds(all=True)
 
 
 @dataclass
