@@ -147,6 +147,7 @@ def main(preset: str, workdir: Path, samples: int | None, max_batch_tokens: int 
         "naive_tokens_per_s": base["tokens_per_s"], "ours_tokens_per_s": ours["tokens_per_s"],
         "speedup": ours["tokens_per_s"] / base["tokens_per_s"], "ours_capture_seconds": ours["capture_seconds"],
         "ours_seconds": ours["seconds"], "written_bytes": ours["bytes"],
+        "ours_device_idle_fraction": ours.get("device_idle_fraction"),
         "write_bandwidth_gb_s": ours["bytes"] / ours["seconds"] / 1e9,
         "params_total": total_params, "params_run": run_params, "forward_only_tokens_per_s": fwd,
     }

@@ -78,7 +78,9 @@ def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch
         results["runs"][dp] = {"tokens": stats["tokens"], "loop_tokens_per_s": stats["tokens"] / loop,
                                "wall_tokens_per_s": stats["tokens"] / wall, "bytes": stats["bytes"],
                                "write_gb_s": stats["bytes"] / loop / 1e9,
-                               "workers": [{k: w.get(k) for k in ("tokens", "seconds", "capture_seconds", "non_capture_fraction")}
+                               "device_idle_fraction": stats.get("device_idle_fraction"),
+                               "workers": [{k: w.get(k) for k in ("tokens", "seconds", "capture_seconds", "non_capture_fraction",
+                                                                 "device_busy_seconds", "device_idle_fraction")}
                                            for w in workers]}
         print(json.dumps({dp: results["runs"][dp]}), flush=True)
         if dp != max(int(x) for x in sweep.split(",")):

@@ -268,9 +268,18 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
             bar.update(task, advance=len(items), tps=tokens / elapsed if elapsed else 0.0)
         writer.close()
     elapsed = time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else 0.0, "bytes": writer.bytes,
-            # time the main thread spent waiting for anything but the backend (queue full, progress, checks)
-            "capture_seconds": capture_s, "non_capture_fraction": 1 - capture_s / elapsed if elapsed else 0.0}
+    stats = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else 0.0, "bytes": writer.bytes,
+             # time the main thread spent waiting for anything but the backend (queue full, progress, checks)
+             "capture_seconds": capture_s, "non_capture_fraction": 1 - capture_s / elapsed if elapsed else 0.0}
+    if backend.clock is not None:
+        stats.update(device_idle(backend.clock.seconds, elapsed))
+    return stats
+
+
+def device_idle(busy_seconds: float, wall_seconds: float, devices: int = 1) -> dict:
+    """The device's busy seconds and the fraction of the run's wall time (x devices) it sat idle."""
+    span = wall_seconds * devices
+    return {"device_busy_seconds": busy_seconds, "device_idle_fraction": max(0.0, 1 - busy_seconds / span) if span else 0.0}
 
 
 def _check_parallel(cfg: ExtractConfig) -> None:
@@ -402,8 +411,12 @@ def launch_workers(cfg: ExtractConfig, owned: int, done: int) -> dict:
     per = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
     elapsed = time.perf_counter() - t0
     tokens = sum(w["tokens"] for w in per)
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "bytes": sum(w["bytes"] for w in per),
-            "workers": per}
+    stats = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "bytes": sum(w["bytes"] for w in per),
+             "workers": per}
+    busy = [w["device_busy_seconds"] for w in per if "device_busy_seconds" in w]
+    if len(busy) == len(per):
+        stats.update(device_idle(sum(busy), elapsed, len(per)))
+    return stats
 
 
 @click.command("extract")
@@ -440,7 +453,8 @@ def command(layer_ids: str | None, json_stats: bool, **kwargs) -> None:
         return
     click.echo(
         f"extracted {stats['samples']} samples into {cfg.out} ({stats['batches_run']} batches run, "
-        f"{stats['resumed_from']} already done; {stats['tokens_per_s']:,.0f} tok/s)"
+        f"{stats['resumed_from']} already done; {stats['tokens_per_s']:,.0f} tok/s"
+        + (f", device idle {stats['device_idle_fraction']:.0%})" if "device_idle_fraction" in stats else ")")
     )
     if cfg.verify:
         from pipeline.verify import VerifyConfig, report

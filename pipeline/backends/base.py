@@ -8,6 +8,7 @@ in the model dtype, each tensor owning its storage (never a view into a padded b
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,10 +51,50 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise StageError(f"unknown --dtype {dtype!r}: choose auto, bfloat16, float16 or float32") from None
 
 
+class DeviceClock:
+    """Seconds the device spent on the work between ``start()`` and ``stop()``, summed over calls.
+
+    On a GPU: CUDA events on the current stream, so the figure is the stream's own time (kernels and the
+    device-to-host copy), not the host's; read it only after the stream has synchronised (``settle()``).
+    On the CPU the host is the device: wall time. The extract loop turns the sum into the device's idle
+    fraction (time the GPU waited for the host: batching, checks, writer back-pressure)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+        self._marks: tuple | None = None
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            self._marks = (begin, None)
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._marks = (self._marks[0], end)
+        else:
+            self.seconds += time.perf_counter() - self._t0
+
+    def settle(self) -> None:
+        """Add the last start..stop interval (CUDA: the stream must have passed the stop event)."""
+        if self.cuda and self._marks is not None:
+            begin, end = self._marks
+            self.seconds += begin.elapsed_time(end) / 1000.0
+            self._marks = None
+
+
 class Backend(ABC):
     """A loaded target model that captures hidden states."""
 
     name: str
+    #: device time spent inside capture(), when the backend measures it (the hf backend does)
+    clock: DeviceClock | None = None
 
     @property
     @abstractmethod

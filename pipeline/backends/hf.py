@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pipeline.backends.base import Backend, BackendOptions, resolve_device, resolve_dtype
+from pipeline.backends.base import Backend, BackendOptions, DeviceClock, resolve_device, resolve_dtype
 from pipeline.errors import StageError
 
 
@@ -61,6 +61,7 @@ class HFBackend(Backend):
         self._hooks = [layers[k].register_forward_hook(self._hook(k)) for k in options.layer_ids]
         self.pad_id = 0
         self._pinned: torch.Tensor | None = None
+        self.clock = DeviceClock(self.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -86,13 +87,16 @@ class HFBackend(Backend):
         return outs, lengths
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
+        self.clock.start()
         outs, lengths = self.forward_layers(batch)
         # pack the real rows of every sample and layer on the device: [layers, sum T, H], one copy to the host
         packed = torch.stack([torch.cat([o[i, :n] for i, n in enumerate(lengths)]) for o in outs])
         host = self._host_buffer(packed)
         host.copy_(packed, non_blocking=True)
+        self.clock.stop()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self.clock.settle()
         del packed, outs
         # .clone(): each sample's tensors must own their storage, or torch.save writes the whole batch
         result, start = [], 0

@@ -1,0 +1,45 @@
+"""The extract loop measures how long the device was busy and reports the fraction it sat idle."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from pipeline.backends.base import DeviceClock
+from pipeline.extract import device_idle
+from tests.conftest import run_pipeline
+
+
+def test_device_idle_fraction_is_busy_time_over_wall_time_per_device():
+    """Idle = 1 - busy / (wall x devices), never negative, 0 for an empty run."""
+    assert device_idle(3.0, 4.0) == {"device_busy_seconds": 3.0, "device_idle_fraction": pytest.approx(0.25)}
+    assert device_idle(6.0, 4.0, devices=2)["device_idle_fraction"] == pytest.approx(0.25)
+    assert device_idle(5.0, 4.0)["device_idle_fraction"] == 0.0
+    assert device_idle(0.0, 0.0)["device_idle_fraction"] == 0.0
+
+
+def test_cpu_clock_sums_only_the_started_intervals():
+    """On the CPU the clock adds the wall time between start and stop, not the time between intervals."""
+    clock = DeviceClock(torch.device("cpu"))
+    for _ in range(2):
+        clock.start()
+        time.sleep(0.05)
+        clock.stop()
+        clock.settle()
+        time.sleep(0.2)  # host-only work: not device time
+    assert 0.1 <= clock.seconds < 0.4
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_extract_reports_device_busy_time_and_idle_fraction(tmp_path, tiny_llama, prepared_llama, workers):
+    """A real run (one process or two workers) reports busy seconds within its wall time and prints the idle share."""
+    argv = ["extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 8, "--max-batch-size", 2,
+            "--no-progress", "--no-verify", "--data-parallel", workers]
+    stats = json.loads(run_pipeline(*argv, "--out", tmp_path / "j", "--json-stats", check=True).stdout.splitlines()[-1])
+    assert 0 < stats["device_busy_seconds"] <= stats["seconds"] * workers
+    assert 0 <= stats["device_idle_fraction"] < 1
+    printed = run_pipeline(*argv, "--out", tmp_path / "p", check=True).stdout
+    assert "device idle" in printed and "%" in printed.split("device idle")[1]
