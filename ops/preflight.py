@@ -117,5 +117,16 @@ def _disk_check(meta: dict | None, config: dict | None, free: int) -> CheckResul
                        f"{free / 2**30:.1f} GiB free")
 
 
+def secrets_check(host: HostConfig, plan: StagePlan) -> CheckResult:
+    """Which configured secrets travel (names only); one configured but unset here is a warning (a public
+    model needs no HF_TOKEN, a gated one fails at download)."""
+    missing = [n for n in host.secrets if n not in plan.secret_names]
+    passed = ", ".join(plan.secret_names) or "none"
+    if missing:
+        return CheckResult("secrets", WARN, f"not set on this machine: {', '.join(missing)}; passed: {passed}")
+    return CheckResult("secrets", OK, f"passed: {passed}" + (" (0600 env file, removed once started)"
+                                                              if plan.secret_names else ""))
+
+
 def failed(checks: list[CheckResult]) -> list[CheckResult]:
     return [c for c in checks if c.status == FAIL]
