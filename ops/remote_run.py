@@ -103,8 +103,9 @@ def follow(runner: Runner, host: HostConfig, container: str, host_output: str, l
     summary = None
     try:
         runner.get(f"{host_output}/summary.json", local_dir / "summary.json")
-        summary = json.loads((local_dir / "summary.json").read_text())
-        write_json(local_dir / "summary.json", summary)  # redacted, should a stage have written a secret
+        # redacted before anything reads it, should a stage have written a secret into it
+        summary = json.loads(redact((local_dir / "summary.json").read_text()))
+        write_json(local_dir / "summary.json", summary)
     except (OSError, ValueError):
         pass
     return code, summary

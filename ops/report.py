@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ops.clean import CleanPlan, CleanReport
 from ops.gpus import GpuState, Holder
+from ops.secret_env import redact
 
 STYLE = {"protected": "green", "server": "yellow", "orphan": "red"}
 
@@ -29,7 +30,9 @@ def to_jsonable(obj):
 
 
 def dumps(obj) -> str:
-    return json.dumps(to_jsonable(obj), indent=2, sort_keys=True)
+    """JSON for --json output; values of the operator's secrets redacted (a holder's command line may
+    carry one)."""
+    return redact(json.dumps(to_jsonable(obj), indent=2, sort_keys=True))
 
 
 def _holder_row(h: Holder) -> list[str]:
@@ -116,7 +119,7 @@ def print_clean(console: Console, report: CleanReport) -> None:
         nothing = report.plan.empty
         console.print("[bold green]clean[/]" + (" (nothing to do)" if nothing else ""))
     elif report.detail:
-        console.print(f"[bold red]{report.verdict}[/]: {report.detail}")
+        console.print(f"[bold red]{report.verdict}[/]: {redact(report.detail)}")
     else:
         console.print(f"[bold red]{report.verdict}[/]")
     console.print(f"gpu-clean took {report.elapsed_s:.1f} s, {report.rounds} kill round(s)")

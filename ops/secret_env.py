@@ -4,8 +4,8 @@ Owns the rule for what counts as a secret (HF_TOKEN and every variable named *_T
 *_PASSWORD), taking the values that a host's `secrets` list names from the operator's environment, the
 env-file text, and the one remote command that carries them: it sets umask 077 before anything exists,
 makes a fresh 0700 directory, writes the 0600 file from stdin (values never appear in a command line,
-so never in `ps`), runs `docker run --env-file`, and removes the directory on exit or hangup, so the file
-lives only while the docker CLI reads it. Also owns the redactor that run.json, stage.log, the console's
+so never in `ps`), checks that it arrived whole, runs `docker run --env-file`, and removes the directory
+on exit or hangup, so the file lives only while the docker CLI reads it. Also owns the redactor that run.json, stage.log, the console's
 stage output, error messages and the trace file go through: names may be shown, values never.
 Does not choose the container's other flags (ops.stage) and runs nothing itself (ops.remote_run).
 """
@@ -25,6 +25,7 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MASK = "[redacted]"
 MIN_REDACT = 4  # shorter values are not redacted (they would mangle ordinary text and are no secret)
 ENV_FILE = "env"  # the file's name inside the per-run directory
+END = "# end of eagle-ops secrets"  # the env file's last line (docker skips comment lines)
 
 
 def is_secret_name(name: str) -> bool:
@@ -46,7 +47,7 @@ def env_file_text(names: Iterable[str], environ: Mapping[str, str]) -> str:
             raise ConfigError(f"secret {name} contains a newline or NUL; an env file cannot carry it")
         protect([value])
         lines.append(f"{name}={value}\n")
-    return "".join(lines)
+    return "".join(lines) + END + "\n"
 
 
 def env_dir(secrets_dir: str, run_id: str, token: str) -> str:
@@ -59,8 +60,10 @@ def start_command(docker_run: tuple[str, ...], directory: str) -> str:
     any exit (also when the connection drops: HUP). `mkdir` fails on an existing path (never reuses or
     follows one someone else made)."""
     d = shlex.quote(directory)
+    # the last line must be END: a connection lost mid-transfer leaves a cut file, and no container
     return (f"D={d}; umask 077 && mkdir -- \"$D\" || exit 125; trap 'rm -rf -- \"$D\"' EXIT HUP INT TERM; "
-            f"cat > \"$D/{ENV_FILE}\" && {shlex.join(docker_run)}")
+            f"cat > \"$D/{ENV_FILE}\" && [ \"$(tail -n 1 \"$D/{ENV_FILE}\")\" = {shlex.quote(END)} ] && "
+            f"{shlex.join(docker_run)}")
 
 
 class Redactor:

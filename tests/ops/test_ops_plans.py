@@ -69,7 +69,8 @@ def test_secrets_travel_as_names_and_an_env_file_only():
     assert cmd.index("umask 077") < cmd.index("mkdir") < cmd.index("cat >") < cmd.index("docker run")
     assert "trap 'rm -rf -- \"$D\"' EXIT HUP INT TERM" in cmd
     text = env_file_text(names, env)
-    assert text == "HF_TOKEN=hf_canary_value_123\nFOO_API_KEY=foo-canary-456\n"
+    assert text == "HF_TOKEN=hf_canary_value_123\nFOO_API_KEY=foo-canary-456\n# end of eagle-ops secrets\n"
+    assert cmd.index("cat >") < cmd.index("tail -n 1") < cmd.index("docker run")
     for value in env.values():
         assert value not in cmd and value not in " ".join(plan.docker_run)
         assert value not in redact(f"token {value} in a line")
@@ -136,3 +137,22 @@ def test_agent_requests():
                                 "server": {"kind": "none", "target": ""}}
     assert terminate_request([(5, 77)], [9], grace=1, kill_wait=2) == {
         "op": "terminate", "targets": [{"pid": 5, "starttime": 77}], "groups": [9], "grace": 1, "kill_wait": 2}
+
+
+def test_start_command_runs_only_with_a_whole_env_file_and_always_removes_it(tmp_path):
+    """Run by a real shell: a whole env file (0600 in a 0700 directory) reaches the command, which runs;
+    a cut one (connection lost mid-transfer) runs nothing; an existing directory is never reused; the
+    directory is gone afterwards in every case."""
+    from ops.connection import LocalRunner
+
+    env = {"HF_TOKEN": "hf_canary_value_123"}
+    probe = ("sh", "-c", 'stat -c "%a" "$0" "$1"; cat "$1"', str(tmp_path / "d"), str(tmp_path / "d" / "env"))
+    runner = LocalRunner()
+    whole = runner.run(start_command(probe, str(tmp_path / "d")), stdin=env_file_text(("HF_TOKEN",), env))
+    assert whole.ok and whole.stdout.splitlines()[:3] == ["700", "600", "HF_TOKEN=hf_canary_value_123"]
+    cut = runner.run(start_command(probe, str(tmp_path / "d")), stdin="HF_TOKEN=hf_canary_va")
+    assert not cut.ok and cut.stdout == ""
+    assert not (tmp_path / "d").exists()
+    (tmp_path / "d").mkdir()
+    taken = runner.run(start_command(probe, str(tmp_path / "d")), stdin=env_file_text(("HF_TOKEN",), env))
+    assert taken.exit_code == 125 and "File exists" in taken.stderr and (tmp_path / "d").is_dir()
