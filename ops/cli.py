@@ -139,11 +139,13 @@ def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dr
 
     from ops.remote_run import remote_run
     from ops.report import print_stage_plan, print_summary
-    from ops.secret_env import available
+    from ops.secret_env import available, env_file_text
     from ops.stage import new_run_id, plan_stage
 
+    names = available(host.secrets, os.environ)
+    env_file_text(names, os.environ)  # a value docker cannot take fails now, before anything is stopped
     plan = plan_stage(host, stage, run_id=run_id or new_run_id(stage), extra_args=tuple(extra), resume=resume,
-                      secret_names=available(host.secrets, os.environ))
+                      secret_names=names)
     if dry_run:
         print_stage_plan(console, host, plan)
         return

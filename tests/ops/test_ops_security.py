@@ -210,6 +210,11 @@ def test_dry_run_and_errors_show_names_never_values(tmp_path, dk, image, sshd):
     bad = run_ops("gpu-status", "--host", "box", "--hosts-file", f"/nonexistent/{CANARY['FOO_API_KEY']}/h.toml",
                   env=CANARY)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: hosts file /nonexistent/[redacted]/h.toml does not exist"
+    cut = run_ops("remote-run", "verify", "--run-id", "nl1", "--host", "box", "--hosts-file", str(hosts),
+                  env={"HF_TOKEN": "first-line\nsecond-line-secret"})
+    assert cut.returncode == 2 and cut.stderr.strip() == (
+        "error: secret HF_TOKEN contains a newline or NUL; an env file cannot carry it"), cut.stderr
+    assert cut.stdout == "" and not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=nl1"})
     for value in CANARY.values():
         assert value not in res.stdout + res.stderr + bad.stdout + bad.stderr
 
