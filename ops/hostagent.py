@@ -365,7 +365,7 @@ def paths(req: dict) -> dict:
             continue
         is_dir = os.path.isdir(path)
         facts[path] = {"exists": True, "is_dir": is_dir, "entries": len(os.listdir(path)) if is_dir else None,
-                       "uid": st.st_uid, "gid": st.st_gid}
+                       "uid": st.st_uid, "gid": st.st_gid, "mode": st.st_mode & 0o7777}
     free = {}
     for path in req.get("free", []):
         probe_at = path

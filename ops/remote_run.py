@@ -25,7 +25,8 @@ from ops.errors import EXIT_PREFLIGHT, OpsError, RemoteCommandError
 from ops.gpus import GpuState, probe, probe_with_paths
 from ops.hosts import HostConfig
 from ops.connection import Runner
-from ops.preflight import CheckResult, docker_checks, failed, gpu_check, path_checks, paths_request, secrets_check
+from ops.preflight import (CheckResult, docker_checks, failed, gpu_check, path_checks, paths_request, secrets_check,
+                           user_check)
 from ops.secret_env import RedactingWriter, redact
 from ops.stage import StagePlan, find_argv, finish_argvs, logs_argv, resolve_user
 
@@ -64,7 +65,7 @@ def preflight(runner: Runner, host: HostConfig,
     root = facts["paths"][host.data_root]
     if root.get("exists"):
         plan = resolve_user(plan, root["uid"], root["gid"])
-    checks.append(secrets_check(host, plan))
+    checks += [user_check(host, plan, facts), secrets_check(host, plan)]
     return checks, digest, state, plan
 
 

@@ -242,3 +242,20 @@ def test_real_stage_completes_as_the_data_owner_with_least_privilege(tmp_path, d
         i = argv.index(flag[0])
         assert argv[i:i + len(flag)] == flag
     assert "--privileged" not in argv
+
+
+def test_stage_user_that_cannot_write_the_cache_fails_preflight(tmp_path, dk, image, sshd):
+    """The data root belongs to uid 4242 but the cache folder to root (0755): preflight says the stage's
+    user cannot write it, exit 4, before anything is stopped or started."""
+    data = tmp_path / "data"
+    (data / "hidden_states").mkdir(parents=True)
+    _owned_tree(data)
+    (tmp_path / "rootcache").mkdir(mode=0o755)
+    hosts = _host(sshd, tmp_path, data, tmp_path, image, cache_dir=str(tmp_path / "rootcache"))
+    res = run_ops("remote-run", "verify", "--run-id", "cw1", "--host", "box", "--hosts-file", str(hosts),
+                  "--runs-dir", str(tmp_path / "runs"))
+    assert res.returncode == 4, res.stdout + res.stderr
+    assert res.stderr.strip() == (f"error: preflight failed: user: the stage runs as {UID}:{UID} but cannot write "
+                                  f"{tmp_path / 'rootcache'} (owner 0:0, mode 755); chown it or set stage_user in "
+                                  "the hosts file")
+    assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=cw1"})
