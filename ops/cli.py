@@ -18,6 +18,7 @@ from rich.console import Console
 from ops import errors
 from ops.connection import Runner, connect
 from ops.hosts import HostConfig, resolve_host
+from ops.secret_env import redact
 
 console = Console(highlight=False, soft_wrap=True)
 
@@ -48,7 +49,7 @@ def _write_trace(runner: Runner) -> None:
     if path and log is not None:
         with open(path, "a") as fh:
             for cmd, sec in zip(log.commands, log.seconds):
-                fh.write(json.dumps({"seconds": round(sec, 4), "command": cmd[:200]}) + "\n")
+                fh.write(redact(json.dumps({"seconds": round(sec, 4), "command": cmd[:200]})) + "\n")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -77,7 +78,7 @@ def gpu_status(host: HostConfig, runner: Runner, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable report")
 def gpu_clean(host: HostConfig, runner: Runner, dry_run: bool, as_json: bool) -> None:
     """Stop the server, SIGTERM/SIGKILL the other GPU holders (never protected ones), verify clean."""
-    from ops.clean import CLEAN, UNKILLABLE, gpu_clean as clean
+    from ops.clean import VERDICT_EXIT, gpu_clean as clean
     from ops.report import dumps, print_clean
 
     report = clean(runner, host, dry_run=dry_run)
@@ -85,9 +86,8 @@ def gpu_clean(host: HostConfig, runner: Runner, dry_run: bool, as_json: bool) ->
         click.echo(dumps(report))
     else:
         print_clean(console, report)
-    if dry_run or report.verdict == CLEAN:
-        return
-    sys.exit(errors.EXIT_UNKILLABLE if report.verdict == UNKILLABLE else errors.EXIT_NOT_CLEAN)
+    if not dry_run and VERDICT_EXIT[report.verdict]:
+        sys.exit(VERDICT_EXIT[report.verdict])
 
 
 @main.command("stop-server")
@@ -126,6 +126,7 @@ def _stage_options(fn):
     @click.option("--restore-server", is_flag=True, help="bring the server back at the end, also on failure/Ctrl-C")
     @click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True,
                   help="local folder for runs/<host>/<run-id>/")
+    @click.option("--dry-run", is_flag=True, help="print the stage plan (docker run argv, secret names); run nothing")
     @functools.wraps(fn)
     def wrapper(**kw):
         return fn(**kw)
@@ -133,14 +134,21 @@ def _stage_options(fn):
     return wrapper
 
 
-def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, extra):
+def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra):
     from pathlib import Path
 
     from ops.remote_run import remote_run
-    from ops.report import print_summary
+    from ops.report import print_stage_plan, print_summary
+    from ops.secret_env import available, env_file_text
     from ops.stage import new_run_id, plan_stage
 
-    plan = plan_stage(host, stage, run_id=run_id or new_run_id(stage), extra_args=tuple(extra), resume=resume)
+    names = available(host.secrets, os.environ)
+    env_file_text(names, os.environ)  # a value docker cannot take fails now, before anything is stopped
+    plan = plan_stage(host, stage, run_id=run_id or new_run_id(stage), extra_args=tuple(extra), resume=resume,
+                      secret_names=names)
+    if dry_run:
+        print_stage_plan(console, host, plan)
+        return
     out = remote_run(runner, host, plan, runs_root=Path(runs_dir), restore_server=restore_server, console=console)
     print_summary(console, out.summary, out.exit_code, out.local_dir)
     if out.exit_code:
@@ -152,19 +160,19 @@ def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, ex
 @host_options
 @_stage_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def remote_run_cmd(host, runner, stage, run_id, resume, restore_server, runs_dir, extra) -> None:
+def remote_run_cmd(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra) -> None:
     """Preflight, gpu-clean, run `pipeline STAGE` in the image on the host, fetch summary and logs.
     Arguments after `--` go to the stage command."""
-    _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, extra)
+    _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra)
 
 
 @main.command("remote-extract", context_settings={"ignore_unknown_options": True})
 @host_options
 @_stage_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def remote_extract(host, runner, run_id, resume, restore_server, runs_dir, extra) -> None:
+def remote_extract(host, runner, run_id, resume, restore_server, runs_dir, dry_run, extra) -> None:
     """remote-run extract: hidden states of the prepared samples, verified, summary fetched."""
-    _run_stage(host, runner, "extract", run_id, resume, restore_server, runs_dir, extra)
+    _run_stage(host, runner, "extract", run_id, resume, restore_server, runs_dir, dry_run, extra)
 
 
 @main.command("attach")
@@ -189,7 +197,7 @@ def run() -> None:
     try:
         main(standalone_mode=False)
     except errors.OpsError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(redact(f"error: {exc}"), err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

@@ -30,6 +30,7 @@ class Proc:
     starttime: int
     container: str | None
     container_id: str | None
+    devices: tuple[str, ...] = ()  # the device files (of the glob) it has open
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class GpuState:
     fuser_error: str | None
     server: ServerFacts
     ancestry: tuple[int, ...]
+    parents: tuple[Proc, ...] = ()  # the holders' parent processes (to name a supervisor), never targets
 
     def by_class(self, klass: str) -> list[Holder]:
         return [h for h in self.holders if h.klass == klass]
@@ -99,7 +101,7 @@ class GpuCheck:
 def _proc(d: dict) -> Proc:
     return Proc(pid=d["pid"], comm=d["comm"], cmdline=d["cmdline"], user=d["user"], state=d["state"],
                 ppid=d["ppid"], pgid=d["pgid"], starttime=d["starttime"], container=d.get("container"),
-                container_id=d.get("container_id"))
+                container_id=d.get("container_id"), devices=tuple(d.get("devices", ())))
 
 
 def classify(proc: Proc, host: HostConfig, server: ServerFacts, ancestry: set[int]) -> tuple[str, str]:
@@ -156,7 +158,8 @@ def parse_probe(reply: dict, host: HostConfig) -> GpuState:
         holders.append(Holder(proc, klass, reason, tuple(on.get(pid, ())), used.get(pid), via))
     return GpuState(host=host.name, hostname=reply["hostname"], gpus=gpus, holders=tuple(holders),
                     device_files=tuple(reply["fuser"]["files"]), gpu_error=gpu.get("error"),
-                    fuser_error=reply["fuser"].get("error"), server=server, ancestry=tuple(reply["ancestry"]))
+                    fuser_error=reply["fuser"].get("error"), server=server, ancestry=tuple(reply["ancestry"]),
+                    parents=tuple(_proc(d) for _, d in sorted(reply.get("parents", {}).items())))
 
 
 def probe(runner: Runner, host: HostConfig) -> GpuState:

@@ -116,6 +116,23 @@ def fuser_pids(device_glob: str) -> dict:
     return {"files": files, "pids": pids, "error": None}
 
 
+def open_files(pid: int, files: list[str]) -> list[str]:
+    """Which of the device files the process has open (its /proc/PID/fd links; empty if unreadable)."""
+    wanted, out = set(files), set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target in wanted:
+            out.add(target)
+    return sorted(out)
+
+
 def nvml_facts() -> dict:
     try:
         import pynvml as N
@@ -251,9 +268,18 @@ def probe(req: dict) -> dict:
     for pid in sorted(pids):
         facts = proc_facts(pid, containers)
         if facts is not None:
+            facts["devices"] = open_files(pid, fuser["files"])
             procs[str(pid)] = facts
+    # the holders' parents too (named when a supervisor respawns what gpu-clean killed); never signalled
+    parents = {}
+    for facts in list(procs.values()):
+        ppid = facts["ppid"]
+        if ppid > 0 and str(ppid) not in procs and str(ppid) not in parents:
+            parent = proc_facts(ppid, containers)
+            if parent is not None:
+                parents[str(ppid)] = parent
     out = {"hostname": socket.gethostname(), "agent_pid": os.getpid(), "ancestry": ancestry(),
-           "fuser": fuser, "gpu": gpu, "procs": procs, "server": server,
+           "fuser": fuser, "gpu": gpu, "procs": procs, "parents": parents, "server": server,
            "containers": containers, "docker_error": docker_error}
     if req.get("paths"):  # remote-run's path facts, in the same round trip
         out["path_facts"] = paths(req["paths"])
@@ -264,12 +290,15 @@ def terminate(req: dict) -> dict:
     """SIGTERM the targets, wait up to `grace`, SIGKILL the rest, wait up to `kill_wait`, report.
 
     Targets are {pid, starttime} (a pid whose start time changed is another process: skipped) and whole
-    process groups {pgid} (members re-read before each signal, so re-parented children are caught)."""
+    process groups {pgid} (members re-read before each signal, so re-parented children are caught).
+    A process we may not signal (EPERM: another user's, and we are not root) is reported as denied at
+    once and dropped from the targets: waiting for it or sending it SIGKILL cannot change anything."""
+    started = time.monotonic()
     ours = set(ancestry())
     grace, kill_wait = float(req.get("grace", 10)), float(req.get("kill_wait", 5))
     fixed = {int(t["pid"]): int(t["starttime"]) for t in req.get("targets", [])}
     groups = [int(g) for g in req.get("groups", [])]
-    skipped, record = [], {}
+    skipped, record, denied = [], {}, {}
 
     def current() -> dict[int, int | None]:
         cur = {pid: st for pid, st in fixed.items() if alive(pid, st)}
@@ -277,7 +306,9 @@ def terminate(req: dict) -> dict:
             for pid in group_members(pgid):
                 cur.setdefault(pid, None)
         for pid in list(cur):
-            if pid in ours:
+            if pid in denied:
+                cur.pop(pid)
+            elif pid in ours:
                 cur.pop(pid)
                 if pid not in {s["pid"] for s in skipped}:
                     skipped.append({"pid": pid, "reason": "our own ancestry"})
@@ -285,7 +316,6 @@ def terminate(req: dict) -> dict:
 
     def send(sig: int, name: str) -> None:
         for pid in current():
-            facts = stat_fields(pid)
             try:
                 os.kill(pid, sig)
                 record.setdefault(pid, {"pid": pid, "comm": (read(f"/proc/{pid}/comm") or "").strip(),
@@ -293,7 +323,9 @@ def terminate(req: dict) -> dict:
             except ProcessLookupError:
                 pass
             except PermissionError as exc:
-                skipped.append({"pid": pid, "reason": f"{name}: {exc.strerror}", "state": facts and facts["state"]})
+                facts = proc_facts(pid, {}) or {}
+                denied[pid] = {"pid": pid, "comm": facts.get("comm", ""), "user": facts.get("user", "?"),
+                               "signal": name, "error": exc.strerror, "as_uid": os.geteuid()}
 
     def wait(seconds: float) -> dict:
         deadline = time.monotonic() + seconds
@@ -317,7 +349,8 @@ def terminate(req: dict) -> dict:
         survivors.append({"pid": pid, "comm": (read(f"/proc/{pid}/comm") or "").strip(), "state": st.get("state"),
                           "wchan": (read(f"/proc/{pid}/wchan") or "").strip()})
     return {"signalled": sorted(record.values(), key=lambda r: r["pid"]), "survivors": survivors,
-            "skipped": skipped}
+            "skipped": skipped, "denied": sorted(denied.values(), key=lambda r: r["pid"]),
+            "elapsed_s": round(time.monotonic() - started, 3)}
 
 
 def paths(req: dict) -> dict:
@@ -331,7 +364,8 @@ def paths(req: dict) -> dict:
             facts[path] = {"exists": False}
             continue
         is_dir = os.path.isdir(path)
-        facts[path] = {"exists": True, "is_dir": is_dir, "entries": len(os.listdir(path)) if is_dir else None}
+        facts[path] = {"exists": True, "is_dir": is_dir, "entries": len(os.listdir(path)) if is_dir else None,
+                       "uid": st.st_uid, "gid": st.st_gid, "mode": st.st_mode & 0o7777}
     free = {}
     for path in req.get("free", []):
         probe_at = path

@@ -104,6 +104,14 @@ class HostConfig:
     python: str = "python3"  #: the host's interpreter that runs the probe (stdlib only)
     docker_gpus: str = "all"  #: value of `docker run --gpus`; "" for hosts without the NVIDIA runtime
     mounts: tuple[str, ...] = ()  #: extra `docker run -v` specs for the stage container
+    secrets: tuple[str, ...] = ("HF_TOKEN",)  #: variables of the operator's environment passed to the stage
+    #: container through a 0600 env file (never argv); unset ones are skipped with a preflight warning
+    secrets_dir: str = "/dev/shm"  #: host folder (tmpfs: never on disk) for that env file during `docker run`
+    stage_user: str = "auto"  #: stage container user: "auto" (owner of data_root), "root", or "UID[:GID]"
+    stage_read_only: bool = True  #: read-only root file system (private /tmp, HOME=/cache/home)
+    stage_pids_limit: int = 16384  #: `--pids-limit` of the stage container (threads count too); 0: none
+    stage_ipc: str = "private"  #: "private" (own IPC namespace, /dev/shm of stage_shm_size) or "host"
+    stage_shm_size: str = "16g"  #: /dev/shm size when stage_ipc is private (NCCL, vLLM message queues)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     @property
@@ -184,6 +192,7 @@ def host_from_table(name: str, table: dict, where: str) -> HostConfig:
         kw["clean_threshold_mib"] = value
     if "timeouts" in table:
         kw["timeouts"] = _timeouts(table["timeouts"], where)
+    kw.update(_stage_keys(table, where))
     gpu_source = kw.get("gpu_source", "nvml")
     if gpu_source != "nvml" and not (gpu_source.startswith("table:/")):
         raise ConfigError(f"{where}: gpu_source must be 'nvml' or 'table:/ABS/PATH.json', got {gpu_source!r}")
@@ -192,6 +201,40 @@ def host_from_table(name: str, table: dict, where: str) -> HostConfig:
         if len(parts) not in (2, 3) or not parts[0].startswith("/") or not parts[1].startswith("/"):
             raise ConfigError(f"{where}: mount {spec!r} must be /host/path:/container/path[:ro]")
     return HostConfig(name=name, **kw)
+
+
+_USER = re.compile(r"^(auto|root|[0-9]+(:[0-9]+)?)$")
+_SIZE = re.compile(r"^[0-9]+[bkmg]?$")
+_ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _stage_keys(table: dict, where: str) -> dict:
+    """The stage container's secrets and privileges (see HostConfig)."""
+    kw: dict = {}
+    if "secrets" in table:
+        names = table["secrets"]
+        if not isinstance(names, list) or not all(isinstance(n, str) and _ENV.match(n) for n in names):
+            raise ConfigError(f"{where}: secrets must be a list of environment variable names (names, not values)")
+        kw["secrets"] = tuple(names)
+    if "secrets_dir" in table:
+        kw["secrets_dir"] = _abs(table["secrets_dir"], "secrets_dir", where)
+    checks = (("stage_user", _USER, "auto, root or UID[:GID]"), ("stage_ipc", re.compile(r"^(private|host)$"),
+              "private or host"), ("stage_shm_size", _SIZE, "a size like 16g"))
+    for key, rule, what in checks:
+        if key in table:
+            if not isinstance(table[key], str) or not rule.match(table[key]):
+                raise ConfigError(f"{where}: {key} must be {what}, got {table[key]!r}")
+            kw[key] = table[key]
+    if "stage_read_only" in table:
+        if not isinstance(table["stage_read_only"], bool):
+            raise ConfigError(f"{where}: stage_read_only must be true or false")
+        kw["stage_read_only"] = table["stage_read_only"]
+    if "stage_pids_limit" in table:
+        value = table["stage_pids_limit"]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{where}: stage_pids_limit must be a non-negative integer (0: no limit)")
+        kw["stage_pids_limit"] = value
+    return kw
 
 
 def _timeouts(table: object, where: str) -> Timeouts:

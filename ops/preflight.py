@@ -75,7 +75,7 @@ def _meta_and_config(host: HostConfig) -> tuple[str, str]:
 def paths_request(host: HostConfig, plan: StagePlan) -> dict:
     """What the host agent must report about the run's paths (sent along with the GPU probe)."""
     meta, config = _meta_and_config(host)
-    return {"paths": [host.data_root, host.model_dir, *plan.host_inputs, plan.host_output],
+    return {"paths": [host.data_root, host.model_dir, host.cache_dir, *plan.host_inputs, plan.host_output],
             "free": [plan.host_output], "json": [meta, config] if plan.stage == "extract" else []}
 
 
@@ -115,6 +115,50 @@ def _disk_check(meta: dict | None, config: dict | None, free: int) -> CheckResul
     return CheckResult("disk", OK if ok else FAIL,
                        f"need {need / 2**30:.3f} GiB ({tokens} tokens x {hidden} x 4 layers x 2 B), "
                        f"{free / 2**30:.1f} GiB free")
+
+
+def _may(fact: dict, uid: int, gid: int, bit: int) -> bool:
+    """Whether uid:gid has permission `bit` (4 read, 2 write) on a path, from its owner, group and mode."""
+    mode = fact.get("mode", 0)
+    if fact.get("uid") == uid:
+        return bool(mode & (bit << 6))
+    if fact.get("gid") == gid:
+        return bool(mode & (bit << 3))
+    return bool(mode & bit)
+
+
+def user_check(host: HostConfig, plan: StagePlan, facts: dict) -> CheckResult:
+    """The stage's user (non-root) can write the data root, cache and output and read the model: found out
+    now, not after the server was stopped. Root in the container (no capability: no DAC override) is
+    judged the same way."""
+    user = plan.docker_run[plan.docker_run.index("--user") + 1]
+    if ":" not in user:  # "auto" with no data root: the input check already failed
+        return CheckResult("user", WARN, f"stage user {user} not resolved")
+    uid, gid = (int(x) for x in user.split(":"))
+    paths = facts["paths"]
+    need = [(host.data_root, 2), (host.cache_dir, 2), (plan.host_output, 2)]
+    if plan.stage != "verify":
+        need.append((host.model_dir, 4))
+    for path, bit in need:
+        fact = paths.get(path, {})
+        if fact.get("exists") and not _may(fact, uid, gid, bit):
+            what = "write" if bit == 2 else "read"
+            return CheckResult("user", FAIL, f"the stage runs as {user} but cannot {what} {path} (owner "
+                                             f"{fact['uid']}:{fact['gid']}, mode {fact['mode']:o}); chown it "
+                                             "or set stage_user in the hosts file")
+    return CheckResult("user", OK, f"stage runs as {user}" + (" (owner of the data root)"
+                                                              if host.stage_user == "auto" else ""))
+
+
+def secrets_check(host: HostConfig, plan: StagePlan) -> CheckResult:
+    """Which configured secrets travel (names only); one configured but unset here is a warning (a public
+    model needs no HF_TOKEN, a gated one fails at download)."""
+    missing = [n for n in host.secrets if n not in plan.secret_names]
+    passed = ", ".join(plan.secret_names) or "none"
+    if missing:
+        return CheckResult("secrets", WARN, f"not set on this machine: {', '.join(missing)}; passed: {passed}")
+    return CheckResult("secrets", OK, f"passed: {passed}" + (" (0600 env file, removed once started)"
+                                                              if plan.secret_names else ""))
 
 
 def failed(checks: list[CheckResult]) -> list[CheckResult]:

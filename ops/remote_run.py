@@ -13,19 +13,22 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 
-from ops import report, server
-from ops.clean import CLEAN, UNKILLABLE, CleanReport, gpu_clean
-from ops.errors import EXIT_NOT_CLEAN, EXIT_PREFLIGHT, EXIT_UNKILLABLE, OpsError, RemoteCommandError
+from ops import report, secret_env, server
+from ops.clean import CLEAN, VERDICT_EXIT, CleanReport, gpu_clean
+from ops.errors import EXIT_PREFLIGHT, OpsError, RemoteCommandError
 from ops.gpus import GpuState, probe, probe_with_paths
 from ops.hosts import HostConfig
 from ops.connection import Runner
-from ops.preflight import CheckResult, docker_checks, failed, gpu_check, path_checks, paths_request
-from ops.stage import StagePlan, find_argv, finish_argvs, logs_argv
+from ops.preflight import (CheckResult, docker_checks, failed, gpu_check, path_checks, paths_request, secrets_check,
+                           user_check)
+from ops.secret_env import RedactingWriter, redact
+from ops.stage import StagePlan, find_argv, finish_argvs, logs_argv, resolve_user
 
 
 @dataclass
@@ -39,19 +42,6 @@ class RunOutcome:
     restored: list[str] = field(default_factory=list)
 
 
-class _Tee:
-    def __init__(self, *streams) -> None:
-        self.streams = streams
-
-    def write(self, text: str) -> None:
-        for s in self.streams:
-            s.write(text)
-
-    def flush(self) -> None:
-        for s in self.streams:
-            s.flush()
-
-
 def local_run_dir(runs_root: Path, host: HostConfig, run_id: str) -> Path:
     d = runs_root / host.name / run_id
     d.mkdir(parents=True, exist_ok=True)
@@ -60,21 +50,33 @@ def local_run_dir(runs_root: Path, host: HostConfig, run_id: str) -> Path:
 
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    tmp.write_text(redact(json.dumps(data, indent=2, sort_keys=True, default=str)))
     os.replace(tmp, path)
 
 
-def preflight(runner: Runner, host: HostConfig, plan: StagePlan) -> tuple[list[CheckResult], str | None, GpuState]:
+def preflight(runner: Runner, host: HostConfig,
+              plan: StagePlan) -> tuple[list[CheckResult], str | None, GpuState, StagePlan]:
+    """The checks, the image digest, the GPU probe, and the plan with its user resolved (stage_user auto:
+    the data root's owner)."""
     checks, digest = docker_checks(runner, host, plan.run_id)
     state, facts = probe_with_paths(runner, host, paths_request(host, plan))
     checks.append(gpu_check(state))
     checks += path_checks(host, plan, facts)
-    return checks, digest, state
+    root = facts["paths"][host.data_root]
+    if root.get("exists"):
+        plan = resolve_user(plan, root["uid"], root["gid"])
+    checks += [user_check(host, plan, facts), secrets_check(host, plan)]
+    return checks, digest, state, plan
 
 
-def start(runner: Runner, plan: StagePlan) -> str:
-    cmd = shlex.join(plan.docker_run)
-    res = runner.run(cmd)
+def start(runner: Runner, plan: StagePlan, environ: Mapping[str, str] = os.environ) -> str:
+    """`docker run`; with secrets, through the env file that exists only while docker reads it."""
+    if plan.env_dir is None:
+        cmd, stdin = shlex.join(plan.docker_run), None
+    else:
+        cmd = secret_env.start_command(plan.docker_run, plan.env_dir)
+        stdin = secret_env.env_file_text(plan.secret_names, environ)
+    res = runner.run(cmd, stdin=stdin)
     if not res.ok:
         raise RemoteCommandError("starting the stage container", cmd, res.exit_code, res.stdout, res.stderr)
     return res.stdout.strip()
@@ -85,7 +87,11 @@ def follow(runner: Runner, host: HostConfig, container: str, host_output: str, l
     """Stream the container's logs (live and into stage.log), take its exit code, fetch summary.json,
     remove the finished container. A lost connection (or Ctrl-C in attach) leaves it running."""
     with (local_dir / "stage.log").open("w") as log:
-        runner.run(shlex.join(logs_argv(container)), stream=_Tee(sys.stdout, log))
+        out = RedactingWriter(sys.stdout, log)
+        try:
+            runner.run(shlex.join(logs_argv(container)), stream=out)
+        finally:
+            out.close()
     # exit code, run times and removal in one round trip (the stage's files live on the host's disk)
     cmd = " && ".join(shlex.join(argv) for argv in finish_argvs(container))
     res = runner.run(cmd)
@@ -98,7 +104,9 @@ def follow(runner: Runner, host: HostConfig, container: str, host_output: str, l
     summary = None
     try:
         runner.get(f"{host_output}/summary.json", local_dir / "summary.json")
-        summary = json.loads((local_dir / "summary.json").read_text())
+        # redacted before anything reads it, should a stage have written a secret into it
+        summary = json.loads(redact((local_dir / "summary.json").read_text()))
+        write_json(local_dir / "summary.json", summary)
     except (OSError, ValueError):
         pass
     return code, summary
@@ -108,10 +116,11 @@ def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: 
                console: Console) -> RunOutcome:
     out = RunOutcome(plan.run_id, local_run_dir(runs_root, host, plan.run_id))
     console.print(f"run id [bold]{plan.run_id}[/] on {host.name}; local folder {out.local_dir}")
-    out.checks, digest, state = preflight(runner, host, plan)
+    out.checks, digest, state, plan = preflight(runner, host, plan)
     report.print_checks(console, out.checks)
     record = {"run_id": plan.run_id, "host": host.name, "stage": plan.stage, "image": host.image,
               "image_digest": digest, "docker_run": list(plan.docker_run), "host_output": plan.host_output,
+              "secrets": list(plan.secret_names),
               "checks": [c.__dict__ for c in out.checks]}
     write_json(out.local_dir / "run.json", record)
     bad = failed(out.checks)
@@ -121,8 +130,9 @@ def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: 
         out.clean = gpu_clean(runner, host, before=state)
         report.print_clean(console, out.clean)
         if out.clean.verdict != CLEAN:
-            raise OpsError(f"GPUs not free ({out.clean.verdict}); no stage started",
-                           exit_code=EXIT_UNKILLABLE if out.clean.verdict == UNKILLABLE else EXIT_NOT_CLEAN)
+            why = f"{out.clean.verdict}: {out.clean.detail}" if out.clean.detail else out.clean.verdict
+            raise OpsError(f"GPUs not free ({why}); no stage started",
+                           exit_code=VERDICT_EXIT[out.clean.verdict])
         started = False
         try:
             start(runner, plan)

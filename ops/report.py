@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ops.clean import CleanPlan, CleanReport
 from ops.gpus import GpuState, Holder
+from ops.secret_env import redact
 
 STYLE = {"protected": "green", "server": "yellow", "orphan": "red"}
 
@@ -29,7 +30,9 @@ def to_jsonable(obj):
 
 
 def dumps(obj) -> str:
-    return json.dumps(to_jsonable(obj), indent=2, sort_keys=True)
+    """JSON for --json output; values of the operator's secrets redacted (a holder's command line may
+    carry one)."""
+    return redact(json.dumps(to_jsonable(obj), indent=2, sort_keys=True))
 
 
 def _holder_row(h: Holder) -> list[str]:
@@ -102,6 +105,10 @@ def print_clean(console: Console, report: CleanReport) -> None:
         console.print(f"signalled {s['pid']} {s['comm']}: {' then '.join(s['signals'])}")
     for s in report.skipped:
         console.print(f"skipped {s['pid']}: {s['reason']}")
+    for r in report.respawned:
+        console.print(f"came back: {r['pid']} {r['comm']} (parent {r['ppid']}) after kill round {r['after_round']}")
+    for d in report.denied:
+        console.print(f"cannot signal {d['pid']} {d['comm']} (user {d['user']}): {d['error']}")
     for c in report.checks:
         mark = "[green]ok[/]" if c.ok else "[red]busy[/]"
         console.print(f"GPU {c.index}: {mark} {c.reason}")
@@ -111,8 +118,11 @@ def print_clean(console: Console, report: CleanReport) -> None:
     elif report.verdict == "clean":
         nothing = report.plan.empty
         console.print("[bold green]clean[/]" + (" (nothing to do)" if nothing else ""))
+    elif report.detail:
+        console.print(f"[bold red]{report.verdict}[/]: {redact(report.detail)}")
     else:
         console.print(f"[bold red]{report.verdict}[/]")
+    console.print(f"gpu-clean took {report.elapsed_s:.1f} s, {report.rounds} kill round(s)")
 
 
 def print_checks(console: Console, checks) -> None:
@@ -142,3 +152,21 @@ def print_summary(console: Console, summary: dict | None, exit_code: int | None,
         console.print(t)
     colour = "green" if exit_code == 0 else "red"
     console.print(f"[{colour}]stage exit code {exit_code}[/]")
+
+
+def print_stage_plan(console: Console, host, plan) -> None:
+    """remote-run --dry-run: the exact docker run argv and which secrets would travel (names only)."""
+    import shlex
+
+    console.print(f"[bold]plan[/] {plan.stage} on {host.name}, run id {plan.run_id}")
+    console.print(f"  stage: {shlex.join(plan.stage_argv)}")
+    if plan.secret_names:
+        console.print(f"  secrets: {', '.join(plan.secret_names)} (values through a 0600 env file in "
+                      f"{plan.env_dir}, removed once the container started)")
+    else:
+        console.print("  secrets: none")
+    missing = [n for n in host.secrets if n not in plan.secret_names]
+    if missing:
+        console.print(f"  not set on this machine (not passed): {', '.join(missing)}")
+    console.print(f"  {shlex.join(plan.docker_run)}")
+    console.print("[bold]dry run[/]: nothing was checked, stopped or started")

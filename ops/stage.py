@@ -1,7 +1,7 @@
 """Stage container plans: what runs in the image, with which mounts, under which name and labels.
 
 Owns the per-stage defaults (container command, input and output folders under the data root), the run
-id, and the exact `docker run` / `docker logs` / `docker wait` argv. Pure: running them is
+id, the stage container's privileges, and the exact `docker run` / `docker logs` / `docker wait` argv. Pure: running them is
 ops.remote_run's job. Host paths are passed to docker as data (--mount fields, CSV-quoted), never
 interpolated into a shell string unquoted.
 """
@@ -9,17 +9,20 @@ interpolated into a shell string unquoted.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import secrets
 import shlex
 import time
 from dataclasses import dataclass
 
+from ops import secret_env
 from ops.errors import ConfigError
 from ops.hosts import HostConfig
 
 LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST = "eagle-ops.run-id", "eagle-ops.stage", "eagle-ops.output", "eagle-ops.host"
 DATA, MODEL, CACHE = "/data", "/model", "/cache"
+AUTO_USER = "auto"  # placeholder until preflight knows the data root's owner (resolve_user)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class StagePlan:
     verify_argv: tuple[str, ...] | None
     docker_run: tuple[str, ...]
     resume: bool
+    secret_names: tuple[str, ...] = ()  # variables passed through the env file (names only; never values)
+    env_dir: str | None = None  # host directory of the env file while `docker run` reads it
 
 
 def host_path(host: HostConfig, rel: str) -> str:
@@ -83,8 +88,26 @@ def _mount(src: str, dst: str, readonly: bool = False) -> str:
     return buf.getvalue()
 
 
+def privilege_args(host: HostConfig) -> list[str]:
+    """Least privilege the GPU stack allows (docs/ops.md, "Stage container privileges"): no capability,
+    no privilege gain through setuid files, a process/thread cap, read-only root file system with a
+    private /tmp, a non-root user when the data root's owner is one, a private IPC namespace with a
+    sized /dev/shm (NCCL and vLLM's message queues need shared memory, not the host's IPC namespace).
+    GPUs come only through --gpus (device requests); never --privileged."""
+    user = {"auto": AUTO_USER, "root": "0:0"}.get(host.stage_user, host.stage_user)
+    argv = ["--user", user, "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+    if host.stage_pids_limit:
+        argv += ["--pids-limit", str(host.stage_pids_limit)]
+    if host.stage_read_only:
+        argv += ["--read-only", "--tmpfs", "/tmp:rw,exec,nosuid,nodev,mode=1777"]
+    argv += ["--ipc", "host"] if host.stage_ipc == "host" else ["--ipc", "private", "--shm-size", host.stage_shm_size]
+    return argv
+
+
 def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[str, ...] = (),
-               resume: bool = False) -> StagePlan:
+               resume: bool = False, secret_names: tuple[str, ...] = (), env_token: str | None = None) -> StagePlan:
+    """`secret_names`: variables (set on the operator's machine) that reach the container through the env
+    file; `env_token` names its directory (random by default)."""
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
     spec = STAGES[stage]
@@ -97,8 +120,15 @@ def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[s
     argv = ["docker", "run", "--detach", "--name", name,
             "--label", f"{LABEL_RUN}={run_id}", "--label", f"{LABEL_STAGE}={stage}",
             "--label", f"{LABEL_OUT}={host_path(host, spec.output)}", "--label", f"{LABEL_HOST}={host.name}",
-            "--ipc", "host", "--mount", _mount(host.data_root, DATA), "--mount", _mount(host.cache_dir, CACHE),
-            "--env", f"EAGLE_RUN_ID={run_id}", "--env", f"HF_HOME={CACHE}/hf"]
+            *privilege_args(host), "--mount", _mount(host.data_root, DATA), "--mount", _mount(host.cache_dir, CACHE),
+            "--env", f"EAGLE_RUN_ID={run_id}", "--env", f"HF_HOME={CACHE}/hf",
+            # a writable home for caches (triton, flashinfer, vLLM) on the read-only root file system, and a
+            # user name for a uid the image's passwd does not know (getpass.getuser())
+            "--env", f"HOME={CACHE}/home", "--env", "USER=eagle-stage"]
+    env_dir = None
+    if secret_names:
+        env_dir = secret_env.env_dir(host.secrets_dir, run_id, env_token or secrets.token_hex(8))
+        argv += ["--env-file", f"{env_dir}/{secret_env.ENV_FILE}"]
     if spec.uses_model:
         argv += ["--mount", _mount(host.model_dir, MODEL, readonly=True)]
     if host.docker_gpus:
@@ -109,7 +139,19 @@ def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[s
     argv += ["--entrypoint", "/bin/sh", host.image, "-c", script]
     return StagePlan(run_id=run_id, stage=stage, container=name, image=host.image,
                      host_inputs=tuple(host_path(host, p) for p in spec.inputs), host_output=host_path(host, spec.output),
-                     stage_argv=stage_argv, verify_argv=verify_argv, docker_run=tuple(argv), resume=resume)
+                     stage_argv=stage_argv, verify_argv=verify_argv, docker_run=tuple(argv), resume=resume,
+                     secret_names=tuple(secret_names), env_dir=env_dir)
+
+
+def resolve_user(plan: StagePlan, uid: int, gid: int) -> StagePlan:
+    """stage_user "auto": the container runs as the data root's owner (found by the preflight probe), so
+    what the stage writes belongs to whoever owns the data."""
+    argv = list(plan.docker_run)
+    i = argv.index("--user") + 1
+    if argv[i] != AUTO_USER:
+        return plan
+    argv[i] = f"{uid}:{gid}"
+    return dataclasses.replace(plan, docker_run=tuple(argv))
 
 
 def logs_argv(container: str) -> tuple[str, ...]:

@@ -43,6 +43,24 @@ while True:
 """
 
 
+# A supervisor (like a process manager or systemd's Restart=always): it starts a holder, and each time
+# the holder dies starts a new one (a new pid) at once. It holds no device file itself.
+SUPERVISOR = r"""
+import ctypes, subprocess, sys, time
+holder, name, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+ctypes.CDLL(None).prctl(15, b"supervisor", 0, 0, 0)
+first = True
+while True:
+    child = subprocess.Popen([sys.executable, "-c", holder, name, "0", *files], stdout=subprocess.PIPE)
+    child.stdout.readline()
+    if first:
+        print(child.pid, flush=True)
+        first = False
+    child.wait()
+    time.sleep(0.05)
+"""
+
+
 class Procs:
     """Starts real processes and guarantees none outlives the test."""
 
@@ -50,6 +68,7 @@ class Procs:
         self.root = root
         self.started: list[subprocess.Popen] = []
         self.extra_pids: list[int] = []
+        self.groups: list[int] = []  # process groups killed whole at cleanup
 
     def holder(self, files: list[Path], name: str = "", ignore_term: bool = False, exe: str | None = None,
                **popen) -> subprocess.Popen:
@@ -79,7 +98,22 @@ class Procs:
         wait_for(pidfile.exists)
         return p, child
 
+    def supervisor(self, files: list[Path], name: str) -> tuple[subprocess.Popen, int]:
+        """(supervisor, its first holder's pid): a new session, so cleanup kills the whole group."""
+        script = self.root / "supervisor.py"
+        script.write_text(SUPERVISOR)
+        p = subprocess.Popen([sys.executable, str(script), HOLDER, name, *map(str, files)], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+        self.started.append(p)
+        self.groups.append(p.pid)
+        return p, int(p.stdout.readline())
+
     def cleanup(self) -> None:
+        for pgid in self.groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for p in self.started:
             if p.poll() is None:
                 p.kill()

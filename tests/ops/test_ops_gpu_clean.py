@@ -152,3 +152,77 @@ def test_nvml_path_without_a_driver_reports_and_refuses_to_call_clean(sshd, tmp_
     assert res.returncode == 0 and "GPU facts unavailable: NVML init failed" in res.stdout, res.stdout + res.stderr
     res = run_ops("gpu-clean", "--host", "box", "--hosts-file", str(hosts))
     assert res.returncode == 6 and "cannot read GPUs: NVML init failed" in res.stdout, res.stdout + res.stderr
+
+
+def _lone_host(sshd, tmp_path: Path, devdir: Path, table: Path, **extra) -> Path:
+    known = sshd.write_known_hosts(tmp_path / "known_hosts")
+    table_kw = ssh_table(sshd, known, device_glob=f"{devdir}/nvidia*", gpu_source=f"table:{table}", timeouts=FAST)
+    table_kw.update(extra)
+    return write_hosts(tmp_path / "hosts.toml", "box", **table_kw)
+
+
+def test_respawned_holder_is_named_with_its_supervisor(tmp_path, devdir, procs, sshd):
+    """A holder that its supervisor restarts after every kill (a new pid on the same device each time) is
+    recognised: gpu-clean stops after its bounded kill rounds with verdict 'respawned by pid N (...)',
+    exit 10, in bounded time by its own clock, and leaves the supervisor alive (nobody asked to kill it)."""
+    from ops.clean import MAX_ROUNDS, RESPAWNED
+
+    sup, first = procs.supervisor([devdir / "nvidia0"], name="respawned-wrk")
+    table = write_gpu_table(tmp_path / "gpus.json", [{"processes": []}])
+    hosts = _lone_host(sshd, tmp_path, devdir, table)
+    res = run_ops("gpu-clean", "--json", "--host", "box", "--hosts-file", str(hosts))
+    assert res.returncode == 10, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    assert report["verdict"] == RESPAWNED and report["rounds"] == MAX_ROUNDS
+    assert [s["pid"] for s in report["supervisors"]] == [sup.pid] and report["detail"].startswith(
+        f"pid {sup.pid} (supervisor: ")
+    killed = [s["pid"] for s in report["signalled"]]
+    back = [r["pid"] for r in report["respawned"]]
+    assert killed[0] == first and len(killed) == MAX_ROUNDS and len(back) == MAX_ROUNDS
+    assert len(set(killed + back)) == MAX_ROUNDS + 1  # a new pid each time (the last one was not killed)
+    assert all(r["devices"] == [str(devdir / "nvidia0")] and r["ppid"] == sup.pid for r in report["respawned"])
+    assert report["elapsed_s"] < 60 and sup.poll() is None
+    human = run_ops("gpu-clean", "--host", "box", "--hosts-file", str(hosts))
+    assert human.returncode == 10, human.stdout + human.stderr
+    assert f"respawned by a supervisor: pid {sup.pid} (supervisor: " in human.stdout
+    assert f"{MAX_ROUNDS} kill round(s)" in human.stdout and sup.poll() is None
+
+
+def test_holder_we_may_not_signal_is_reported_at_once(procs, sshd, tmp_path):
+    """The host agent runs unprivileged (setpriv to nobody), the holder as root: SIGTERM fails with EPERM,
+    the verdict is 'cannot signal: permission denied' naming pid and owner, exit 11, at once (the tool's
+    own time well under the 60 s grace: no waiting, no SIGKILL retry), and the holder is untouched."""
+    import shutil
+    import tempfile
+
+    from ops.clean import CANNOT_SIGNAL
+
+    # everything the unprivileged agent reads must be world-readable (pytest's tmp dirs are root-only)
+    pub = Path(tempfile.mkdtemp(prefix="eagle-ops-eperm-"))
+    try:
+        os.chmod(pub, 0o755)
+        dev = pub / "dev"
+        dev.mkdir(mode=0o755)
+        (dev / "nvidia0").write_bytes(b"")
+        holder = procs.holder([dev / "nvidia0"], name="root-holder")
+        table = write_gpu_table(pub / "gpus.json", [{"processes": [{"pid": holder.pid, "used_mib": 100}]}])
+        os.chmod(table, 0o644)
+        wrapper = pub / "python-as-nobody"
+        wrapper.write_text("#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 \"$@\"\n")
+        os.chmod(wrapper, 0o755)
+        slow = {"grace": 60, "kill_wait": 60, "stop": 5, "clean": 3}
+        hosts = _lone_host(sshd, tmp_path, dev, table, python=str(wrapper), timeouts=slow)
+        res = run_ops("gpu-clean", "--json", "--host", "box", "--hosts-file", str(hosts))
+        assert res.returncode == 11, res.stdout + res.stderr
+        report = json.loads(res.stdout)
+        assert report["verdict"] == CANNOT_SIGNAL and report["signalled"] == [] and report["rounds"] == 1
+        assert [(d["pid"], d["user"], d["signal"], d["as_uid"]) for d in report["denied"]] == [
+            (holder.pid, "root", "TERM", 65534)]
+        assert report["elapsed_s"] < 30 and holder.poll() is None
+        human = run_ops("gpu-clean", "--host", "box", "--hosts-file", str(hosts))
+        assert human.returncode == 11, human.stdout + human.stderr
+        text = " ".join(human.stdout.split())
+        assert f"cannot signal: permission denied: pid {holder.pid} (root-holder, user root)" in text, text
+        assert holder.poll() is None
+    finally:
+        shutil.rmtree(pub)

@@ -6,7 +6,7 @@ import pytest
 
 from ops_helpers import write_hosts
 from ops.errors import ConfigError
-from ops.hosts import Strategy, load_hosts_file, parse_host_spec, parse_strategy, resolve_host
+from ops.hosts import HostConfig, Strategy, load_hosts_file, parse_host_spec, parse_strategy, resolve_host
 
 
 @pytest.mark.parametrize(
@@ -60,12 +60,30 @@ def test_hosts_file_full_table(tmp_path):
     assert resolve_host("box", str(path)) == cfg
 
 
+def test_stage_security_keys(tmp_path):
+    """Secrets (names) and the stage container's privilege keys are read from the hosts file; the defaults
+    are HF_TOKEN, /dev/shm, auto user, read-only root, 16384 pids, private IPC with 16g /dev/shm."""
+    default = HostConfig(name="d", host="d")
+    assert (default.secrets, default.secrets_dir, default.stage_user, default.stage_read_only, default.stage_pids_limit,
+            default.stage_ipc, default.stage_shm_size) == (("HF_TOKEN",), "/dev/shm", "auto", True, 16384, "private", "16g")
+    path = write_hosts(tmp_path / "h.toml", "box", host="h", secrets=["HF_TOKEN", "WANDB_API_KEY"], secrets_dir="/run/x",
+                       stage_user="1000:1000", stage_read_only=False, stage_pids_limit=0, stage_ipc="host",
+                       stage_shm_size="64g")
+    cfg = load_hosts_file(path)["box"]
+    assert (cfg.secrets, cfg.secrets_dir, cfg.stage_user, cfg.stage_read_only, cfg.stage_pids_limit, cfg.stage_ipc,
+            cfg.stage_shm_size) == (("HF_TOKEN", "WANDB_API_KEY"), "/run/x", "1000:1000", False, 0, "host", "64g")
+
+
 @pytest.mark.parametrize(
     "table, message",
     [({"host": "h", "colour": "red"}, "unknown key"), ({"host": "h", "port": "22"}, "port must be"),
      ({"host": "h", "data_root": "rel/dir"}, "absolute path"), ({"host": "h", "server": "docker:x"}, "malformed"),
      ({"host": "h", "timeouts": {"grace": -1}}, "positive"), ({"host": "h", "gpu_source": "fake"}, "gpu_source"),
-     ({"user": "u"}, "address"), ({"host": "h", "mounts": ["rel:/x"]}, "mount")],
+     ({"user": "u"}, "address"), ({"host": "h", "mounts": ["rel:/x"]}, "mount"),
+     ({"host": "h", "secrets": ["HF_TOKEN=hf_x"]}, "names, not values"), ({"host": "h", "secrets_dir": "shm"}, "absolute"),
+     ({"host": "h", "stage_user": "alice"}, "stage_user"), ({"host": "h", "stage_ipc": "none"}, "stage_ipc"),
+     ({"host": "h", "stage_shm_size": "lots"}, "stage_shm_size"), ({"host": "h", "stage_read_only": "yes"}, "true or false"),
+     ({"host": "h", "stage_pids_limit": -1}, "stage_pids_limit")],
 )
 def test_bad_hosts_tables(tmp_path, table, message):
     """Each invalid hosts-file value is named in the error."""

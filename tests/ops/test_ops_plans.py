@@ -10,7 +10,8 @@ import pytest
 from ops.agent import command, probe_request, terminate_request
 from ops.errors import ConfigError
 from ops.hosts import HostConfig
-from ops.stage import expected_output_bytes, plan_stage
+from ops.secret_env import RedactingWriter, available, env_file_text, protect, redact, start_command
+from ops.stage import expected_output_bytes, plan_stage, resolve_user
 
 
 def host(**kw) -> HostConfig:
@@ -20,19 +21,81 @@ def host(**kw) -> HostConfig:
 
 
 def test_extract_plan_exact_argv():
-    """remote-extract's container: name, labels, host IPC, all GPUs, mounts (model read-only), entrypoint."""
+    """remote-extract's container: name, labels, least privilege (user resolved later, no capability, no
+    privilege gain, pids cap, read-only root with a private /tmp, private IPC with a sized /dev/shm), all
+    GPUs, mounts (model read-only), entrypoint."""
     plan = plan_stage(host(), "extract", run_id="r1")
     assert plan.docker_run == (
         "docker", "run", "--detach", "--name", "eagle-r1",
         "--label", "eagle-ops.run-id=r1", "--label", "eagle-ops.stage=extract",
         "--label", "eagle-ops.output=/srv/d/hidden_states", "--label", "eagle-ops.host=box",
-        "--ipc", "host", "--mount", "type=bind,source=/srv/d,target=/data",
+        "--user", "auto", "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--pids-limit", "16384",
+        "--read-only", "--tmpfs", "/tmp:rw,exec,nosuid,nodev,mode=1777", "--ipc", "private", "--shm-size", "16g",
+        "--mount", "type=bind,source=/srv/d,target=/data",
         "--mount", "type=bind,source=/srv/c,target=/cache", "--env", "EAGLE_RUN_ID=r1", "--env", "HF_HOME=/cache/hf",
+        "--env", "HOME=/cache/home", "--env", "USER=eagle-stage",
         "--mount", "type=bind,source=/srv/m,target=/model,readonly", "--gpus", "all",
         "--entrypoint", "/bin/sh", "img:1", "-c",
         "python -m pipeline extract --prepared /data/prepared --model /model --out /data/hidden_states --no-progress",
     )
     assert plan.host_inputs == ("/srv/d/prepared",) and plan.host_output == "/srv/d/hidden_states"
+    assert "--privileged" not in plan.docker_run and plan.env_dir is None
+
+
+def test_privilege_options_and_user_resolution():
+    """The hosts-file options reach the argv; `auto` becomes the data root's owner, an explicit user stays."""
+    plan = plan_stage(host(stage_user="root", stage_read_only=False, stage_pids_limit=0, stage_ipc="host"),
+                      "verify", run_id="r5")
+    argv = plan.docker_run
+    assert argv[argv.index("--user") + 1] == "0:0" and "--read-only" not in argv and "--pids-limit" not in argv
+    assert argv[argv.index("--ipc") + 1] == "host" and "--shm-size" not in argv
+    assert resolve_user(plan, 1000, 1000) == plan
+    auto = resolve_user(plan_stage(host(), "verify", run_id="r6"), 1000, 100)
+    assert auto.docker_run[auto.docker_run.index("--user") + 1] == "1000:100"
+    fixed = plan_stage(host(stage_user="4242:7"), "verify", run_id="r7")
+    assert resolve_user(fixed, 0, 0).docker_run == fixed.docker_run and "4242:7" in fixed.docker_run
+
+
+def test_secrets_travel_as_names_and_an_env_file_only():
+    """With secrets, the argv carries --env-file in a per-run directory and no value; the start command
+    makes the directory private before writing, reads the values from stdin, and removes it on any exit."""
+    env = {"HF_TOKEN": "hf_canary_value_123", "FOO_API_KEY": "foo-canary-456"}
+    names = available(("HF_TOKEN", "FOO_API_KEY", "UNSET_TOKEN"), env)
+    assert names == ("HF_TOKEN", "FOO_API_KEY")
+    plan = plan_stage(host(secrets_dir="/dev/shm"), "verify", run_id="r8", secret_names=names, env_token="abcd")
+    assert plan.env_dir == "/dev/shm/eagle-ops-r8-abcd"
+    assert plan.docker_run[plan.docker_run.index("--env-file") + 1] == "/dev/shm/eagle-ops-r8-abcd/env"
+    cmd = start_command(plan.docker_run, plan.env_dir)
+    assert cmd.index("umask 077") < cmd.index("mkdir") < cmd.index("cat >") < cmd.index("docker run")
+    assert "trap 'rm -rf -- \"$D\"' EXIT HUP INT TERM" in cmd
+    text = env_file_text(names, env)
+    assert text == "HF_TOKEN=hf_canary_value_123\nFOO_API_KEY=foo-canary-456\n# end of eagle-ops secrets\n"
+    assert cmd.index("cat >") < cmd.index("tail -n 1") < cmd.index("docker run")
+    for value in env.values():
+        assert value not in cmd and value not in " ".join(plan.docker_run)
+        assert value not in redact(f"token {value} in a line")
+    assert "HF_TOKEN" in redact("HF_TOKEN=hf_canary_value_123") and redact("abc") == "abc"
+
+
+def test_secret_values_docker_cannot_carry_are_refused_by_name():
+    """A value with a newline is refused; the message names the variable, not the value."""
+    with pytest.raises(ConfigError) as err:
+        env_file_text(("BAR_TOKEN",), {"BAR_TOKEN": "line1\nline2-secret"})
+    assert "BAR_TOKEN" in str(err.value) and "secret" in str(err.value) and "line2" not in str(err.value)
+
+
+def test_redacting_writer_catches_a_value_split_across_chunks():
+    """Streamed stage output is redacted line by line, also when a value arrives in two pieces."""
+    import io
+
+    protect(["split-canary-789"])
+    sink = io.StringIO()
+    w = RedactingWriter(sink)
+    w.write("start split-can")
+    w.write("ary-789 end\nlast line no newline split-canary-789")
+    assert sink.getvalue() == "start [redacted] end\n"
+    w.close()
+    assert sink.getvalue() == "start [redacted] end\nlast line no newline [redacted]"
 
 
 def test_resume_extra_args_and_verify_after():
@@ -74,3 +137,22 @@ def test_agent_requests():
                                 "server": {"kind": "none", "target": ""}}
     assert terminate_request([(5, 77)], [9], grace=1, kill_wait=2) == {
         "op": "terminate", "targets": [{"pid": 5, "starttime": 77}], "groups": [9], "grace": 1, "kill_wait": 2}
+
+
+def test_start_command_runs_only_with_a_whole_env_file_and_always_removes_it(tmp_path):
+    """Run by a real shell: a whole env file (0600 in a 0700 directory) reaches the command, which runs;
+    a cut one (connection lost mid-transfer) runs nothing; an existing directory is never reused; the
+    directory is gone afterwards in every case."""
+    from ops.connection import LocalRunner
+
+    env = {"HF_TOKEN": "hf_canary_value_123"}
+    probe = ("sh", "-c", 'stat -c "%a" "$0" "$1"; cat "$1"', str(tmp_path / "d"), str(tmp_path / "d" / "env"))
+    runner = LocalRunner()
+    whole = runner.run(start_command(probe, str(tmp_path / "d")), stdin=env_file_text(("HF_TOKEN",), env))
+    assert whole.ok and whole.stdout.splitlines()[:3] == ["700", "600", "HF_TOKEN=hf_canary_value_123"]
+    cut = runner.run(start_command(probe, str(tmp_path / "d")), stdin="HF_TOKEN=hf_canary_va")
+    assert not cut.ok and cut.stdout == ""
+    assert not (tmp_path / "d").exists()
+    (tmp_path / "d").mkdir()
+    taken = runner.run(start_command(probe, str(tmp_path / "d")), stdin=env_file_text(("HF_TOKEN",), env))
+    assert taken.exit_code == 125 and "File exists" in taken.stderr and (tmp_path / "d").is_dir()
