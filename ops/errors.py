@@ -15,6 +15,8 @@ EXIT_CONNECT = 3  # cannot connect: unknown host, refused, bad key, unknown or c
 EXIT_PREFLIGHT = 4  # a preflight check failed; nothing was stopped or started
 EXIT_UNKILLABLE = 5  # a GPU holder survived SIGKILL: reboot needed
 EXIT_NOT_CLEAN = 6  # GPUs still busy (compute process or memory over threshold) after the timeout
+EXIT_HOSTS_FAILED = 13  # several hosts: at least one host's shard is not complete (its row says why); the
+#                        others' shards are intact, and re-running the same command redoes only those hosts
 EXIT_INTERRUPTED = 130
 
 

@@ -55,17 +55,25 @@ def remove_test_containers(c: docker.DockerClient, names: list[str]) -> None:
 STAGE_IMAGE = "eagle-ops-test-stage"
 
 
-def stage_image(c: docker.DockerClient, repo: Path, python_home: str) -> tuple[str, list[str]]:
-    """A stage image for the tests: the base plus PATH to this checkout's venv; the checkout and the
-    venv's interpreter are bind-mounted read-only at the same paths (returned as hosts-file mounts)."""
+def stage_image(c: docker.DockerClient, repo: Path, python_home: str, venv: str | None = None) -> tuple[str, list[str]]:
+    """A stage image for the tests: the base plus PATH to the test run's venv (default: the running
+    one, sys.prefix) and PYTHONPATH to this checkout (so a worktree's own code runs, not the code the venv
+    was installed from); the checkout, the venv and its interpreter are bind-mounted read-only at the
+    same paths (returned as hosts-file mounts)."""
     import io
+    import sys
 
     import hashlib
 
     ensure_base_image()
+    venv = venv or sys.prefix
     # one tag per checkout: two checkouts testing on one engine must not run each other's PATH
-    tag = f"{STAGE_IMAGE}:{hashlib.sha1(str(repo).encode()).hexdigest()[:12]}"
-    dockerfile = f"FROM {BASE_IMAGE}\nENV PATH={repo}/.venv/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1\n"
+    tag = f"{STAGE_IMAGE}:{hashlib.sha1(f'{repo}:{venv}'.encode()).hexdigest()[:12]}"
+    dockerfile = (f"FROM {BASE_IMAGE}\nENV PATH={venv}/bin:/usr/local/bin:/usr/bin:/bin PYTHONPATH={repo} "
+                  "PYTHONDONTWRITEBYTECODE=1\n")
     c.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, pull=False, rm=True,
                    labels={TEST_LABEL: "1"})
-    return tag, [f"{repo}:{repo}:ro", f"{python_home}:{python_home}:ro"]
+    mounts = [f"{repo}:{repo}:ro", f"{python_home}:{python_home}:ro"]
+    if not Path(venv).resolve().is_relative_to(Path(repo).resolve()):
+        mounts.append(f"{venv}:{venv}:ro")
+    return tag, mounts
