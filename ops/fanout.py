@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import shlex
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ SHARDED = ("extract", "verify")  # stages whose pipeline command takes --world-s
 KIND = "fanout"  # runs/<run-id>/summary.json of a multi-host run says so
 SUMMARY = "summary.json"
 OWN_FLAGS = ("--world-size", "--rank", "--out")  # set by the plan, never by the operator
-OK, SKIPPED, FAILED = "ok", "skipped", "failed"
+OK, SKIPPED, FAILED, RUNNING = "ok", "skipped", "failed", "running"
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class HostResult:
 
     host: str
     rank: int
-    status: str  # ok | skipped | failed
+    status: str  # ok | skipped | failed | running (in a record written while other hosts still run)
     exit_code: int | None = None
     error: str = ""
     seconds: float = 0.0
@@ -273,6 +274,7 @@ def run_host(job: HostJob, *, connect: Callable, local_dir: Path, restore_server
     connection; every failure, expected or not, becomes the host's row."""
     start = time.monotonic()
     result = HostResult(job.host.name, job.rank, FAILED)
+    (local_dir / SUMMARY).unlink(missing_ok=True)  # an earlier attempt's summary must not pass for this one's
     try:
         runner = connect(job.host, accept_new_host_key=accept_new_host_key)
         try:
@@ -292,13 +294,13 @@ def run_host(job: HostJob, *, connect: Callable, local_dir: Path, restore_server
     except Exception as exc:  # a bug or an unforeseen failure on one host must not take the others down
         result.exit_code, result.error = 1, f"{type(exc).__name__}: {exc}"
     result.seconds = time.monotonic() - start
-    console.print(f"{result.status}" + (f": {result.error}" if result.error else ""))
+    console.print(f"{result.status}" + (f": {result.error}" if result.error else ""), markup=False)
     return result
 
 
 def _stage_error(code: int | None, summary: dict | None, local_dir: Path) -> str:
     if summary is None:
-        return f"stage exit code {code}; no summary.json (log: {local_dir / 'stage.log'})"
+        return f"stage exit code {code}: {_log_error(local_dir / 'stage.log')}"
     failed = [c for c in summary.get("checks", []) if c.get("status") == "fail"]
     if failed:
         c = failed[0]
@@ -308,11 +310,29 @@ def _stage_error(code: int | None, summary: dict | None, local_dir: Path) -> str
     return f"stage exit code {code}; shard incomplete ({stats.get('files')} files, missing {stats.get('missing')})"
 
 
-def _raise_in(thread: threading.Thread) -> None:
+def _log_error(log: Path) -> str:
+    """The stage's own error line (the pipeline prints `error: ...` last), else where the log is."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        lines = []
+    named = [ln for ln in lines if "rror" in ln]
+    return (named or lines or ["no output"])[-1][:300] + f" (no summary.json; log: {log})"
+
+
+def _raise_in(thread: threading.Thread, done: threading.Event) -> None:
     """Deliver Ctrl-C to a host's thread, so that its own remote_run handler stops its stage container
     and restores its server, exactly as a one-host run does on Ctrl-C."""
-    if thread.ident is not None and thread.is_alive():
+    if thread.ident is not None and not done.is_set():
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
+
+
+def _wait(done: list[threading.Event]) -> None:
+    """Until every host's flow has ended. Not Thread.join: on Python 3.11 a Ctrl-C that lands inside
+    join() marks the joined thread as stopped while it still runs (CPython gh-90882)."""
+    for ev in done:
+        while not ev.wait(0.2):
+            pass
 
 
 def run_fanout(plan: FanoutPlan, *, connect: Callable, runs_dir: Path, restore_server: bool, console: Console,
@@ -321,44 +341,55 @@ def run_fanout(plan: FanoutPlan, *, connect: Callable, runs_dir: Path, restore_s
     all hosts finished. Returns the merged record and whether the operator pressed Ctrl-C."""
     root = runs_dir / plan.run_id
     root.mkdir(parents=True, exist_ok=True)
-    lock = threading.Lock()
+    lock, record_lock = threading.Lock(), threading.Lock()
     results: dict[str, HostResult] = {}
     threads = []
+
+    def record() -> dict:
+        """The record as it stands; rewritten as each host finishes, so that a re-run after the operator's
+        machine died mid-run still skips the hosts that had completed."""
+        with record_lock:
+            rows = [results.get(j.host.name) or HostResult(j.host.name, j.rank, RUNNING, error="did not report")
+                    for j in plan.jobs]
+            merged = merge(plan, rows)
+            write_json(root / SUMMARY, merged)
+            return merged
+
     console.print(f"run id [bold]{plan.run_id}[/] on {plan.world_size} hosts; local folder {root}")
     for job in plan.jobs:
         console.print(f"  rank {job.rank}/{plan.world_size} {job.host.name}: "
-                      + (f"skipped: {job.skip}" if job.skip else " ".join(job.plan.stage_argv[3:])))
+                      + (f"skipped: {job.skip}" if job.skip else shlex.join(job.plan.stage_argv[3:])), markup=False)
         if job.skip:
             prev = next(s for s in plan.previous["hosts"] if s["host"] == job.host.name)
             results[job.host.name] = HostResult(job.host.name, job.rank, SKIPPED, exit_code=0, previous=prev)
             continue
         hc = host_console(job.host.name, console.width, console.file, lock)
+        done = threading.Event()
 
-        def work(job=job, hc=hc) -> None:
-            results[job.host.name] = run_host(job, connect=connect, local_dir=root / job.host.name,
-                                              restore_server=restore_server, console=hc,
-                                              accept_new_host_key=accept_new_host_key)
-            hc.file.close()
+        def work(job=job, hc=hc, done=done) -> None:
+            try:
+                results[job.host.name] = run_host(job, connect=connect, local_dir=root / job.host.name,
+                                                  restore_server=restore_server, console=hc,
+                                                  accept_new_host_key=accept_new_host_key)
+                hc.file.close()
+                record()
+            finally:
+                done.set()
 
-        t = threading.Thread(target=work, name=f"host-{job.host.name}", daemon=True)
-        threads.append(t)
-    for t in threads:
+        threads.append((threading.Thread(target=work, name=f"host-{job.host.name}", daemon=True), done))
+    record()
+    for t, _ in threads:
         t.start()
     interrupted = False
     try:
-        for t in threads:
-            while t.is_alive():
-                t.join(0.2)
+        _wait([done for _, done in threads])
     except KeyboardInterrupt:
         interrupted = True
         console.print("interrupted: stopping the stage on every host")
-        for t in threads:
-            _raise_in(t)
-        for t in threads:
-            t.join()
+        for t, done in threads:
+            _raise_in(t, done)
+        _wait([done for _, done in threads])
     for job in plan.jobs:  # a thread hit by Ctrl-C before its flow began has no row of its own
         results.setdefault(job.host.name, HostResult(job.host.name, job.rank, FAILED, EXIT_INTERRUPTED,
                                                      "interrupted before it started"))
-    merged = merge(plan, list(results.values()))
-    write_json(root / SUMMARY, merged)
-    return merged, interrupted
+    return record(), interrupted

@@ -10,6 +10,7 @@ import dataclasses
 import json
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ops.clean import CleanPlan, CleanReport
@@ -125,9 +126,9 @@ def print_fanout(console: Console, merged: dict, local_dir) -> None:
     colour = {"ok": "green", "skipped": "cyan", "failed": "red"}
     for h in merged["hosts"]:
         st = h["status"] + (" (complete)" if h["status"] == "skipped" else "")
-        t.add_row(h["host"], str(h["rank"]), f"[{colour.get(h['status'], 'red')}]{st}[/]",
+        t.add_row(escape(h["host"]), str(h["rank"]), f"[{colour.get(h['status'], 'red')}]{st}[/]",
                   "" if h.get("exit_code") is None else str(h["exit_code"]), str(h.get("files") or 0),
-                  f"{h.get('tokens') or 0:,}", f"{h.get('seconds') or 0:.1f}", h.get("error") or "")
+                  f"{h.get('tokens') or 0:,}", f"{h.get('seconds') or 0:.1f}", escape(h.get("error") or ""))
     console.print(t)
     tot = merged["totals"]
     missing = tot["missing_files"]

@@ -109,6 +109,17 @@ def test_merge_names_missing_files_of_failed_and_partial_hosts():
     assert fanout.exit_code(m, interrupted=True) == 130
 
 
+def test_a_record_written_mid_run_resumes_the_running_hosts():
+    """The record written while host b still runs: a complete, b incomplete; a re-run from it skips a and
+    resumes b (what an operator's crash mid-run leaves behind)."""
+    plan = plan_fanout(HOSTS[:2], "extract", run_id="r1")
+    mid = merge(plan, [HostResult("a", 0, OK, 0, summary=summary(0, 2, 6)),
+                       HostResult("b", 1, fanout.RUNNING, error="did not report")])
+    assert not mid["complete"] and mid["totals"]["missing_files"] == [1, 3, 5]
+    again = plan_fanout(HOSTS[:2], "extract", run_id="r1", previous=mid)
+    assert again.jobs[0].skip and again.jobs[1].skip is None and again.jobs[1].plan.resume
+
+
 def test_merge_without_any_summary_marks_ranks_unknown():
     """When no host reported the sample count, the missing files cannot be named: the ranks are listed."""
     plan = plan_fanout(HOSTS[:2], "extract", run_id="r1")

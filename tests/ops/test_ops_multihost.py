@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,54 @@ def test_failed_host_is_a_row_and_rerun_redoes_only_it(hosts, tmp_path, servers)
     merged = json.loads((runs / "m2" / "summary.json").read_text())
     assert merged["complete"] and merged["attempts"] == 2 and merged["totals"]["files"] == SAMPLES
     assert [h["status"] for h in merged["hosts"]] == ["skipped", "ok"]
+
+
+def test_partial_shard_resumes_only_its_missing_files(hosts, tmp_path):
+    """Host b's disk fills up mid-extract (its output a tmpfs with room for 2 of its 3 files: 4 inodes, so
+    that preflight's byte count passes): its row names the stage's error,
+    exit 13; after space is freed the re-run skips a, and b's --resume writes only its missing files
+    (those written before keep their mtimes); the set is complete."""
+    runs, out_b = tmp_path / "runs", tmp_path / f"disk-{B}" / "hidden_states"
+    out_b.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=4", "tmpfs", str(out_b)], check=True)
+    try:
+        # one sample per batch, so that a resumed run has whole batches to skip
+        res = extract(hosts, runs, "--run-id", "p1", "--", "--max-batch-size", "1")
+        assert res.returncode == 13, res.stdout[-4000:] + res.stderr
+        a, b = json.loads((runs / "p1" / "summary.json").read_text())["hosts"]
+        assert a["complete"] and b["status"] == "failed" and "No space left on device" in b["error"], b
+        written = {p.name: p.stat().st_mtime_ns for p in out_b.glob("data_*.pt")}
+        assert written and len(written) < 3, written
+        subprocess.run(["mount", "-o", "remount,nr_inodes=1000", str(out_b)], check=True)
+        again = extract(hosts, runs, "--run-id", "p1", "--", "--max-batch-size", "1")
+        assert again.returncode == 0, again.stdout[-4000:] + again.stderr
+        assert f"{B} | extracted 7 samples" in again.stdout and f"{len(written)} already done" in again.stdout
+        assert {n: (out_b / n).stat().st_mtime_ns for n in written} == written
+        assert files(tmp_path / f"disk-{B}") == [1, 3, 5]
+        assert json.loads((runs / "p1" / "summary.json").read_text())["complete"]
+    finally:
+        subprocess.run(["umount", str(out_b)], check=True)
+
+
+def test_ctrl_c_stops_the_stage_on_every_host(hosts, tmp_path, engines):
+    """Ctrl-C while both hosts run their stage: each host's container is stopped (by that host's own
+    flow), the record says interrupted for both, exit 130."""
+    cmd = [sys.executable, "-m", "ops", "remote-extract", "--host", f"{A},{B}", "--hosts-file", str(hosts),
+           "--runs-dir", str(tmp_path / "runs"), "--run-id", "int1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, COLUMNS="200"))
+    lines, started = [], set()
+    for line in proc.stdout:
+        lines.append(line)
+        started |= {n for n in (A, B) if line.startswith(f"{n} | started eagle-int1")}
+        if started == {A, B}:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    text = "".join(lines) + rest
+    assert proc.returncode == 130, text[-4000:]
+    for name, eng in engines.items():
+        assert f"{name} | interrupted: stopping container eagle-int1" in text, text
+        assert eng.client().containers.get("eagle-int1").status == "exited"
+    merged = json.loads((tmp_path / "runs" / "int1" / "summary.json").read_text())
+    assert [(h["status"], h["error"]) for h in merged["hosts"]] == [("failed", "interrupted")] * 2
