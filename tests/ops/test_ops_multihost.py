@@ -114,7 +114,8 @@ def files(disk: Path) -> list[int]:
 
 def test_two_hosts_write_one_verified_set(hosts, tmp_path, servers):
     """Hosts mh-a and mh-b each extract their own shard over one connection each; the merged summary covers
-    every file exactly once and the two shards copied together verify as one set."""
+    every file exactly once, the two shards copied together verify as one set, and `remote-run verify`
+    over both hosts verifies each shard where it lies."""
     before = {n: s.connections() for n, s in servers.items()}
     res = extract(hosts, tmp_path / "runs", "--run-id", "m1")
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr
@@ -138,6 +139,11 @@ def test_two_hosts_write_one_verified_set(hosts, tmp_path, servers):
     check = subprocess.run([sys.executable, "-m", "pipeline", "verify", str(together)], cwd=REPO,
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr
+    verified = run_ops("remote-run", "verify", "--host", f"{A},{B}", "--hosts-file", str(hosts), "--runs-dir",
+                       str(tmp_path / "runs"), "--run-id", "v1", timeout=600)
+    assert verified.returncode == 0, verified.stdout[-4000:] + verified.stderr
+    assert f"{B} | started eagle-v1: python -m pipeline verify /data/hidden_states --world-size 2 --rank 1" in verified.stdout
+    assert json.loads((tmp_path / "runs" / "v1" / "summary.json").read_text())["totals"]["complete_ranks"] == [0, 1]
 
 
 def test_failed_host_is_a_row_and_rerun_redoes_only_it(hosts, tmp_path, servers):
