@@ -1,5 +1,6 @@
 # ops: drive a GPU host over SSH. Each target is an alias of `python -m ops ...`; HOST= is a hosts-file
-# name, user@host[:port] or `local`. OPS_ARGS passes extra flags (e.g. OPS_ARGS=--dry-run).
+# name, user@host[:port] or `local`; for remote-extract (and remote-run STAGE=verify) HOST=a,b,c runs one
+# shard per host in parallel (docs/ops.md "Several hosts"). OPS_ARGS passes extra flags (e.g. --dry-run).
 OPS := $(PY) -m ops
 HOSTS_FILE ?=
 OPS_HOST_ARGS = --host "$(HOST)" $(if $(HOSTS_FILE),--hosts-file "$(HOSTS_FILE)")

@@ -31,6 +31,8 @@ def host_options(fn):
     @click.option("--accept-new-host-key", is_flag=True, help="trust and record an unknown SSH host key")
     @functools.wraps(fn)
     def wrapper(host_spec, hosts_file, accept_new_host_key, **kw):
+        if "," in host_spec and fn.__name__ in _FANS_OUT:  # several hosts: one shard each (ops.fanout)
+            return _fan_out(host_spec, hosts_file, accept_new_host_key, kw.pop("stage", "extract"), **kw)
         host = resolve_host(host_spec, hosts_file)
         runner = connect(host, accept_new_host_key=accept_new_host_key)
         try:
@@ -40,6 +42,28 @@ def host_options(fn):
             _write_trace(runner)
 
     return wrapper
+
+
+_FANS_OUT = ("remote_extract", "remote_run_cmd")
+
+
+def _fan_out(spec, hosts_file, accept_new_host_key, stage, run_id, resume, restore_server, runs_dir, extra) -> None:
+    from pathlib import Path
+
+    from ops import fanout
+    from ops.report import print_fanout
+
+    names = fanout.split_hosts(spec)
+    hosts = [resolve_host(n, hosts_file) for n in names]
+    previous = fanout.find_previous(Path(runs_dir), run_id, stage, [h.name for h in hosts]) if (
+        run_id or resume) else None
+    plan = fanout.plan_fanout(hosts, stage, run_id=run_id, extra=extra, resume=resume, previous=previous)
+    merged, interrupted = fanout.run_fanout(plan, connect=connect, runs_dir=Path(runs_dir), console=console,
+                                            restore_server=restore_server, accept_new_host_key=accept_new_host_key)
+    print_fanout(console, merged, Path(runs_dir) / plan.run_id)
+    code = fanout.exit_code(merged, interrupted)
+    if code:
+        sys.exit(code)
 
 
 def _write_trace(runner: Runner) -> None:

@@ -207,6 +207,10 @@ class RemoteRunner:
         except (ConnectionRefusedError, TimeoutError, socket.timeout) as exc:
             what = "refused" if isinstance(exc, ConnectionRefusedError) else "timed out"
             raise ConnectError(f"connection to {target} {what}; check host and port") from None
+        except p.ssh_exception.NoValidConnectionsError as exc:  # paramiko's wrapper: one error per address
+            if all(isinstance(e, ConnectionRefusedError) for e in exc.errors.values()):
+                raise ConnectError(f"connection to {target} refused; check host and port") from None
+            raise ConnectError(f"cannot connect to {target}: {exc}") from None
         except OSError as exc:
             raise ConnectError(f"cannot connect to {target}: {exc.strerror or exc}") from None
 

@@ -18,6 +18,8 @@ EXIT_NOT_CLEAN = 6  # GPUs still busy (compute process or memory over threshold)
 EXIT_RESPAWNED = 10  # a GPU holder came back after each of gpu-clean's kill rounds: its supervisor (named) must
 #                     be stopped first (systemd unit, restart policy, process manager); it was not killed
 EXIT_CANNOT_SIGNAL = 11  # a GPU holder may not be signalled by the SSH user (EPERM): connect as root or its owner
+EXIT_HOSTS_FAILED = 13  # several hosts: at least one host's shard is not complete (its row says why); the
+#                        others' shards are intact, and re-running the same command redoes only those hosts
 EXIT_INTERRUPTED = 130
 
 

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import shlex
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +86,7 @@ def follow(runner: Runner, host: HostConfig, container: str, host_output: str, l
     """Stream the container's logs (live and into stage.log), take its exit code, fetch summary.json,
     remove the finished container. A lost connection (or Ctrl-C in attach) leaves it running."""
     with (local_dir / "stage.log").open("w") as log:
-        out = RedactingWriter(sys.stdout, log)
+        out = RedactingWriter(console.file, log)
         try:
             runner.run(shlex.join(logs_argv(container)), stream=out)
         finally:
@@ -113,8 +112,12 @@ def follow(runner: Runner, host: HostConfig, container: str, host_output: str, l
 
 
 def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: Path, restore_server: bool,
-               console: Console) -> RunOutcome:
-    out = RunOutcome(plan.run_id, local_run_dir(runs_root, host, plan.run_id))
+               console: Console, local_dir: Path | None = None) -> RunOutcome:
+    """local_dir: where the run's files land (default runs_root/<host>/<run-id>; a multi-host run passes
+    runs/<run-id>/<host>)."""
+    if local_dir is not None:
+        local_dir.mkdir(parents=True, exist_ok=True)
+    out = RunOutcome(plan.run_id, local_dir or local_run_dir(runs_root, host, plan.run_id))
     console.print(f"run id [bold]{plan.run_id}[/] on {host.name}; local folder {out.local_dir}")
     out.checks, digest, state, plan = preflight(runner, host, plan)
     report.print_checks(console, out.checks)

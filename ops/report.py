@@ -10,6 +10,7 @@ import dataclasses
 import json
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ops.clean import CleanPlan, CleanReport
@@ -123,6 +124,34 @@ def print_clean(console: Console, report: CleanReport) -> None:
     else:
         console.print(f"[bold red]{report.verdict}[/]")
     console.print(f"gpu-clean took {report.elapsed_s:.1f} s, {report.rounds} kill round(s)")
+
+
+def print_fanout(console: Console, merged: dict, local_dir) -> None:
+    """A multi-host run: one row per host (status, exit code, files, tokens, seconds, error), then the
+    totals over all shards."""
+    t = Table(title=f"{merged['stage']} on {merged['world_size']} hosts ({local_dir}/summary.json)",
+              title_justify="left")
+    for col in ("host", "rank", "status", "exit", "files", "tokens", "seconds", "error"):
+        t.add_column(col)
+    colour = {"ok": "green", "skipped": "cyan", "failed": "red"}
+    for h in merged["hosts"]:
+        st = h["status"] + (" (complete)" if h["status"] == "skipped" else "")
+        t.add_row(escape(h["host"]), str(h["rank"]), f"[{colour.get(h['status'], 'red')}]{st}[/]",
+                  "" if h.get("exit_code") is None else str(h["exit_code"]), str(h.get("files") or 0),
+                  f"{h.get('tokens') or 0:,}", f"{h.get('seconds') or 0:.1f}", escape(h.get("error") or ""))
+    console.print(t)
+    tot = merged["totals"]
+    missing = tot["missing_files"]
+    line = (f"{tot['files']} of {tot['samples'] if tot['samples'] is not None else '?'} files, "
+            f"{tot['tokens']:,} tokens; complete ranks {tot['complete_ranks'] or '-'}")
+    if merged["complete"]:
+        console.print(f"[green]all {merged['world_size']} shards complete[/]: {line}")
+    else:
+        shown = ", ".join(f"data_{i}" for i in missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        console.print(f"[red]incomplete[/]: {line}; incomplete ranks {tot['incomplete_ranks']}"
+                      + (f"; missing {shown}" if missing else "")
+                      + (f"; ranks with unknown state {tot['unknown_ranks']}" if tot["unknown_ranks"] else "")
+                      + "; run the same command again to redo only those hosts")
 
 
 def print_checks(console: Console, checks) -> None:

@@ -227,7 +227,9 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
             s.checks.append(warn(n, "no prepared dir found: input_ids not compared"))
         elif n not in failed_names:
             s.checks.append(ok(n if n != "sample_lengths" else "lengths_match", f"all {len(per_file)} files"))
-    s.stats = {"samples": dc.num_samples, "files": len(indices), "layer_ids": dc.layer_ids, "dtype": dc.dtype}
+    s.stats = {"samples": dc.num_samples, "files": len(indices), "layer_ids": dc.layer_ids, "dtype": dc.dtype,
+               "world_size": cfg.world_size, "rank": cfg.rank, "missing": missing,
+               "tokens": sum(lengths.get(i, 0) for i in indices)}
     if cfg.verifier or cfg.model:
         s.checks.extend(_alignment_checks(cfg, dc, sorted(set(indices) - {int(c.file[5:-3]) for c in findings if c.file}), s))
     return s

@@ -55,8 +55,27 @@ class Sshd:
             self.proc.kill()
             self.proc.wait()
 
+    def start_again(self) -> None:
+        """After stop(): the same server (config, port, host key) comes back."""
+        self.proc = _launch(self.root, self.log)
 
-def start_sshd(root: Path) -> Sshd:
+
+def _launch(root: Path, log: Path) -> subprocess.Popen:
+    mark = log.read_text().count("Server listening on 127.0.0.1") if log.exists() else 0
+    proc = subprocess.Popen([SSHD, "-D", "-f", str(root / "sshd_config"), "-E", str(log)])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        # wait for sshd's own log line rather than probing the port: a probe would count as a connection
+        if log.exists() and log.read_text().count("Server listening on 127.0.0.1") > mark:
+            return proc
+        if proc.poll() is not None:
+            raise RuntimeError(f"sshd exited: {log.read_text() if log.exists() else ''}")
+        time.sleep(0.05)
+    raise RuntimeError("sshd did not listen within 10 s")
+
+
+def start_sshd(root: Path, env: dict[str, str] | None = None) -> Sshd:
+    """env: extra variables every session gets (a second test host points DOCKER_HOST at its own engine)."""
     root.mkdir(parents=True, exist_ok=True)
     host_pub = keygen(root / "host_key")
     user_pub = keygen(root / "user_key")
@@ -80,24 +99,15 @@ def start_sshd(root: Path) -> Sshd:
                 "LogLevel VERBOSE",
                 "MaxSessions 64",
                 "MaxStartups 64",
-                "SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+                + "".join(f" {k}={v}" for k, v in (env or {}).items()),
                 "Subsystem sftp internal-sftp",
                 "",
             ]
         )
     )
     Path("/run/sshd").mkdir(exist_ok=True)
-    proc = subprocess.Popen([SSHD, "-D", "-f", str(root / "sshd_config"), "-E", str(log)])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        # wait for sshd's own log line rather than probing the port: a probe would count as a connection
-        if log.exists() and "Server listening on 127.0.0.1" in log.read_text():
-            break
-        if proc.poll() is not None:
-            raise RuntimeError(f"sshd exited: {log.read_text() if log.exists() else ''}")
-        time.sleep(0.05)
-    else:
-        raise RuntimeError("sshd did not listen within 10 s")
+    proc = _launch(root, log)
     import pwd
 
     return Sshd(root, port, pwd.getpwuid(os.getuid()).pw_name, root / "user_key", host_pub, log, proc)

@@ -94,6 +94,7 @@ def test_cli_bad_hosts_are_one_line_errors(sshd, tmp_path):
         assert res.returncode == 3, (name, res.stdout, res.stderr)
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:"), (name, res.stderr)
+        assert name != "wrong-port" or "refused" in lines[0], res.stderr
 
 
 def test_ssh_config_is_honoured(sshd, tmp_path):
