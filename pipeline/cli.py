@@ -7,6 +7,7 @@ Each stage's command lives in its own module and is imported only when invoked, 
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 
@@ -56,3 +57,21 @@ def run() -> None:
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except OSError as exc:
+        # a file operation outside the paths that already explain themselves (a full disk while writing
+        # the last index file, a read-only output): one line, not a traceback; writes are atomic, so
+        # nothing half-written is left
+        click.secho(f"error: {os_error_line(exc)}", fg="red", err=True)
+        sys.exit(2)
+
+
+def os_error_line(exc: OSError) -> str:
+    """`<what> <path>: <reason> (<what to do>)` for an OSError that reached the top."""
+    where = f" {exc.filename}" if exc.filename else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = "free space, then re-run (extract: with --resume, which keeps the files already written)"
+    elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        hint = "choose an output path this user can write"
+    else:
+        hint = "check the path, then re-run"
+    return f"file operation failed{where}: {exc.strerror or exc} ({hint})"

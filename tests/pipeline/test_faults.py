@@ -69,3 +69,21 @@ def test_repair_needs_resume(tmp_path, tiny_llama, prepared_llama):
     """--repair alone is refused: it only makes sense on an existing run."""
     proc = run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", tmp_path / "x", "--repair")
     assert proc.returncode == 2 and "--repair" in proc.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("inodes", [4, 5])
+def test_full_disk_at_the_last_index_file_is_one_line(tmp_path, tiny_llama, prepared_llama, inodes):
+    """Out of inodes when the data files fit but an index file does not: one line, exit 2, no temp file left."""
+    mnt = tmp_path / "inodes"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64m,nr_inodes={inodes}", "tmpfs", str(mnt)], check=True)
+    try:
+        out = mnt / "states"
+        proc = run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", out,
+                            "--limit", 2, "--no-progress")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
+        assert "No space left on device" in proc.stderr and "--resume" in proc.stderr
+        assert not [p for p in out.rglob("*") if p.name.startswith(".")], "temp files left behind"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
