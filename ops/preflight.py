@@ -99,21 +99,40 @@ def path_checks(host: HostConfig, plan: StagePlan, facts: dict) -> list[CheckRes
         else:
             out.append(CheckResult("output", OK, f"{plan.host_output} {'resumed' if o.get('entries') else 'empty'}"))
     if plan.stage == "extract":
-        out.append(_disk_check(facts["json"].get(meta), facts["json"].get(config), facts["free"][plan.host_output]))
+        out.append(_disk_check(facts["json"].get(meta), facts["json"].get(config), facts["free"][plan.host_output],
+                               plan.stage_argv))
     return out
 
 
-def _disk_check(meta: dict | None, config: dict | None, free: int) -> CheckResult:
+def _flag(argv: tuple[str, ...], flag: str) -> str | None:
+    """The value of `--flag V` or `--flag=V` in a stage's argv (the last one wins, as in click)."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def _disk_check(meta: dict | None, config: dict | None, free: int, stage_argv: tuple[str, ...] = ()) -> CheckResult:
     if not meta or not config:
         return CheckResult("disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no metadata or config)")
     hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
     tokens = meta.get("num_tokens")
     if not hidden or not tokens:
         return CheckResult("disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no hidden_size/num_tokens)")
-    need = expected_output_bytes(int(tokens), int(hidden))
+    # float32 only when asked for (auto is bf16 on a GPU); a host of --world-size N writes about 1/N
+    width = 4 if _flag(stage_argv, "--dtype") == "float32" else 2
+    try:
+        world = max(1, int(_flag(stage_argv, "--world-size") or 1))
+    except ValueError:
+        world = 1
+    need = expected_output_bytes(int(tokens), int(hidden), bytes_per_value=width) // world
     ok = free >= need
+    share = f" / {world} hosts" if world > 1 else ""
     return CheckResult("disk", OK if ok else FAIL,
-                       f"need {need / 2**30:.3f} GiB ({tokens} tokens x {hidden} x 4 layers x 2 B), "
+                       f"need {need / 2**30:.3f} GiB ({tokens} tokens x {hidden} x 4 layers x {width} B{share}), "
                        f"{free / 2**30:.1f} GiB free")
 
 

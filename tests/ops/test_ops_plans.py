@@ -156,3 +156,15 @@ def test_start_command_runs_only_with_a_whole_env_file_and_always_removes_it(tmp
     (tmp_path / "d").mkdir()
     taken = runner.run(start_command(probe, str(tmp_path / "d")), stdin=env_file_text(("HF_TOKEN",), env))
     assert taken.exit_code == 125 and "File exists" in taken.stderr and (tmp_path / "d").is_dir()
+
+
+def test_disk_check_follows_dtype_and_host_share():
+    """The extract disk estimate uses 4 bytes for --dtype float32 and a 1/N share for --world-size N."""
+    from ops.preflight import _disk_check
+
+    meta, config = {"num_tokens": 1000}, {"hidden_size": 256}
+    bf16 = 1000 * 256 * 4 * 2
+    assert f"need {bf16 / 2**30:.3f} GiB" in _disk_check(meta, config, bf16).detail
+    assert _disk_check(meta, config, bf16).status != _disk_check(meta, config, bf16, ("--dtype", "float32")).status
+    half = _disk_check(meta, config, bf16 // 2, ("--dtype=bfloat16", "--world-size", "2", "--rank", "1"))
+    assert half.status == _disk_check(meta, config, bf16).status and "/ 2 hosts" in half.detail
