@@ -4,16 +4,13 @@ second Docker engine and a real sshd standing in for a GPU host without registry
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from image_helpers import CI_BASE, CI_IMAGE, CI_LOCK, REPO, build_ci_image, sh
 
 sys.path.insert(0, str(REPO / "tests" / "ops"))
+from ops_dockerd import start_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -58,47 +55,9 @@ def _free_ci_disk(client) -> None:
     client.api.prune_builds(all=True)
 
 
-@dataclass
-class Engine:
-    """A second dockerd: the engine of the "remote" host in the ship tests."""
-
-    socket: Path
-    proc: subprocess.Popen
-
-    @property
-    def host(self) -> str:
-        return f"unix://{self.socket}"
-
-
 @pytest.fixture(scope="module")
-def second_engine(tmp_path_factory) -> Engine:
-    root = tmp_path_factory.mktemp("engine2")
-    sock = root / "docker.sock"
-    # In a network namespace of its own (unshare --net): with --bridge none, dockerd deletes the interface
-    # named docker0 in its namespace, which must not be the host's (the first engine's containers need it).
-    argv = [
-        "unshare",
-        "--net",
-        "dockerd",
-        "--data-root",
-        str(root / "data"),
-        "--exec-root",
-        str(root / "exec"),
-    ]
-    argv += ["--pidfile", str(root / "docker.pid"), "-H", f"unix://{sock}"]
-    argv += ["--bridge", "none", "--iptables=false", "--ip-masq=false"]
-    with open(root / "dockerd.log", "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while sh("docker", "-H", f"unix://{sock}", "info", timeout=30).returncode != 0:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"second dockerd did not start: {(root / 'dockerd.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield Engine(sock, proc)
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def second_engine():
+    """A second, private dockerd (tests/ops/ops_dockerd.py): the engine of the "remote" host in the ship tests."""
+    engine = start_engine()
+    yield engine
+    engine.stop()

@@ -53,14 +53,14 @@ def ship_cli(sshd, engine, *extra: str, known_hosts=None) -> subprocess.Complete
         "--known-hosts",
         str(known),
         "--remote-docker",
-        f"docker -H {engine.host}",
+        f"docker -H {engine.socket}",
         *extra,
         timeout=300,
     )
 
 
 def remote_id(engine) -> str | None:
-    res = sh("docker", "-H", engine.host, "image", "inspect", "--format", "{{.Id}}", SMALL, timeout=60)
+    res = sh("docker", "-H", engine.socket, "image", "inspect", "--format", "{{.Id}}", SMALL, timeout=60)
     return res.stdout.strip() if res.returncode == 0 else None
 
 
