@@ -56,16 +56,23 @@ STAGE_IMAGE = "eagle-ops-test-stage"
 
 
 def stage_image(c: docker.DockerClient, repo: Path, python_home: str) -> tuple[str, list[str]]:
-    """A stage image for the tests: the base plus PATH to this checkout's venv; the checkout and the
+    """A stage image for the tests: the base plus PATH to the running venv and PYTHONPATH to this
+    checkout; the checkout, the venv (when it lies outside the checkout, as in a git worktree) and the
     venv's interpreter are bind-mounted read-only at the same paths (returned as hosts-file mounts)."""
     import io
+    import sys
 
     import hashlib
 
     ensure_base_image()
-    # one tag per checkout: two checkouts testing on one engine must not run each other's PATH
-    tag = f"{STAGE_IMAGE}:{hashlib.sha1(str(repo).encode()).hexdigest()[:12]}"
-    dockerfile = f"FROM {BASE_IMAGE}\nENV PATH={repo}/.venv/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1\n"
+    venv = Path(sys.prefix)
+    # one tag per checkout and venv: two checkouts testing on one engine must not run each other's code
+    tag = f"{STAGE_IMAGE}:{hashlib.sha1(f'{repo} {venv}'.encode()).hexdigest()[:12]}"
+    dockerfile = (f"FROM {BASE_IMAGE}\nENV PATH={venv}/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 "
+                  f"PYTHONPATH={repo}\n")
     c.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, pull=False, rm=True,
                    labels={TEST_LABEL: "1"})
-    return tag, [f"{repo}:{repo}:ro", f"{python_home}:{python_home}:ro"]
+    mounts = [f"{repo}:{repo}:ro", f"{python_home}:{python_home}:ro"]
+    if not venv.is_relative_to(repo):
+        mounts.append(f"{venv}:{venv}:ro")
+    return tag, mounts
