@@ -51,6 +51,11 @@ def _write_trace(runner: Runner) -> None:
                 fh.write(json.dumps({"seconds": round(sec, 4), "command": cmd[:200]}) + "\n")
 
 
+def wait_option(fn):
+    return click.option("--wait", "lock_wait", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+                        help="when another ops command holds the host, wait up to SECONDS instead of refusing")(fn)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Drive a GPU host: gpu-status, gpu-clean, stop/restore the server, run pipeline stages remotely."""
@@ -75,12 +80,17 @@ def gpu_status(host: HostConfig, runner: Runner, as_json: bool) -> None:
 @host_options
 @click.option("--dry-run", is_flag=True, help="print the plan; stop and signal nothing")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable report")
-def gpu_clean(host: HostConfig, runner: Runner, dry_run: bool, as_json: bool) -> None:
+@wait_option
+def gpu_clean(host: HostConfig, runner: Runner, dry_run: bool, as_json: bool, lock_wait: float) -> None:
     """Stop the server, SIGTERM/SIGKILL the other GPU holders (never protected ones), verify clean."""
+    from contextlib import nullcontext
+
     from ops.clean import CLEAN, UNKILLABLE, gpu_clean as clean
+    from ops.lock import host_lock
     from ops.report import dumps, print_clean
 
-    report = clean(runner, host, dry_run=dry_run)
+    with nullcontext() if dry_run else host_lock(runner, host, "gpu-clean", wait=lock_wait, console=console):
+        report = clean(runner, host, dry_run=dry_run)
     if as_json:
         click.echo(dumps(report))
     else:
@@ -92,13 +102,16 @@ def gpu_clean(host: HostConfig, runner: Runner, dry_run: bool, as_json: bool) ->
 
 @main.command("stop-server")
 @host_options
-def stop_server(host: HostConfig, runner: Runner) -> None:
+@wait_option
+def stop_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
     """Stop the inference server by the host's strategy and check nothing of it is left."""
     from ops import server
     from ops.gpus import probe
+    from ops.lock import host_lock
 
-    record = server.stop(runner, host, probe(runner, host).server)
-    left = probe(runner, host).server
+    with host_lock(runner, host, "stop-server", wait=lock_wait, console=console):
+        record = server.stop(runner, host, probe(runner, host).server)
+        left = probe(runner, host).server
     if not record.was_running:
         console.print(f"server {record.strategy}: not running, nothing to stop")
     else:
@@ -106,17 +119,20 @@ def stop_server(host: HostConfig, runner: Runner) -> None:
     if left.running or record.survivors:
         pids = ", ".join(str(p) for p in left.members) or ", ".join(c[:12] for c in left.running_container_ids)
         raise errors.OpsError(f"server {record.strategy} still has processes after stop: {pids}",
-                              exit_code=errors.EXIT_UNKILLABLE)
+                              exit_code=errors.EXIT_SERVER_STOP)
 
 
 @main.command("restore-server")
 @host_options
-def restore_server(host: HostConfig, runner: Runner) -> None:
+@wait_option
+def restore_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
     """Bring the inference server back by the host's strategy (no-op when it already runs)."""
     from ops import server
     from ops.gpus import probe
+    from ops.lock import host_lock
 
-    done = server.restore(runner, host, probe(runner, host).server)
+    with host_lock(runner, host, "restore-server", wait=lock_wait, console=console):
+        done = server.restore(runner, host, probe(runner, host).server)
     console.print("\n".join(done) if done else f"server {host.server}: already running or strategy none")
 
 
@@ -126,6 +142,8 @@ def _stage_options(fn):
     @click.option("--restore-server", is_flag=True, help="bring the server back at the end, also on failure/Ctrl-C")
     @click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True,
                   help="local folder for runs/<host>/<run-id>/")
+    @click.option("--detach", is_flag=True, help="start the stage and return, leaving it running; `attach RUN_ID` later")
+    @wait_option
     @functools.wraps(fn)
     def wrapper(**kw):
         return fn(**kw)
@@ -133,18 +151,31 @@ def _stage_options(fn):
     return wrapper
 
 
-def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, extra):
+def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, extra, detach, lock_wait):
     from pathlib import Path
 
     from ops.remote_run import remote_run
-    from ops.report import print_summary
     from ops.stage import new_run_id, plan_stage
 
+    if detach and restore_server:
+        raise errors.ConfigError("--restore-server with --detach would start the server beside the running stage; "
+                                 "pass --restore-server to `attach` instead")
     plan = plan_stage(host, stage, run_id=run_id or new_run_id(stage), extra_args=tuple(extra), resume=resume)
-    out = remote_run(runner, host, plan, runs_root=Path(runs_dir), restore_server=restore_server, console=console)
+    out = remote_run(runner, host, plan, runs_root=Path(runs_dir), restore_server=restore_server, console=console,
+                     wait=lock_wait, detach=detach)
+    if not out.detached:
+        _finish(out)
+
+
+def _finish(out) -> None:
+    """Print the summary; exit with the stage's code, else EXIT_SERVER_RESTORE if the restore failed."""
+    from ops.report import print_summary
+
     print_summary(console, out.summary, out.exit_code, out.local_dir)
     if out.exit_code:
         sys.exit(out.exit_code)
+    if out.restore_error is not None:
+        raise out.restore_error
 
 
 @main.command("remote-run", context_settings={"ignore_unknown_options": True})
@@ -152,37 +183,35 @@ def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, ex
 @host_options
 @_stage_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def remote_run_cmd(host, runner, stage, run_id, resume, restore_server, runs_dir, extra) -> None:
+def remote_run_cmd(host, runner, stage, run_id, resume, restore_server, runs_dir, extra, detach, lock_wait) -> None:
     """Preflight, gpu-clean, run `pipeline STAGE` in the image on the host, fetch summary and logs.
     Arguments after `--` go to the stage command."""
-    _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, extra)
+    _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, extra, detach, lock_wait)
 
 
 @main.command("remote-extract", context_settings={"ignore_unknown_options": True})
 @host_options
 @_stage_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def remote_extract(host, runner, run_id, resume, restore_server, runs_dir, extra) -> None:
+def remote_extract(host, runner, run_id, resume, restore_server, runs_dir, extra, detach, lock_wait) -> None:
     """remote-run extract: hidden states of the prepared samples, verified, summary fetched."""
-    _run_stage(host, runner, "extract", run_id, resume, restore_server, runs_dir, extra)
+    _run_stage(host, runner, "extract", run_id, resume, restore_server, runs_dir, extra, detach, lock_wait)
 
 
 @main.command("attach")
 @click.argument("run_id")
 @host_options
 @click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True)
-def attach_cmd(host, runner, run_id, runs_dir) -> None:
-    """Follow a stage container again (after an SSH drop), then fetch its summary and logs."""
+@click.option("--restore-server", is_flag=True, help="bring the server back once the stage has finished")
+def attach_cmd(host, runner, run_id, runs_dir, restore_server) -> None:
+    """Follow a stage container again (after an SSH drop or --detach), then fetch its summary and logs."""
     from pathlib import Path
 
     from ops.remote_run import attach
-    from ops.report import print_summary
     from ops.stage import check_run_id
 
-    out = attach(runner, host, check_run_id(run_id), runs_root=Path(runs_dir), console=console)
-    print_summary(console, out.summary, out.exit_code, out.local_dir)
-    if out.exit_code:
-        sys.exit(out.exit_code)
+    _finish(attach(runner, host, check_run_id(run_id), runs_root=Path(runs_dir), console=console,
+                   restore_server=restore_server))
 
 
 def run() -> None:
