@@ -137,8 +137,8 @@ class _Run:
         step("connect")  # the connection is open: the state file starts here
         step("lock")
         with self.interrupts.interruptible():
-            held.enter_context(host_lock(r, h, f"remote-run {p.stage}", run_id=p.run_id, wait=wait,
-                                         console=self.console))
+            lock = held.enter_context(host_lock(r, h, f"remote-run {p.stage}", run_id=p.run_id, wait=wait,
+                                                console=self.console))
         refuse_duplicate_run(r, h, p.host_output)
         step("preflight")
         out.checks, digest, self.before = preflight(r, h, p)
@@ -150,6 +150,7 @@ class _Run:
         bad = failed(out.checks)
         if bad:
             raise OpsError(f"preflight failed: {bad[0].name}: {bad[0].detail}", exit_code=EXIT_PREFLIGHT)
+        lock.ensure()
         step("stop-server")
         self.stop_began = True
         out.clean = gpu_clean(r, h, before=self.before, on_step=step)
@@ -158,6 +159,7 @@ class _Run:
         if out.clean.verdict != CLEAN:
             raise OpsError(f"GPUs not free ({out.clean.verdict}); no stage started",
                            exit_code=EXIT_UNKILLABLE if out.clean.verdict == UNKILLABLE else EXIT_NOT_CLEAN)
+        lock.ensure()
         step("start")
         self.container = p.container
         start(r, p)

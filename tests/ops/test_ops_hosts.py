@@ -65,7 +65,9 @@ def test_hosts_file_full_table(tmp_path):
     [({"host": "h", "colour": "red"}, "unknown key"), ({"host": "h", "port": "22"}, "port must be"),
      ({"host": "h", "data_root": "rel/dir"}, "absolute path"), ({"host": "h", "server": "docker:x"}, "malformed"),
      ({"host": "h", "timeouts": {"grace": -1}}, "positive"), ({"host": "h", "gpu_source": "fake"}, "gpu_source"),
-     ({"user": "u"}, "address"), ({"host": "h", "mounts": ["rel:/x"]}, "mount")],
+     ({"user": "u"}, "address"), ({"host": "h", "mounts": ["rel:/x"]}, "mount"),
+     ({"host": "h", "lock_file": "eagle.lock"}, "lock_file must be an absolute path"),
+     ({"host": "h", "timeouts": {"lock_expire": 0}}, "lock_expire must be a positive")],
 )
 def test_bad_hosts_tables(tmp_path, table, message):
     """Each invalid hosts-file value is named in the error."""

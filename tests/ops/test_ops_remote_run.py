@@ -185,7 +185,7 @@ def test_missing_docker_is_one_line_error(tmp_path, devdir):
     table = write_gpu_table(tmp_path / "gpus.json", [{"processes": []}])
     hosts = write_hosts(tmp_path / "hosts.toml", "nodocker", host="local", python="/usr/bin/python3",
                         data_root=str(data), model_dir=str(tmp_path), device_glob=f"{devdir}/nvidia*",
-                        gpu_source=f"table:{table}")
+                        gpu_source=f"table:{table}", lock_file=str(tmp_path / "eagle-ops.lock"))
     env = dict(os.environ, PATH=str(bin_dir))
     res = subprocess.run([sys.executable, "-m", "ops", "remote-extract", "--host", "nodocker", "--hosts-file",
                           str(hosts), "--runs-dir", str(tmp_path / "runs")], cwd=REPO, capture_output=True,
