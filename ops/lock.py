@@ -93,7 +93,10 @@ def host_lock(runner: Runner, host: HostConfig, command: str, *, run_id: str | N
     proc = runner.start(keeper_command(host))
     stop = threading.Event()
     try:
-        proc.write(json.dumps(lock_request(host, command, run_id, wait)) + "\n")
+        try:
+            proc.write(json.dumps(lock_request(host, command, run_id, wait)) + "\n")
+        except (OSError, EOFError):
+            pass  # the keeper did not start: its stderr says why (below)
         threading.Thread(target=_heartbeat, args=(proc, host.timeouts.lock_expire / 4, stop), daemon=True).start()
         reply = _answer(proc, host, wait, console)
         pause_point("locked")

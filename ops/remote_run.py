@@ -250,16 +250,30 @@ def attach(runner: Runner, host: HostConfig, run_id: str, *, runs_root: Path, co
     if not res.ok or not rows:
         raise OpsError(f"no stage container for run id {run_id} on {host.name}; a finished run's files are in "
                        f"{runs_root / host.name / run_id}")
-    name, cstate, _stage, output = rows[0]
+    name, cstate, stage, output = rows[0]
     out = RunOutcome(run_id, local_run_dir(runs_root, host, run_id))
-    console.print(f"attached to {name} ({cstate})")
-    follow(runner, name, out.local_dir)
-    out.exit_code, out.summary = fetch(runner, name, output, out.local_dir)
-    if restore_server:
-        try:
-            out.restored = server.restore(runner, host, probe(runner, host).server)
-        except OpsError as exc:
-            out.restore_error = exc
-        for line in out.restored:
-            console.print(f"restored: {line}")
+    state = RunState.reopen(out.local_dir / "state.json", None, run_id=run_id, host=host.name, stage=stage)
+    try:
+        state.step("attach")
+        console.print(f"attached to {name} ({cstate})")
+        state.step("follow")
+        follow(runner, name, out.local_dir)
+        state.step("fetch")
+        out.exit_code, out.summary = fetch(runner, name, output, out.local_dir)
+        if restore_server:
+            state.step("restore")
+            try:
+                out.restored = server.restore(runner, host, probe(runner, host).server)
+            except OpsError as exc:
+                out.restore_error = exc
+            for line in out.restored:
+                console.print(f"restored: {line}")
+    except KeyboardInterrupt:
+        state.end("interrupted", "interrupted by Ctrl-C (SIGINT); the stage runs on, attach again")
+        raise
+    except BaseException as exc:
+        state.end("failed", _one_line(exc))
+        raise
+    state.end("failed" if out.restore_error else "done", str(out.restore_error or "") or None,
+              exit_code=out.exit_code, container_removed=True)
     return out

@@ -36,6 +36,16 @@ class RunState:
         self.interrupts = interrupts
         self.data: dict = {**facts, "status": "running", "step": None, "steps": [], "error": None}
 
+    @classmethod
+    def reopen(cls, path: Path, interrupts: Interrupts | None, **facts) -> "RunState":
+        """The state of an existing run (attach), or a new one when this machine has none."""
+        state = cls(path, interrupts, **facts)
+        try:
+            state.data.update(json.loads(path.read_text()), status="running", error=None)
+        except (OSError, ValueError):
+            pass
+        return state
+
     def step(self, name: str) -> None:
         """Enter a step: act on a deferred Ctrl-C first, record it, then the pause seam."""
         if self.interrupts is not None:

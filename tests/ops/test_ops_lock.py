@@ -112,6 +112,7 @@ def test_dropped_remote_extract_keeps_its_stage_and_blocks_a_duplicate(scene, dk
         assert json.loads((scene["runs"] / "box" / "dup1" / "summary.json").read_text())["checks"]
         assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=dup1"})
         state = json.loads((scene["runs"] / "box" / "dup1" / "state.json").read_text())
-        assert (state["status"], state["step"]) == ("running", "follow")  # what the vanished process last knew
+        assert (state["status"], state["step"], state["exit_code"]) == ("done", "fetch", 0)  # attach finished it
+        assert [s["step"] for s in state["steps"]][-4:] == ["follow", "attach", "follow", "fetch"]
     finally:
         first.kill()

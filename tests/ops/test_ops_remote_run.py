@@ -215,8 +215,8 @@ def test_failing_stage_exit_code_is_propagated(scene, extracted):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_stage_and_restores_the_server(scene, extracted, dk):
-    """Ctrl-C while following: the stage container is stopped and removed (its log kept), the server is
-    restored (--restore-server), exit code 130, state.json says interrupted at follow."""
+    """Ctrl-C once the stage runs: the stage container is stopped and removed (its log kept), the server
+    is restored (--restore-server), exit code 130, state.json says interrupted."""
     assert extracted[0].returncode == 0
     assert ops(scene, "restore-server").returncode == 0  # running, so that there is something to restore
     proc, lines = start_until_started(scene, "int1", "--restore-server")
@@ -229,7 +229,8 @@ def test_ctrl_c_stops_the_stage_and_restores_the_server(scene, extracted, dk):
     scene["server"].reload()
     assert scene["server"].status == "running"
     state = json.loads((scene["runs"] / "box" / "int1" / "state.json").read_text())
-    assert (state["status"], state["step"], state["container_removed"]) == ("interrupted", "follow", True), state
+    # "started" is printed at the end of the start step: the Ctrl-C lands there or in follow
+    assert state["status"] == "interrupted" and state["step"] in ("start", "follow") and state["container_removed"]
 
 
 @pytest.mark.slow
