@@ -2,7 +2,8 @@
 
 Owns opening it (Fabric over paramiko, host keys checked against known_hosts; an unknown key is refused
 unless the operator passed --accept-new-host-key, a changed key always is), running commands over it,
-moving files over it (SFTP on the same transport), and the local mode: the same interface on this
+leaving one running with its stdin open (Runner.start: the host lock's keeper, which must end when this
+connection does), moving files over it (SFTP on the same transport), and the local mode: the same interface on this
 machine, for a GPU host without sshd (commands run through bash, files copied). Everything else takes a
 Runner and never opens one. Commands are strings for the remote shell: callers build them from argv
 with shlex (see ops.shell).

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from ops.runstate import STEPS
-from ops_helpers import OpsProcess, lock_is_free, lock_record
+from ops_helpers import OpsProcess, lock_is_free, lock_record, run_ops
 from ops_procs import alive, wait_for
 from test_ops_remote_run import assets, dk, image, ops, scene  # noqa: F401  (module fixtures, a scene of its own)
 
@@ -79,3 +79,22 @@ def test_detach_leaves_the_stage_running_and_attach_collects_it(scene, dk):  # n
     scene["server"].reload()
     assert scene["server"].status == "running"
     assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=det1"})
+
+
+def test_server_stop_failure_ends_the_run_at_stop_server(scene, dk, tmp_path):  # noqa: F811
+    """remote-extract with a server name that matches no container: exit 7 with one line, no stage
+    container, state.json `failed` at stop-server with that line."""
+    assert ops(scene, "restore-server").returncode == 0
+    bad = tmp_path / "hosts.toml"
+    bad.write_text(scene["hosts"].read_text().replace(f"container:{scene['name']}", "container:ops-test-typo"))
+    res = run_ops("remote-extract", "--run-id", "stopfail", "--resume", "--restore-server", "--host", "box",
+                  "--hosts-file", str(bad), "--runs-dir", str(scene["runs"]))
+    assert res.returncode == 7, res.stdout + res.stderr
+    line = res.stderr.strip()
+    assert line == "error: server container ops-test-typo does not exist on box; fix `server` in the hosts file " \
+                   "(`none` if there is no server); nothing was stopped or signalled"
+    state = json.loads((scene["runs"] / "box" / "stopfail" / "state.json").read_text())
+    assert (state["status"], state["step"], "error: " + state["error"]) == ("failed", "stop-server", line)
+    assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=stopfail"})
+    scene["server"].reload()
+    assert scene["server"].status == "running"
