@@ -131,6 +131,7 @@ class _Run:
         self.stop_began = False
         self.container: str | None = None  # started and not yet collected
         self.restore_done = False
+        self.record: dict = {}  # run.json, once preflight has run
 
     def steps(self, held: ExitStack, *, wait: float, detach: bool, restore_server: bool) -> None:
         r, h, p, out, step = self.runner, self.host, self.plan, self.out, self.state.step
@@ -237,9 +238,8 @@ def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: 
             state.end("failed", str(out.restore_error), exit_code=out.exit_code)
         else:
             state.end("detached" if detach else "done", exit_code=out.exit_code)
-        record = getattr(run, "record", {})
-        record.update(exit_code=out.exit_code, restored=out.restored)
-        write_json(out.local_dir / "run.json", record)
+        run.record.update(exit_code=out.exit_code, restored=out.restored)
+        write_json(out.local_dir / "run.json", run.record)
     return out
 
 
