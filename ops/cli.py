@@ -86,11 +86,15 @@ def gpu_clean(host: HostConfig, runner: Runner, dry_run: bool, as_json: bool, lo
     from contextlib import nullcontext
 
     from ops.clean import CLEAN, UNKILLABLE, gpu_clean as clean
-    from ops.lock import host_lock
+    from ops.gpus import probe
+    from ops.lock import host_lock, refuse_killing_stages
     from ops.report import dumps, print_clean
 
     with nullcontext() if dry_run else host_lock(runner, host, "gpu-clean", wait=lock_wait, console=console):
-        report = clean(runner, host, dry_run=dry_run)
+        before = probe(runner, host)
+        if not dry_run:
+            refuse_killing_stages(runner, host, before)
+        report = clean(runner, host, dry_run=dry_run, before=before)
     if as_json:
         click.echo(dumps(report))
     else:

@@ -4,8 +4,9 @@ Owns taking and releasing the lock ON THE HOST: an flock on the host's `lock_fil
 process (ops/hostlock.py) that ops starts over its own connection and that lives exactly as long as
 the ops command (released on exit, error, Ctrl-C, a dropped SSH connection, or a heartbeat missing for
 `timeouts.lock_expire` seconds); the holder record a refused operator is shown (who, which command and
-run, since when) and the advice that goes with it; and the duplicate-run check that runs under the lock
-(a stage container of the same output must be attached, not started a second time). Does not decide which commands lock: ops.cli and ops.remote_run do.
+run, since when) and the advice that goes with it; and the stage checks that run under the lock (a
+stage container of the same output must be attached, not started a second time; one that holds GPUs
+must not be killed by gpu-clean as an orphan). Does not decide which commands lock: ops.cli and ops.remote_run do.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from ops.connection import Process, Runner
 from ops.errors import EXIT_BUSY, OpsError
 from ops.hosts import HostConfig
 from ops.interrupts import pause_point
-from ops.stage import stage_outputs_argv
+from ops.gpus import GpuState
+from ops.stage import stage_ids_argv, stage_outputs_argv
 
 
 @functools.cache
@@ -135,3 +137,20 @@ def refuse_duplicate_run(runner: Runner, host: HostConfig, output: str) -> None:
             what = "being written by" if state == "running" else f"the output of the uncollected ({state})"
             raise OpsError(f"{output} on {host.name} is {what} run {run_id} (container {name}); "
                            f"`attach {run_id}` to follow and collect it", exit_code=EXIT_BUSY)
+
+
+def refuse_killing_stages(runner: Runner, host: HostConfig, state: GpuState) -> None:
+    """Raise (EXIT_BUSY) when a GPU holder runs in a stage container (a detached run, or one whose ops
+    process vanished): gpu-clean would kill it as an orphan. One `docker ps`, only when some holder runs
+    in a container at all."""
+    in_containers = {h.proc.container_id for h in state.holders if h.proc.container_id}
+    if not in_containers:
+        return
+    res = runner.run(shlex.join(stage_ids_argv()))
+    for line in res.stdout.splitlines() if res.ok else ():
+        parts = line.split("\t")
+        if len(parts) == 3 and parts[0] in in_containers:
+            _, run_id, name = parts
+            raise OpsError(f"stage run {run_id} (container {name}) holds GPUs on {host.name}; `attach {run_id}` "
+                           f"to follow it, or `docker stop {name}` first; nothing was stopped or signalled",
+                           exit_code=EXIT_BUSY)

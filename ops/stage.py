@@ -135,6 +135,12 @@ def stage_outputs_argv() -> tuple[str, ...]:
             "{{.Names}}\t{{.State}}\t{{.Label \"" + LABEL_RUN + "\"}}\t{{.Label \"" + LABEL_OUT + "\"}}")
 
 
+def stage_ids_argv() -> tuple[str, ...]:
+    """Running stage containers: full id, run id, name."""
+    return ("docker", "ps", "--no-trunc", "--filter", f"label={LABEL_RUN}", "--format",
+            "{{.ID}}\t{{.Label \"" + LABEL_RUN + "\"}}\t{{.Names}}")
+
+
 def abort_argvs(container: str, stop_seconds: float) -> tuple[tuple[str, ...], ...]:
     """After Ctrl-C: stop the stage gracefully, keep its whole log (`docker logs` output), remove it; run
     as `stop && logs; rm`."""

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from ops_helpers import OpsProcess, lock_is_free, lock_record, ssh_table, write_hosts
+from ops_helpers import OpsProcess, lock_is_free, lock_record, run_ops, ssh_table, write_hosts
 from ops_procs import alive, wait_for, write_gpu_table
 from test_ops_remote_run import assets, dk, image, ops, scene  # noqa: F401  (module fixtures, a scene of its own)
 
@@ -116,3 +116,24 @@ def test_dropped_remote_extract_keeps_its_stage_and_blocks_a_duplicate(scene, dk
         assert [s["step"] for s in state["steps"]][-4:] == ["follow", "attach", "follow", "fetch"]
     finally:
         first.kill()
+
+
+@pytest.mark.docker
+def test_gpu_clean_does_not_kill_a_stage_that_holds_gpus(box, devdir):
+    """A stage container left running (detached, or its ops process gone) that holds a GPU device file is
+    not killed by gpu-clean as an orphan: exit 9 naming the run and `attach`; it and the orphan live on."""
+    from ops_docker import client, ensure_base_image, holder_container, remove_test_containers, unique
+
+    dk = client()
+    ensure_base_image()
+    name = unique("eagle-ops-test-stage")
+    try:
+        stage = holder_container(dk, name, devdir, [devdir / "nvidia1"], labels={"eagle-ops.run-id": "left1"})
+        res = run_ops("gpu-clean", "--host", "box", "--hosts-file", str(box["hosts"]))
+        assert res.returncode == 9, res.stdout + res.stderr
+        assert res.stderr.strip() == (f"error: stage run left1 (container {name}) holds GPUs on box; `attach left1` "
+                                      f"to follow it, or `docker stop {name}` first; nothing was stopped or signalled")
+        stage.reload()
+        assert stage.status == "running" and box["orphan"].poll() is None
+    finally:
+        remove_test_containers(dk, [name])
