@@ -20,6 +20,7 @@ from ops.connection import Runner, connect
 from ops.hosts import HostConfig, resolve_host
 
 console = Console(highlight=False, soft_wrap=True)
+notes = Console(stderr=True, highlight=False, soft_wrap=True)  # progress notes that must not mix with --json
 
 
 def host_options(fn):
@@ -90,7 +91,7 @@ def gpu_clean(host: HostConfig, runner: Runner, dry_run: bool, as_json: bool, lo
     from ops.lock import host_lock, refuse_killing_stages
     from ops.report import dumps, print_clean
 
-    with nullcontext() if dry_run else host_lock(runner, host, "gpu-clean", wait=lock_wait, console=console):
+    with nullcontext() if dry_run else host_lock(runner, host, "gpu-clean", wait=lock_wait, console=notes):
         before = probe(runner, host)
         if not dry_run:
             refuse_killing_stages(runner, host, before)
@@ -113,7 +114,7 @@ def stop_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
     from ops.gpus import probe
     from ops.lock import host_lock
 
-    with host_lock(runner, host, "stop-server", wait=lock_wait, console=console):
+    with host_lock(runner, host, "stop-server", wait=lock_wait, console=notes):
         record = server.stop(runner, host, probe(runner, host).server)
         left = probe(runner, host).server
     if not record.was_running:
@@ -135,7 +136,7 @@ def restore_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
     from ops.gpus import probe
     from ops.lock import host_lock
 
-    with host_lock(runner, host, "restore-server", wait=lock_wait, console=console):
+    with host_lock(runner, host, "restore-server", wait=lock_wait, console=notes):
         done = server.restore(runner, host, probe(runner, host).server)
     console.print("\n".join(done) if done else f"server {host.server}: already running or strategy none")
 
