@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ops import server
 from ops.agent import terminate_request
@@ -141,9 +142,10 @@ def _kill_rounds(runner: Runner, host: HostConfig, state: GpuState, report: Clea
         state, settled = probe(runner, host), False
 
 
-def gpu_clean(runner: Runner, host: HostConfig, *, dry_run: bool = False,
-              before: GpuState | None = None) -> CleanReport:
-    """`before`: a probe the caller took moments ago (remote-run's preflight), to save a round trip."""
+def gpu_clean(runner: Runner, host: HostConfig, *, dry_run: bool = False, before: GpuState | None = None,
+              on_step: Callable[[str], None] = lambda step: None) -> CleanReport:
+    """`before`: a probe the caller took moments ago (remote-run's preflight), to save a round trip.
+    `on_step("clean")` is called once the server is down, before any GPU holder is signalled."""
     started = time.monotonic()
     before = before or probe(runner, host)
     plan = plan_clean(before, host)
@@ -154,6 +156,7 @@ def gpu_clean(runner: Runner, host: HostConfig, *, dry_run: bool = False,
         if plan.stop.steps:
             report.stopped = server.stop(runner, host, before.server)
             report.survivors += report.stopped.survivors
+        on_step("clean")
         # who still holds a GPU once the server is down (its processes should be gone by now)
         now = probe(runner, host) if plan.stop.steps else before
         if not report.survivors:

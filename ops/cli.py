@@ -21,6 +21,7 @@ from ops.hosts import HostConfig, resolve_host
 from ops.secret_env import redact
 
 console = Console(highlight=False, soft_wrap=True)
+notes = Console(stderr=True, highlight=False, soft_wrap=True)  # progress notes that must not mix with --json
 
 
 def host_options(fn):
@@ -47,19 +48,30 @@ def host_options(fn):
 _FANS_OUT = ("remote_extract", "remote_run_cmd")
 
 
-def _fan_out(spec, hosts_file, accept_new_host_key, stage, run_id, resume, restore_server, runs_dir, extra) -> None:
+def _fan_out(spec, hosts_file, accept_new_host_key, stage, run_id, resume, restore_server, runs_dir, dry_run, extra,
+             detach, lock_wait) -> None:
     from pathlib import Path
 
     from ops import fanout
-    from ops.report import print_fanout
+    from ops.report import print_fanout, print_stage_plan
 
+    if detach:
+        raise errors.ConfigError("--detach runs one host; a multi-host run follows every host to merge the shards")
     names = fanout.split_hosts(spec)
     hosts = [resolve_host(n, hosts_file) for n in names]
     previous = fanout.find_previous(Path(runs_dir), run_id, stage, [h.name for h in hosts]) if (
         run_id or resume) else None
-    plan = fanout.plan_fanout(hosts, stage, run_id=run_id, extra=extra, resume=resume, previous=previous)
+    plan = fanout.plan_fanout(hosts, stage, run_id=run_id, extra=extra, resume=resume, previous=previous,
+                              environ=os.environ)
+    if dry_run:
+        for job in plan.jobs:
+            console.print(f"rank {job.rank}/{plan.world_size} {job.host.name}" + (f": skipped: {job.skip}" if job.skip else ""))
+            if not job.skip:
+                print_stage_plan(console, job.host, job.plan)
+        return
     merged, interrupted = fanout.run_fanout(plan, connect=connect, runs_dir=Path(runs_dir), console=console,
-                                            restore_server=restore_server, accept_new_host_key=accept_new_host_key)
+                                            restore_server=restore_server, accept_new_host_key=accept_new_host_key,
+                                            wait=lock_wait)
     print_fanout(console, merged, Path(runs_dir) / plan.run_id)
     code = fanout.exit_code(merged, interrupted)
     if code:
@@ -74,6 +86,11 @@ def _write_trace(runner: Runner) -> None:
         with open(path, "a") as fh:
             for cmd, sec in zip(log.commands, log.seconds):
                 fh.write(redact(json.dumps({"seconds": round(sec, 4), "command": cmd[:200]})) + "\n")
+
+
+def wait_option(fn):
+    return click.option("--wait", "lock_wait", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+                        help="when another ops command holds the host, wait up to SECONDS instead of refusing")(fn)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -100,12 +117,21 @@ def gpu_status(host: HostConfig, runner: Runner, as_json: bool) -> None:
 @host_options
 @click.option("--dry-run", is_flag=True, help="print the plan; stop and signal nothing")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable report")
-def gpu_clean(host: HostConfig, runner: Runner, dry_run: bool, as_json: bool) -> None:
+@wait_option
+def gpu_clean(host: HostConfig, runner: Runner, dry_run: bool, as_json: bool, lock_wait: float) -> None:
     """Stop the server, SIGTERM/SIGKILL the other GPU holders (never protected ones), verify clean."""
+    from contextlib import nullcontext
+
     from ops.clean import VERDICT_EXIT, gpu_clean as clean
+    from ops.gpus import probe
+    from ops.lock import host_lock, refuse_killing_stages
     from ops.report import dumps, print_clean
 
-    report = clean(runner, host, dry_run=dry_run)
+    with nullcontext() if dry_run else host_lock(runner, host, "gpu-clean", wait=lock_wait, console=notes):
+        before = probe(runner, host)
+        if not dry_run:
+            refuse_killing_stages(runner, host, before)
+        report = clean(runner, host, dry_run=dry_run, before=before)
     if as_json:
         click.echo(dumps(report))
     else:
@@ -116,13 +142,16 @@ def gpu_clean(host: HostConfig, runner: Runner, dry_run: bool, as_json: bool) ->
 
 @main.command("stop-server")
 @host_options
-def stop_server(host: HostConfig, runner: Runner) -> None:
+@wait_option
+def stop_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
     """Stop the inference server by the host's strategy and check nothing of it is left."""
     from ops import server
     from ops.gpus import probe
+    from ops.lock import host_lock
 
-    record = server.stop(runner, host, probe(runner, host).server)
-    left = probe(runner, host).server
+    with host_lock(runner, host, "stop-server", wait=lock_wait, console=notes):
+        record = server.stop(runner, host, probe(runner, host).server)
+        left = probe(runner, host).server
     if not record.was_running:
         console.print(f"server {record.strategy}: not running, nothing to stop")
     else:
@@ -130,17 +159,20 @@ def stop_server(host: HostConfig, runner: Runner) -> None:
     if left.running or record.survivors:
         pids = ", ".join(str(p) for p in left.members) or ", ".join(c[:12] for c in left.running_container_ids)
         raise errors.OpsError(f"server {record.strategy} still has processes after stop: {pids}",
-                              exit_code=errors.EXIT_UNKILLABLE)
+                              exit_code=errors.EXIT_SERVER_STOP)
 
 
 @main.command("restore-server")
 @host_options
-def restore_server(host: HostConfig, runner: Runner) -> None:
+@wait_option
+def restore_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
     """Bring the inference server back by the host's strategy (no-op when it already runs)."""
     from ops import server
     from ops.gpus import probe
+    from ops.lock import host_lock
 
-    done = server.restore(runner, host, probe(runner, host).server)
+    with host_lock(runner, host, "restore-server", wait=lock_wait, console=notes):
+        done = server.restore(runner, host, probe(runner, host).server)
     console.print("\n".join(done) if done else f"server {host.server}: already running or strategy none")
 
 
@@ -151,6 +183,8 @@ def _stage_options(fn):
     @click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True,
                   help="local folder for runs/<host>/<run-id>/")
     @click.option("--dry-run", is_flag=True, help="print the stage plan (docker run argv, secret names); run nothing")
+    @click.option("--detach", is_flag=True, help="start the stage and return, leaving it running; `attach RUN_ID` later")
+    @wait_option
     @functools.wraps(fn)
     def wrapper(**kw):
         return fn(**kw)
@@ -158,14 +192,17 @@ def _stage_options(fn):
     return wrapper
 
 
-def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra):
+def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra, detach, lock_wait):
     from pathlib import Path
 
     from ops.remote_run import remote_run
-    from ops.report import print_stage_plan, print_summary
+    from ops.report import print_stage_plan
     from ops.secret_env import available, env_file_text
     from ops.stage import new_run_id, plan_stage
 
+    if detach and restore_server:
+        raise errors.ConfigError("--restore-server with --detach would start the server beside the running stage; "
+                                 "pass --restore-server to `attach` instead")
     names = available(host.secrets, os.environ)
     env_file_text(names, os.environ)  # a value docker cannot take fails now, before anything is stopped
     plan = plan_stage(host, stage, run_id=run_id or new_run_id(stage), extra_args=tuple(extra), resume=resume,
@@ -173,10 +210,21 @@ def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dr
     if dry_run:
         print_stage_plan(console, host, plan)
         return
-    out = remote_run(runner, host, plan, runs_root=Path(runs_dir), restore_server=restore_server, console=console)
+    out = remote_run(runner, host, plan, runs_root=Path(runs_dir), restore_server=restore_server, console=console,
+                     wait=lock_wait, detach=detach)
+    if not out.detached:
+        _finish(out)
+
+
+def _finish(out) -> None:
+    """Print the summary; exit with the stage's code, else EXIT_SERVER_RESTORE if the restore failed."""
+    from ops.report import print_summary
+
     print_summary(console, out.summary, out.exit_code, out.local_dir)
     if out.exit_code:
         sys.exit(out.exit_code)
+    if out.restore_error is not None:
+        raise out.restore_error
 
 
 @main.command("remote-run", context_settings={"ignore_unknown_options": True})
@@ -184,37 +232,36 @@ def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dr
 @host_options
 @_stage_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def remote_run_cmd(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra) -> None:
+def remote_run_cmd(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra, detach,
+                   lock_wait) -> None:
     """Preflight, gpu-clean, run `pipeline STAGE` in the image on the host, fetch summary and logs.
     Arguments after `--` go to the stage command."""
-    _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra)
+    _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra, detach, lock_wait)
 
 
 @main.command("remote-extract", context_settings={"ignore_unknown_options": True})
 @host_options
 @_stage_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def remote_extract(host, runner, run_id, resume, restore_server, runs_dir, dry_run, extra) -> None:
+def remote_extract(host, runner, run_id, resume, restore_server, runs_dir, dry_run, extra, detach, lock_wait) -> None:
     """remote-run extract: hidden states of the prepared samples, verified, summary fetched."""
-    _run_stage(host, runner, "extract", run_id, resume, restore_server, runs_dir, dry_run, extra)
+    _run_stage(host, runner, "extract", run_id, resume, restore_server, runs_dir, dry_run, extra, detach, lock_wait)
 
 
 @main.command("attach")
 @click.argument("run_id")
 @host_options
 @click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True)
-def attach_cmd(host, runner, run_id, runs_dir) -> None:
-    """Follow a stage container again (after an SSH drop), then fetch its summary and logs."""
+@click.option("--restore-server", is_flag=True, help="bring the server back once the stage has finished")
+def attach_cmd(host, runner, run_id, runs_dir, restore_server) -> None:
+    """Follow a stage container again (after an SSH drop or --detach), then fetch its summary and logs."""
     from pathlib import Path
 
     from ops.remote_run import attach
-    from ops.report import print_summary
     from ops.stage import check_run_id
 
-    out = attach(runner, host, check_run_id(run_id), runs_root=Path(runs_dir), console=console)
-    print_summary(console, out.summary, out.exit_code, out.local_dir)
-    if out.exit_code:
-        sys.exit(out.exit_code)
+    _finish(attach(runner, host, check_run_id(run_id), runs_root=Path(runs_dir), console=console,
+                   restore_server=restore_server))
 
 
 def run() -> None:

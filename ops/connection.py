@@ -2,7 +2,8 @@
 
 Owns opening it (Fabric over paramiko, host keys checked against known_hosts; an unknown key is refused
 unless the operator passed --accept-new-host-key, a changed key always is), running commands over it,
-moving files over it (SFTP on the same transport), and the local mode: the same interface on this
+leaving one running with its stdin open (Runner.start: the host lock's keeper, which must end when this
+connection does), moving files over it (SFTP on the same transport), and the local mode: the same interface on this
 machine, for a GPU host without sshd (commands run through bash, files copied). Everything else takes a
 Runner and never opens one. Commands are strings for the remote shell: callers build them from argv
 with shlex (see ops.shell).
@@ -10,10 +11,12 @@ with shlex (see ops.shell).
 
 from __future__ import annotations
 
+import os
 import select
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +53,128 @@ class Runner(Protocol):
 
     def put(self, local: Path, remote: str) -> None: ...
 
+    def start(self, command: str) -> "Process": ...
+
     def close(self) -> None: ...
+
+
+class Process:
+    """A command left running on the host with its stdin open (Runner.start): lines are read from its
+    stdout, text written to its stdin; close() closes stdin (the command sees EOF) and the channel.
+    Writes may come from another thread (a heartbeat)."""
+
+    label = ""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._write_lock = threading.Lock()
+
+    def readline(self, timeout: float) -> str:
+        """The next line of stdout ('' once it ended); OpsError if none came within timeout."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OpsError(f"no answer from the host within {timeout:.0f} s ({self.label})")
+            data = self._recv(min(left, 0.5))
+            if data == b"":
+                break
+            if data:
+                self._buf += data
+        line, sep, rest = bytes(self._buf).partition(b"\n")
+        self._buf = bytearray(rest)
+        return (line + sep).decode(errors="replace")
+
+    def write(self, text: str) -> None:
+        with self._write_lock:
+            self._send(text.encode())
+
+    def _recv(self, timeout: float) -> bytes | None:
+        """Bytes of stdout, b'' at its end, None when nothing came within timeout."""
+        raise NotImplementedError
+
+    def _send(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def exited(self) -> bool:
+        raise NotImplementedError
+
+    def stderr(self) -> str:
+        """What the command wrote to stderr so far (read once it exited)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class LocalProcess(Process):
+    def __init__(self, command: str, label: str) -> None:
+        super().__init__()
+        self.label = label
+        self._proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE)
+
+    def _recv(self, timeout):
+        assert self._proc.stdout
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        return os.read(self._proc.stdout.fileno(), 65536) if ready else None
+
+    def _send(self, data):
+        assert self._proc.stdin
+        self._proc.stdin.write(data)
+        self._proc.stdin.flush()
+
+    def exited(self):
+        return self._proc.poll() is not None
+
+    def stderr(self):
+        assert self._proc.stderr
+        ready, _, _ = select.select([self._proc.stderr], [], [], 0)
+        return os.read(self._proc.stderr.fileno(), 65536).decode(errors="replace") if ready else ""
+
+    def close(self):
+        try:
+            assert self._proc.stdin
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+class ChannelProcess(Process):
+    def __init__(self, chan, label: str) -> None:
+        super().__init__()
+        self.label = label
+        self._chan = chan
+
+    def _recv(self, timeout):
+        ready, _, _ = select.select([self._chan], [], [], timeout)
+        if not ready:
+            return None
+        return self._chan.recv(65536) if self._chan.recv_ready() or self._chan.eof_received else None
+
+    def _send(self, data):
+        self._chan.sendall(data)
+
+    def exited(self):
+        return self._chan.exit_status_ready() or self._chan.closed
+
+    def stderr(self):
+        out = bytearray()
+        while self._chan.recv_stderr_ready():
+            out += self._chan.recv_stderr(65536)
+        return out.decode(errors="replace")
+
+    def close(self):
+        try:
+            self._chan.shutdown_write()
+        except (OSError, EOFError):
+            pass
+        self._chan.close()
 
 
 @dataclass
@@ -91,6 +215,11 @@ class LocalRunner:
 
     def put(self, local: Path, remote: str) -> None:
         shutil.copyfile(local, remote)
+
+    def start(self, command: str) -> Process:
+        self.log.commands.append(command)
+        self.log.seconds.append(0.0)
+        return LocalProcess(command, self.label)
 
     def close(self) -> None:
         pass
@@ -260,6 +389,20 @@ class RemoteRunner:
 
     def put(self, local: Path, remote: str) -> None:
         self._conn.sftp().put(str(local), remote)
+
+    def start(self, command: str) -> Process:
+        """Exec on a new channel of the one transport and leave it running (see Process)."""
+        self.log.commands.append(command)
+        self.log.seconds.append(0.0)
+        try:
+            transport = self._conn.client.get_transport()
+            if transport is None or not transport.is_active():
+                raise OpsError(f"lost the SSH connection to {self.label}")
+            chan = transport.open_session()
+            chan.exec_command(command)
+        except (self._paramiko.SSHException, EOFError, OSError) as exc:
+            raise OpsError(f"lost the SSH connection to {self.label}: {exc}") from None
+        return ChannelProcess(chan, self.label)
 
     def close(self) -> None:
         self._conn.close()

@@ -21,13 +21,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from rich.console import Console
 
 from ops.errors import EXIT_HOSTS_FAILED, EXIT_INTERRUPTED, ConfigError, OpsError
 from ops.hosts import HostConfig
-from ops.remote_run import remote_run, write_json
+from ops.remote_run import remote_run
+from ops.runstate import write_json
+from ops.secret_env import available, env_file_text
 from ops.stage import StagePlan, new_run_id, plan_stage
 
 SHARDED = ("extract", "verify")  # stages whose pipeline command takes --world-size/--rank
@@ -109,9 +111,11 @@ def shard_complete(summary: dict | None, world_size: int, rank: int) -> bool:
 
 
 def plan_fanout(hosts: list[HostConfig], stage: str, *, run_id: str | None, extra: Iterable[str] = (),
-                resume: bool = False, previous: dict | None = None) -> FanoutPlan:
+                resume: bool = False, previous: dict | None = None,
+                environ: Mapping[str, str] | None = None) -> FanoutPlan:
     """Host i gets `--world-size N --rank i`; an earlier record of the same run id must have been made
-    with the same hosts, stage and arguments; its complete shards are skipped, the others resume."""
+    with the same hosts, stage and arguments; its complete shards are skipped, the others resume.
+    `environ`: the operator's environment, for the secrets each host's `secrets` list names."""
     extra = tuple(extra)
     if stage not in SHARDED:
         raise ConfigError(f"stage {stage} cannot be split over hosts (only {', '.join(SHARDED)}); "
@@ -132,7 +136,10 @@ def plan_fanout(hosts: list[HostConfig], stage: str, *, run_id: str | None, extr
     jobs = []
     for rank, host in enumerate(hosts):
         again = previous is not None or resume  # an earlier attempt may have left part of this shard
-        plan = plan_stage(host, stage, run_id=run_id, extra_args=(*extra, *shard_args(n, rank)), resume=again)
+        names = available(host.secrets, environ or {})
+        env_file_text(names, environ or {})  # a value docker cannot take fails now, before any host is touched
+        plan = plan_stage(host, stage, run_id=run_id, extra_args=(*extra, *shard_args(n, rank)), resume=again,
+                          secret_names=names)
         skip = None
         if host.name in done:
             skip = f"shard {rank}/{n} verified complete in an earlier attempt ({done[host.name].get('files')} files)"
@@ -269,7 +276,7 @@ def host_console(name: str, width: int, sink, lock: threading.Lock) -> Console:
 
 
 def run_host(job: HostJob, *, connect: Callable, local_dir: Path, restore_server: bool, console: Console,
-             accept_new_host_key: bool = False) -> HostResult:
+             accept_new_host_key: bool = False, wait: float = 0.0) -> HostResult:
     """The ordinary one-host flow (preflight, gpu-clean, stage, summary, restore) on this host's own
     connection; every failure, expected or not, becomes the host's row."""
     start = time.monotonic()
@@ -279,7 +286,7 @@ def run_host(job: HostJob, *, connect: Callable, local_dir: Path, restore_server
         runner = connect(job.host, accept_new_host_key=accept_new_host_key)
         try:
             out = remote_run(runner, job.host, job.plan, runs_root=local_dir.parent, local_dir=local_dir,
-                             restore_server=restore_server, console=console)
+                             restore_server=restore_server, console=console, wait=wait)
         finally:
             runner.close()
         result.exit_code, result.summary = out.exit_code, out.summary
@@ -336,7 +343,7 @@ def _wait(done: list[threading.Event]) -> None:
 
 
 def run_fanout(plan: FanoutPlan, *, connect: Callable, runs_dir: Path, restore_server: bool, console: Console,
-               accept_new_host_key: bool = False) -> tuple[dict, bool]:
+               accept_new_host_key: bool = False, wait: float = 0.0) -> tuple[dict, bool]:
     """Every host at once, one thread and one connection each; writes runs/<run-id>/summary.json after
     all hosts finished. Returns the merged record and whether the operator pressed Ctrl-C."""
     root = runs_dir / plan.run_id
@@ -370,7 +377,7 @@ def run_fanout(plan: FanoutPlan, *, connect: Callable, runs_dir: Path, restore_s
             try:
                 results[job.host.name] = run_host(job, connect=connect, local_dir=root / job.host.name,
                                                   restore_server=restore_server, console=hc,
-                                                  accept_new_host_key=accept_new_host_key)
+                                                  accept_new_host_key=accept_new_host_key, wait=wait)
                 hc.file.close()
                 record()
             finally:

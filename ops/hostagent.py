@@ -244,6 +244,22 @@ def unit_members(unit: str) -> list[int]:
     return sorted(out)
 
 
+def unit_state(unit: str) -> dict:
+    """systemd's LoadState of the unit; an error when the unit does not exist or systemd cannot be asked."""
+    if not shutil.which("systemctl"):
+        return {"error": "systemctl not found (no systemd on this host)"}
+    try:
+        res = subprocess.run(["systemctl", "show", "--property=LoadState", "--value", unit], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"systemctl: {exc}"}
+    lines = (res.stderr.strip() or res.stdout.strip()).splitlines()
+    if res.returncode != 0:
+        return {"error": f"systemctl: {lines[-1] if lines else f'exit {res.returncode}'}"}
+    state = res.stdout.strip()
+    return {"load_state": state, "error": f"unit {unit} is {state}" if state in ("not-found", "bad-setting") else None}
+
+
 def probe(req: dict) -> dict:
     containers, docker_error = docker_containers()
     fuser = fuser_pids(req.get("device_glob", "/dev/nvidia*"))
@@ -252,6 +268,8 @@ def probe(req: dict) -> dict:
     server = {"kind": req.get("server", {}).get("kind", "none")}
     target = req.get("server", {}).get("target", "")
     pids = set(fuser["pids"]) | {p["pid"] for g in gpu["gpus"] for p in g["processes"]}
+    if server["kind"] in ("container", "compose") and docker_error:
+        server["error"] = f"docker: {docker_error}"
     if server["kind"] == "container":
         server["container_ids"] = [cid for cid, c in containers.items() if c["name"] == target]
     elif server["kind"] == "compose":
@@ -264,6 +282,7 @@ def probe(req: dict) -> dict:
     elif server["kind"] == "systemd":
         server["unit"] = target
         server["members"] = unit_members(target)
+        server.update(unit_state(target))
     procs = {}
     for pid in sorted(pids):
         facts = proc_facts(pid, containers)

@@ -79,6 +79,7 @@ class Timeouts:
     kill_wait: float = 5.0  #: after SIGKILL, before a survivor is declared unkillable
     stop: float = 60.0  #: graceful server stop (docker stop --time, systemctl stop, pidfile TERM)
     clean: float = 60.0  #: verify-clean retries until this many seconds
+    lock_expire: float = 60.0  #: a host lock whose ops process sent no heartbeat for this long is released
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class HostConfig:
     stage_pids_limit: int = 16384  #: `--pids-limit` of the stage container (threads count too); 0: none
     stage_ipc: str = "private"  #: "private" (own IPC namespace, /dev/shm of stage_shm_size) or "host"
     stage_shm_size: str = "16g"  #: /dev/shm size when stage_ipc is private (NCCL, vLLM message queues)
+    lock_file: str = "/run/lock/eagle-ops.lock"  #: the host lock (flock) every changing ops command holds
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     @property
@@ -169,7 +171,7 @@ def host_from_table(name: str, table: dict, where: str) -> HostConfig:
         if not isinstance(table["docker_gpus"], str):
             raise ConfigError(f"{where}: docker_gpus must be a string")
         kw["docker_gpus"] = table["docker_gpus"]
-    for key in ("data_root", "model_dir", "cache_dir"):
+    for key in ("data_root", "model_dir", "cache_dir", "lock_file"):
         if key in table:
             kw[key] = _abs(table[key], key, where)
     if "port" in table:

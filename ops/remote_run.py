@@ -1,9 +1,11 @@
 """remote-run / remote-extract / attach: the whole sequence on one connection.
 
-Owns the order of steps (preflight, gpu-clean, start the stage container, follow it, fetch summary and
-logs into runs/<host>/<run-id>/, restore the server when asked, also after a failure or Ctrl-C) and
-the local run folder. Each step is a function taking the runner; a later host-side lock, state file or
-multi-host fan-out wraps these steps rather than rewriting them.
+Owns the order of steps (host lock and stage-container check, preflight, stop the server, free the GPUs,
+start the stage container, follow it, fetch summary and logs into runs/<host>/<run-id>/, restore the
+server when asked), what each step leaves behind when it fails or the operator presses Ctrl-C (the
+stage container is stopped and removed unless the operator detached; the server is brought back when
+asked and when this run stopped it), and the local run folder with run.json and state.json
+(ops.runstate). Each step is a function taking the runner.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import shlex
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,10 +27,13 @@ from ops.errors import EXIT_PREFLIGHT, OpsError, RemoteCommandError
 from ops.gpus import GpuState, probe, probe_with_paths
 from ops.hosts import HostConfig
 from ops.connection import Runner
+from ops.interrupts import Interrupts
+from ops.lock import host_lock, refuse_duplicate_run
 from ops.preflight import (CheckResult, docker_checks, failed, gpu_check, path_checks, paths_request, secrets_check,
                            user_check)
+from ops.runstate import RunState, write_json
 from ops.secret_env import RedactingWriter, redact
-from ops.stage import StagePlan, find_argv, finish_argvs, logs_argv, resolve_user
+from ops.stage import StagePlan, abort_argvs, find_argv, finish_argvs, logs_argv, resolve_user
 
 
 @dataclass
@@ -39,18 +45,14 @@ class RunOutcome:
     checks: list[CheckResult] = field(default_factory=list)
     clean: CleanReport | None = None
     restored: list[str] = field(default_factory=list)
+    restore_error: OpsError | None = None  # the stage's result stands; the CLI exits EXIT_SERVER_RESTORE
+    detached: bool = False
 
 
 def local_run_dir(runs_root: Path, host: HostConfig, run_id: str) -> Path:
     d = runs_root / host.name / run_id
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(redact(json.dumps(data, indent=2, sort_keys=True, default=str)))
-    os.replace(tmp, path)
 
 
 def preflight(runner: Runner, host: HostConfig,
@@ -77,20 +79,25 @@ def start(runner: Runner, plan: StagePlan, environ: Mapping[str, str] = os.envir
         stdin = secret_env.env_file_text(plan.secret_names, environ)
     res = runner.run(cmd, stdin=stdin)
     if not res.ok:
+        # a container docker created but could not start is removed: nothing is left behind
+        runner.run(shlex.join(["docker", "rm", "--force", plan.container]))
         raise RemoteCommandError("starting the stage container", cmd, res.exit_code, res.stdout, res.stderr)
     return res.stdout.strip()
 
 
-def follow(runner: Runner, host: HostConfig, container: str, host_output: str, local_dir: Path,
-           console: Console) -> tuple[int, dict | None]:
-    """Stream the container's logs (live and into stage.log), take its exit code, fetch summary.json,
-    remove the finished container. A lost connection (or Ctrl-C in attach) leaves it running."""
+def follow(runner: Runner, container: str, local_dir: Path, console: Console) -> None:
+    """Stream the container's logs, live and into stage.log, until it exits. A lost connection (or
+    Ctrl-C in attach) leaves it running."""
     with (local_dir / "stage.log").open("w") as log:
         out = RedactingWriter(console.file, log)
         try:
             runner.run(shlex.join(logs_argv(container)), stream=out)
         finally:
             out.close()
+
+
+def fetch(runner: Runner, container: str, host_output: str, local_dir: Path) -> tuple[int, dict | None]:
+    """Take the finished container's exit code and run times, remove it, fetch summary.json."""
     # exit code, run times and removal in one round trip (the stage's files live on the host's disk)
     cmd = " && ".join(shlex.join(argv) for argv in finish_argvs(container))
     res = runner.run(cmd)
@@ -111,79 +118,175 @@ def follow(runner: Runner, host: HostConfig, container: str, host_output: str, l
     return code, summary
 
 
+def abort(runner: Runner, host: HostConfig, container: str, local_dir: Path) -> bool:
+    """Ctrl-C: stop the stage gracefully, keep its whole log in stage.log, remove the container. True if
+    it is gone."""
+    stop, logs, rm = (shlex.join(a) for a in abort_argvs(container, host.timeouts.stop))
+    res = runner.run(f"{stop} >/dev/null && {logs}", timeout=host.timeouts.stop + host.timeouts.command)
+    if res.ok:
+        (local_dir / "stage.log").write_text(redact(res.stdout + res.stderr))
+    return runner.run(rm).ok
+
+
+class _Run:
+    """One remote run's steps and what they left behind (for the cleanup after Ctrl-C or a failure)."""
+
+    def __init__(self, runner: Runner, host: HostConfig, plan: StagePlan, out: RunOutcome, state: RunState,
+                 interrupts: Interrupts, console: Console) -> None:
+        self.runner, self.host, self.plan, self.out, self.state = runner, host, plan, out, state
+        self.interrupts, self.console = interrupts, console
+        self.before: GpuState | None = None  # the preflight's facts, from before any stop
+        self.stop_began = False
+        self.container: str | None = None  # started and not yet collected
+        self.restore_done = False
+        self.record: dict = {}  # run.json, once preflight has run
+
+    def steps(self, held: ExitStack, *, wait: float, detach: bool, restore_server: bool) -> None:
+        r, h, p, out, step = self.runner, self.host, self.plan, self.out, self.state.step
+        step("connect")  # the connection is open: the state file starts here
+        step("lock")
+        with self.interrupts.interruptible():
+            lock = held.enter_context(host_lock(r, h, f"remote-run {p.stage}", run_id=p.run_id, wait=wait,
+                                                console=self.console))
+        refuse_duplicate_run(r, h, p.host_output)
+        step("preflight")
+        out.checks, digest, self.before, p = preflight(r, h, p)
+        self.plan = p
+        report.print_checks(self.console, out.checks)
+        self.record = {"run_id": p.run_id, "host": h.name, "stage": p.stage, "image": h.image,
+                       "image_digest": digest, "docker_run": list(p.docker_run), "host_output": p.host_output,
+                       "secrets": list(p.secret_names), "checks": [c.__dict__ for c in out.checks]}
+        write_json(out.local_dir / "run.json", self.record)
+        bad = failed(out.checks)
+        if bad:
+            raise OpsError(f"preflight failed: {bad[0].name}: {bad[0].detail}", exit_code=EXIT_PREFLIGHT)
+        lock.ensure()
+        step("stop-server")
+        self.stop_began = True
+        out.clean = gpu_clean(r, h, before=self.before, on_step=step)
+        self.state.note(server_stopped=bool(out.clean.stopped and out.clean.stopped.was_running))
+        report.print_clean(self.console, out.clean)
+        if out.clean.verdict != CLEAN:
+            why = f"{out.clean.verdict}: {out.clean.detail}" if out.clean.detail else out.clean.verdict
+            raise OpsError(f"GPUs not free ({why}); no stage started", exit_code=VERDICT_EXIT[out.clean.verdict])
+        lock.ensure()
+        step("start")
+        self.container = p.container
+        start(r, p)
+        self.state.note(container=p.container)
+        self.console.print(f"started {p.container}: {shlex.join(p.stage_argv)}")
+        if detach:
+            out.detached = True
+            self.console.print(f"detached: {p.container} runs on; `attach {p.run_id}` follows it and fetches its "
+                               "summary")
+            return
+        step("follow")
+        with self.interrupts.interruptible():
+            follow(r, p.container, out.local_dir, self.console)
+        step("fetch")
+        out.exit_code, out.summary = fetch(r, p.container, p.host_output, out.local_dir)
+        self.container = None
+        if restore_server:
+            step("restore")
+            self.restore()
+            self.interrupts.checkpoint()
+
+    def restore(self) -> None:
+        """Bring back what this run stopped (from the facts seen before the stop); nothing when the stop
+        never began. A failure is kept in out.restore_error and printed, never raised."""
+        if self.restore_done:
+            return
+        self.restore_done = True
+        if not self.stop_began or self.before is None or not self.before.server.running:
+            return
+        facts = dataclasses.replace(self.before.server, running_container_ids=(), members=())
+        try:
+            self.out.restored = server.restore(self.runner, self.host, facts)
+        except OpsError as exc:
+            self.out.restore_error = exc
+            self.console.print(f"[red]restoring the server failed:[/] {exc}")
+        for line in self.out.restored:
+            self.console.print(f"restored: {line}")
+        self.state.note(server_restored=self.out.restored, restore_error=str(self.out.restore_error or "") or None)
+
+    def abandon(self) -> None:
+        """After Ctrl-C: the started, uncollected stage container is stopped and removed."""
+        name, self.container = self.container, None
+        if name is None or self.out.detached:
+            return
+        self.console.print(f"interrupted: stopping container {name}")
+        self.state.note(container_removed=abort(self.runner, self.host, name, self.out.local_dir))
+
+
+def _one_line(exc: BaseException) -> str:
+    return redact(str(exc) if isinstance(exc, OpsError) else f"{type(exc).__name__}: {exc}")
+
+
 def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: Path, restore_server: bool,
-               console: Console, local_dir: Path | None = None) -> RunOutcome:
+               console: Console, wait: float = 0.0, detach: bool = False, local_dir: Path | None = None) -> RunOutcome:
     """local_dir: where the run's files land (default runs_root/<host>/<run-id>; a multi-host run passes
     runs/<run-id>/<host>)."""
     if local_dir is not None:
         local_dir.mkdir(parents=True, exist_ok=True)
     out = RunOutcome(plan.run_id, local_dir or local_run_dir(runs_root, host, plan.run_id))
     console.print(f"run id [bold]{plan.run_id}[/] on {host.name}; local folder {out.local_dir}")
-    out.checks, digest, state, plan = preflight(runner, host, plan)
-    report.print_checks(console, out.checks)
-    record = {"run_id": plan.run_id, "host": host.name, "stage": plan.stage, "image": host.image,
-              "image_digest": digest, "docker_run": list(plan.docker_run), "host_output": plan.host_output,
-              "secrets": list(plan.secret_names),
-              "checks": [c.__dict__ for c in out.checks]}
-    write_json(out.local_dir / "run.json", record)
-    bad = failed(out.checks)
-    if bad:
-        raise OpsError(f"preflight failed: {bad[0].name}: {bad[0].detail}", exit_code=EXIT_PREFLIGHT)
-    try:
-        out.clean = gpu_clean(runner, host, before=state)
-        report.print_clean(console, out.clean)
-        if out.clean.verdict != CLEAN:
-            why = f"{out.clean.verdict}: {out.clean.detail}" if out.clean.detail else out.clean.verdict
-            raise OpsError(f"GPUs not free ({why}); no stage started",
-                           exit_code=VERDICT_EXIT[out.clean.verdict])
-        started = False
+    with Interrupts(console) as interrupts, ExitStack() as held:
+        state = RunState(out.local_dir / "state.json", interrupts, run_id=plan.run_id, host=host.name,
+                         stage=plan.stage, restore_server=restore_server, detach=detach)
+        run = _Run(runner, host, plan, out, state, interrupts, console)
         try:
-            start(runner, plan)
-            started = True
-            console.print(f"started {plan.container}: {shlex.join(plan.stage_argv)}")
-            out.exit_code, out.summary = follow(runner, host, plan.container, plan.host_output, out.local_dir, console)
+            run.steps(held, wait=wait, detach=detach, restore_server=restore_server)
         except KeyboardInterrupt:
-            # the operator aborts the run: stop the stage gracefully (an SSH drop, by contrast, leaves it)
-            if started:
-                console.print(f"interrupted: stopping container {plan.container}")
-                runner.run(shlex.join(["docker", "stop", "--time", str(int(host.timeouts.stop)), plan.container]))
+            state.end("interrupted", "interrupted by Ctrl-C (SIGINT)")
+            run.abandon()
+            if restore_server:
+                run.restore()
             raise
-    finally:
-        if restore_server:
-            out.restored = _restore(runner, host, out.clean, console)
-    record.update(exit_code=out.exit_code, restored=out.restored)
-    write_json(out.local_dir / "run.json", record)
+        except BaseException as exc:
+            state.end("failed", _one_line(exc))
+            if restore_server:
+                run.restore()
+            raise
+        if out.restore_error is not None:
+            state.end("failed", str(out.restore_error), exit_code=out.exit_code)
+        else:
+            state.end("detached" if detach else "done", exit_code=out.exit_code)
+        run.record.update(exit_code=out.exit_code, restored=out.restored)
+        write_json(out.local_dir / "run.json", run.record)
     return out
 
 
-def _restore(runner: Runner, host: HostConfig, clean: CleanReport | None, console: Console) -> list[str]:
-    """Bring back what gpu-clean stopped (from its pre-stop facts); if it was interrupted mid-way, ask
-    the host what is there."""
-    try:
-        if clean is None:
-            done = server.restore(runner, host, probe(runner, host).server)
-        elif clean.stopped is not None and clean.stopped.was_running:
-            facts = dataclasses.replace(clean.before.server, running_container_ids=(), members=())
-            done = server.restore(runner, host, facts)
-        else:
-            done = []
-    except (OpsError, KeyboardInterrupt) as exc:
-        console.print(f"[red]restoring the server failed:[/] {exc}")
-        return []
-    for line in done:
-        console.print(f"restored: {line}")
-    return done
-
-
-def attach(runner: Runner, host: HostConfig, run_id: str, *, runs_root: Path, console: Console) -> RunOutcome:
+def attach(runner: Runner, host: HostConfig, run_id: str, *, runs_root: Path, console: Console,
+           restore_server: bool = False) -> RunOutcome:
     res = runner.run(shlex.join(find_argv(run_id)))
     rows = [line.split("\t") for line in res.stdout.splitlines() if line.strip()]
     if not res.ok or not rows:
         raise OpsError(f"no stage container for run id {run_id} on {host.name}; a finished run's files are in "
                        f"{runs_root / host.name / run_id}")
-    name, state, _stage, output = rows[0]
+    name, cstate, stage, output = rows[0]
     out = RunOutcome(run_id, local_run_dir(runs_root, host, run_id))
-    console.print(f"attached to {name} ({state})")
-    out.exit_code, out.summary = follow(runner, host, name, output, out.local_dir, console)
+    state = RunState.reopen(out.local_dir / "state.json", None, run_id=run_id, host=host.name, stage=stage)
+    try:
+        state.step("attach")
+        console.print(f"attached to {name} ({cstate})")
+        state.step("follow")
+        follow(runner, name, out.local_dir, console)
+        state.step("fetch")
+        out.exit_code, out.summary = fetch(runner, name, output, out.local_dir)
+        if restore_server:
+            state.step("restore")
+            try:
+                out.restored = server.restore(runner, host, probe(runner, host).server)
+            except OpsError as exc:
+                out.restore_error = exc
+            for line in out.restored:
+                console.print(f"restored: {line}")
+    except KeyboardInterrupt:
+        state.end("interrupted", "interrupted by Ctrl-C (SIGINT); the stage runs on, attach again")
+        raise
+    except BaseException as exc:
+        state.end("failed", _one_line(exc))
+        raise
+    state.end("failed" if out.restore_error else "done", str(out.restore_error or "") or None,
+              exit_code=out.exit_code, container_removed=True)
     return out
-

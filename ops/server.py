@@ -4,7 +4,8 @@ Owns the stop/restore plans (exact argv, or a host-agent request for process gro
 `container:NAME`, `compose:PROJECT/SERVICE` (containers found by compose's labels, so no compose binary
 is needed on the host), `systemd:UNIT`, `pidfile:PATH` (the whole process group is stopped, which also
 catches workers re-parented to PID 1 after their API process died) and `none`; running them over a
-Runner; and checking that nothing of the server is left. Does not pick GPU holders (ops.gpus/ops.clean).
+Runner; and checking that nothing of the server is left. A server that cannot be found, a stop that
+fails or runs past its time, and a start that fails are errors with their own exit codes (ops.errors). Does not pick GPU holders (ops.gpus/ops.clean).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ops.agent import call, terminate_request
 from ops.connection import Runner
-from ops.errors import ConfigError, OpsError, RemoteCommandError
+from ops.errors import EXIT_SERVER_RESTORE, EXIT_SERVER_STOP, ConfigError, OpsError, RemoteCommandError
 from ops.gpus import ServerFacts
 from ops.hosts import HostConfig
 
@@ -60,10 +61,28 @@ class StopRecord:
     survivors: list[dict] = field(default_factory=list)
 
 
+def _missing(host: HostConfig, facts: ServerFacts) -> str | None:
+    """Why the configured server cannot be found (a typo must not turn its processes into orphans that
+    gpu-clean kills one by one); None when it can. A missing pid file is not an error: a stopped server
+    removes it."""
+    s = host.server
+    if s.kind in ("container", "compose", "systemd") and facts.error:
+        return f"server {s} on {host.name} cannot be checked: {facts.error}"
+    if s.kind == "container" and not facts.container_ids:
+        return f"server container {s.target} does not exist on {host.name}"
+    if s.kind == "compose" and not facts.container_ids:
+        return f"no container of compose service {s.target} exists on {host.name}"
+    return None
+
+
 def plan_stop(host: HostConfig, facts: ServerFacts) -> StopPlan:
     s, t = host.server, host.timeouts
     if s.kind == "none":
         return StopPlan("none", False, ())
+    missing = _missing(host, facts)
+    if missing:
+        raise OpsError(f"{missing}; fix `server` in the hosts file (`none` if there is no server); nothing was "
+                       "stopped or signalled", exit_code=EXIT_SERVER_STOP)
     if s.kind in ("container", "compose"):
         ids = facts.running_container_ids
         if not ids:
@@ -87,28 +106,38 @@ def plan_restore(host: HostConfig, facts: ServerFacts) -> tuple[Step, ...]:
     s = host.server
     if s.kind == "none" or facts.running:
         return ()
+    missing = _missing(host, facts)
+    if missing:
+        raise OpsError(f"{missing}; nothing to start (compose: `docker compose up`)", exit_code=EXIT_SERVER_RESTORE)
     if s.kind == "container":
         return (Step("start server", ("docker", "start", s.target)),)
     if s.kind == "compose":
-        if not facts.container_ids:
-            raise OpsError(f"no container of compose service {s.target} exists to start; use `docker compose up`")
         return (Step("start server", ("docker", "start", *facts.container_ids)),)
     if s.kind == "systemd":
         return (Step("start server", ("systemctl", "start", s.target)),)
     if s.kind == "pidfile":
         if not host.server_start:
-            raise OpsError(f"cannot restore {s}: no `server_start` command in the hosts file")
-        # detached from our session (setsid -f) so the server outlives this SSH connection
-        return (Step("start server", ("setsid", "-f", *host.server_start)),)
+            raise OpsError(f"cannot restore {s}: no `server_start` command in the hosts file",
+                           exit_code=EXIT_SERVER_RESTORE)
+        return (Step("start server", ("sh", "-c", START_WATCH, "sh", *host.server_start)),)
     raise ConfigError(f"unknown strategy {s}")
+
+
+# The pid-file server's start command, in a new session with no terminal and no open pipe to us (so it
+# outlives this SSH connection), watched for START_WATCH_S seconds: a command that fails at once is
+# reported with its exit code instead of passing for a started server.
+START_WATCH_S = 2
+START_WATCH = (
+    'setsid "$@" </dev/null >/dev/null 2>&1 & pid=$!; sleep ' + str(START_WATCH_S) + '; '
+    'if kill -0 "$pid" 2>/dev/null; then exit 0; fi; wait "$pid"; code=$?; '
+    '[ "$code" = 0 ] || echo "start command $1 exited $code within ' + str(START_WATCH_S) + ' s" >&2; exit "$code"'
+)
 
 
 def run_step(runner: Runner, host: HostConfig, step: Step, *, timeout: float | None = None) -> dict | str:
     if step.agent is not None:
         return call(runner, host, step.agent, timeout=(timeout or 0) + step.agent["grace"] + step.agent["kill_wait"] + 30)
     cmd = shlex.join(step.argv)
-    if step.argv[:2] == ("setsid", "-f"):
-        cmd += " </dev/null >/dev/null 2>&1"
     res = runner.run(cmd, timeout=timeout or host.timeouts.command)
     if not res.ok:
         raise RemoteCommandError(step.what, cmd, res.exit_code, res.stdout, res.stderr)
@@ -116,21 +145,37 @@ def run_step(runner: Runner, host: HostConfig, step: Step, *, timeout: float | N
 
 
 def stop(runner: Runner, host: HostConfig, facts: ServerFacts) -> StopRecord:
+    """Stop the server; OpsError (EXIT_SERVER_STOP) when it cannot be found, its stop command fails or
+    runs past its time, or a process of it survives SIGKILL. Nothing else is signalled after that."""
     plan = plan_stop(host, facts)
     record = StopRecord(plan.strategy, plan.running)
     for step in plan.steps:
-        out = run_step(runner, host, step, timeout=host.timeouts.stop + 30)
+        try:
+            out = run_step(runner, host, step, timeout=host.timeouts.stop + 30)
+        except OpsError as exc:
+            raise OpsError(f"server {plan.strategy} did not stop: {exc}; no GPU process was signalled",
+                           exit_code=EXIT_SERVER_STOP, detail=exc.detail) from None
         if isinstance(out, dict):
             record.stopped += [f"pid {r['pid']} ({r['comm']})" for r in out["signalled"]]
             record.survivors += out["survivors"]
         else:
             record.stopped += list(step.argv[4:]) if step.argv[:2] == ("docker", "stop") else [host.server.target]
+    if record.survivors:
+        left = ", ".join(f"{r['pid']} {r['comm']} state {r['state']}" for r in record.survivors)
+        raise OpsError(f"server {plan.strategy} did not stop: {left} survived SIGTERM and SIGKILL "
+                       f"({host.timeouts.stop:g} s + {host.timeouts.kill_wait:g} s), reboot needed; no other GPU "
+                       "process was signalled", exit_code=EXIT_SERVER_STOP)
     return record
 
 
 def restore(runner: Runner, host: HostConfig, facts: ServerFacts) -> list[str]:
+    """Start the server again; OpsError (EXIT_SERVER_RESTORE) when that fails."""
     done = []
     for step in plan_restore(host, facts):
-        run_step(runner, host, step)
+        try:
+            run_step(runner, host, step)
+        except OpsError as exc:
+            raise OpsError(f"server {host.server} was not restored: {exc}", exit_code=EXIT_SERVER_RESTORE,
+                           detail=exc.detail) from None
         done.append(step.show())
     return done

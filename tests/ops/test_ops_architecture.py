@@ -26,7 +26,9 @@ def test_ops_does_not_import_the_gpu_stack_or_pipeline():
     assert bad == {}
 
 
-def test_host_agent_is_standard_library_only():
-    """hostagent.py runs alone on the host: only standard-library imports (pynvml is sent with it)."""
-    extra = imported(OPS / "hostagent.py") - set(sys.stdlib_module_names) - {"__future__", "pynvml"}
-    assert extra == set()
+def test_host_side_scripts_are_standard_library_only():
+    """hostagent.py and hostlock.py run alone on the host: only standard-library imports (pynvml is sent
+    with the agent)."""
+    for name in ("hostagent.py", "hostlock.py"):
+        extra = imported(OPS / name) - set(sys.stdlib_module_names) - {"__future__", "pynvml"}
+        assert extra == set(), name

@@ -129,7 +129,7 @@ def test_local_mode_spares_our_own_ancestry(tmp_path, devdir, procs):
     orphan = procs.holder([devdir / "nvidia0"], name="orphan")
     table = write_gpu_table(tmp_path / "gpus.json", [{"processes": [{"pid": orphan.pid, "used_mib": 10}]}])
     hosts = write_hosts(tmp_path / "hosts.toml", "here", host="local", python="/usr/bin/python3", device_glob=f"{devdir}/nvidia*",
-                        gpu_source=f"table:{table}", timeouts=FAST)
+                        gpu_source=f"table:{table}", timeouts=FAST, lock_file=str(tmp_path / "eagle-ops.lock"))
     import subprocess
     import sys
 

@@ -83,7 +83,9 @@ def test_stage_security_keys(tmp_path):
      ({"host": "h", "secrets": ["HF_TOKEN=hf_x"]}, "names, not values"), ({"host": "h", "secrets_dir": "shm"}, "absolute"),
      ({"host": "h", "stage_user": "alice"}, "stage_user"), ({"host": "h", "stage_ipc": "none"}, "stage_ipc"),
      ({"host": "h", "stage_shm_size": "lots"}, "stage_shm_size"), ({"host": "h", "stage_read_only": "yes"}, "true or false"),
-     ({"host": "h", "stage_pids_limit": -1}, "stage_pids_limit")],
+     ({"host": "h", "stage_pids_limit": -1}, "stage_pids_limit"),
+     ({"host": "h", "lock_file": "eagle.lock"}, "lock_file must be an absolute path"),
+     ({"host": "h", "timeouts": {"lock_expire": 0}}, "lock_expire must be a positive")],
 )
 def test_bad_hosts_tables(tmp_path, table, message):
     """Each invalid hosts-file value is named in the error."""

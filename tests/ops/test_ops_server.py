@@ -13,7 +13,7 @@ import pytest
 from ops_helpers import run_ops, ssh_table, write_hosts
 from ops.gpus import ServerFacts
 from ops.hosts import HostConfig, Timeouts, parse_strategy
-from ops.server import plan_restore, plan_stop
+from ops.server import START_WATCH, plan_restore, plan_stop
 from ops_docker import client, ensure_base_image, holder_container, remove_test_containers, unique
 from ops_procs import HOLDER, alive, wait_for, write_gpu_table
 
@@ -69,7 +69,7 @@ def test_stop_and_restore_plans_are_exact_argv():
     step = plan_stop(_host("pidfile:/run/v.pid"), group).steps[0]
     assert step.agent == {"op": "terminate", "targets": [], "groups": [77], "grace": 42, "kill_wait": 5.0}
     start = plan_restore(_host("pidfile:/run/v.pid", server_start=("/opt/v/serve.sh", "a b")), ServerFacts("pidfile"))
-    assert start[0].argv == ("setsid", "-f", "/opt/v/serve.sh", "a b")
+    assert start[0].argv == ("sh", "-c", START_WATCH, "sh", "/opt/v/serve.sh", "a b")
     assert plan_stop(_host("container:vllm"), ServerFacts("container", ("c1",))).steps == ()
     assert plan_stop(_host("none"), ServerFacts("none")).steps == ()
 

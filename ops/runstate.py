@@ -1,0 +1,70 @@
+"""The local record of a run: runs/<host>/<run-id>/state.json, and atomic JSON writes.
+
+Owns the state file's format: the run's identity, the step it is at (connect, lock, preflight,
+stop-server, clean, start, follow, fetch, restore; attach adds attach), each step's start time, and how
+it ended: status `running`, `done`, `detached` (the stage left running on purpose), `interrupted` (Ctrl-C
+at `step`) or `failed` (at `step`, with the one-line error), plus what was left behind (container,
+server). Rewritten atomically (temp name + rename) at every step, so a reader never sees half a file.
+A step boundary is also where a deferred Ctrl-C takes effect and where the test pause seam sits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ops.interrupts import Interrupts, pause_point
+from ops.secret_env import redact
+
+STEPS = ("connect", "lock", "preflight", "stop-server", "clean", "start", "follow", "fetch", "restore")
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    # every run file passes the redactor: names of secrets may appear, values never (ops.secret_env)
+    tmp.write_text(redact(json.dumps(data, indent=2, sort_keys=True, default=str)))
+    os.replace(tmp, path)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class RunState:
+    def __init__(self, path: Path, interrupts: Interrupts | None, **facts) -> None:
+        self.path = path
+        self.interrupts = interrupts
+        self.data: dict = {**facts, "status": "running", "step": None, "steps": [], "error": None}
+
+    @classmethod
+    def reopen(cls, path: Path, interrupts: Interrupts | None, **facts) -> "RunState":
+        """The state of an existing run (attach), or a new one when this machine has none."""
+        state = cls(path, interrupts, **facts)
+        try:
+            state.data.update(json.loads(path.read_text()), status="running", error=None)
+        except (OSError, ValueError):
+            pass
+        return state
+
+    def step(self, name: str) -> None:
+        """Enter a step: act on a deferred Ctrl-C first, record it, then the pause seam."""
+        if self.interrupts is not None:
+            self.interrupts.checkpoint()
+        self.data["step"] = name
+        self.data["steps"].append({"step": name, "at": _now()})
+        self.save()
+        pause_point(name, self.interrupts)
+
+    def note(self, **facts) -> None:
+        self.data.update(facts)
+        self.save()
+
+    def end(self, status: str, error: str | None = None, **facts) -> None:
+        self.data.update(facts, status=status, error=error, ended_at=_now())
+        self.save()
+
+    def save(self) -> None:
+        self.data["updated_at"] = _now()
+        write_json(self.path, self.data)
