@@ -220,3 +220,33 @@ def test_a_host_that_cannot_connect_becomes_a_failed_row(tmp_path):
     assert b["exit_code"] == 4 and b["error"].startswith("preflight failed")
     assert (tmp_path / "runs" / "f1" / "summary.json").is_file()
     assert "a | failed: connection to u@a:22 refused" in out.getvalue()
+
+
+def test_each_host_plan_carries_its_secret_names_never_values():
+    """The operator's secrets reach every host's plan by name (env file), as for one host; values stay out of argv."""
+    import dataclasses
+
+    hosts = [dataclasses.replace(HOSTS[0], secrets=("HF_TOKEN", "FOO_API_KEY")), HOSTS[1]]
+    env = {"HF_TOKEN": "hf_canary_value_123", "FOO_API_KEY": "key_canary_456"}
+    plan = plan_fanout(hosts, "extract", run_id="r1", environ=env)
+    assert plan.jobs[0].plan.secret_names == ("HF_TOKEN", "FOO_API_KEY")
+    assert plan.jobs[1].plan.secret_names == ("HF_TOKEN",)
+    for job in plan.jobs:
+        assert not any(v in " ".join(job.plan.docker_run) for v in env.values())
+    with pytest.raises(ConfigError, match="HF_TOKEN"):
+        plan_fanout(hosts, "extract", run_id="r1", environ={"HF_TOKEN": "two\nlines"})
+
+
+def test_multi_host_dry_run_prints_every_plan_and_detach_is_refused(tmp_path):
+    """`--dry-run` with several hosts prints each host's shard plan and connects to nothing; `--detach` is refused."""
+    import subprocess
+    import sys
+
+    hosts = "u@127.0.0.1:1,u@127.0.0.2:1"  # port 1: a connection attempt would fail loudly
+    cmd = [sys.executable, "-m", "ops", "remote-extract", "--host", hosts, "--runs-dir", str(tmp_path / "runs")]
+    dry = subprocess.run([*cmd, "--dry-run", "--run-id", "d1"], capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "--world-size 2 --rank 0" in dry.stdout and "--world-size 2 --rank 1" in dry.stdout
+    assert not (tmp_path / "runs").exists()
+    det = subprocess.run([*cmd, "--detach"], capture_output=True, text=True, timeout=120)
+    assert det.returncode == 2 and "--detach" in det.stderr and det.stderr.count("\n") == 1, det.stderr
