@@ -211,7 +211,10 @@ def test_holder_we_may_not_signal_is_reported_at_once(procs, sshd, tmp_path):
         wrapper.write_text("#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 \"$@\"\n")
         os.chmod(wrapper, 0o755)
         slow = {"grace": 60, "kill_wait": 60, "stop": 5, "clean": 3}
-        hosts = _lone_host(sshd, tmp_path, dev, table, python=str(wrapper), timeouts=slow)
+        lock = pub / "eagle-ops.lock"  # the host lock is taken by the same unprivileged user
+        lock.touch()
+        os.chmod(lock, 0o666)
+        hosts = _lone_host(sshd, tmp_path, dev, table, python=str(wrapper), timeouts=slow, lock_file=str(lock))
         res = run_ops("gpu-clean", "--json", "--host", "box", "--hosts-file", str(hosts))
         assert res.returncode == 11, res.stdout + res.stderr
         report = json.loads(res.stdout)

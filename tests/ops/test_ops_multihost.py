@@ -96,7 +96,7 @@ def hosts(tmp_path, servers, assets, image):
         path = write_hosts(tmp_path / f"{name}.toml", name, **ssh_table(
             sshd, known, device_glob=f"{dev}/nvidia*", gpu_source=f"table:{table}", timeouts=FAST, image=img,
             docker_gpus="", mounts=mounts, data_root=str(data), model_dir=str(assets / "model"),
-            cache_dir=str(data / "cache")))
+            cache_dir=str(data / "cache"), lock_file=str(data / "eagle-ops.lock")))  # one lock per host
         texts.append(path.read_text())
     out = tmp_path / "hosts.toml"
     out.write_text("\n".join(texts))
@@ -205,8 +205,8 @@ def test_partial_shard_resumes_only_its_missing_files(hosts, tmp_path):
 
 
 def test_ctrl_c_stops_the_stage_on_every_host(hosts, tmp_path, engines):
-    """Ctrl-C while both hosts run their stage: each host's container is stopped (by that host's own
-    flow), the record says interrupted for both, exit 130."""
+    """Ctrl-C while both hosts run their stage: each host's container is stopped and removed (by that
+    host's own flow), the record says interrupted for both, exit 130."""
     cmd = [sys.executable, "-m", "ops", "remote-extract", "--host", f"{A},{B}", "--hosts-file", str(hosts),
            "--runs-dir", str(tmp_path / "runs"), "--run-id", "int1"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -223,6 +223,7 @@ def test_ctrl_c_stops_the_stage_on_every_host(hosts, tmp_path, engines):
     assert proc.returncode == 130, text[-4000:]
     for name, eng in engines.items():
         assert f"{name} | interrupted: stopping container eagle-int1" in text, text
-        assert eng.client().containers.get("eagle-int1").status == "exited"
+        # stopped, its log kept, and removed: nothing is left behind (the Ctrl-C policy of ops.remote_run)
+        assert not eng.client().containers.list(all=True, filters={"name": "eagle-int1"})
     merged = json.loads((tmp_path / "runs" / "int1" / "summary.json").read_text())
     assert [(h["status"], h["error"]) for h in merged["hosts"]] == [("failed", "interrupted")] * 2
