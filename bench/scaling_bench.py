@@ -37,6 +37,21 @@ def dd(path: Path, size_bytes: int) -> dict:
     return {"dd_write_gb_s": nbytes / w / 1e9, "dd_read_gb_s": nbytes / r / 1e9}
 
 
+def dd_parallel_write(directory: Path, size_bytes: int, writers: int = 8) -> float:
+    """GB/s of ``writers`` dd processes writing size/writers each at once (with fdatasync): the filesystem's
+    write ceiling for a loop that writes from several threads, which one dd stream does not show."""
+    count = max(1, size_bytes // writers // (16 << 20))
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(["dd", "if=/dev/zero", f"of={directory / f'dd{k}.bin'}", "bs=16M", f"count={count}",
+                               "conv=fdatasync"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for k in range(writers)]
+    if any(p.wait() for p in procs):
+        raise SystemExit("parallel dd failed")
+    elapsed = time.perf_counter() - t0
+    for k in range(writers):
+        (directory / f"dd{k}.bin").unlink()
+    return writers * count * (16 << 20) / elapsed / 1e9
+
+
 def naive_verify(directory: Path) -> float:
     files = sorted(directory.glob("data_*.pt"))
     t0 = time.perf_counter()
@@ -53,8 +68,10 @@ def naive_verify(directory: Path) -> float:
 @click.option("--samples", type=int, default=None)
 @click.option("--out-root", type=click.Path(path_type=Path), default=Path("/tmp/scaling-bench"), show_default=True)
 @click.option("--max-batch-tokens", type=int, default=32768, show_default=True)
+@click.option("--writer-threads", type=int, default=4, show_default=True)
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
-def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch_tokens: int, json_out: Path | None) -> None:
+def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch_tokens: int, writer_threads: int,
+         json_out: Path | None) -> None:
     from pipeline.extract import ExtractConfig, run
     from pipeline.tiny import build_tiny_model
     from pipeline.verify import VerifyConfig, verify
@@ -66,12 +83,13 @@ def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch
     model_dir = build_tiny_model("llama", out_root / "model", **overrides)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     make_prepared(out_root / "prepared", n, seq_length, vocab)
-    results: dict = {"preset": preset, "samples": n, "seq_length": seq_length, "gpus": torch.cuda.device_count(), "runs": {}}
+    results: dict = {"preset": preset, "samples": n, "writer_threads": writer_threads, "seq_length": seq_length, "gpus": torch.cuda.device_count(), "runs": {}}
     for dp in [int(x) for x in sweep.split(",")]:
         out = out_root / f"dp{dp}"
         t0 = time.perf_counter()
         stats = run(ExtractConfig(prepared=out_root / "prepared", model=model_dir, out=out, data_parallel=dp,
-                                  max_batch_tokens=max_batch_tokens, verify=False, progress=False))
+                                  max_batch_tokens=max_batch_tokens, writer_threads=writer_threads, verify=False,
+                                  progress=False))
         wall = time.perf_counter() - t0
         workers = stats.get("workers") or [stats]
         loop = max(w["seconds"] for w in workers)
@@ -79,7 +97,7 @@ def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch
                                "wall_tokens_per_s": stats["tokens"] / wall, "bytes": stats["bytes"],
                                "write_gb_s": stats["bytes"] / loop / 1e9,
                                "device_idle_fraction": stats.get("device_idle_fraction"),
-                               "workers": [{k: w.get(k) for k in ("tokens", "seconds", "capture_seconds", "non_capture_fraction",
+                               "workers": [{k: w.get(k) for k in ("tokens", "seconds", "capture_seconds", "writer_wait_seconds",
                                                                  "device_busy_seconds", "device_idle_fraction")}
                                            for w in workers]}
         print(json.dumps({dp: results["runs"][dp]}), flush=True)
@@ -92,8 +110,9 @@ def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch
         r["scaling_vs_min"] = r["loop_tokens_per_s"] / base
     total_bytes = sum(p.stat().st_size for p in last.glob("data_*.pt"))
     results.update(dd(out_root / "dd.bin", total_bytes))
+    results["dd_parallel_write_gb_s"] = dd_parallel_write(out_root, total_bytes)
     t0 = time.perf_counter()
-    summary = verify(VerifyConfig(path=last, workers=8, write_summary=False))
+    summary = verify(VerifyConfig(path=last, write_summary=False))
     ours_s = time.perf_counter() - t0
     naive_s = naive_verify(last)
     results.update(verify_ok=summary.ok, verify_bytes=total_bytes, verify_gb_s=total_bytes / ours_s / 1e9,

@@ -51,6 +51,7 @@ class ExtractConfig:
     trust_remote_code: bool = False
     verify: bool = True  # write summary.json by running verify at the end
     progress: bool = True
+    writer_threads: int = 4  # threads writing files (per process)
     data_parallel: int = 1  # processes on this host, one per GPU, batches dealt round-robin
     world_size: int = 1  # hosts taking part; host `rank` owns samples i with i % world_size == rank
     rank: int = 0
@@ -104,38 +105,58 @@ def deal(batches: list[Batch], workers: int, worker: int) -> list[Batch]:
 
 
 class Writer:
-    """Writes samples on background threads so the device computes the next batch meanwhile.
+    """Writes samples on background threads while the device computes the next batches.
 
-    Several threads: torch.save spends most of its time in memcpy and write(2), which release the GIL.
+    Several threads: torch.save spends its time in write(2) and memcpy, which release the GIL. The
+    back-pressure is in bytes, not samples: ``put`` waits while more than ``max_pending_bytes`` of states
+    wait to be written (a batch is always accepted when nothing is pending, so a batch larger than the
+    bound still passes). Each sample first waits, on its writer thread, for its batch's device-to-host
+    copies (``ready``); the main thread never does.
     """
 
-    def __init__(self, out: Path, threads: int = 4, depth: int = 4):
+    def __init__(self, out: Path, threads: int = 4, max_pending_bytes: int = 2 << 30):
         self.out = out
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.queue: queue.Queue = queue.Queue()  # unbounded: the byte count below is the bound
         self.error: BaseException | None = None
         self.bytes = 0
-        self._lock = threading.Lock()
+        self.max_pending_bytes = max_pending_bytes
+        self.wait_seconds = 0.0  # main-thread time spent waiting for room: the run was write-bound then
+        self._pending = 0
+        self._room = threading.Condition()
         self.threads = [threading.Thread(target=self._loop, name=f"extract-writer-{n}", daemon=True) for n in range(threads)]
         for t in self.threads:
             t.start()
 
     def _loop(self) -> None:
         while (item := self.queue.get()) is not None:
-            if self.error is not None:
-                continue
+            index, ids, states, mask, ready = item
+            nbytes = _nbytes(states)
             try:
-                index, ids, states, mask = item
-                target = formats.data_file(self.out, index)
-                formats.write_sample(target, ids, states, mask)
-                size = target.stat().st_size
-                with self._lock:
-                    self.bytes += size
+                if self.error is None:
+                    ready()  # the device-to-host copies of this batch (a no-op for host-computed states)
+                    target = formats.data_file(self.out, index)
+                    formats.write_sample(target, ids, states, mask)
+                    size = target.stat().st_size
+                    with self._room:
+                        self.bytes += size
             except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
                 self.error = exc
+            finally:
+                del item, states  # return the host buffers to the allocator before making room
+                with self._room:
+                    self._pending -= nbytes
+                    self._room.notify_all()
 
     def put(self, items: list) -> None:
+        nbytes = sum(_nbytes(item[2]) for item in items)
+        t0 = time.perf_counter()
+        with self._room:
+            while self._pending and self._pending + nbytes > self.max_pending_bytes and self.error is None:
+                self._room.wait()
+            self._pending += nbytes
+        self.wait_seconds += time.perf_counter() - t0
+        self._raise()
         for item in items:
-            self._raise()
             self.queue.put(item)
 
     def close(self) -> None:
@@ -147,7 +168,9 @@ class Writer:
 
     def abort(self) -> None:
         """Stop the threads after an error on the main thread; queued samples are dropped, none half-written."""
-        self.error = self.error or RuntimeError("aborted")
+        with self._room:
+            self.error = self.error or RuntimeError("aborted")
+            self._room.notify_all()
         try:
             while True:
                 self.queue.get_nowait()
@@ -164,6 +187,10 @@ class Writer:
             if isinstance(err, OSError):
                 raise StageError(f"writing to {self.out} failed: {err.strerror or err} (free space, then re-run with --resume)") from err
             raise err
+
+
+def _nbytes(states: list[torch.Tensor]) -> int:
+    return sum(h.nbytes for h in states)
 
 
 def _expected_config(cfg: ExtractConfig, model, layer_ids, num_samples, seq_length, dtype: torch.dtype) -> formats.DataConfig:
@@ -226,10 +253,10 @@ def _progress(enabled: bool):
 
 
 def run_loop(backend: Backend, prepared: formats.PreparedSamples, batches: list[Batch], out: Path, hidden_size: int,
-             num_layers: int, total: int, done: set[int], progress: bool) -> dict:
+             num_layers: int, total: int, done: set[int], progress: bool, writer_threads: int = 4) -> dict:
     """Capture every pending batch (whole, so results never depend on what was done before) and write the
     samples not already on disk; return throughput figures."""
-    writer = Writer(out)
+    writer = Writer(out, threads=writer_threads)
     t0 = time.perf_counter()
     try:
         return _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, done, progress, t0)
@@ -242,38 +269,52 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
     tokens, capture_s = 0, 0.0
     with _progress(progress) as bar:
         task = bar.add_task("extract", total=total, completed=len(done), tps=0.0)
+        in_flight: list = []  # the previous batch's samples: handed to the writer once the next batch is queued
         for batch in batches:
             seqs = [prepared.ids(i) for i in batch.indices]
             c0 = time.perf_counter()
-            states = backend.capture([s.tolist() for s in seqs])
+            captured = backend.capture_async([s.tolist() for s in seqs])
             capture_s += time.perf_counter() - c0
-            if len(states) != len(seqs) or any(len(s) != num_layers for s in states):
-                raise StageError(
-                    f"backend {backend.name} returned {len(states)} samples x {[len(s) for s in states][:3]} layers "
-                    f"for a batch of {len(seqs)} x {num_layers} layers"
-                )
-            items = []
-            for i, seq, sample_states in zip(batch.indices, seqs, states, strict=True):
-                for h in sample_states:
-                    if h.shape != (len(seq), hidden_size):
-                        raise StageError(f"sample {i}: backend returned a state of shape {tuple(h.shape)}, expected ({len(seq)}, {hidden_size})")
-                if i in done:
-                    continue
-                ids = torch.from_numpy(seq.astype("int64"))
-                mask = torch.from_numpy(prepared.mask(i).astype("int64"))
-                items.append((i, ids, sample_states, mask))
-            writer.put(items)
+            items = _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_layers, done)
+            # the device now has this batch queued: waiting for the writer's room costs it nothing
+            writer.put(in_flight)
+            in_flight = items
             tokens += sum(len(s) for s in seqs)
             elapsed = time.perf_counter() - t0
             bar.update(task, advance=len(items), tps=tokens / elapsed if elapsed else 0.0)
+        writer.put(in_flight)
         writer.close()
     elapsed = time.perf_counter() - t0
     stats = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else 0.0, "bytes": writer.bytes,
-             # time the main thread spent waiting for anything but the backend (queue full, progress, checks)
-             "capture_seconds": capture_s, "non_capture_fraction": 1 - capture_s / elapsed if elapsed else 0.0}
+             # main-thread seconds inside the backend (queuing on a GPU; the whole computation on the CPU)
+             "capture_seconds": capture_s, "non_capture_fraction": 1 - capture_s / elapsed if elapsed else 0.0,
+             # main-thread seconds waiting for the writer: the share of the run that was write-bound
+             "writer_wait_seconds": writer.wait_seconds}
     if backend.clock is not None:
         stats.update(device_idle(backend.clock.seconds, elapsed))
     return stats
+
+
+def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_layers, done) -> list:
+    """The writer's items for one captured batch (samples already on disk left out), after checking that the
+    backend returned one [T, H] state per layer for every sample."""
+    states = captured.states
+    if len(states) != len(seqs) or any(len(s) != num_layers for s in states):
+        raise StageError(
+            f"backend {backend.name} returned {len(states)} samples x {[len(s) for s in states][:3]} layers "
+            f"for a batch of {len(seqs)} x {num_layers} layers"
+        )
+    items = []
+    for i, seq, sample_states in zip(batch.indices, seqs, states, strict=True):
+        for h in sample_states:
+            if h.shape != (len(seq), hidden_size):
+                raise StageError(f"sample {i}: backend returned a state of shape {tuple(h.shape)}, expected ({len(seq)}, {hidden_size})")
+        if i in done:
+            continue
+        ids = torch.from_numpy(seq.astype("int64"))
+        mask = torch.from_numpy(prepared.mask(i).astype("int64"))
+        items.append((i, ids, sample_states, mask, captured.ready))
+    return items
 
 
 def device_idle(busy_seconds: float, wall_seconds: float, devices: int = 1) -> dict:
@@ -287,6 +328,8 @@ def _check_parallel(cfg: ExtractConfig) -> None:
         raise StageError(f"--max-batch-tokens {cfg.max_batch_tokens} and --max-batch-size {cfg.max_batch_size} must be at least 1")
     if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
         raise StageError(f"--rank {cfg.rank} must be in 0..{cfg.world_size - 1} for --world-size {cfg.world_size}")
+    if cfg.writer_threads < 1:
+        raise StageError(f"--writer-threads {cfg.writer_threads} must be at least 1")
     if cfg.data_parallel < 1:
         raise StageError(f"--data-parallel {cfg.data_parallel} must be at least 1")
     if cfg.data_parallel > 1 and cfg.backend != "hf":
@@ -347,7 +390,7 @@ def run(cfg: ExtractConfig) -> dict:
             torch.set_num_threads(max(1, min(16, (os.cpu_count() or 2) // 2)))
         with get_backend(cfg.backend, options) as backend:
             stats = run_loop(backend, prepared, batches, cfg.out, model.hidden_size, len(layer_ids), len(owned),
-                             done, cfg.progress)
+                             done, cfg.progress, cfg.writer_threads)
     if cfg.local_rank is None:
         formats.write_sample_lengths(cfg.out, {i: int(lengths[i]) for i in range(n)})
     stats.update(samples=n, owned=len(owned), batches_run=len(batches), resumed_from=len(done), config=asdict(expected))
@@ -360,6 +403,7 @@ def worker_argv(cfg: ExtractConfig, local_rank: int) -> list[str]:
             "--out", str(cfg.out), "--backend", cfg.backend, "--dtype", cfg.dtype,
             "--max-batch-tokens", str(cfg.max_batch_tokens), "--max-batch-size", str(cfg.max_batch_size),
             "--world-size", str(cfg.world_size), "--rank", str(cfg.rank), "--data-parallel", str(cfg.data_parallel),
+            "--writer-threads", str(cfg.writer_threads),
             "--local-rank", str(local_rank), "--no-verify", "--no-progress", "--json-stats"]
     if cfg.layer_ids:
         argv += ["--layer-ids", ",".join(map(str, cfg.layer_ids))]
@@ -437,6 +481,7 @@ def launch_workers(cfg: ExtractConfig, owned: int, done: int) -> dict:
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--no-verify", "verify", is_flag=True, flag_value=False, default=True, help="Skip the summary.json check at the end.")
 @click.option("--no-progress", "progress", is_flag=True, flag_value=False, default=True)
+@click.option("--writer-threads", type=int, default=4, show_default=True, help="Threads writing files, per process.")
 @click.option("--data-parallel", type=int, default=1, show_default=True, help="hf: one process per GPU on this host.")
 @click.option("--world-size", type=int, default=1, show_default=True, help="Hosts sharing the set (sample i -> host i %% W).")
 @click.option("--rank", type=int, default=0, show_default=True, help="This host's rank in --world-size.")

@@ -246,8 +246,10 @@ def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torc
                 raise
 
 
-def read_sample(path: Path) -> dict:
-    return torch.load(path, weights_only=True, map_location="cpu")
+def read_sample(path: Path, mmap: bool = False) -> dict:
+    """One ``data_{i}.pt``. ``mmap=True`` maps the file instead of reading it: loading then costs only the
+    pickle, and the tensors' pages are read (in parallel, without the GIL) by whatever touches them."""
+    return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
 
 
 def existing_data_indices(directory: Path) -> list[int]:

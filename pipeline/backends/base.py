@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,24 +52,26 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class DeviceClock:
-    """Seconds the device spent on the work between ``start()`` and ``stop()``, summed over calls.
+    """Seconds the device spent on the work between each ``start()`` and ``stop()``, summed.
 
-    On a GPU: CUDA events on the current stream, so the figure is the stream's own time (kernels and the
-    device-to-host copy), not the host's; read it only after the stream has synchronised (``settle()``).
-    On the CPU the host is the device: wall time. The extract loop turns the sum into the device's idle
-    fraction (time the GPU waited for the host: batching, checks, writer back-pressure)."""
+    On a GPU: a pair of CUDA events per interval on the current stream, so the figure is the stream's own
+    time (kernels and device-to-host copies), not the host's. Intervals that the host queues while the
+    stream is still busy begin when the stream reaches them, so they never overlap. Recording never waits
+    for the device; ``settle()`` does (call it once the work is done). On the CPU the host is the device:
+    wall time. The extract loop turns the sum into the device's idle fraction (time the GPU waited for
+    the host: batching, checks, writer back-pressure)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.seconds = 0.0
-        self._marks: tuple | None = None
+        self._seconds = 0.0
+        self._pending: list = []
         self._t0 = 0.0
 
     def start(self) -> None:
         if self.cuda:
             begin = torch.cuda.Event(enable_timing=True)
             begin.record()
-            self._marks = (begin, None)
+            self._pending.append([begin, None])
         else:
             self._t0 = time.perf_counter()
 
@@ -77,16 +79,36 @@ class DeviceClock:
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._marks = (self._marks[0], end)
+            self._pending[-1][1] = end
         else:
-            self.seconds += time.perf_counter() - self._t0
+            self._seconds += time.perf_counter() - self._t0
 
     def settle(self) -> None:
-        """Add the last start..stop interval (CUDA: the stream must have passed the stop event)."""
-        if self.cuda and self._marks is not None:
-            begin, end = self._marks
-            self.seconds += begin.elapsed_time(end) / 1000.0
-            self._marks = None
+        """Add every finished interval (CUDA: waits for the last one's stop event)."""
+        done = [pair for pair in self._pending if pair[1] is not None]
+        if done:
+            done[-1][1].synchronize()
+        for begin, end in done:
+            self._seconds += begin.elapsed_time(end) / 1000.0
+        self._pending = [pair for pair in self._pending if pair[1] is None]
+
+    @property
+    def seconds(self) -> float:
+        self.settle()
+        return self._seconds
+
+
+def _ready() -> None:
+    """States computed synchronously need no waiting."""
+
+
+@dataclass
+class Captured:
+    """One batch's states, possibly still being copied to the host: call ``ready()`` (thread-safe, idempotent)
+    before reading their values. Shapes and dtypes are final at once."""
+
+    states: list[list[torch.Tensor]]
+    ready: Callable[[], None] = field(default=_ready)
 
 
 class Backend(ABC):
@@ -103,6 +125,11 @@ class Backend(ABC):
     @abstractmethod
     def capture(self, batch: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
         """For each sequence, one [T, H] tensor per layer id (in layer-id order), on the CPU."""
+
+    def capture_async(self, batch: Sequence[Sequence[int]]) -> Captured:
+        """Like ``capture``, but may return before the host copies finish, so the caller can queue the next
+        batch on the device while this one is written. Backends that cannot overlap return ready states."""
+        return Captured(self.capture(batch))
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model and devices."""

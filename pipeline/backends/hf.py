@@ -3,13 +3,13 @@
 Owns loading the model with transformers, finding its decoder layers (plain causal LMs and wrappers that
 keep the text model under ``language_model``), padding a batch on the right, and returning each sample's
 layer outputs with the padding stripped. The forward runs the decoder stack only (no lm_head), and the
-hooks keep nothing but the chosen layers' outputs.
+hooks keep nothing but the chosen layers' outputs. On a GPU nothing waits: the forward, the copies of
+each sample's rows to the host and the next batch's forward are queued on one stream.
 
 Right padding needs no attention mask: under causal attention a real token at position t < T_i only
 sees positions <= t, which are all real, and its position id is t either way. Passing no mask lets SDPA
 use its fused causal kernels instead of materialising a [B, heads, T, T] mask (tests compare every
-sample with its batch-of-one result). Pad positions compute garbage that is cut off before anything is
-copied to the host: the real rows of all samples are packed on the device and copied once.
+sample with its batch-of-one result). Pad positions compute garbage that is never copied to the host.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pipeline.backends.base import Backend, BackendOptions, DeviceClock, resolve_device, resolve_dtype
+from pipeline.backends.base import Backend, BackendOptions, Captured, DeviceClock, resolve_device, resolve_dtype
 from pipeline.errors import StageError
 
 
@@ -60,7 +60,6 @@ class HFBackend(Backend):
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [layers[k].register_forward_hook(self._hook(k)) for k in options.layer_ids]
         self.pad_id = 0
-        self._pinned: torch.Tensor | None = None
         self.clock = DeviceClock(self.device)
 
     @property
@@ -75,46 +74,48 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def forward_layers(self, batch: Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], list[int]]:
-        """Run one right-padded batch; return the captured [B, T_max, H] outputs (on device) and lengths."""
+        """Queue one right-padded batch; return the captured [B, T_max, H] outputs (on device) and lengths."""
         lengths = [len(s) for s in batch]
         t_max = max(lengths)
-        ids = torch.full((len(batch), t_max), self.pad_id, dtype=torch.long)
+        ids = torch.full((len(batch), t_max), self.pad_id, dtype=torch.long, pin_memory=self.device.type == "cuda")
         for i, s in enumerate(batch):
             ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
         self._captured.clear()
-        self.decoder(input_ids=ids.to(self.device), use_cache=False)  # causal; right padding needs no mask
+        # pinned + non_blocking: the host does not wait for the device's previous batch to queue this one
+        self.decoder(input_ids=ids.to(self.device, non_blocking=True), use_cache=False)  # causal: no mask needed
         outs = [self._captured.pop(k) for k in self.options.layer_ids]
         return outs, lengths
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
+        captured = self.capture_async(batch)
+        captured.ready()
+        return captured.states
+
+    @torch.inference_mode()
+    def capture_async(self, batch: Sequence[Sequence[int]]) -> Captured:
+        """Each sample's real rows go straight from the device into a host tensor of its own (pinned, from
+        torch's caching host allocator, so reuse costs nothing): no packing, no host-side copy, padding never
+        leaves the device. The copies are queued behind the forward; ``ready()`` waits for them."""
         self.clock.start()
         outs, lengths = self.forward_layers(batch)
-        # pack the real rows of every sample and layer on the device: [layers, sum T, H], one copy to the host
-        packed = torch.stack([torch.cat([o[i, :n] for i, n in enumerate(lengths)]) for o in outs])
-        host = self._host_buffer(packed)
-        host.copy_(packed, non_blocking=True)
+        cuda = self.device.type == "cuda"
+        states = []
+        for i, n in enumerate(lengths):
+            row = []
+            for o in outs:
+                h = torch.empty((n, o.shape[-1]), dtype=o.dtype, pin_memory=cuda)
+                h.copy_(o[i, :n], non_blocking=cuda)
+                row.append(h)
+            states.append(row)
         self.clock.stop()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.clock.settle()
-        del packed, outs
-        # .clone(): each sample's tensors must own their storage, or torch.save writes the whole batch
-        result, start = [], 0
-        for n in lengths:
-            result.append([host[j, start : start + n].clone() for j in range(host.shape[0])])
-            start += n
-        return result
-
-    def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """A host tensor shaped like ``like``; on CUDA a reused pinned buffer (pinning is slow, reuse is free)."""
-        if self.device.type != "cuda":
-            return torch.empty(like.shape, dtype=like.dtype)
-        if self._pinned is None or self._pinned.numel() < like.numel() or self._pinned.dtype != like.dtype:
-            self._pinned = torch.empty(int(like.numel() * 1.25), dtype=like.dtype, pin_memory=True)
-        return self._pinned[: like.numel()].view(like.shape)
+        if not cuda:
+            return Captured(states)
+        copied = torch.cuda.Event()
+        copied.record()
+        # the device memory of `outs` is reused only by work queued after the copies: dropping it here is safe
+        return Captured(states, copied.synchronize)
 
     def close(self) -> None:
-        self._pinned = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
