@@ -100,8 +100,17 @@ def plan_shard(lengths: Sequence[int], world_size: int, rank: int, max_batch_tok
 
 
 def deal(batches: list[Batch], workers: int, worker: int) -> list[Batch]:
-    """Round-robin over a longest-first plan: every worker gets a similar token count."""
-    return batches[worker::workers]
+    """A worker's batches: each batch of the longest-first plan goes to the worker with the fewest padded
+    tokens so far (ties: lowest worker), so the workers finish together. Pure and deterministic; resume
+    depends on it. (Round-robin gave worker 0 the larger batch of every round: 53% vs 47% of the tokens.)"""
+    load = [0] * workers
+    mine = []
+    for b in batches:
+        k = min(range(workers), key=lambda w: (load[w], w))
+        load[k] += b.padded_tokens
+        if k == worker:
+            mine.append(b)
+    return mine
 
 
 class Writer:

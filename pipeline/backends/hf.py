@@ -4,7 +4,7 @@ Owns loading the model with transformers, finding its decoder layers (plain caus
 keep the text model under ``language_model``), padding a batch on the right, and returning each sample's
 layer outputs with the padding stripped. The forward runs the decoder stack only (no lm_head), and the
 hooks keep nothing but the chosen layers' outputs. On a GPU nothing waits: the forward, the copies of
-each sample's rows to the host and the next batch's forward are queued on one stream.
+each sample's rows to the host (on a second stream) and the next batch's forward are queued at once.
 
 Right padding needs no attention mask: under causal attention a real token at position t < T_i only
 sees positions <= t, which are all real, and its position id is t either way. Passing no mask lets SDPA
@@ -61,6 +61,7 @@ class HFBackend(Backend):
         self._hooks = [layers[k].register_forward_hook(self._hook(k)) for k in options.layer_ids]
         self.pad_id = 0
         self.clock = DeviceClock(self.device)
+        self._copies = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -95,24 +96,29 @@ class HFBackend(Backend):
     def capture_async(self, batch: Sequence[Sequence[int]]) -> Captured:
         """Each sample's real rows go straight from the device into a host tensor of its own (pinned, from
         torch's caching host allocator, so reuse costs nothing): no packing, no host-side copy, padding never
-        leaves the device. The copies are queued behind the forward; ``ready()`` waits for them."""
+        leaves the device. On a GPU the copies run on a second stream once the forward is done, so the next
+        batch's forward overlaps them; ``ready()`` waits for them."""
         self.clock.start()
         outs, lengths = self.forward_layers(batch)
-        cuda = self.device.type == "cuda"
-        states = []
-        for i, n in enumerate(lengths):
-            row = []
-            for o in outs:
-                h = torch.empty((n, o.shape[-1]), dtype=o.dtype, pin_memory=cuda)
-                h.copy_(o[i, :n], non_blocking=cuda)
-                row.append(h)
-            states.append(row)
         self.clock.stop()
-        if not cuda:
-            return Captured(states)
-        copied = torch.cuda.Event()
-        copied.record()
-        # the device memory of `outs` is reused only by work queued after the copies: dropping it here is safe
+        if self.device.type != "cuda":
+            return Captured([[o[i, :n].clone() for o in outs] for i, n in enumerate(lengths)])
+        computed = torch.cuda.Event()
+        computed.record()
+        with torch.cuda.stream(self._copies):
+            self._copies.wait_event(computed)
+            states = []
+            for i, n in enumerate(lengths):
+                row = []
+                for o in outs:
+                    h = torch.empty((n, o.shape[-1]), dtype=o.dtype, pin_memory=True)
+                    h.copy_(o[i, :n], non_blocking=True)
+                    row.append(h)
+                states.append(row)
+            for o in outs:  # the allocator must not hand this memory to the next forward before the copies ran
+                o.record_stream(self._copies)
+            copied = torch.cuda.Event()
+            copied.record()
         return Captured(states, copied.synchronize)
 
     def close(self) -> None:

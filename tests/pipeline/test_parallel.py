@@ -25,6 +25,17 @@ def test_shards_and_deals_cover_every_sample_once():
     assert plan_shard(lengths, 1, 0, 300, 4) == plan_batches(lengths, 300, 4)
 
 
+def test_deal_balances_padded_tokens():
+    """Every worker's padded-token total is within one batch of every other's (round-robin was not)."""
+    lengths = [(i * 7919) % 2000 + 48 for i in range(500)]
+    plan = plan_batches(lengths, 8192, 64)
+    biggest = max(b.padded_tokens for b in plan)
+    for workers in (2, 3, 8):
+        loads = [sum(b.padded_tokens for b in deal(plan, workers, w)) for w in range(workers)]
+        assert max(loads) - min(loads) <= biggest, loads
+        assert deal(plan, workers, 1) == deal(plan, workers, 1)
+
+
 def test_data_parallel_files_equal_single_process(tmp_path, tiny_llama, prepared_llama):
     """Two worker processes write the same bytes as one process, as one set with one data_config.json."""
     common = ["extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 16, "--max-batch-size", 2,
