@@ -467,8 +467,8 @@ def launch_workers(cfg: ExtractConfig, owned: int, done: int) -> dict:
     stats = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "bytes": sum(w["bytes"] for w in per),
              "workers": per}
     busy = [w["device_busy_seconds"] for w in per if "device_busy_seconds" in w]
-    if len(busy) == len(per):
-        stats.update(device_idle(sum(busy), elapsed, len(per)))
+    if len(busy) == len(per):  # over the workers' loops: their start-up and model loads are not the loop's idle time
+        stats.update(device_idle(sum(busy), sum(w["seconds"] for w in per)))
     return stats
 
 
