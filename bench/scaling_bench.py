@@ -1,8 +1,8 @@
 """Benchmark: data-parallel extraction, 1 -> N GPUs of one host, and write/read bandwidth vs dd.
 
-For each N in --sweep, runs `pipeline extract --data-parallel N` on the same prepared set into a fresh
-directory under --out-root and reports tokens/s (loop time: the slowest worker's, model load excluded;
-and wall time including worker start and model load). Then times, on the same filesystem and in the same
+For each N in --sweep (repeats allowed: "1,2,1,2"), runs `pipeline extract --data-parallel N` as a fresh
+process on the same prepared set into a fresh directory under --out-root and reports tokens/s (loop time:
+the slowest worker's, model load excluded; and wall time including process start and model load). Then times, on the same filesystem and in the same
 run: `dd` writing and reading a file of the same size, `pipeline verify` over the written set, and the
 naive verification loop (torch.load of every file, one after another).
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -74,7 +75,6 @@ def naive_verify(directory: Path) -> float:
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch_tokens: int, writer_threads: int,
          with_verify: bool, json_out: Path | None) -> None:
-    from pipeline.extract import ExtractConfig, run
     from pipeline.tiny import build_tiny_model
     from pipeline.verify import VerifyConfig, verify
 
@@ -85,31 +85,40 @@ def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch
     model_dir = build_tiny_model("llama", out_root / "model", **overrides)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     make_prepared(out_root / "prepared", n, seq_length, vocab)
-    results: dict = {"preset": preset, "samples": n, "writer_threads": writer_threads, "seq_length": seq_length, "gpus": torch.cuda.device_count(), "runs": {}}
-    for dp in [int(x) for x in sweep.split(",")]:
-        out = out_root / f"dp{dp}"
+    results: dict = {"preset": preset, "samples": n, "writer_threads": writer_threads, "seq_length": seq_length,
+                     "gpus": torch.cuda.device_count(), "runs": []}
+    sizes = [int(x) for x in sweep.split(",")]  # repeats allowed ("1,2,1,2"): runs alternate, so drift hits both
+    for k, dp in enumerate(sizes):
+        out = out_root / f"run{k}-dp{dp}"
         t0 = time.perf_counter()
-        stats = run(ExtractConfig(prepared=out_root / "prepared", model=model_dir, out=out, data_parallel=dp,
-                                  max_batch_tokens=max_batch_tokens, writer_threads=writer_threads, verify=False,
-                                  progress=False))
+        # each size runs as users run it, a fresh `pipeline extract` process: the same start for 1 and N
+        proc = subprocess.run([sys.executable, "-m", "pipeline", "extract", "--prepared", str(out_root / "prepared"),
+                               "--model", str(model_dir), "--out", str(out), "--data-parallel", str(dp),
+                               "--max-batch-tokens", str(max_batch_tokens), "--writer-threads", str(writer_threads),
+                               "--no-verify", "--no-progress", "--json-stats"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"extract --data-parallel {dp} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        stats = json.loads(proc.stdout.strip().splitlines()[-1])
         wall = time.perf_counter() - t0
         workers = stats.get("workers") or [stats]
         loop = max(w["seconds"] for w in workers)
-        results["runs"][dp] = {"tokens": stats["tokens"], "loop_tokens_per_s": stats["tokens"] / loop,
-                               "wall_tokens_per_s": stats["tokens"] / wall, "bytes": stats["bytes"],
-                               "write_gb_s": stats["bytes"] / loop / 1e9,
-                               "device_idle_fraction": stats.get("device_idle_fraction"),
-                               "workers": [{k: w.get(k) for k in ("tokens", "seconds", "capture_seconds", "writer_wait_seconds",
-                                                                 "device_busy_seconds", "device_idle_fraction")}
-                                           for w in workers]}
-        print(json.dumps({dp: results["runs"][dp]}), flush=True)
-        if dp != max(int(x) for x in sweep.split(",")):
+        results["runs"].append({"data_parallel": dp, "tokens": stats["tokens"], "loop_tokens_per_s": stats["tokens"] / loop,
+                                "wall_tokens_per_s": stats["tokens"] / wall, "bytes": stats["bytes"],
+                                "write_gb_s": stats["bytes"] / loop / 1e9,
+                                "device_idle_fraction": stats.get("device_idle_fraction"),
+                                "workers": [{k: w.get(k) for k in ("tokens", "seconds", "capture_seconds", "writer_wait_seconds",
+                                                                  "device_busy_seconds", "device_idle_fraction")}
+                                            for w in workers]})
+        print(json.dumps(results["runs"][-1]), flush=True)
+        last = out
+        if k != len(sizes) - 1:
             shutil.rmtree(out)
-    last = out_root / f"dp{max(int(x) for x in sweep.split(','))}"
-    runs = results["runs"]
-    base = runs[min(runs)]["loop_tokens_per_s"]
-    for dp, r in runs.items():
+    # scaling: each run against the mean of the smallest size's runs
+    smallest = min(sizes)
+    base = sum(r["loop_tokens_per_s"] for r in results["runs"] if r["data_parallel"] == smallest) / sizes.count(smallest)
+    for r in results["runs"]:
         r["scaling_vs_min"] = r["loop_tokens_per_s"] / base
+    print(json.dumps({"scaling": [(r["data_parallel"], round(r["scaling_vs_min"], 3)) for r in results["runs"]]}), flush=True)
     total_bytes = sum(p.stat().st_size for p in last.glob("data_*.pt"))
     results.update(dd(out_root / "dd.bin", total_bytes))
     results["dd_parallel_write_gb_s"] = dd_parallel_write(out_root, total_bytes)
