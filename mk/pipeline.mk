@@ -1,3 +1,10 @@
 .PHONY: bench-extract
 bench-extract: env ## extract throughput: ours vs naive, side by side (CPU here; --preset llama-1b on a GPU)
 	$(PY) bench/extract_bench.py --preset tiny $(BENCH_ARGS)
+
+.PHONY: bench-scaling bench-verify
+bench-scaling: env ## extract --data-parallel 1 vs 2 (+ dd, verify, naive loop); on a GPU host: BENCH_ARGS="--preset llama-1b --samples 1024 --sweep 1,2,1,2"
+	$(PY) -m bench.scaling_bench --preset tiny --sweep 1,2 --out-root /tmp/scaling-bench $(BENCH_ARGS)
+
+bench-verify: env ## verify's read rate vs dd and a naive torch.load loop (no GPU needed); BENCH_ARGS="--dir /dev/shm/vb --gb 6 --hidden 2048"
+	$(PY) -m bench.verify_bench --dir /tmp/verify-bench --gb 1 $(BENCH_ARGS)
