@@ -52,7 +52,7 @@ class ExtractConfig:
     verify: bool = True  # write summary.json by running verify at the end
     progress: bool = True
     writer_threads: int = 4  # threads writing files (per process)
-    data_parallel: int = 1  # processes on this host, one per GPU, batches dealt round-robin
+    data_parallel: int = 1  # processes on this host, one per GPU, batches dealt by padded tokens (deal())
     world_size: int = 1  # hosts taking part; host `rank` owns samples i with i % world_size == rank
     rank: int = 0
     local_rank: int | None = None  # internal: set in a data-parallel worker process
@@ -158,12 +158,13 @@ class Writer:
 
     def put(self, items: list) -> None:
         nbytes = sum(_nbytes(item[2]) for item in items)
-        t0 = time.perf_counter()
-        with self._room:
-            while self._pending and self._pending + nbytes > self.max_pending_bytes and self.error is None:
-                self._room.wait()
-            self._pending += nbytes
-        self.wait_seconds += time.perf_counter() - t0
+        if items:
+            t0 = time.perf_counter()
+            with self._room:
+                while self._pending and self._pending + nbytes > self.max_pending_bytes and self.error is None:
+                    self._room.wait()
+                self._pending += nbytes
+            self.wait_seconds += time.perf_counter() - t0
         self._raise()
         for item in items:
             self.queue.put(item)
