@@ -26,6 +26,13 @@ if pgrep -x dockerd >/dev/null 2>&1; then
 fi
 
 mkdir -p /var/log
+# An engine that died uncleanly leaves containerd's pid file behind; once that pid is reused by another
+# process, dockerd waits for a containerd that is not there and gives up after a minute. No dockerd runs
+# at this point, so a pid file that does not name a live containerd is stale.
+pidfile=/var/run/docker/containerd/containerd.pid
+if [[ -f $pidfile ]] && [[ "$(cat "/proc/$(cat "$pidfile")/comm" 2>/dev/null)" != containerd ]]; then
+  rm -f "$pidfile"
+fi
 # setsid: the engine must outlive this script and not share its process group
 setsid dockerd >>/var/log/dockerd.log 2>&1 < /dev/null &
 for _ in $(seq 1 60); do
