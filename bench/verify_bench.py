@@ -61,11 +61,9 @@ def make_set(root: Path, gb: float, hidden: int, seq_length: int, layers: int = 
 @click.option("--hidden", type=int, default=1024, show_default=True)
 @click.option("--seq-length", type=int, default=2048, show_default=True)
 @click.option("--workers", default="0", show_default=True, help="Comma-separated reader counts to compare (0 = verify's default).")
-@click.option("--readers", default="auto", show_default=True, help="Comma-separated reader kinds to compare: threads, processes, auto.")
 @click.option("--repeat", type=int, default=2, show_default=True)
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
-def main(root: Path, gb: float, hidden: int, seq_length: int, workers: str, readers: str, repeat: int,
-         json_out: Path | None) -> None:
+def main(root: Path, gb: float, hidden: int, seq_length: int, workers: str, repeat: int, json_out: Path | None) -> None:
     from pipeline.verify import VerifyConfig, verify
 
     shutil.rmtree(root, ignore_errors=True)
@@ -78,11 +76,10 @@ def main(root: Path, gb: float, hidden: int, seq_length: int, workers: str, read
     timings: dict[str, list[float]] = {}
     for _ in range(repeat):
         timings.setdefault("naive", []).append(naive_verify(states))
-        for kind in readers.split(","):
-            for w in [int(x) for x in workers.split(",")]:
-                t0 = time.perf_counter()
-                summary = verify(VerifyConfig(path=states, workers=w, readers=kind, write_summary=False))
-                timings.setdefault(f"verify_{kind}_{w}", []).append(time.perf_counter() - t0)
+        for w in [int(x) for x in workers.split(",")]:
+            t0 = time.perf_counter()
+            summary = verify(VerifyConfig(path=states, workers=w, write_summary=False))
+            timings.setdefault(f"verify_workers_{w}", []).append(time.perf_counter() - t0)
             if not summary.ok:
                 raise SystemExit(f"verify failed on the benchmark set: {[c.detail for c in summary.checks if c.status == 'fail'][:3]}")
     best = {k: min(v) for k, v in timings.items()}

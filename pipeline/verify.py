@@ -9,13 +9,10 @@ It reads outputs; it never modifies them (summary.json aside).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +41,6 @@ class VerifyConfig:
     alignment_samples: int = 4  # files checked for alignment
     min_agreement: float = 0.95  # per-file argmax agreement needed
     workers: int = 0  # parallel file readers; 0 = default_workers()
-    readers: str = "auto"  # threads | processes | auto (processes for large sets, see check_files)
     write_summary: bool = True
     world_size: int = 1  # hidden states written by several hosts: check only this host's shard
     rank: int = 0
@@ -112,7 +108,6 @@ def _vocab_check(path: Path, draft_vocab: int | None, target_vocab: int | None) 
 
 
 def _check_file(directory: Path, i: int, dc: formats.DataConfig, lengths: dict[int, int], prepared) -> list[CheckResult]:
-    """Every per-file check of ``data_{i}.pt``: the failures found (empty when the file is good)."""
     name = f"data_{i}.pt"
     try:
         d = formats.read_sample(directory / name, mmap=True)
@@ -164,55 +159,6 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-#: ``--readers auto`` uses processes from this many files on: below it, forking costs more than it saves
-PROCESS_READERS_FROM = 256
-_CHUNK = 16  # files per task handed to a reader process
-
-
-def check_files(directory: Path, indices: list[int], dc: formats.DataConfig, lengths: dict[int, int], prepared,
-                workers: int, readers: str = "auto") -> list[list[CheckResult]]:
-    """The per-file checks of ``indices``, in order, on ``workers`` parallel readers.
-
-    Threads or forked processes: torch's weights-only unpickler is Python and holds the GIL for ~1-3 ms
-    per file, which caps a thread pool on sets of many files; processes each have their own. The children
-    are forked, so the prepared rows and lengths are inherited, not pickled; only file indices and findings
-    cross. ``auto`` picks processes for sets of ``PROCESS_READERS_FROM`` files or more where fork exists."""
-    # measured on the H200 host (docs/benchmarks.md): threads stop gaining at ~11 GB/s on 25 MB files
-    if readers not in ("auto", "threads", "processes"):
-        raise StageError(f"unknown --readers {readers!r}: choose auto, threads or processes")
-    forkable = "fork" in multiprocessing.get_all_start_methods()
-    if readers == "processes" and not forkable:
-        raise StageError("--readers processes needs fork(), which this platform lacks: use --readers threads")
-    # auto stays on threads in a process that holds a CUDA context (verify at the end of extract): forking one
-    # is safe only while the children never touch CUDA, and nothing here should depend on that
-    auto = len(indices) >= PROCESS_READERS_FROM and not torch.cuda.is_initialized()
-    use_processes = workers > 1 and forkable and (readers == "processes" or (readers == "auto" and auto))
-    check = functools.partial(_check_file, directory, dc=dc, lengths=lengths, prepared=prepared)
-    if not use_processes:
-        with _threads_per_reader(workers), ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(check, indices))
-    global _FORKED_CHECK
-    _FORKED_CHECK = check
-    try:
-        chunks = [indices[k : k + _CHUNK] for k in range(0, len(indices), _CHUNK)]
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
-                                 initializer=torch.set_num_threads, initargs=(threads,)) as pool:
-            return [r for done in pool.map(_check_chunk, chunks) for r in done]
-    except BrokenProcessPool:
-        raise StageError(f"a verify reader process died while reading {directory} (a file truncated or removed while "
-                         "being read?): re-run verify once nothing writes there") from None
-    finally:
-        _FORKED_CHECK = None
-
-
-_FORKED_CHECK = None  # the per-file check a forked reader inherits from check_files()
-
-
-def _check_chunk(indices: list[int]) -> list[list[CheckResult]]:
-    return [_FORKED_CHECK(i) for i in indices]
-
-
 @contextmanager
 def _threads_per_reader(readers: int):
     """Give each file reader its share of the cores for torch's own (intra-op) threads: N readers each
@@ -227,8 +173,9 @@ def _threads_per_reader(readers: int):
 
 def damaged_files(directory: Path, indices: list[int], dc: formats.DataConfig, prepared, workers: int = 0) -> dict[int, str]:
     """Files among ``indices`` that fail any per-file check, with the first reason: what --repair redoes."""
-    results = check_files(directory, indices, dc, {}, prepared, workers or default_workers())
-    return {i: f"{cs[0].name}: {cs[0].detail}" for i, cs in zip(indices, results, strict=True) if cs}
+    with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
+        results = list(pool.map(lambda i: (i, _check_file(directory, i, dc, {}, prepared)), indices))
+    return {i: f"{cs[0].name}: {cs[0].detail}" for i, cs in results if cs}
 
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -298,8 +245,9 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
                           "sample_lengths.json missing" if not lengths else f"{len(lengths)} entries for {dc.num_samples} samples"))
     prepared_dir = cfg.prepared or (Path(dc.prepared) if dc.prepared and Path(dc.prepared).is_dir() else None)
     prepared = formats.read_prepared(prepared_dir)[0] if prepared_dir else None
-    per_file = check_files(path, sorted(set(indices) & set(range(dc.num_samples))), dc, lengths, prepared,
-                           cfg.workers or default_workers(), cfg.readers)
+    workers = cfg.workers or default_workers()
+    with _threads_per_reader(workers), ThreadPoolExecutor(max_workers=workers) as pool:
+        per_file = list(pool.map(lambda i: _check_file(path, i, dc, lengths, prepared), sorted(set(indices) & set(range(dc.num_samples)))))
     findings = [c for cs in per_file for c in cs]
     s.checks.extend(findings)
     names = ("loadable", "keys", "ids_mask", "layers", "shape_dtype", "nan_inf", "length", "sample_lengths", "prepared_match")
@@ -437,8 +385,6 @@ def report(cfg: VerifyConfig) -> Summary:
 @click.option("--min-agreement", type=float, default=0.95, show_default=True)
 @click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
               help="Parallel file readers (0 = 4, or the core count if smaller).")
-@click.option("--readers", type=click.Choice(["auto", "threads", "processes"]), default="auto", show_default=True,
-              help="Reader kind: processes escape the GIL on large sets (auto: from 256 files).")
 @click.option("--world-size", type=int, default=1, show_default=True, help="Check only one host's shard: i %% W == rank.")
 @click.option("--rank", type=int, default=0, show_default=True)
 def command(path: Path, **kwargs) -> None:
