@@ -54,6 +54,9 @@ class HFBackend(Backend):
     def __init__(self, options: BackendOptions):
         self.options = options
         self.device = resolve_device(options.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # events, the clock and the copy stream use the current device's streams: make it the model's
+            torch.cuda.set_device(self.device)
         self._dtype = resolve_dtype(options.dtype, self.device)
         self.model = load_causal_lm(options, self.device, self._dtype)
         self.decoder, layers = find_decoder(self.model, options.model.num_layers)
