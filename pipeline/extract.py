@@ -344,6 +344,9 @@ def _check_parallel(cfg: ExtractConfig) -> None:
         raise StageError(f"--data-parallel {cfg.data_parallel} must be at least 1")
     if cfg.data_parallel > 1 and cfg.backend != "hf":
         raise StageError("--data-parallel is for the hf backend; the vllm backend uses --tensor-parallel-size")
+    if cfg.data_parallel > 1 and cfg.device.startswith("cuda:"):
+        raise StageError(f"--data-parallel gives each worker one GPU of its own; drop --device {cfg.device} "
+                         "(choose the GPUs with CUDA_VISIBLE_DEVICES)")
     if cfg.data_parallel > 1 and cfg.local_rank is None and torch.cuda.is_available():
         if cfg.data_parallel > len(visible_devices()):
             raise StageError(f"--data-parallel {cfg.data_parallel} but only {len(visible_devices())} GPUs are visible")

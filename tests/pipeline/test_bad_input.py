@@ -76,6 +76,8 @@ def test_prepare_flag_ranges(tmp_path, tiny_llama, conversations, flags, fragmen
         (["--resume", "--overwrite"], "contradict"),
         (["--dtype", "float8"], "unknown --dtype"),
         (["--layer-ids", "2,four,5,7"], "comma-separated integers"),
+        (["--writer-threads", "0"], "--writer-threads 0"),
+        (["--data-parallel", "2", "--device", "cuda:1"], "CUDA_VISIBLE_DEVICES"),
     ],
 )
 def test_extract_flag_errors(tmp_path, tiny_llama, prepared_llama, flags, fragment):
