@@ -55,7 +55,8 @@ class DeviceClock:
     """Seconds the device spent on the work between each ``start()`` and ``stop()``, summed.
 
     On a GPU: a pair of CUDA events per interval on the current stream, so the figure is the stream's own
-    time (kernels and device-to-host copies), not the host's. Intervals that the host queues while the
+    time (the hf backend's forward kernels; its device-to-host copies run on a second stream and overlap
+    the next forward, so they are not counted), not the host's. Intervals that the host queues while the
     stream is still busy begin when the stream reaches them, so they never overlap. Recording never waits
     for the device; ``settle()`` does (call it once the work is done). On the CPU the host is the device:
     wall time. The extract loop turns the sum into the device's idle fraction (time the GPU waited for
