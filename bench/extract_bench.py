@@ -173,7 +173,8 @@ def main(preset: str, workdir: Path, samples: int | None, max_batch_tokens: int 
     if device == "cuda":
         result["roofline_fraction_total_params"] = 2 * total_params * ours["tokens_per_s"] / PEAK_BF16_FLOPS
         result["roofline_fraction_run_params"] = 2 * run_params * ours["tokens_per_s"] / PEAK_BF16_FLOPS
-        # the device's own rate while busy (forward + device-to-host copies, CUDA events): the loop's ceiling
+        # the device's rate while its compute stream is busy (CUDA events around each forward; the copies
+        # run on a second stream and are not counted)
         result["roofline_fraction_device_busy"] = (2 * total_params * ours["tokens"] / ours["device_busy_seconds"]) / PEAK_BF16_FLOPS
         result["roofline_fraction_forward_only"] = 2 * total_params * fwd / PEAK_BF16_FLOPS
     print(json.dumps(result, indent=2))
