@@ -3,7 +3,7 @@
 Builds (once per run) a prepared set and matching ``data_{i}.pt`` files of random bf16 states, then in one
 process, on the same filesystem: dd writes and reads one file of the same total size; the naive loop
 (torch.load of every file, one after another, ``isfinite`` on every state); and ``pipeline verify``'s
-hidden-states checks with several reader settings. Each figure is the best of --repeat runs, measured in
+hidden-states checks with several reader counts and both data-file loaders. Each figure is the best of --repeat runs, measured in
 turns so that every variant sees the same page-cache state. Needs no GPU.
 
     python -m bench.verify_bench --dir /dev/shm/vb --gb 4 --hidden 2048     # tmpfs
@@ -55,17 +55,36 @@ def make_set(root: Path, gb: float, hidden: int, seq_length: int, layers: int = 
     return out
 
 
+def timed_verify(states: Path, workers: int, loader: str) -> float:
+    """One ``verify`` of the set, reading data files with the project's restricted unpickler or, as
+    before it, torch's ``weights_only`` one (forced the way an operator would: the environment)."""
+    from pipeline.verify import VerifyConfig, verify
+
+    os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+    if loader == "weights_only":
+        os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        t0 = time.perf_counter()
+        summary = verify(VerifyConfig(path=states, workers=workers, write_summary=False))
+        seconds = time.perf_counter() - t0
+    finally:
+        os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+    if not summary.ok:
+        raise SystemExit(f"verify failed on the benchmark set: {[c.detail for c in summary.checks if c.status == 'fail'][:3]}")
+    return seconds
+
+
 @click.command()
 @click.option("--dir", "root", type=click.Path(path_type=Path), default=Path("/tmp/verify-bench"), show_default=True)
 @click.option("--gb", type=float, default=1.0, show_default=True, help="Size of the hidden-states set.")
 @click.option("--hidden", type=int, default=1024, show_default=True)
 @click.option("--seq-length", type=int, default=2048, show_default=True)
 @click.option("--workers", default="0", show_default=True, help="Comma-separated reader counts to compare (0 = verify's default).")
+@click.option("--loaders", default="restricted,weights_only", show_default=True,
+              help="Data-file loaders to compare: restricted (verify's own) and/or weights_only (torch's).")
 @click.option("--repeat", type=int, default=2, show_default=True)
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
-def main(root: Path, gb: float, hidden: int, seq_length: int, workers: str, repeat: int, json_out: Path | None) -> None:
-    from pipeline.verify import VerifyConfig, verify
-
+def main(root: Path, gb: float, hidden: int, seq_length: int, workers: str, loaders: str, repeat: int, json_out: Path | None) -> None:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     states = make_set(root, gb, hidden, seq_length)
@@ -77,11 +96,8 @@ def main(root: Path, gb: float, hidden: int, seq_length: int, workers: str, repe
     for _ in range(repeat):
         timings.setdefault("naive", []).append(naive_verify(states))
         for w in [int(x) for x in workers.split(",")]:
-            t0 = time.perf_counter()
-            summary = verify(VerifyConfig(path=states, workers=w, write_summary=False))
-            timings.setdefault(f"verify_workers_{w}", []).append(time.perf_counter() - t0)
-            if not summary.ok:
-                raise SystemExit(f"verify failed on the benchmark set: {[c.detail for c in summary.checks if c.status == 'fail'][:3]}")
+            for loader in loaders.split(","):
+                timings.setdefault(f"verify_{loader}_workers_{w}", []).append(timed_verify(states, w, loader))
     best = {k: min(v) for k, v in timings.items()}
     results["gb_s"] = {k: nbytes / s / 1e9 for k, s in best.items()}
     results["vs_dd_read"] = {k: g / results["dd_read_gb_s"] for k, g in results["gb_s"].items()}

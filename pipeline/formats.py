@@ -24,6 +24,8 @@ Nothing else in the project writes these files; this module does no computation 
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -246,10 +248,48 @@ def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torc
                 raise
 
 
+class _SampleUnpickler(pickle.Unpickler):
+    """The C unpickler, allowed only the globals a data file names: torch's tensor rebuild function and the
+    empty OrderedDict of backward hooks (storage classes never reach here: torch resolves them itself).
+
+    Any other global fails the load, as it would under ``weights_only=True``; unlike that unpickler, which
+    is pure Python and holds the GIL for ~2 ms per file, this one costs ~0.6 ms, which is what bounded
+    verify's parallel readers (docs/benchmarks.md). It is not hardened against a file crafted to crash the
+    C parser: data files are this project's own output, on the host that wrote them.
+    """
+
+    ALLOWED = frozenset({("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")})
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a data file")
+        return super().find_class(module, name)
+
+
+class _SamplePickle:
+    """The ``pickle_module`` handed to ``torch.load``. Its ``load`` is reached only by torch's legacy
+    (pre-zip) format, which this project never writes: refused rather than unpickled unrestricted."""
+
+    __name__ = "pipeline.formats.sample_pickle"
+    Unpickler = _SampleUnpickler
+
+    @staticmethod
+    def load(*_args, **_kwargs):
+        raise pickle.UnpicklingError("not a zip archive written by torch.save (legacy or foreign format)")
+
+
+def _weights_only_forced() -> bool:
+    return os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
+
+
 def read_sample(path: Path, mmap: bool = False) -> dict:
-    """One ``data_{i}.pt``. ``mmap=True`` maps the file instead of reading it: loading then costs only the
-    pickle, and the tensors' pages are read (in parallel, without the GIL) by whatever touches them."""
-    return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+    """One ``data_{i}.pt``, through ``_SampleUnpickler`` (or torch's ``weights_only`` loader where the
+    operator forces it with TORCH_FORCE_WEIGHTS_ONLY_LOAD). ``mmap=True`` maps the file instead of reading
+    it: loading then costs only the pickle, and the tensors' pages are read (in parallel, without the GIL)
+    by whatever touches them."""
+    if _weights_only_forced():
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+    return torch.load(path, weights_only=False, pickle_module=_SamplePickle, map_location="cpu", mmap=mmap)
 
 
 def existing_data_indices(directory: Path) -> list[int]:

