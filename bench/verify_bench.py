@@ -3,8 +3,8 @@
 Builds (once per run) a prepared set and matching ``data_{i}.pt`` files of random bf16 states, then in one
 process, on the same filesystem: dd writes and reads one file of the same total size; the naive loop
 (torch.load of every file, one after another, ``isfinite`` on every state); and ``pipeline verify``'s
-hidden-states checks with several reader counts and both data-file loaders. Each figure is the best of --repeat runs, measured in
-turns so that every variant sees the same page-cache state. Needs no GPU.
+hidden-states checks with several reader counts and both data-file loaders. Each figure is the best of
+--repeat runs, measured in turns so that every variant sees the same page-cache state. Needs no GPU.
 
     python -m bench.verify_bench --dir /dev/shm/vb --gb 4 --hidden 2048     # tmpfs
     python -m bench.verify_bench --dir /tmp/vb --gb 4 --hidden 2048         # the disk (page-cached reads)
@@ -56,8 +56,9 @@ def make_set(root: Path, gb: float, hidden: int, seq_length: int, layers: int = 
 
 
 def timed_verify(states: Path, workers: int, loader: str) -> float:
-    """One ``verify`` of the set, reading data files with the project's restricted unpickler or, as
-    before it, torch's ``weights_only`` one (forced the way an operator would: the environment)."""
+    """One ``verify`` of the set, reading data files into reused buffers (verify's own path) or, as before
+    it, with ``torch.load(weights_only=True, mmap=True)`` (forced the way an operator would: the
+    environment, which turns the buffer path off)."""
     from pipeline.verify import VerifyConfig, verify
 
     os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
@@ -80,8 +81,8 @@ def timed_verify(states: Path, workers: int, loader: str) -> float:
 @click.option("--hidden", type=int, default=1024, show_default=True)
 @click.option("--seq-length", type=int, default=2048, show_default=True)
 @click.option("--workers", default="0", show_default=True, help="Comma-separated reader counts to compare (0 = verify's default).")
-@click.option("--loaders", default="restricted,weights_only", show_default=True,
-              help="Data-file loaders to compare: restricted (verify's own) and/or weights_only (torch's).")
+@click.option("--loaders", default="buffer,weights_only", show_default=True,
+              help="Data-file loaders to compare: buffer (verify's own) and/or weights_only (torch.load as before it).")
 @click.option("--repeat", type=int, default=2, show_default=True)
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(root: Path, gb: float, hidden: int, seq_length: int, workers: str, loaders: str, repeat: int, json_out: Path | None) -> None:

@@ -30,6 +30,8 @@ patch-vllm: env-vllm ## apply patches/ to .venv-vllm (a no-op when already appli
 
 test-vllm: patch-vllm ## tests on a real vLLM 0.16.0 (CPU build) + speculators 0.4.0.1
 	$(VLLM_PY) -m pytest -m vllm tests/vllm tests/train $(PYTEST_ARGS)
+	# the data-file readers again under the torch the vLLM stack pins (they use torch's zip reader directly)
+	$(VLLM_PY) -m pytest tests/pipeline/test_sample_reader.py $(PYTEST_ARGS)
 
 test: test-vllm
 

@@ -278,7 +278,8 @@ class _SamplePickle:
         raise pickle.UnpicklingError("not a zip archive written by torch.save (legacy or foreign format)")
 
 
-def _weights_only_forced() -> bool:
+def weights_only_forced() -> bool:
+    """Whether the operator forces torch's weights_only loader (TORCH_FORCE_WEIGHTS_ONLY_LOAD): honoured."""
     return os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
 
 
@@ -287,7 +288,7 @@ def read_sample(path: Path, mmap: bool = False) -> dict:
     operator forces it with TORCH_FORCE_WEIGHTS_ONLY_LOAD). ``mmap=True`` maps the file instead of reading
     it: loading then costs only the pickle, and the tensors' pages are read (in parallel, without the GIL)
     by whatever touches them."""
-    if _weights_only_forced():
+    if weights_only_forced():
         return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     return torch.load(path, weights_only=False, pickle_module=_SamplePickle, map_location="cpu", mmap=mmap)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch
 from pipeline import formats
 from pipeline.checks import CheckResult, Summary, check, fail, ok, render, warn
 from pipeline.errors import CheckFailed, StageError
+from pipeline.sample_buffer import NotFastPath, SampleBuffer
 from pipeline.vocab import token_frequencies, vocab_mapping_problems
 
 SUMMARY = "summary.json"
@@ -107,10 +109,27 @@ def _vocab_check(path: Path, draft_vocab: int | None, target_vocab: int | None) 
 # ---------------------------------------------------------------- hidden states
 
 
-def _check_file(directory: Path, i: int, dc: formats.DataConfig, lengths: dict[int, int], prepared) -> list[CheckResult]:
+def _reader_loads():
+    """A loader for reader threads: each thread reads through its own ``SampleBuffer`` and falls back to
+    ``formats.read_sample`` (mapped) for a file the buffer path does not take; the samples it returns are
+    valid until the same thread loads the next file."""
+    local = threading.local()
+
+    def load(path: Path) -> dict:
+        if not hasattr(local, "buffer"):
+            local.buffer = SampleBuffer()
+        try:
+            return local.buffer.read(path)
+        except NotFastPath:
+            return formats.read_sample(path, mmap=True)
+
+    return load
+
+
+def _check_file(directory: Path, i: int, dc: formats.DataConfig, lengths: dict[int, int], prepared, load) -> list[CheckResult]:
     name = f"data_{i}.pt"
     try:
-        d = formats.read_sample(directory / name, mmap=True)
+        d = load(directory / name)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
         return [fail("loadable", f"cannot load: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", name)]
     out: list[CheckResult] = []
@@ -156,10 +175,10 @@ def _nonfinite(h: torch.Tensor) -> int:
 
 
 def default_workers() -> int:
-    """Parallel file readers: 4 (fewer on smaller machines), each with its share of the cores for torch's
-    threads. On a 32-core H200 host, 2 and 4 readers read 11.2 GB/s from tmpfs, 16 readers 8.7, 32 readers
-    8.4 (docs/benchmarks.md): more readers only add page-fault and scheduling contention."""
-    return max(1, min(4, os.cpu_count() or 1))
+    """Parallel file readers: 8 (fewer on smaller machines), each with its share of the cores for torch's
+    threads. On a 32-core H200 host the prototype of the buffer path read 6.3-6.7 / 11.3-12.4 / 15.8-17.0
+    GB/s from tmpfs with 2 / 4 / 8 readers; mapped files stopped gaining past 2-4 (docs/benchmarks.md)."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 @contextmanager
@@ -176,8 +195,9 @@ def _threads_per_reader(readers: int):
 
 def damaged_files(directory: Path, indices: list[int], dc: formats.DataConfig, prepared, workers: int = 0) -> dict[int, str]:
     """Files among ``indices`` that fail any per-file check, with the first reason: what --repair redoes."""
+    load = _reader_loads()
     with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
-        results = list(pool.map(lambda i: (i, _check_file(directory, i, dc, {}, prepared)), indices))
+        results = list(pool.map(lambda i: (i, _check_file(directory, i, dc, {}, prepared, load)), indices))
     return {i: f"{cs[0].name}: {cs[0].detail}" for i, cs in results if cs}
 
 
@@ -248,9 +268,9 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
                           "sample_lengths.json missing" if not lengths else f"{len(lengths)} entries for {dc.num_samples} samples"))
     prepared_dir = cfg.prepared or (Path(dc.prepared) if dc.prepared and Path(dc.prepared).is_dir() else None)
     prepared = formats.read_prepared(prepared_dir)[0] if prepared_dir else None
-    workers = cfg.workers or default_workers()
+    workers, load = cfg.workers or default_workers(), _reader_loads()
     with _threads_per_reader(workers), ThreadPoolExecutor(max_workers=workers) as pool:
-        per_file = list(pool.map(lambda i: _check_file(path, i, dc, lengths, prepared), sorted(set(indices) & set(range(dc.num_samples)))))
+        per_file = list(pool.map(lambda i: _check_file(path, i, dc, lengths, prepared, load), sorted(set(indices) & set(range(dc.num_samples)))))
     findings = [c for cs in per_file for c in cs]
     s.checks.extend(findings)
     names = ("loadable", "keys", "ids_mask", "layers", "shape_dtype", "nan_inf", "length", "sample_lengths", "prepared_match")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pipeline import formats
+from pipeline.sample_buffer import NotFastPath, SampleBuffer
 from pipeline.verify import VerifyConfig, verify
 
 
@@ -70,3 +71,82 @@ def test_verify_reports_such_a_file_as_not_loadable(tmp_path, extracted_llama):
     failed = {(c.file, c.name) for c in summary.checks if c.status == "fail"}
     assert failed == {("data_2.pt", "loadable")}
     assert not marker.exists()
+
+
+# ------------------------------------------------------------- verify's buffer path (pipeline/sample_buffer.py)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_buffer_reads_what_write_sample_wrote_and_reuses_its_memory(tmp_path, dtype):
+    buffer = SampleBuffer()
+    samples = []
+    for i, t in enumerate((9, 40, 5)):  # growing, then shrinking: the buffer is reused, never stale
+        ids, hs = torch.arange(t) * (i + 1), [torch.randn(t, 16).to(dtype) for _ in range(4)]
+        mask = (torch.arange(t) % 2).to(torch.int64)
+        formats.write_sample(tmp_path / f"data_{i}.pt", ids, hs, mask)
+        samples.append((ids, hs, mask))
+    for i, (ids, hs, mask) in enumerate(samples):
+        got = buffer.read(tmp_path / f"data_{i}.pt")
+        assert list(got) == list(formats.DATA_KEYS)
+        assert torch.equal(got["input_ids"], ids) and torch.equal(got["loss_mask"], mask)
+        assert [h.dtype for h in got["hidden_states"]] == [dtype] * 4
+        assert all(torch.equal(a, b) for a, b in zip(got["hidden_states"], hs))
+        # views of the buffer, not copies: nothing allocated per file
+        assert got["hidden_states"][0].untyped_storage().data_ptr() == buffer._buffer.untyped_storage().data_ptr()
+
+
+def _save(path, obj, **kwargs):
+    torch.save(obj, path, **kwargs)
+    return path
+
+
+@pytest.mark.parametrize("case", ["non_contiguous", "offset_view", "other_global", "legacy", "truncated", "not_zip", "forced"])
+def test_buffer_refuses_anything_write_sample_does_not_write(tmp_path, monkeypatch, case):
+    """Each of these goes to formats.read_sample instead (NotFastPath), which then loads or reports it."""
+    ids, hs, mask = _sample(torch.bfloat16)
+    sample = {"input_ids": ids, "hidden_states": hs, "loss_mask": mask}
+    path = tmp_path / "data_0.pt"
+    if case == "non_contiguous":
+        sample["hidden_states"] = [h.t() for h in hs]
+        _save(path, sample)
+    elif case == "offset_view":
+        base = torch.randn(20, 16).to(torch.bfloat16)
+        sample["hidden_states"] = [base[3:10] for _ in hs]  # a view: storage larger than the tensor, offset 3*16
+        _save(path, sample)
+    elif case == "other_global":
+        sample["x"] = _Payload(tmp_path / "ran")
+        _save(path, sample)
+    elif case == "legacy":
+        _save(path, sample, _use_new_zipfile_serialization=False)
+    elif case == "truncated":
+        formats.write_sample(path, ids, hs, mask)
+        path.write_bytes(path.read_bytes()[:-200])
+    elif case == "not_zip":
+        path.write_bytes(b"\0" * 4096)
+    elif case == "forced":
+        formats.write_sample(path, ids, hs, mask)
+        monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(NotFastPath):
+        SampleBuffer().read(path)
+    assert not (tmp_path / "ran").exists()
+    if case in ("non_contiguous", "offset_view", "forced"):  # valid files: the fallback still reads them
+        got = formats.read_sample(path)
+        assert torch.equal(got["hidden_states"][0], sample["hidden_states"][0])
+
+
+def test_verify_falls_back_for_valid_files_the_buffer_does_not_take(tmp_path, extracted_llama):
+    """A data file saved with non-contiguous states still verifies (through torch.load), and a truncated one
+    is still a loadable finding."""
+    import shutil
+
+    d = tmp_path / "states"
+    shutil.copytree(extracted_llama, d)
+    sample = formats.read_sample(d / "data_4.pt")
+    sample["hidden_states"] = [h.t().contiguous().t() for h in sample["hidden_states"]]  # same values, column-major
+    torch.save(sample, d / "data_4.pt")
+    with pytest.raises(NotFastPath):
+        SampleBuffer().read(d / "data_4.pt")
+    assert verify(VerifyConfig(path=d, write_summary=False)).ok
+    (d / "data_6.pt").write_bytes((d / "data_6.pt").read_bytes()[:1000])
+    summary = verify(VerifyConfig(path=d, write_summary=False))
+    assert {(c.file, c.name) for c in summary.checks if c.status == "fail"} == {("data_6.pt", "loadable")}
