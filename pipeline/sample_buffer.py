@@ -6,13 +6,16 @@ second copy. ``torch.load`` maps each file (page faults and unmaps that serialis
 on a 32-core H200 host they stop gaining past 2-4 readers) or copies every record into fresh memory.
 The views are valid until the next ``read`` on the same buffer: one buffer per reader thread.
 
-It uses only the parts of torch's zip reader that torch.load itself has used since torch 2.0
-(``get_record``, ``has_record``, ``get_record_offset``; checked against 2.10 and 2.13, the versions the
-tests run). Only what ``formats.write_sample`` writes takes this path: a little-endian torch zip whose pickle names
-``_rebuild_tensor_v2``, typed storages of the dtypes a sample holds and the empty hooks ``OrderedDict``,
-and whose tensors are contiguous from offset 0 inside records large enough for them. Anything else
-raises ``NotFastPath`` and the caller loads the file with ``formats.read_sample``, whose findings (and
-errors) are then the ones reported; so is everything when TORCH_FORCE_WEIGHTS_ONLY_LOAD is set.
+It uses three methods of torch's own zip reader (``get_record``, ``has_record``, ``get_record_offset``:
+present in torch 2.10, 2.11 and 2.13, which the tests and the H200 runs use; torch.load's own mmap path has
+used them since 2.1, so the image's 2.9.1 has them too, not run here). Only what ``formats.write_sample``
+writes takes this path: a little-endian torch zip whose pickle names ``_rebuild_tensor_v2``, typed storages
+of the dtypes a sample holds and the empty hooks ``OrderedDict``, and whose tensors are contiguous from
+offset 0 inside the file. Anything else, including any error of torch's reader, raises ``NotFastPath``, and
+the caller loads the file with ``formats.read_sample``, whose findings (and errors) are then the ones
+reported; so is every file when TORCH_FORCE_WEIGHTS_ONLY_LOAD is set. Each reader's buffer grows to the
+largest file it has read (plus an eighth): 8 readers over 470 MB files (seq 8192, H 7168) hold ~4 GB until
+verify returns.
 """
 
 from __future__ import annotations

@@ -407,7 +407,7 @@ def report(cfg: VerifyConfig) -> Summary:
 @click.option("--alignment-samples", type=int, default=4, show_default=True)
 @click.option("--min-agreement", type=float, default=0.95, show_default=True)
 @click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Parallel file readers (0 = 4, or the core count if smaller).")
+              help="Parallel file readers (0 = 8, or the core count if smaller).")
 @click.option("--world-size", type=int, default=1, show_default=True, help="Check only one host's shard: i %% W == rank.")
 @click.option("--rank", type=int, default=0, show_default=True)
 def command(path: Path, **kwargs) -> None:
