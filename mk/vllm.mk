@@ -28,9 +28,9 @@ env-vllm: $(VLLM_VENV)/.ready ## build (or reuse) the vLLM CPU environment in .v
 patch-vllm: env-vllm ## apply patches/ to .venv-vllm (a no-op when already applied)
 	$(VLLM_PY) patches/apply.py
 
+# test-vllm also runs the data-file readers' tests under the torch the vLLM stack pins (they call torch's zip reader)
 test-vllm: patch-vllm ## tests on a real vLLM 0.16.0 (CPU build) + speculators 0.4.0.1
 	$(VLLM_PY) -m pytest -m vllm tests/vllm tests/train $(PYTEST_ARGS)
-	# the data-file readers again under the torch the vLLM stack pins (they use torch's zip reader directly)
 	$(VLLM_PY) -m pytest tests/pipeline/test_sample_reader.py $(PYTEST_ARGS)
 
 test: test-vllm
