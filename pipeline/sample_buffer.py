@@ -30,6 +30,7 @@ import torch
 
 from pipeline import formats
 
+_ZipReader = torch._C.PyTorchFileReader  # the reader torch.load uses; by name here so tests can age it
 _DTYPES = {"BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16, "FloatStorage": torch.float32,
            "LongStorage": torch.int64}
 
@@ -130,7 +131,7 @@ class SampleBuffer:
         if done != size:
             raise NotFastPath("file changed while read")
         try:
-            reader = torch._C.PyTorchFileReader(_View(view))
+            reader = _ZipReader(_View(view))
             if reader.get_record("byteorder") != b"little":
                 raise NotFastPath("byte order")
             return _Unpickler(reader.get_record("data.pkl"), reader, self._buffer[:size]).load()

@@ -150,3 +150,25 @@ def test_verify_falls_back_for_valid_files_the_buffer_does_not_take(tmp_path, ex
     (d / "data_6.pt").write_bytes((d / "data_6.pt").read_bytes()[:1000])
     summary = verify(VerifyConfig(path=d, write_summary=False))
     assert {(c.file, c.name) for c in summary.checks if c.status == "fail"} == {("data_6.pt", "loadable")}
+
+
+def test_a_zip_reader_without_a_method_the_buffer_uses_falls_back(monkeypatch, extracted_llama):
+    """torch 2.11's reader lacked a method that 2.13's has; the buffer path must then fall back, never turn
+    every file into a finding (what the first H200 run of this code did)."""
+    from pipeline import sample_buffer
+
+    real = sample_buffer._ZipReader
+
+    class Older:
+        def __init__(self, f):
+            self._real = real(f)
+
+        def __getattr__(self, name):
+            if name == "get_record_offset":
+                raise AttributeError(name)
+            return getattr(self._real, name)
+
+    monkeypatch.setattr(sample_buffer, "_ZipReader", Older)
+    with pytest.raises(NotFastPath, match="AttributeError"):
+        SampleBuffer().read(extracted_llama / "data_0.pt")
+    assert verify(VerifyConfig(path=extracted_llama, write_summary=False)).ok
