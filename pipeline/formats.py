@@ -253,9 +253,9 @@ class _SampleUnpickler(pickle.Unpickler):
     empty OrderedDict of backward hooks (storage classes never reach here: torch resolves them itself).
 
     Any other global fails the load, as it would under ``weights_only=True``; unlike that unpickler, which
-    is pure Python and holds the GIL for ~2 ms per file, this one costs ~0.6 ms, which is what bounded
-    verify's parallel readers (docs/benchmarks.md). It is not hardened against a file crafted to crash the
-    C parser: data files are this project's own output, on the host that wrote them.
+    is pure Python and holds the GIL for ~1-2 ms per file, this one costs ~0.6 ms: threads reading many
+    files (verify's fallback, training) spend that time holding the GIL. It is not hardened against a file
+    crafted to crash the C parser: data files are this project's own output, on the host that wrote them.
     """
 
     ALLOWED = frozenset({("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")})

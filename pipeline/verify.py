@@ -195,8 +195,8 @@ def _threads_per_reader(readers: int):
 
 def damaged_files(directory: Path, indices: list[int], dc: formats.DataConfig, prepared, workers: int = 0) -> dict[int, str]:
     """Files among ``indices`` that fail any per-file check, with the first reason: what --repair redoes."""
-    load = _reader_loads()
-    with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
+    workers, load = workers or default_workers(), _reader_loads()
+    with _threads_per_reader(workers), ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(lambda i: (i, _check_file(directory, i, dc, {}, prepared, load)), indices))
     return {i: f"{cs[0].name}: {cs[0].detail}" for i, cs in results if cs}
 
