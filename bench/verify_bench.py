@@ -55,13 +55,16 @@ def make_set(root: Path, gb: float, hidden: int, seq_length: int, layers: int = 
     return out
 
 
+LOADERS = ("buffer", "weights_only")
+
+
 def timed_verify(states: Path, workers: int, loader: str) -> float:
     """One ``verify`` of the set, reading data files into reused buffers (verify's own path) or, as before
     it, with ``torch.load(weights_only=True, mmap=True)`` (forced the way an operator would: the
     environment, which turns the buffer path off)."""
     from pipeline.verify import VerifyConfig, verify
 
-    os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+    before = os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
     if loader == "weights_only":
         os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
@@ -70,6 +73,8 @@ def timed_verify(states: Path, workers: int, loader: str) -> float:
         seconds = time.perf_counter() - t0
     finally:
         os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        if before is not None:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
     if not summary.ok:
         raise SystemExit(f"verify failed on the benchmark set: {[c.detail for c in summary.checks if c.status == 'fail'][:3]}")
     return seconds
@@ -86,6 +91,9 @@ def timed_verify(states: Path, workers: int, loader: str) -> float:
 @click.option("--repeat", type=int, default=2, show_default=True)
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(root: Path, gb: float, hidden: int, seq_length: int, workers: str, loaders: str, repeat: int, json_out: Path | None) -> None:
+    unknown = [x for x in loaders.split(",") if x not in LOADERS]
+    if unknown:
+        raise click.BadParameter(f"unknown loader {unknown[0]!r}: use {', '.join(LOADERS)}", param_hint="--loaders")
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     states = make_set(root, gb, hidden, seq_length)
