@@ -120,6 +120,8 @@ def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch
         r["scaling_vs_min"] = r["loop_tokens_per_s"] / base
     print(json.dumps({"scaling": [(r["data_parallel"], round(r["scaling_vs_min"], 3)) for r in results["runs"]]}), flush=True)
     total_bytes = sum(p.stat().st_size for p in last.glob("data_*.pt"))
+    if not with_verify:  # the set is not read again: free its space before dd writes as much
+        shutil.rmtree(last)
     results.update(dd(out_root / "dd.bin", total_bytes))
     results["dd_parallel_write_gb_s"] = dd_parallel_write(out_root, total_bytes)
     if with_verify:

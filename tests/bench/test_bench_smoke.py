@@ -49,3 +49,13 @@ def test_scaling_bench_runs_both_sizes_and_verifies_the_last_set(tmp_path):
     one, two = r["runs"]
     assert one["tokens"] == two["tokens"] == sum(w["tokens"] for w in two["workers"]) > 0
     assert r["verify_ok"] is True and r["verify_bytes"] == two["bytes"]
+
+
+@pytest.mark.slow
+def test_scaling_bench_without_verify_frees_the_last_set_before_dd(tmp_path):
+    # a 100 GB set and a dd file of the same size do not both fit in a 128 GiB tmpfs
+    root = tmp_path / "s"
+    r = _run(tmp_path, "-m", "bench.scaling_bench", "--preset", "tiny", "--samples", "16", "--sweep", "1",
+             "--no-verify", "--out-root", str(root))
+    assert not (root / "run0-dp1").exists()
+    assert "verify_ok" not in r and r["dd_read_gb_s"] > 0 and r["runs"][0]["bytes"] > 0
