@@ -167,12 +167,9 @@ def stop_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
 @wait_option
 def restore_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
     """Bring the inference server back by the host's strategy (no-op when it already runs)."""
-    from ops import server
-    from ops.gpus import probe
-    from ops.lock import host_lock
+    from ops.remote_run import guarded_restore
 
-    with host_lock(runner, host, "restore-server", wait=lock_wait, console=notes):
-        done = server.restore(runner, host, probe(runner, host).server)
+    done = guarded_restore(runner, host, "restore-server", wait=lock_wait, console=notes)
     console.print("\n".join(done) if done else f"server {host.server}: already running or strategy none")
 
 
@@ -253,7 +250,8 @@ def remote_extract(host, runner, run_id, resume, restore_server, runs_dir, dry_r
 @host_options
 @click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True)
 @click.option("--restore-server", is_flag=True, help="bring the server back once the stage has finished")
-def attach_cmd(host, runner, run_id, runs_dir, restore_server) -> None:
+@wait_option
+def attach_cmd(host, runner, run_id, runs_dir, restore_server, lock_wait) -> None:
     """Follow a stage container again (after an SSH drop or --detach), then fetch its summary and logs."""
     from pathlib import Path
 
@@ -261,7 +259,7 @@ def attach_cmd(host, runner, run_id, runs_dir, restore_server) -> None:
     from ops.stage import check_run_id
 
     _finish(attach(runner, host, check_run_id(run_id), runs_root=Path(runs_dir), console=console,
-                   restore_server=restore_server))
+                   restore_server=restore_server, wait=lock_wait))
 
 
 def run() -> None:

@@ -139,6 +139,20 @@ def refuse_duplicate_run(runner: Runner, host: HostConfig, output: str) -> None:
                            f"`attach {run_id}` to follow and collect it", exit_code=EXIT_BUSY)
 
 
+def refuse_restoring_beside_stages(runner: Runner, host: HostConfig) -> None:
+    """Raise (EXIT_BUSY) when a stage container runs on the host (a detached run, or one whose ops process
+    vanished): the server would start on the GPUs the stage holds, and one of them would run out of
+    memory hours in. One `docker ps`."""
+    res = runner.run(shlex.join(stage_ids_argv()))
+    for line in res.stdout.splitlines() if res.ok else ():
+        parts = line.split("\t")
+        if len(parts) == 3:
+            _, run_id, name = parts
+            raise OpsError(f"stage run {run_id} (container {name}) is running on {host.name}; the server would "
+                           f"start beside it: `attach {run_id} --restore-server` brings it back once the stage "
+                           f"ends; nothing was started", exit_code=EXIT_BUSY)
+
+
 def refuse_killing_stages(runner: Runner, host: HostConfig, state: GpuState) -> None:
     """Raise (EXIT_BUSY) when a GPU holder runs in a stage container (a detached run, or one whose ops
     process vanished): gpu-clean would kill it as an orphan. One `docker ps`, only when some holder runs

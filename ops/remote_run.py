@@ -28,7 +28,7 @@ from ops.gpus import GpuState, probe, probe_with_paths
 from ops.hosts import HostConfig
 from ops.connection import Runner
 from ops.interrupts import Interrupts
-from ops.lock import host_lock, refuse_duplicate_run
+from ops.lock import host_lock, refuse_duplicate_run, refuse_restoring_beside_stages
 from ops.preflight import (CheckResult, docker_checks, failed, gpu_check, path_checks, paths_request, secrets_check,
                            user_check)
 from ops.runstate import RunState, write_json
@@ -218,6 +218,18 @@ class _Run:
         self.state.note(container_removed=abort(self.runner, self.host, name, self.out.local_dir))
 
 
+def guarded_restore(runner: Runner, host: HostConfig, command: str, *, run_id: str | None = None, wait: float = 0.0,
+                    console: Console | None = None) -> list[str]:
+    """restore-server and attach's restore: under the host lock (no other ops command is stopping the
+    server or freeing the GPUs meanwhile), and never while a stage container runs. A server already up,
+    or strategy none, needs neither check's refusal: nothing would start."""
+    with host_lock(runner, host, command, run_id=run_id, wait=wait, console=console):
+        facts = probe(runner, host).server
+        if server.plan_restore(host, facts):
+            refuse_restoring_beside_stages(runner, host)
+        return server.restore(runner, host, facts)
+
+
 def _one_line(exc: BaseException) -> str:
     return redact(str(exc) if isinstance(exc, OpsError) else f"{type(exc).__name__}: {exc}")
 
@@ -257,7 +269,7 @@ def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: 
 
 
 def attach(runner: Runner, host: HostConfig, run_id: str, *, runs_root: Path, console: Console,
-           restore_server: bool = False) -> RunOutcome:
+           restore_server: bool = False, wait: float = 0.0) -> RunOutcome:
     res = runner.run(shlex.join(find_argv(run_id)))
     rows = [line.split("\t") for line in res.stdout.splitlines() if line.strip()]
     if not res.ok or not rows:
@@ -276,7 +288,8 @@ def attach(runner: Runner, host: HostConfig, run_id: str, *, runs_root: Path, co
         if restore_server:
             state.step("restore")
             try:
-                out.restored = server.restore(runner, host, probe(runner, host).server)
+                out.restored = guarded_restore(runner, host, "attach --restore-server", run_id=run_id, wait=wait,
+                                               console=console)
             except OpsError as exc:
                 out.restore_error = exc
             for line in out.restored:

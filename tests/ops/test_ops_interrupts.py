@@ -81,6 +81,59 @@ def test_detach_leaves_the_stage_running_and_attach_collects_it(scene, dk):  # n
     assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=det1"})
 
 
+def test_no_restore_beside_a_running_stage_and_attach_restores_under_the_lock(scene, dk, image):  # noqa: F811
+    """While a stage container runs (here another run's, started behind ops's back), restore-server and
+    attach --restore-server refuse (exit 9, one line naming it) and start nothing; attach still collects
+    its own run. attach's restore waits for the host lock like the other changing commands: refused while
+    another command holds it. Once the stage is gone, restore-server brings the server back."""
+    assert ops(scene, "restore-server").returncode == 0
+    res = ops(scene, "remote-extract", "--run-id", "det2", "--resume", "--detach", "--runs-dir", str(scene["runs"]))
+    assert res.returncode == 0, res.stdout + res.stderr
+    img, _ = image
+    other = dk.containers.run(img, ["sleep", "600"], name="eagle-other-stage", detach=True, labels={
+        "eagle-ops.run-id": "other-stage", "eagle-ops.stage": "extract", "eagle-ops.host": "box",
+        "eagle-ops.output": f"{scene['data']}/elsewhere"})
+    lock = scene["hosts"].parent / "eagle-ops.lock"
+    holder = None
+    try:
+        refusal = ("error: stage run other-stage (container eagle-other-stage) is running on box; the server would "
+                   "start beside it: `attach other-stage --restore-server` brings it back once the stage ends; "
+                   "nothing was started")
+        res = ops(scene, "restore-server")
+        assert (res.returncode, res.stderr.strip()) == (9, refusal), res.stdout + res.stderr
+        res = ops(scene, "attach", "det2", "--restore-server", "--runs-dir", str(scene["runs"]))
+        assert (res.returncode, res.stderr.strip()) == (9, refusal), res.stdout + res.stderr
+        assert (scene["runs"] / "box" / "det2" / "summary.json").exists()  # collected all the same
+        assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=det2"})
+        scene["server"].reload()
+        assert scene["server"].status == "exited"
+        other.remove(force=True)
+        res = ops(scene, "remote-extract", "--run-id", "det3", "--resume", "--detach", "--runs-dir",
+                  str(scene["runs"]))
+        assert res.returncode == 0, res.stdout + res.stderr
+        holder = OpsProcess(scene["tmp"], "holder", "stop-server", "--host", "box", "--hosts-file",
+                            str(scene["hosts"]), env={"EAGLE_OPS_PAUSE_AT": "locked"})
+        holder.wait_for("paused at locked")
+        res = ops(scene, "attach", "det3", "--restore-server", "--runs-dir", str(scene["runs"]))
+        assert res.returncode == 9 and res.stderr.startswith("error: box is busy: stop-server"), res.stdout + res.stderr
+        assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=det3"})
+        scene["server"].reload()
+        assert scene["server"].status == "exited"
+        holder.kill()
+        wait_for(lambda: lock_is_free(lock), timeout=60)
+    finally:
+        if holder is not None:
+            holder.kill()
+        try:
+            other.remove(force=True)
+        except Exception:  # noqa: BLE001 - removed above
+            pass
+    res = ops(scene, "restore-server")
+    assert res.returncode == 0 and "start server" in res.stdout, res.stdout + res.stderr
+    scene["server"].reload()
+    assert scene["server"].status == "running"
+
+
 def test_server_stop_failure_ends_the_run_at_stop_server(scene, dk, tmp_path):  # noqa: F811
     """remote-extract with a server name that matches no container: exit 7 with one line, no stage
     container, state.json `failed` at stop-server with that line."""
