@@ -128,6 +128,7 @@ class Writer:
         self.queue: queue.Queue = queue.Queue()  # unbounded: the byte count below is the bound
         self.error: BaseException | None = None
         self.bytes = 0
+        self.written = 0  # samples whose file is complete on disk: what the progress bar counts
         self.max_pending_bytes = max_pending_bytes
         self.wait_seconds = 0.0  # main-thread time spent waiting for room: the run was write-bound then
         self._pending = 0
@@ -148,6 +149,7 @@ class Writer:
                     size = target.stat().st_size
                     with self._room:
                         self.bytes += size
+                        self.written += 1
             except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
                 self.error = exc
             finally:
@@ -291,9 +293,11 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
             in_flight = items
             tokens += sum(len(s) for s in seqs)
             elapsed = time.perf_counter() - t0
-            bar.update(task, advance=len(items), tps=tokens / elapsed if elapsed else 0.0)
+            # samples on disk, not queued: an interrupted run has exactly what the bar said (tok/s is computed)
+            bar.update(task, completed=len(done) + writer.written, tps=tokens / elapsed if elapsed else 0.0)
         writer.put(in_flight)
         writer.close()
+        bar.update(task, completed=len(done) + writer.written)
     elapsed = time.perf_counter() - t0
     stats = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else 0.0, "bytes": writer.bytes,
              # main-thread seconds inside the backend (queuing on a GPU; the whole computation on the CPU)

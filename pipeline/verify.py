@@ -42,7 +42,7 @@ class VerifyConfig:
     model: Path | None = None  # hidden states: target model for its own next-token argmax
     alignment_samples: int = 4  # files checked for alignment
     min_agreement: float = 0.95  # per-file argmax agreement needed
-    workers: int = 0  # parallel file readers; 0 = default_workers()
+    workers: int = 0  # parallel file readers; 0 = default_workers(), bounded by memory (_readers)
     write_summary: bool = True
     world_size: int = 1  # hidden states written by several hosts: check only this host's shard
     rank: int = 0
@@ -174,11 +174,36 @@ def _nonfinite(h: torch.Tensor) -> int:
     return int((~torch.isfinite(h)).sum())
 
 
-def default_workers() -> int:
+def default_workers(file_bytes: int = 0, available_bytes: int | None = None) -> int:
     """Parallel file readers: 8 (fewer on smaller machines), each with its share of the cores for torch's
-    threads. On a 32-core H200 host the prototype of the buffer path read 6.3-6.7 / 11.3-12.4 / 15.8-17.0
-    GB/s from tmpfs with 2 / 4 / 8 readers; mapped files stopped gaining past 2-4 (docs/benchmarks.md)."""
-    return max(1, min(8, os.cpu_count() or 1))
+    threads. On a 32-core H200 host the buffer path read 14.6 / 21.0 GB/s from tmpfs with 4 / 8 readers;
+    mapped files stopped gaining past 2-4 (docs/benchmarks.md). Each reader keeps a buffer as large as the
+    largest file it read (``file_bytes`` at most), so the readers' buffers are held to a quarter of the
+    ``available_bytes`` of memory: a host short of memory reads with fewer threads rather than swapping
+    or meeting the OOM killer (470 MB files, seq 8192 x hidden 7168, hold ~3.8 GB with 8 readers)."""
+    readers = max(1, min(8, os.cpu_count() or 1))
+    if file_bytes > 0 and available_bytes is not None:
+        readers = max(1, min(readers, available_bytes // 4 // file_bytes))
+    return readers
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel could give without swapping (MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _readers(workers: int, dc: formats.DataConfig):
+    """The reader count (``workers``, or the default bounded by the largest file a data config allows and
+    the memory available) and a loader for them."""
+    itemsize = {"bfloat16": 2, "float16": 2}.get(dc.dtype, 4)  # a dtype the file check will report counts as 4
+    largest = dc.seq_length * dc.hidden_size * len(dc.layer_ids) * itemsize
+    return workers or default_workers(largest, available_memory()), _reader_loads()
 
 
 @contextmanager
@@ -195,7 +220,7 @@ def _threads_per_reader(readers: int):
 
 def damaged_files(directory: Path, indices: list[int], dc: formats.DataConfig, prepared, workers: int = 0) -> dict[int, str]:
     """Files among ``indices`` that fail any per-file check, with the first reason: what --repair redoes."""
-    workers, load = workers or default_workers(), _reader_loads()
+    workers, load = _readers(workers, dc)
     with _threads_per_reader(workers), ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(lambda i: (i, _check_file(directory, i, dc, {}, prepared, load)), indices))
     return {i: f"{cs[0].name}: {cs[0].detail}" for i, cs in results if cs}
@@ -268,7 +293,7 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
                           "sample_lengths.json missing" if not lengths else f"{len(lengths)} entries for {dc.num_samples} samples"))
     prepared_dir = cfg.prepared or (Path(dc.prepared) if dc.prepared and Path(dc.prepared).is_dir() else None)
     prepared = formats.read_prepared(prepared_dir)[0] if prepared_dir else None
-    workers, load = cfg.workers or default_workers(), _reader_loads()
+    workers, load = _readers(cfg.workers, dc)
     with _threads_per_reader(workers), ThreadPoolExecutor(max_workers=workers) as pool:
         per_file = list(pool.map(lambda i: _check_file(path, i, dc, lengths, prepared, load), sorted(set(indices) & set(range(dc.num_samples)))))
     findings = [c for cs in per_file for c in cs]
@@ -407,7 +432,7 @@ def report(cfg: VerifyConfig) -> Summary:
 @click.option("--alignment-samples", type=int, default=4, show_default=True)
 @click.option("--min-agreement", type=float, default=0.95, show_default=True)
 @click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Parallel file readers (0 = 8, or the core count if smaller).")
+              help="Parallel file readers (0 = 8, fewer with fewer cores, or when their buffers would take over a quarter of the free memory).")
 @click.option("--world-size", type=int, default=1, show_default=True, help="Check only one host's shard: i %% W == rank.")
 @click.option("--rank", type=int, default=0, show_default=True)
 def command(path: Path, **kwargs) -> None:

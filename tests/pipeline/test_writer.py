@@ -58,3 +58,29 @@ def test_put_blocks_while_too_many_bytes_wait_and_always_admits_one_batch(tmp_pa
     w.close()
     assert formats.existing_data_indices(tmp_path) == [0, 1, 2]
     assert w.wait_seconds >= 0.25
+
+
+def test_written_counts_files_on_disk_not_samples_queued(tmp_path):
+    """The progress bar's count: a sample queued but not yet written (its copies not ready) is not
+    counted, a written one is, and a failed write never is."""
+    gate = threading.Event()
+    w = Writer(tmp_path, threads=1)
+    w.put([_item(0, [torch.zeros(4, 2)]), _item(1, [torch.zeros(4, 2)], gate.wait)])
+    deadline = time.monotonic() + 10
+    while w.written < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert w.written == 1 and formats.existing_data_indices(tmp_path) == [0]
+    gate.set()
+    w.close()
+    assert w.written == 2
+
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")  # writing under a file fails
+    w = Writer(blocked, threads=1)
+    w.put([_item(0, [torch.zeros(4, 2)])])
+    try:
+        w.close()
+    except Exception:  # noqa: BLE001 - the write error is re-raised; only the count matters here
+        pass
+    assert w.written == 0
