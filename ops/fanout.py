@@ -14,7 +14,6 @@ thin runner. It does not turn anything into an exit code (ops.cli does) and does
 
 from __future__ import annotations
 
-import ctypes
 import json
 import shlex
 import threading
@@ -27,6 +26,7 @@ from rich.console import Console
 
 from ops.errors import EXIT_HOSTS_FAILED, EXIT_INTERRUPTED, ConfigError, OpsError
 from ops.hosts import HostConfig
+from ops.interrupts import interrupt_thread
 from ops.remote_run import remote_run
 from ops.runstate import write_json
 from ops.secret_env import available, env_file_text
@@ -327,13 +327,6 @@ def _log_error(log: Path) -> str:
     return (named or lines or ["no output"])[-1][:300] + f" (no summary.json; log: {log})"
 
 
-def _raise_in(thread: threading.Thread, done: threading.Event) -> None:
-    """Deliver Ctrl-C to a host's thread, so that its own remote_run handler stops its stage container
-    and restores its server, exactly as a one-host run does on Ctrl-C."""
-    if thread.ident is not None and not done.is_set():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
-
-
 def _wait(done: list[threading.Event]) -> None:
     """Until every host's flow has ended. Not Thread.join: on Python 3.11 a Ctrl-C that lands inside
     join() marks the joined thread as stopped while it still runs (CPython gh-90882)."""
@@ -387,15 +380,19 @@ def run_fanout(plan: FanoutPlan, *, connect: Callable, runs_dir: Path, restore_s
     record()
     for t, _ in threads:
         t.start()
-    interrupted = False
-    try:
-        _wait([done for _, done in threads])
-    except KeyboardInterrupt:
-        interrupted = True
-        console.print("interrupted: stopping the stage on every host")
-        for t, done in threads:
-            _raise_in(t, done)
-        _wait([done for _, done in threads])
+    presses = 0
+    while True:  # each host's own remote_run handler stops its stage and restores its server on Ctrl-C
+        try:
+            _wait([done for _, done in threads])
+            break
+        except KeyboardInterrupt:
+            presses += 1
+            console.print("interrupted: stopping the stage on every host" + (
+                " now" if presses > 1 else " after each host's current step (Ctrl-C again: at once)"))
+            for t, done in threads:
+                if not done.is_set():
+                    interrupt_thread(t, now=presses > 1)
+    interrupted = presses > 0
     for job in plan.jobs:  # a thread hit by Ctrl-C before its flow began has no row of its own
         results.setdefault(job.host.name, HostResult(job.host.name, job.rank, FAILED, EXIT_INTERRUPTED,
                                                      "interrupted before it started"))

@@ -108,6 +108,24 @@ def extract(hosts: Path, runs: Path, *args: str) -> subprocess.CompletedProcess:
                    timeout=600)
 
 
+def interrupt_when(hosts: Path, tmp_path: Path, run_id: str, lines_before: list[str], **env: str) -> tuple[int, str]:
+    """remote-extract on both hosts, one SIGINT once every line of `lines_before` has begun an output line
+    (a line wanted twice is listed twice); its exit code and whole output."""
+    cmd = [sys.executable, "-m", "ops", "remote-extract", "--host", f"{A},{B}", "--hosts-file", str(hosts),
+           "--runs-dir", str(tmp_path / "runs"), "--run-id", run_id]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, COLUMNS="200", **env))
+    lines, waiting = [], list(lines_before)
+    for line in proc.stdout:
+        lines.append(line)
+        waiting = [w for w in waiting if not line.startswith(w)] + [w for w in waiting if line.startswith(w)][1:]
+        if not waiting:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    return proc.returncode, "".join(lines) + rest
+
+
 def files(disk: Path) -> list[int]:
     return sorted(int(p.stem[5:]) for p in (disk / "hidden_states").glob("data_*.pt"))
 
@@ -207,23 +225,27 @@ def test_partial_shard_resumes_only_its_missing_files(hosts, tmp_path):
 def test_ctrl_c_stops_the_stage_on_every_host(hosts, tmp_path, engines):
     """Ctrl-C while both hosts run their stage: each host's container is stopped and removed (by that
     host's own flow), the record says interrupted for both, exit 130."""
-    cmd = [sys.executable, "-m", "ops", "remote-extract", "--host", f"{A},{B}", "--hosts-file", str(hosts),
-           "--runs-dir", str(tmp_path / "runs"), "--run-id", "int1"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, COLUMNS="200"))
-    lines, started = [], set()
-    for line in proc.stdout:
-        lines.append(line)
-        started |= {n for n in (A, B) if line.startswith(f"{n} | started eagle-int1")}
-        if started == {A, B}:
-            break
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=120)
-    text = "".join(lines) + rest
-    assert proc.returncode == 130, text[-4000:]
+    code, text = interrupt_when(hosts, tmp_path, "int1", [f"{n} | started eagle-int1" for n in (A, B)])
+    assert code == 130, text[-4000:]
     for name, eng in engines.items():
         assert f"{name} | interrupted: stopping container eagle-int1" in text, text
         # stopped, its log kept, and removed: nothing is left behind (the Ctrl-C policy of ops.remote_run)
         assert not eng.client().containers.list(all=True, filters={"name": "eagle-int1"})
     merged = json.loads((tmp_path / "runs" / "int1" / "summary.json").read_text())
     assert [(h["status"], h["error"]) for h in merged["hosts"]] == [("failed", "interrupted")] * 2
+
+
+def test_ctrl_c_in_a_step_lets_every_host_finish_that_step_first(hosts, tmp_path, engines):
+    """Ctrl-C while both hosts are inside the `start` step (paused there by the test seam): as in a
+    one-host run, each host finishes the step (its stage container starts) and stops at the next step
+    boundary, where its own flow stops, logs and removes that container; nothing lands mid-step."""
+    code, text = interrupt_when(hosts, tmp_path, "int2", ["paused at start"] * 2, EAGLE_OPS_PAUSE_AT="start")
+    assert code == 130, text[-4000:]
+    for name, eng in engines.items():
+        assert f"{name} | Ctrl-C: finishing the current step, then stopping" in text, text
+        assert f"{name} | started eagle-int2" in text, text  # the step ran to its end
+        assert f"{name} | interrupted: stopping container eagle-int2" in text, text
+        assert not eng.client().containers.list(all=True, filters={"name": "eagle-int2"})
+        state = json.loads((tmp_path / "runs" / "int2" / name / "state.json").read_text())
+        assert (state["status"], state["step"], state["container_removed"]) == ("interrupted", "start", True), state
+        assert (tmp_path / "runs" / "int2" / name / "stage.log").exists()
