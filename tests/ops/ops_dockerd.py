@@ -20,6 +20,8 @@ from pathlib import Path
 
 import docker
 
+from ops_procs import terminate
+
 
 @dataclass
 class Engine:
@@ -43,12 +45,7 @@ class Engine:
     def stop(self) -> None:
         for ctr in self.client().containers.list(all=True):
             ctr.remove(force=True)
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, 30)
         shutil.rmtree(self.root, ignore_errors=True)
 
 

@@ -138,6 +138,16 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def terminate(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds; reaped either way (test servers: sshd, dockerd)."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_for(cond, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ops_procs import terminate
+
 SSHD = "/usr/sbin/sshd"
 
 
@@ -48,12 +50,7 @@ class Sshd:
         return len(re.findall(r"Connection from 127\.0\.0\.1 port", self.log.read_text()))
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, 5)
 
     def start_again(self) -> None:
         """After stop(): the same server (config, port, host key) comes back."""
