@@ -5,9 +5,10 @@ frees GPUs, starts or collects a container runs to its end, so nothing is left h
 inside blocks marked interruptible (waiting for the host lock, following the logs), where it acts at
 once; a second Ctrl-C always acts at once. A multi-host run's per-host threads cannot receive signals:
 ops.fanout's main thread hands each its Ctrl-C (`interrupt_thread`), and the same policy applies there,
-with the KeyboardInterrupt raised into the thread only where it may act at once. Also owns `pause_point`: with $EAGLE_OPS_PAUSE_AT=NAME the
-command stops at that point until SIGINT or SIGUSR1 (go on), so tests can interrupt every step
-deterministically. Does not decide what to clean up: ops.remote_run does.
+with the KeyboardInterrupt raised into the thread only where it may act at once. Also owns
+`pause_point`: with $EAGLE_OPS_PAUSE_AT=NAME the command stops at that point until SIGINT or SIGUSR1 (go
+on), so tests can interrupt every step deterministically. Does not decide what to clean up:
+ops.remote_run does.
 """
 
 from __future__ import annotations
