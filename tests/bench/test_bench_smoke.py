@@ -53,7 +53,7 @@ def test_scaling_bench_runs_both_sizes_and_verifies_the_last_set(tmp_path):
 
 @pytest.mark.slow
 def test_scaling_bench_without_verify_frees_the_last_set_before_dd(tmp_path):
-    # a 100 GB set and a dd file of the same size do not both fit in a 128 GiB tmpfs
+    # a 103 GB set and a dd file of as much would hold 206 GB of RAM at once on a 256 GiB host (tmpfs)
     root = tmp_path / "s"
     r = _run(tmp_path, "-m", "bench.scaling_bench", "--preset", "tiny", "--samples", "16", "--sweep", "1",
              "--no-verify", "--out-root", str(root))
