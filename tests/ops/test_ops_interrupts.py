@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from ops.runstate import STEPS
+from ops_docker import unique
 from ops_helpers import OpsProcess, lock_is_free, lock_record, run_ops
 from ops_procs import alive, wait_for
 from test_ops_remote_run import assets, dk, image, ops, scene  # noqa: F401  (module fixtures, a scene of its own)
@@ -90,15 +91,15 @@ def test_no_restore_beside_a_running_stage_and_attach_restores_under_the_lock(sc
     res = ops(scene, "remote-extract", "--run-id", "det2", "--resume", "--detach", "--runs-dir", str(scene["runs"]))
     assert res.returncode == 0, res.stdout + res.stderr
     img, _ = image
-    other = dk.containers.run(img, ["sleep", "600"], name="eagle-other-stage", detach=True, labels={
-        "eagle-ops.run-id": "other-stage", "eagle-ops.stage": "extract", "eagle-ops.host": "box",
+    name = unique("eagle-other-stage")  # other checkouts test on the same engine
+    other = dk.containers.run(img, ["sleep", "600"], name=name, detach=True, labels={
+        "eagle-ops.run-id": name, "eagle-ops.stage": "extract", "eagle-ops.host": "box",
         "eagle-ops.output": f"{scene['data']}/elsewhere"})
     lock = scene["hosts"].parent / "eagle-ops.lock"
     holder = None
     try:
-        refusal = ("error: stage run other-stage (container eagle-other-stage) is running on box; the server would "
-                   "start beside it: `attach other-stage --restore-server` brings it back once the stage ends; "
-                   "nothing was started")
+        refusal = (f"error: stage run {name} (container {name}) is running on box; the server would start beside "
+                   f"it: `attach {name} --restore-server` brings it back once the stage ends; nothing was started")
         res = ops(scene, "restore-server")
         assert (res.returncode, res.stderr.strip()) == (9, refusal), res.stdout + res.stderr
         res = ops(scene, "attach", "det2", "--restore-server", "--runs-dir", str(scene["runs"]))
