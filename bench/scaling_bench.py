@@ -105,9 +105,10 @@ def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch
         results["runs"].append({"data_parallel": dp, "tokens": stats["tokens"], "loop_tokens_per_s": stats["tokens"] / loop,
                                 "wall_tokens_per_s": stats["tokens"] / wall, "bytes": stats["bytes"],
                                 "write_gb_s": stats["bytes"] / loop / 1e9,
-                                "device_idle_fraction": stats.get("device_idle_fraction"),
+                                "device_idle_fraction": stats.get("device_idle_fraction"), "wall_seconds": wall,
+                                "startup": stats.get("startup"),
                                 "workers": [{k: w.get(k) for k in ("tokens", "seconds", "capture_seconds", "writer_wait_seconds",
-                                                                  "device_busy_seconds", "device_idle_fraction")}
+                                                                  "device_busy_seconds", "device_idle_fraction", "startup")}
                                             for w in workers]})
         print(json.dumps(results["runs"][-1]), flush=True)
         last = out

@@ -356,6 +356,17 @@ def _check_parallel(cfg: ExtractConfig) -> None:
             raise StageError(f"--data-parallel {cfg.data_parallel} but only {len(visible_devices())} GPUs are visible")
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux /proc, 10 ms steps); None where that cannot be read."""
+    try:
+        # /proc/self/stat: "pid (comm) state ..." - starttime is field 22, the 20th after the comm's ")"
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def visible_devices() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
@@ -364,6 +375,8 @@ def visible_devices() -> list[str]:
 
 
 def run(cfg: ExtractConfig) -> dict:
+    # where a run's time goes before its loop (interpreter and imports, model load): reported in the stats
+    startup = {"imports_seconds": process_age()}
     _check_parallel(cfg)
     prepared, meta = formats.read_prepared(cfg.prepared)
     model = read_model_dir(cfg.model)
@@ -399,18 +412,21 @@ def run(cfg: ExtractConfig) -> dict:
     batches = pending_batches(plan, done)
     stats = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0, "bytes": 0}
     if batches and cfg.data_parallel > 1 and cfg.local_rank is None:
-        stats = launch_workers(cfg, len(owned), len(done))
+        stats = launch_workers(cfg, len(owned), len(done), startup)
     elif batches:
         if cfg.backend == "hf" and "OMP_NUM_THREADS" not in os.environ and torch.cuda.is_available():
             # the host side of a GPU run is copies; an OpenMP pool of every core slowed it 2x on a 32-core
             # H200 host (docs/benchmarks.md), half the cores (at most 16) did not
             torch.set_num_threads(max(1, min(16, (os.cpu_count() or 2) // 2)))
+        load0 = time.perf_counter()
         with get_backend(cfg.backend, options) as backend:
+            startup.update(model_load_seconds=time.perf_counter() - load0, loop_start_seconds=process_age())
             stats = run_loop(backend, prepared, batches, cfg.out, model.hidden_size, len(layer_ids), len(owned),
                              done, cfg.progress, cfg.writer_threads)
     if cfg.local_rank is None:
         formats.write_sample_lengths(cfg.out, {i: int(lengths[i]) for i in range(n)})
     stats.update(samples=n, owned=len(owned), batches_run=len(batches), resumed_from=len(done), config=asdict(expected))
+    stats.setdefault("startup", startup)
     return stats
 
 
@@ -433,8 +449,9 @@ def worker_argv(cfg: ExtractConfig, local_rank: int) -> list[str]:
     return argv
 
 
-def launch_workers(cfg: ExtractConfig, owned: int, done: int) -> dict:
-    """Run one worker process per GPU (or per CPU slot), show their combined progress, fail if any fails."""
+def launch_workers(cfg: ExtractConfig, owned: int, done: int, startup: dict) -> dict:
+    """Run one worker process per GPU (or per CPU slot), show their combined progress, fail if any fails.
+    ``startup`` (this process's timeline) gains the moment the workers were started."""
     import json
     import subprocess
 
@@ -449,6 +466,7 @@ def launch_workers(cfg: ExtractConfig, owned: int, done: int) -> dict:
         # all cores oversubscribe the machine
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.data_parallel)))
         procs.append(subprocess.Popen(worker_argv(cfg, k), env=env, stdout=subprocess.PIPE, text=True))
+    startup["workers_started_seconds"] = process_age()
     failed = []
     try:
         with _progress(cfg.progress) as bar:
@@ -473,11 +491,25 @@ def launch_workers(cfg: ExtractConfig, owned: int, done: int) -> dict:
     elapsed = time.perf_counter() - t0
     tokens = sum(w["tokens"] for w in per)
     stats = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "bytes": sum(w["bytes"] for w in per),
-             "workers": per}
+             "workers": per, "startup": startup}
     busy = [w["device_busy_seconds"] for w in per if "device_busy_seconds" in w]
     if len(busy) == len(per):  # over the workers' loops: their start-up and model loads are not the loop's idle time
         stats.update(device_idle(sum(busy), sum(w["seconds"] for w in per)))
     return stats
+
+
+def first_batch_after(stats: dict) -> tuple[float, float] | None:
+    """Seconds from this process's start to the first batch (a data-parallel run: to its slowest worker's),
+    and the model load's share of them (the slowest worker's); None where the process age is unknown."""
+    startup = stats.get("startup") or {}
+    workers = [w.get("startup") or {} for w in stats.get("workers", [])]
+    if "loop_start_seconds" in startup and startup["loop_start_seconds"] is not None:
+        return startup["loop_start_seconds"], startup["model_load_seconds"]
+    spawned = startup.get("workers_started_seconds")
+    if spawned is None or not workers or any(w.get("loop_start_seconds") is None for w in workers):
+        return None
+    slowest = max(workers, key=lambda w: w["loop_start_seconds"])
+    return spawned + slowest["loop_start_seconds"], slowest["model_load_seconds"]
 
 
 @click.command("extract")
@@ -513,10 +545,12 @@ def command(layer_ids: str | None, json_stats: bool, **kwargs) -> None:
 
         click.echo(json.dumps({k: v for k, v in stats.items() if k != "config"}))
         return
+    started = first_batch_after(stats)
     click.echo(
         f"extracted {stats['samples']} samples into {cfg.out} ({stats['batches_run']} batches run, "
         f"{stats['resumed_from']} already done; {stats['tokens_per_s']:,.0f} tok/s"
-        + (f", device idle {stats['device_idle_fraction']:.0%})" if "device_idle_fraction" in stats else ")")
+        + (f", device idle {stats['device_idle_fraction']:.0%}" if "device_idle_fraction" in stats else "")
+        + (f"; first batch {started[0]:.1f} s after start, model load {started[1]:.1f} s)" if started else ")")
     )
     if cfg.verify:
         from pipeline.verify import VerifyConfig, report

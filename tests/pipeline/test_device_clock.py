@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from pipeline.backends.base import DeviceClock
-from pipeline.extract import device_idle
+from pipeline.extract import device_idle, first_batch_after
 from tests.conftest import run_pipeline
 
 
@@ -43,3 +46,36 @@ def test_extract_reports_device_busy_time_and_idle_fraction(tmp_path, tiny_llama
     assert 0 <= stats["device_idle_fraction"] < 1
     printed = run_pipeline(*argv, "--out", tmp_path / "p", check=True).stdout
     assert "device idle" in printed and "%" in printed.split("device idle")[1]
+
+
+def test_process_age_counts_from_the_process_start():
+    """A process that sleeps 0.6 s before asking is at least that old, and younger than the test's wait for it."""
+    code = "import time; time.sleep(0.6); from pipeline.extract import process_age; print(process_age())"
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert 0.6 <= float(out) <= time.perf_counter() - t0 + 0.02  # /proc's clock ticks are 10 ms
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_extract_reports_where_its_start_up_went(tmp_path, tiny_llama, prepared_llama, workers):
+    """The stats give, in process-age seconds, the end of the imports, the model load and the first batch (for
+    two workers: when the launcher started them, and each worker's own timeline); the printed line sums it up."""
+    argv = ["extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 8, "--max-batch-size", 2,
+            "--no-progress", "--no-verify", "--data-parallel", workers]
+    t0 = time.perf_counter()
+    stats = json.loads(run_pipeline(*argv, "--out", tmp_path / "j", "--json-stats", check=True).stdout.splitlines()[-1])
+    wall = time.perf_counter() - t0
+    own = stats["startup"]
+    timelines = [w["startup"] for w in stats["workers"]] if workers > 1 else [own]
+    if workers > 1:
+        assert 0 < own["imports_seconds"] <= own["workers_started_seconds"] < wall
+        assert "model_load_seconds" not in own  # the launcher loads no model
+    for t in timelines:
+        assert 0 < t["imports_seconds"] and 0 < t["model_load_seconds"]
+        assert t["imports_seconds"] + t["model_load_seconds"] <= t["loop_start_seconds"] + 0.02
+        assert own.get("workers_started_seconds", 0) + t["loop_start_seconds"] < wall
+    first, load = first_batch_after(stats)
+    assert first == pytest.approx(max(own.get("workers_started_seconds", 0) + t["loop_start_seconds"] for t in timelines))
+    assert load == max(timelines, key=lambda t: t["loop_start_seconds"])["model_load_seconds"]  # the slowest one's
+    printed = run_pipeline(*argv, "--out", tmp_path / "p", check=True).stdout
+    assert re.search(r"first batch \d+\.\d s after start, model load \d+\.\d s\)", printed)
