@@ -63,6 +63,16 @@ def naive_verify(directory: Path) -> float:
     return time.perf_counter() - t0
 
 
+def expected_set_bytes(prepared: Path, model_dir: Path, layers: int = 4) -> int:
+    """The size of the hidden states a run writes: every token's states of ``layers`` layers in extract's
+    default dtype (bf16 on a GPU, fp32 on the CPU); the files' own overhead, a few KB each, left out."""
+    from pipeline import formats
+
+    _, meta = formats.read_prepared(prepared)
+    hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+    return meta.num_tokens * hidden * layers * (2 if torch.cuda.is_available() else 4)
+
+
 @click.command()
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
 @click.option("--sweep", default="1,2", show_default=True, help="Data-parallel sizes to run.")
@@ -72,9 +82,12 @@ def naive_verify(directory: Path) -> float:
 @click.option("--writer-threads", type=int, default=4, show_default=True)
 @click.option("--verify/--no-verify", "with_verify", default=True, show_default=True,
               help="Also time pipeline verify and the naive loop on the last set (bench/verify_bench.py does it alone).")
+@click.option("--warm-up/--no-warm-up", default=True, show_default=True,
+              help="First write (dd) and delete a file as large as one set under --out-root, so that the first run "
+                   "does not pay alone for memory or blocks the filesystem touches for the first time.")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch_tokens: int, writer_threads: int,
-         with_verify: bool, json_out: Path | None) -> None:
+         with_verify: bool, warm_up: bool, json_out: Path | None) -> None:
     from pipeline.tiny import build_tiny_model
     from pipeline.verify import VerifyConfig, verify
 
@@ -87,6 +100,12 @@ def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch
     make_prepared(out_root / "prepared", n, seq_length, vocab)
     results: dict = {"preset": preset, "samples": n, "writer_threads": writer_threads, "seq_length": seq_length,
                      "gpus": torch.cuda.device_count(), "runs": []}
+    if warm_up:
+        # the lent GPU VMs grow their memory as it is first used (~3 s per 8 GiB): on tmpfs that would land
+        # on the first run only; the same dd as the baseline below, so its figures come for free
+        set_bytes = expected_set_bytes(out_root / "prepared", model_dir)
+        results["warm_up"] = {"bytes": set_bytes, **dd(out_root / "warm-up.bin", set_bytes)}
+        print(json.dumps({"warm_up": results["warm_up"]}), flush=True)
     sizes = [int(x) for x in sweep.split(",")]  # repeats allowed ("1,2,1,2"): runs alternate, so drift hits both
     for k, dp in enumerate(sizes):
         out = out_root / f"run{k}-dp{dp}"
@@ -114,12 +133,17 @@ def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch
         last = out
         if k != len(sizes) - 1:
             shutil.rmtree(out)
-    # scaling: each run against the mean of the smallest size's runs
+    # scaling: each run against the mean of the smallest size's runs, and each run against the one before it
+    # when that one ran the smallest size (the pairs of a "1,2,1,2" sweep)
     smallest = min(sizes)
     base = sum(r["loop_tokens_per_s"] for r in results["runs"] if r["data_parallel"] == smallest) / sizes.count(smallest)
     for r in results["runs"]:
         r["scaling_vs_min"] = r["loop_tokens_per_s"] / base
-    print(json.dumps({"scaling": [(r["data_parallel"], round(r["scaling_vs_min"], 3)) for r in results["runs"]]}), flush=True)
+    results["pair_scaling"] = [(b["data_parallel"], b["loop_tokens_per_s"] / a["loop_tokens_per_s"])
+                               for a, b in zip(results["runs"], results["runs"][1:])
+                               if a["data_parallel"] == smallest < b["data_parallel"]]
+    print(json.dumps({"scaling": [(r["data_parallel"], round(r["scaling_vs_min"], 3)) for r in results["runs"]],
+                      "pairs": [(dp, round(x, 3)) for dp, x in results["pair_scaling"]]}), flush=True)
     total_bytes = sum(p.stat().st_size for p in last.glob("data_*.pt"))
     if not with_verify:  # the set is not read again: free its space before dd writes as much
         shutil.rmtree(last)

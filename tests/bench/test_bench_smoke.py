@@ -49,6 +49,9 @@ def test_scaling_bench_runs_both_sizes_and_verifies_the_last_set(tmp_path):
     one, two = r["runs"]
     assert one["tokens"] == two["tokens"] == sum(w["tokens"] for w in two["workers"]) > 0
     assert r["verify_ok"] is True and r["verify_bytes"] == two["bytes"]
+    # the warm-up wrote as much as one run's states (the files add ids, masks and their zip framing)
+    assert 0.9 * one["bytes"] < r["warm_up"]["bytes"] <= one["bytes"]
+    assert [dp for dp, _ in r["pair_scaling"]] == [2]
 
 
 @pytest.mark.slow
