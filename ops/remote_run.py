@@ -193,7 +193,9 @@ class _Run:
 
     def restore(self) -> None:
         """Bring back what this run stopped (from the facts seen before the stop); nothing when the stop
-        never began. A failure is kept in out.restore_error and printed, never raised."""
+        never began, and not while a stage container runs (this run's own, left running when following it
+        failed, or one started outside ops meanwhile). A failure or refusal is kept in out.restore_error and
+        printed, never raised."""
         if self.restore_done:
             return
         self.restore_done = True
@@ -201,6 +203,8 @@ class _Run:
             return
         facts = dataclasses.replace(self.before.server, running_container_ids=(), members=())
         try:
+            if server.plan_restore(self.host, facts):
+                refuse_restoring_beside_stages(self.runner, self.host)
             self.out.restored = server.restore(self.runner, self.host, facts)
         except OpsError as exc:
             self.out.restore_error = exc

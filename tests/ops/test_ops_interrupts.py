@@ -82,6 +82,18 @@ def test_detach_leaves_the_stage_running_and_attach_collects_it(scene, dk):  # n
     assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=det1"})
 
 
+def _stand_in_stage(dk, img: str, name: str, scene: dict):
+    """A container labelled as another run's stage (as a detached run or one started by hand would be)."""
+    return dk.containers.run(img, ["sleep", "600"], name=name, detach=True, labels={
+        "eagle-ops.run-id": name, "eagle-ops.stage": "extract", "eagle-ops.host": "box",
+        "eagle-ops.output": f"{scene['data']}/elsewhere"})
+
+
+def _refusal(name: str) -> str:
+    return (f"error: stage run {name} (container {name}) is running on box; the server would start beside "
+            f"it: `attach {name} --restore-server` brings it back once the stage ends; nothing was started")
+
+
 def test_no_restore_beside_a_running_stage_and_attach_restores_under_the_lock(scene, dk, image):  # noqa: F811
     """While a stage container runs (here another run's, started behind ops's back), restore-server and
     attach --restore-server refuse (exit 9, one line naming it) and start nothing; attach still collects
@@ -92,14 +104,11 @@ def test_no_restore_beside_a_running_stage_and_attach_restores_under_the_lock(sc
     assert res.returncode == 0, res.stdout + res.stderr
     img, _ = image
     name = unique("eagle-other-stage")  # other checkouts test on the same engine
-    other = dk.containers.run(img, ["sleep", "600"], name=name, detach=True, labels={
-        "eagle-ops.run-id": name, "eagle-ops.stage": "extract", "eagle-ops.host": "box",
-        "eagle-ops.output": f"{scene['data']}/elsewhere"})
+    other = _stand_in_stage(dk, img, name, scene)
     lock = scene["hosts"].parent / "eagle-ops.lock"
     holder = None
     try:
-        refusal = (f"error: stage run {name} (container {name}) is running on box; the server would start beside "
-                   f"it: `attach {name} --restore-server` brings it back once the stage ends; nothing was started")
+        refusal = _refusal(name)
         res = ops(scene, "restore-server")
         assert (res.returncode, res.stderr.strip()) == (9, refusal), res.stdout + res.stderr
         res = ops(scene, "attach", "det2", "--restore-server", "--runs-dir", str(scene["runs"]))
@@ -133,6 +142,38 @@ def test_no_restore_beside_a_running_stage_and_attach_restores_under_the_lock(sc
     assert res.returncode == 0 and "start server" in res.stdout, res.stdout + res.stderr
     scene["server"].reload()
     assert scene["server"].status == "running"
+
+
+def test_a_runs_own_restore_refuses_beside_a_stage_started_meanwhile(scene, dk, image):  # noqa: F811
+    """remote-extract --restore-server, paused at its restore step while a stage container is started behind
+    ops's back: the run's result stands (summary fetched, container collected) but the server stays down,
+    exit 9 with the one-line refusal, state.json `failed` with it. Its preflight could not have seen it."""
+    assert ops(scene, "restore-server").returncode == 0
+    img, _ = image
+    name = unique("eagle-late-stage")
+    proc = OpsProcess(scene["tmp"], "late", "remote-extract", "--run-id", "late1", "--resume", "--restore-server",
+                      "--host", "box", "--hosts-file", str(scene["hosts"]), "--runs-dir", str(scene["runs"]),
+                      env={"EAGLE_OPS_PAUSE_AT": "restore"})
+    other = None
+    try:
+        proc.wait_for("paused at restore")
+        other = _stand_in_stage(dk, img, name, scene)
+        proc.proc.send_signal(signal.SIGUSR1)
+        assert proc.finish() == 9, proc.text()
+        refusal = _refusal(name)
+        assert proc.err.read_text().strip().splitlines()[-1] == refusal
+        assert (scene["runs"] / "box" / "late1" / "summary.json").exists()
+        assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=late1"})
+        state = json.loads((scene["runs"] / "box" / "late1" / "state.json").read_text())
+        assert (state["status"], "error: " + state["error"]) == ("failed", refusal)
+        scene["server"].reload()
+        assert scene["server"].status == "exited"
+    finally:
+        proc.kill()
+        if other is not None:
+            other.remove(force=True)
+    res = ops(scene, "restore-server")
+    assert res.returncode == 0 and "start server" in res.stdout, res.stdout + res.stderr
 
 
 def test_server_stop_failure_ends_the_run_at_stop_server(scene, dk, tmp_path):  # noqa: F811
