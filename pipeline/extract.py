@@ -499,16 +499,17 @@ def launch_workers(cfg: ExtractConfig, owned: int, done: int, startup: dict) -> 
 
 
 def first_batch_after(stats: dict) -> tuple[float, float] | None:
-    """Seconds from this process's start to the first batch (a data-parallel run: to its slowest worker's),
-    and the model load's share of them (the slowest worker's); None where the process age is unknown."""
+    """Seconds from this process's start to the first batch (a data-parallel run: to the first batch of its
+    slowest worker that had any), and the model load's share of them (that worker's); None where no batch
+    ran or the process age is unknown."""
     startup = stats.get("startup") or {}
-    workers = [w.get("startup") or {} for w in stats.get("workers", [])]
-    if "loop_start_seconds" in startup and startup["loop_start_seconds"] is not None:
+    if startup.get("loop_start_seconds") is not None:
         return startup["loop_start_seconds"], startup["model_load_seconds"]
     spawned = startup.get("workers_started_seconds")
-    if spawned is None or not workers or any(w.get("loop_start_seconds") is None for w in workers):
+    ran = [t for w in stats.get("workers", []) if (t := w.get("startup") or {}).get("loop_start_seconds") is not None]
+    if spawned is None or not ran:
         return None
-    slowest = max(workers, key=lambda w: w["loop_start_seconds"])
+    slowest = max(ran, key=lambda t: t["loop_start_seconds"])
     return spawned + slowest["loop_start_seconds"], slowest["model_load_seconds"]
 
 

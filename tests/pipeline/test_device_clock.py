@@ -56,6 +56,16 @@ def test_process_age_counts_from_the_process_start():
     assert 0.6 <= float(out) <= time.perf_counter() - t0 + 0.02  # /proc's clock ticks are 10 ms
 
 
+def test_first_batch_after_leaves_out_workers_without_a_batch_and_unknown_ages():
+    """The slowest worker that ran a batch sets the figure; a worker with nothing to do does not hide it."""
+    ran = {"startup": {"imports_seconds": 1.0, "model_load_seconds": 4.0, "loop_start_seconds": 5.5}}
+    idle = {"startup": {"imports_seconds": 1.2}}
+    assert first_batch_after({"startup": {"workers_started_seconds": 2.0}, "workers": [ran, idle]}) == (7.5, 4.0)
+    assert first_batch_after({"startup": {"workers_started_seconds": 2.0}, "workers": [idle]}) is None
+    assert first_batch_after({"startup": {"workers_started_seconds": None}, "workers": [ran]}) is None
+    assert first_batch_after({"startup": {"imports_seconds": 1.0}}) is None  # resumed with nothing left to do
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_extract_reports_where_its_start_up_went(tmp_path, tiny_llama, prepared_llama, workers):
     """The stats give, in process-age seconds, the end of the imports, the model load and the first batch (for
