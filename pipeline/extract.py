@@ -412,7 +412,7 @@ def run(cfg: ExtractConfig) -> dict:
     batches = pending_batches(plan, done)
     stats = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0, "bytes": 0}
     if batches and cfg.data_parallel > 1 and cfg.local_rank is None:
-        stats = launch_workers(cfg, len(owned), len(done), startup)
+        stats = launch_workers(cfg, owned, done, lengths, startup)
     elif batches:
         if cfg.backend == "hf" and "OMP_NUM_THREADS" not in os.environ and torch.cuda.is_available():
             # the host side of a GPU run is copies; an OpenMP pool of every core slowed it 2x on a 32-core
@@ -449,9 +449,10 @@ def worker_argv(cfg: ExtractConfig, local_rank: int) -> list[str]:
     return argv
 
 
-def launch_workers(cfg: ExtractConfig, owned: int, done: int, startup: dict) -> dict:
+def launch_workers(cfg: ExtractConfig, owned: set[int], done: set[int], lengths: Sequence[int], startup: dict) -> dict:
     """Run one worker process per GPU (or per CPU slot), show their combined progress, fail if any fails.
-    ``startup`` (this process's timeline) gains the moment the workers were started."""
+    ``startup`` (this process's timeline) gains the moment the workers were started. The figures are a
+    single process's: tok/s over the slowest worker's loop; the workers' start-up is in ``startup``."""
     import json
     import subprocess
 
@@ -470,11 +471,12 @@ def launch_workers(cfg: ExtractConfig, owned: int, done: int, startup: dict) -> 
     failed = []
     try:
         with _progress(cfg.progress) as bar:
-            task = bar.add_task("extract", total=owned, completed=done, tps=0.0)
+            task = bar.add_task("extract", total=len(owned), completed=len(done), tps=0.0)
+            rate = FileRate(owned, done, lengths)
             while any(p.poll() is None for p in procs):
                 time.sleep(0.5)
-                count = len(set(formats.existing_data_indices(cfg.out)))
-                bar.update(task, completed=min(owned, count) if cfg.world_size == 1 else bar.tasks[0].completed)
+                count, tps = rate.update(formats.existing_data_indices(cfg.out), time.perf_counter())
+                bar.update(task, completed=count, tps=tps)
         outputs = [p.communicate()[0] for p in procs]
     except BaseException:
         for p in procs:
@@ -488,14 +490,37 @@ def launch_workers(cfg: ExtractConfig, owned: int, done: int, startup: dict) -> 
     if failed:
         raise StageError(f"data-parallel extraction failed: {'; '.join(failed)} (re-run with --resume to redo what is missing)")
     per = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
-    elapsed = time.perf_counter() - t0
     tokens = sum(w["tokens"] for w in per)
-    stats = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "bytes": sum(w["bytes"] for w in per),
-             "workers": per, "startup": startup}
+    loop = max(w["seconds"] for w in per)  # the workers' loops run side by side: the slowest one's is the run's
+    stats = {"tokens": tokens, "seconds": loop, "tokens_per_s": tokens / loop if loop else 0.0,
+             "wall_seconds": time.perf_counter() - t0, "bytes": sum(w["bytes"] for w in per), "workers": per,
+             "startup": startup}
     busy = [w["device_busy_seconds"] for w in per if "device_busy_seconds" in w]
     if len(busy) == len(per):  # over the workers' loops: their start-up and model loads are not the loop's idle time
         stats.update(device_idle(sum(busy), sum(w["seconds"] for w in per)))
     return stats
+
+
+class FileRate:
+    """The launcher's view of its workers' progress: this host's files on disk, and tok/s over the tokens
+    written since the first new file appeared (the workers' start-up left out, as a single process's bar
+    leaves out its model load)."""
+
+    def __init__(self, owned: set[int], done: set[int], lengths: Sequence[int]):
+        self.owned, self.lengths = owned, lengths
+        self.seen = set(done)
+        self.tokens = 0
+        self.first: tuple[float, int] | None = None  # (time, tokens) when the first new file was seen
+
+    def update(self, on_disk: Sequence[int], now: float) -> tuple[int, float]:
+        new = (set(on_disk) & self.owned) - self.seen
+        self.seen |= new
+        self.tokens += sum(int(self.lengths[i]) for i in new)
+        if self.first is None and new:
+            self.first = (now, self.tokens)
+        if self.first is None or now <= self.first[0]:
+            return len(self.seen), 0.0
+        return len(self.seen), (self.tokens - self.first[1]) / (now - self.first[0])
 
 
 def first_batch_after(stats: dict) -> tuple[float, float] | None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.backends.base import DeviceClock
-from pipeline.extract import device_idle, first_batch_after
+from pipeline.extract import FileRate, device_idle, first_batch_after
 from tests.conftest import run_pipeline
 
 
@@ -56,6 +56,15 @@ def test_process_age_counts_from_the_process_start():
     assert 0.6 <= float(out) <= time.perf_counter() - t0 + 0.02  # /proc's clock ticks are 10 ms
 
 
+def test_launcher_progress_counts_this_hosts_files_and_rates_them_from_the_first_new_one():
+    """Files of other hosts' shards do not count; resumed files count as done but not in tok/s; the rate
+    starts at the first new file, so the workers' start-up does not dilute it."""
+    rate = FileRate(owned={0, 2, 4, 6}, done={0}, lengths=[10, 11, 20, 21, 30, 31, 40])
+    assert rate.update([0, 1], now=5.0) == (1, 0.0)  # only the resumed file, and host 1's data_1
+    assert rate.update([0, 1, 2, 3], now=7.0) == (2, 0.0)  # the first new file: no interval yet
+    assert rate.update([0, 1, 2, 3, 4, 6], now=9.0) == (4, pytest.approx((30 + 40) / 2.0))
+
+
 def test_first_batch_after_leaves_out_workers_without_a_batch_and_unknown_ages():
     """The slowest worker that ran a batch sets the figure; a worker with nothing to do does not hide it."""
     ran = {"startup": {"imports_seconds": 1.0, "model_load_seconds": 4.0, "loop_start_seconds": 5.5}}
@@ -78,6 +87,9 @@ def test_extract_reports_where_its_start_up_went(tmp_path, tiny_llama, prepared_
     own = stats["startup"]
     timelines = [w["startup"] for w in stats["workers"]] if workers > 1 else [own]
     if workers > 1:
+        # the run's figures are a single process's: the slowest worker's loop; the start-up is reported apart
+        assert stats["seconds"] == max(w["seconds"] for w in stats["workers"]) < stats["wall_seconds"] < wall
+        assert stats["tokens_per_s"] == pytest.approx(stats["tokens"] / stats["seconds"])
         assert 0 < own["imports_seconds"] <= own["workers_started_seconds"] < wall
         assert "model_load_seconds" not in own  # the launcher loads no model
     for t in timelines:
