@@ -24,7 +24,7 @@ from rich.console import Console
 from ops import report, secret_env, server
 from ops.clean import CLEAN, VERDICT_EXIT, CleanReport, gpu_clean
 from ops.errors import EXIT_PREFLIGHT, OpsError, RemoteCommandError
-from ops.gpus import GpuState, probe, probe_with_paths
+from ops.gpus import GpuState, ServerFacts, probe, probe_with_paths
 from ops.hosts import HostConfig
 from ops.connection import Runner
 from ops.interrupts import Interrupts
@@ -203,9 +203,7 @@ class _Run:
             return
         facts = dataclasses.replace(self.before.server, running_container_ids=(), members=())
         try:
-            if server.plan_restore(self.host, facts):
-                refuse_restoring_beside_stages(self.runner, self.host)
-            self.out.restored = server.restore(self.runner, self.host, facts)
+            self.out.restored = restore_unless_a_stage_runs(self.runner, self.host, facts)
         except OpsError as exc:
             self.out.restore_error = exc
             self.console.print(f"[red]restoring the server failed:[/] {exc}")
@@ -225,13 +223,17 @@ class _Run:
 def guarded_restore(runner: Runner, host: HostConfig, command: str, *, run_id: str | None = None, wait: float = 0.0,
                     console: Console | None = None) -> list[str]:
     """restore-server and attach's restore: under the host lock (no other ops command is stopping the
-    server or freeing the GPUs meanwhile), and never while a stage container runs. A server already up,
-    or strategy none, needs neither check's refusal: nothing would start."""
+    server or freeing the GPUs meanwhile), and never while a stage container runs."""
     with host_lock(runner, host, command, run_id=run_id, wait=wait, console=console):
-        facts = probe(runner, host).server
-        if server.plan_restore(host, facts):
-            refuse_restoring_beside_stages(runner, host)
-        return server.restore(runner, host, facts)
+        return restore_unless_a_stage_runs(runner, host, probe(runner, host).server)
+
+
+def restore_unless_a_stage_runs(runner: Runner, host: HostConfig, facts: ServerFacts) -> list[str]:
+    """server.restore, refused (EXIT_BUSY) while a stage container runs on the host. A server already up,
+    or strategy none, needs no refusal: nothing would start."""
+    if server.plan_restore(host, facts):
+        refuse_restoring_beside_stages(runner, host)
+    return server.restore(runner, host, facts)
 
 
 def _one_line(exc: BaseException) -> str:
