@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+
+# A test run started in the background by a shell without job control inherits SIGINT ignored, and so
+# would every ops process the Ctrl-C tests start (an ignored signal stays ignored across exec): give
+# Python's own handler back, so that those tests exercise ops, not how the run was launched.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def run_pipeline(*args: str, check: bool = False, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
