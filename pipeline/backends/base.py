@@ -32,6 +32,8 @@ class BackendOptions:
     max_batch_tokens: int = 16384
     trust_remote_code: bool = False
     cache_dir: Path | None = None
+    enforce_eager: bool = False  # vllm only: no CUDA graphs / torch.compile (faster start, slower loop)
+    scratch_dir: Path | None = None  # vllm only: where the engine's per-request files wait to be read
 
 
 def resolve_device(device: str) -> torch.device:

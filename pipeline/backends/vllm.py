@@ -1,35 +1,49 @@
-"""The vLLM backend: speculators' VllmHiddenStatesGenerator (0.4.0.1, with our patches) behind Backend.
+"""The vLLM backend: vLLM's own hidden-state extraction (``extract_hidden_states``, vLLM >= 0.17) behind Backend.
 
-Owns the generator's construction (the forced settings, tensor parallel size, CPU defaults for the KV
-budget and thread binding), the check that the installed speculators/vLLM carry our patches, and the
-validation of every result the generator returns: one result per input in input order, the same token
-ids, exactly one [T, H] state per requested layer. The field bug "1 of 4 layers kept" and the ordering
-bug class fail here, loudly, instead of writing wrong files. The extract loop (pipeline/extract.py) owns
-batching, files, resume and progress; vLLM's own scheduler packs each batch into steps.
+Owns the engine's construction (the speculative method, the KV connector that writes each request's states
+to a file, the settings extraction needs, tensor parallel size, the CPU build's defaults), the mapping of
+our layer ids to vLLM's, reading the files the connector writes, and the validation of every result: one
+result per input in input order, the same token ids, exactly one [T, H] state per requested layer and
+token. The field bug "1 of 4 layers kept", reordered results and states short by whole blocks (prefix
+caching) fail here, loudly, instead of writing wrong files. The extract loop (pipeline/extract.py) owns
+batching, our output files, resume and progress; vLLM's scheduler packs each batch into steps.
 
-Process model: the generator spawns one worker process per tensor-parallel rank (vLLM's
-MultiprocExecutor); this process keeps only the scheduler. Entry points must therefore be import-safe
-(``if __name__ == "__main__":``), which ``python -m pipeline`` is.
+Why an in-process ``LLM`` rather than a ``vllm serve`` subprocess (docs/vllm.md): the extract loop already
+owns batching, ordering and back-pressure, so a server would add an HTTP hop, a port and a second process
+to supervise, and buy nothing; the engine's own worker processes run the model either way.
+
+Layer ids: ours are decoder-layer OUTPUTS (k = output of layer k, pre final norm); vLLM's id j is the INPUT
+of layer j, and j = num_hidden_layers is the last layer's output before the final norm. So ours map to
+``k + 1`` (DESIGN.md section 10); ``vllm_layer_ids`` is the one place that says so.
+
+Process model: the engine runs in a child process and spawns one worker per tensor-parallel rank; entry
+points must be import-safe (``if __name__ == "__main__":``), which ``python -m pipeline`` is.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from pipeline.backends.base import Backend, BackendOptions
 from pipeline.errors import StageError
 
-# The forced generator settings (DESIGN.md section 6); patch 0004 sets them and checks them after init.
-FORCED_SETTINGS = {
-    "enable_prefix_caching": False,
-    "enable_chunked_prefill": False,
-    "async_scheduling": False,
-    "enforce_eager": True,
-}
+METHOD = "extract_hidden_states"
+CONNECTOR = "ExampleHiddenStatesConnector"
+# What extraction needs from the engine, checked on the built engine (``settings``): prefix caching hands
+# back states short by whole cached blocks; a chunked prefill would split a sample over several steps.
+FORCED_SETTINGS = {"enable_prefix_caching": False, "enable_chunked_prefill": False}
 CPU_KVCACHE_GIB_DEFAULT = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's own default is half the RAM
+
+
+def vllm_layer_ids(layer_ids: Sequence[int]) -> list[int]:
+    """vLLM's aux layer ids for our captured layer OUTPUTS: the input of the next layer (k + 1)."""
+    return [int(k) + 1 for k in layer_ids]
 
 
 def visible_device_count() -> int:
@@ -62,10 +76,11 @@ def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int]) -> str:
     return "|".join(parts)
 
 
-def _cpu_environment(tensor_parallel_size: int) -> dict[str, str]:
-    """Environment defaults for vLLM's CPU backend; an operator's own settings always win."""
+def cpu_environment(tensor_parallel_size: int) -> dict[str, str]:
+    """Environment defaults for vLLM's CPU build (no GPU visible); an operator's own settings always win.
+    Never applied where a GPU is visible."""
     env = {}
-    if "VLLM_MLA_DISABLE" not in os.environ:  # "MLA is not supported on CPU" (DeepSeek-V3/Kimi family)
+    if "VLLM_MLA_DISABLE" not in os.environ:  # the CPU build refuses MLA for most head sizes (DeepSeek/Kimi)
         env["VLLM_MLA_DISABLE"] = "1"
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KVCACHE_GIB_DEFAULT
@@ -75,13 +90,14 @@ def _cpu_environment(tensor_parallel_size: int) -> dict[str, str]:
 
 
 def check_patched() -> None:
-    """Raise a one-line StageError unless speculators and vLLM carry our patches (cheap: no model load)."""
-    from pipeline.preflight import installed_patch_checks
+    """Raise a one-line StageError unless the installed vLLM is one we have a patch set for, patched and
+    with the APIs extraction uses (cheap: no model load)."""
+    from pipeline.preflight import installed_vllm_checks
 
-    failed = [c for c in installed_patch_checks() if c.failed]
+    failed = [c for c in installed_vllm_checks() if c.failed]
     if failed:
         names = "; ".join(f"{c.name}: {c.detail}" for c in failed)
-        raise StageError(f"the installed vLLM/speculators are not ready for extraction ({names}): run `python patches/apply.py`")
+        raise StageError(f"the installed vLLM is not ready for extraction ({names})")
 
 
 def _vllm_dtype(dtype: str) -> str:
@@ -90,8 +106,35 @@ def _vllm_dtype(dtype: str) -> str:
     return dtype
 
 
+def engine_arguments(options: BackendOptions, tensor_parallel_size: int, storage: Path) -> dict:
+    """The keyword arguments of ``vllm.LLM`` for an extraction run (pure: tests assert them)."""
+    args = dict(
+        model=str(options.model.path),
+        tensor_parallel_size=tensor_parallel_size,
+        dtype=_vllm_dtype(options.dtype),
+        max_model_len=options.seq_length,
+        # without chunked prefill every sample must fit one step
+        max_num_batched_tokens=max(options.max_batch_tokens, options.seq_length),
+        trust_remote_code=options.trust_remote_code,
+        speculative_config={
+            "method": METHOD,
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(options.layer_ids)}},
+        },
+        kv_transfer_config={
+            "kv_connector": CONNECTOR,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        },
+        disable_log_stats=True,
+        enforce_eager=options.enforce_eager,
+    )
+    args.update(FORCED_SETTINGS)
+    return args
+
+
 class VllmBackend(Backend):
-    """A loaded vLLM model whose decoder-layer outputs are captured by speculators' worker extension."""
+    """A vLLM engine whose extract_hidden_states drafter writes each request's layer states to a file."""
 
     name = "vllm"
 
@@ -112,35 +155,41 @@ class VllmBackend(Backend):
                 "lower it or make more devices visible"
             )
         if devices == 0:
-            os.environ.update(_cpu_environment(self.tensor_parallel_size))
+            os.environ.update(cpu_environment(self.tensor_parallel_size))
         check_patched()
-        from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
-
         self.layer_ids = [int(k) for k in options.layer_ids]
-        self._generator = VllmHiddenStatesGenerator(
-            model_path=str(options.model.path),
-            layer_ids=self.layer_ids,
-            max_model_len=options.seq_length,
-            tensor_parallel_size=self.tensor_parallel_size,
-            max_num_batched_tokens=max(options.max_batch_tokens, options.seq_length),
-            trust_remote_code=options.trust_remote_code,
-            dtype=_vllm_dtype(options.dtype),
-        )
-        config = self._generator.vllm_config
+        scratch = options.scratch_dir
+        if scratch is not None:
+            scratch.mkdir(parents=True, exist_ok=True)
+        # the connector's files live here only until capture() has read them
+        self._storage = Path(tempfile.mkdtemp(prefix=".vllm-states-", dir=scratch))
+        from vllm import LLM
+
+        try:
+            self._llm = LLM(**engine_arguments(options, self.tensor_parallel_size, self._storage))
+        except BaseException:
+            shutil.rmtree(self._storage, ignore_errors=True)
+            raise
+        config = self._llm.llm_engine.vllm_config
         self._dtype = config.model_config.dtype
         self.settings = {
             "enable_prefix_caching": config.cache_config.enable_prefix_caching,
             "enable_chunked_prefill": config.scheduler_config.enable_chunked_prefill,
-            "async_scheduling": config.scheduler_config.async_scheduling,
             "enforce_eager": config.model_config.enforce_eager,
             "block_size": config.cache_config.block_size,
             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+            "aux_layer_ids": list(
+                config.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids
+            ),
         }
         wrong = {k: self.settings[k] for k, v in FORCED_SETTINGS.items() if self.settings[k] != v}
+        if self.settings["aux_layer_ids"] != vllm_layer_ids(self.layer_ids):
+            wrong["aux_layer_ids"] = self.settings["aux_layer_ids"]
         if wrong:
             self.close()
-            raise StageError(f"vLLM did not take the forced extraction settings: {wrong} (expected {FORCED_SETTINGS})")
+            raise StageError(f"vLLM did not take the extraction settings: {wrong} (expected {FORCED_SETTINGS} and "
+                             f"aux layers {vllm_layer_ids(self.layer_ids)})")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -149,6 +198,9 @@ class VllmBackend(Backend):
     def capture(self, batch: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
         if not batch:
             return []
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         seqs = [[int(t) for t in s] for s in batch]
         limit = self.options.seq_length - 1
         too_long = [i for i, s in enumerate(seqs) if len(s) > limit or not s]
@@ -158,37 +210,49 @@ class VllmBackend(Backend):
                 f"sample {i} of the batch has {len(seqs[i])} tokens; the vllm backend takes 1..{limit} "
                 "(seq_length - 1): re-run prepare with this --seq-length"
             )
-        results = self._generator.generate(seqs)
-        if len(results) != len(seqs):
-            raise StageError(f"vLLM returned {len(results)} results for a batch of {len(seqs)}: requests were lost or duplicated")
-        return [self._checked(i, seq, result) for i, (seq, result) in enumerate(zip(seqs, results, strict=True))]
+        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
+                                     SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        if len(outputs) != len(seqs):
+            raise StageError(f"vLLM returned {len(outputs)} results for a batch of {len(seqs)}: requests were lost or duplicated")
+        return [self._read(i, seq, out) for i, (seq, out) in enumerate(zip(seqs, outputs, strict=True))]
 
-    def _checked(self, i: int, seq: list[int], result: dict) -> list[torch.Tensor]:
-        ids = result["input_ids"]
+    def _read(self, i: int, seq: list[int], output) -> list[torch.Tensor]:
+        """Sample i's states from the connector's file (waiting on its lock), checked, then the file removed."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        if list(output.prompt_token_ids or []) != seq:
+            raise StageError(f"vLLM result {i} belongs to another input (prompt tokens differ): results out of input order")
+        path = (output.kv_transfer_params or {}).get("hidden_states_path")
+        if not path:
+            raise StageError(f"vLLM result {i} names no hidden-states file (kv_transfer_params={output.kv_transfer_params}): "
+                             f"is the {CONNECTOR} connector active?")
+        try:
+            data = load_hidden_states(path)
+        except (OSError, ValueError) as exc:
+            raise StageError(f"cannot read vLLM's hidden states of sample {i} from {path}: {exc} "
+                             "(vLLM's log says why the write failed: 'Hidden-states write failed')") from None
+        finally:
+            cleanup_hidden_states(path)
+        ids, states = data.get("token_ids"), data.get("hidden_states")
+        if ids is None or states is None:
+            raise StageError(f"vLLM's file {path} lacks token_ids or hidden_states (has {sorted(data)})")
         if ids.tolist() != seq:
-            raise StageError(
-                f"vLLM result {i} belongs to another input (tokens differ): results out of input order; "
-                "is speculators patch 0006-results-in-input-order applied? (python patches/apply.py --check)"
-            )
-        states = result["hidden_states"]
-        if len(states) != len(self.layer_ids):
-            raise StageError(
-                f"vLLM returned {len(states)} hidden states for sample {i}, expected one per layer {self.layer_ids}"
-            )
-        hidden = self.options.model.hidden_size
-        out = []
-        for k, h in zip(self.layer_ids, states, strict=True):
-            if tuple(h.shape) != (len(seq), hidden):
-                raise StageError(f"vLLM state of layer {k} for sample {i} has shape {tuple(h.shape)}, expected ({len(seq)}, {hidden})")
-            out.append(h.detach().to("cpu", copy=True).contiguous())
-        return out
+            raise StageError(f"vLLM's states of sample {i} are for other tokens ({len(ids)} ids, expected {len(seq)}): "
+                             "results out of input order or a prefix-cache hit")
+        want = (len(seq), len(self.layer_ids), self.options.model.hidden_size)
+        if tuple(states.shape) != want:
+            raise StageError(f"vLLM's states of sample {i} have shape {tuple(states.shape)}, expected {want} "
+                             f"(tokens, one per layer {self.layer_ids}, hidden)")
+        return [states[:, j].contiguous() for j in range(len(self.layer_ids))]
 
     def close(self) -> None:
-        generator = getattr(self, "_generator", None)
-        if generator is None:
-            return
-        self._generator = None
-        executor = getattr(generator, "executor", None)
-        if executor is not None:
-            executor.shutdown()
-            del generator.executor  # its __del__ would shut down again
+        llm = getattr(self, "_llm", None)
+        self._llm = None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        storage = getattr(self, "_storage", None)
+        if storage is not None:
+            shutil.rmtree(storage, ignore_errors=True)

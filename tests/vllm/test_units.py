@@ -115,10 +115,10 @@ def test_cpu_environment_never_overrides_the_operator(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
     monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    env = backend._cpu_environment(1)
+    env = backend.cpu_environment(1)
     assert env == {"VLLM_MLA_DISABLE": "1"}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in backend._cpu_environment(2)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in backend.cpu_environment(2)
 
 
 def test_checkpoint_layer_names():

@@ -1,0 +1,112 @@
+"""The vllm backend's guards against the seeds' silent failure classes, on real connector files read by vLLM's own
+reader: lost layers, states of another sample (reordered results), states short by whole blocks (a prefix-cache
+hit), and a failed write. Each guard is the only thing between such a file and a wrong data_{i}.pt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeline.errors import StageError
+
+pytestmark = pytest.mark.vllm
+
+HIDDEN = 8
+LAYERS = (2, 4, 5, 7)
+
+
+def bare_backend():
+    """A VllmBackend with no engine: enough state for reading and checking files."""
+    from pipeline.backends.vllm import VllmBackend
+
+    backend = object.__new__(VllmBackend)
+    backend.layer_ids = list(LAYERS)
+    backend.options = SimpleNamespace(model=SimpleNamespace(hidden_size=HIDDEN), seq_length=64)
+    return backend
+
+
+def connector_file(tmp_path: Path, tokens: list[int], layers: int = len(LAYERS), name: str = "0-abc") -> Path:
+    """A file as ExampleHiddenStatesConnector writes it (hidden_states [T, layers, H], token_ids [T]) and its lock."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / f"{name}.safetensors"
+    states = torch.arange(len(tokens) * layers * HIDDEN, dtype=torch.float32).reshape(len(tokens), layers, HIDDEN)
+    save_file({"hidden_states": states, "token_ids": torch.tensor(tokens)}, str(path))
+    Path(str(path) + ".lock").touch()
+    return path
+
+
+def output(tokens: list[int], path: Path | None) -> SimpleNamespace:
+    return SimpleNamespace(prompt_token_ids=tokens, kv_transfer_params={"hidden_states_path": str(path)} if path else None)
+
+
+def test_a_good_file_gives_one_owned_state_per_layer_and_is_removed(tmp_path):
+    """A well-formed file gives 4 contiguous [T, H] tensors (layer j = slice j), then file and lock are gone."""
+    seq = [5, 6, 7]
+    path = connector_file(tmp_path, seq)
+    states = bare_backend()._read(0, seq, output(seq, path))
+    assert [tuple(h.shape) for h in states] == [(3, HIDDEN)] * 4
+    assert all(h.is_contiguous() for h in states)
+    assert torch.equal(states[2][1], torch.arange(HIDDEN, dtype=torch.float32) + (1 * 4 + 2) * HIDDEN)
+    assert not path.exists() and not Path(str(path) + ".lock").exists()
+
+
+def test_lost_layers_are_refused(tmp_path):
+    """A file with 3 of the 4 layers (the field bug "1 of 4 layers kept", in kind) is a StageError naming the shape."""
+    seq = [5, 6, 7]
+    with pytest.raises(StageError, match=r"shape \(3, 3, 8\), expected \(3, 4, 8\)"):
+        bare_backend()._read(0, seq, output(seq, connector_file(tmp_path, seq, layers=3)))
+
+
+def test_states_short_by_cached_blocks_are_refused(tmp_path):
+    """States for fewer tokens than the sample (prefix caching hands back only the uncached tail) are refused."""
+    seq = list(range(10, 50))
+    path = connector_file(tmp_path, seq[16:])
+    with pytest.raises(StageError, match="other tokens .24 ids, expected 40.: results out of input order or a prefix-cache hit"):
+        bare_backend()._read(0, seq, output(seq, path))
+
+
+def test_another_samples_file_is_refused(tmp_path):
+    """A result whose file holds another sample's tokens (results reordered) is refused."""
+    seq, other = [5, 6, 7], [5, 6, 8]
+    with pytest.raises(StageError, match="for other tokens"):
+        bare_backend()._read(1, seq, output(seq, connector_file(tmp_path, other)))
+
+
+def test_a_result_for_another_prompt_is_refused(tmp_path):
+    """A result whose prompt is another input's is refused before its file is trusted."""
+    seq = [5, 6, 7]
+    with pytest.raises(StageError, match="belongs to another input"):
+        bare_backend()._read(0, seq, output([9, 9, 9], connector_file(tmp_path, seq)))
+
+
+def test_a_missing_or_unwritten_file_is_named(tmp_path):
+    """No path in kv_transfer_params (connector off), or a path whose write failed, is a one-line StageError."""
+    seq = [5, 6, 7]
+    with pytest.raises(StageError, match="names no hidden-states file"):
+        bare_backend()._read(0, seq, output(seq, None))
+    missing = tmp_path / "lost.safetensors"
+    Path(str(missing) + ".lock").touch()
+    with pytest.raises(StageError, match="cannot read vLLM's hidden states of sample 0"):
+        bare_backend()._read(0, seq, output(seq, missing))
+
+
+def test_engine_arguments_force_extraction_settings_and_map_layer_ids(tmp_path):
+    """The engine gets vLLM ids = ours + 1, prefix caching and chunked prefill off, the connector writing into the
+    scratch folder, and no CPU-only setting (eager mode only when asked)."""
+    from pipeline.backends.base import BackendOptions
+    from pipeline.backends.vllm import engine_arguments
+
+    options = BackendOptions(model=SimpleNamespace(path=Path("/m")), layer_ids=(2, 16, 29, 31), seq_length=4096,
+                             max_batch_tokens=1024)
+    args = engine_arguments(options, 8, tmp_path)
+    assert args["speculative_config"] == {
+        "method": "extract_hidden_states", "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [3, 17, 30, 32]}}}
+    assert args["kv_transfer_config"]["kv_connector"] == "ExampleHiddenStatesConnector"
+    assert args["kv_transfer_config"]["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
+    assert (args["enable_prefix_caching"], args["enable_chunked_prefill"], args["enforce_eager"]) == (False, False, False)
+    assert (args["tensor_parallel_size"], args["max_num_batched_tokens"], args["max_model_len"]) == (8, 4096, 4096)
