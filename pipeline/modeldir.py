@@ -6,11 +6,11 @@ config under ``text_config``) and the checks that a directory is a usable target
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import StageError
+from pipeline.readers import read_model_config
 
 
 @dataclass(frozen=True)
@@ -41,15 +41,9 @@ def read_model_dir(path: Path | str) -> ModelDir:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise StageError(f"{path} has no config.json: not a model directory (pass the directory saved by save_pretrained)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise StageError(f"{cfg_path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    raw = read_model_config(cfg_path)
     text = raw.get("text_config") or raw
     archs = raw.get("architectures") or []
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
-    if missing:
-        raise StageError(f"{cfg_path} lacks {', '.join(missing)}: not a decoder-only language model config")
     return ModelDir(
         path=path,
         architecture=archs[0] if archs else "",

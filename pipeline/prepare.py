@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from pipeline import formats
+from pipeline import formats, readers
 from pipeline.errors import StageError
 from pipeline.modeldir import read_model_dir
 from pipeline.outdir import staged_dir
@@ -147,12 +147,7 @@ class TemplateMasker:
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise StageError(f"cannot load the tokenizer from {model_dir}: {str(exc).splitlines()[0]}") from None
+    return readers.load_tokenizer(model_dir, trust_remote_code)
 
 
 def run(cfg: PrepareConfig) -> formats.PreparedMetadata:

@@ -9,7 +9,6 @@ It reads outputs; it never modifies them (summary.json aside).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -22,7 +21,7 @@ import click
 import numpy as np
 import torch
 
-from pipeline import formats
+from pipeline import formats, readers
 from pipeline.checks import CheckResult, Summary, check, fail, ok, render, warn
 from pipeline.errors import CheckFailed, StageError
 from pipeline.sample_buffer import NotFastPath, SampleBuffer
@@ -331,7 +330,7 @@ def _alignment_checks(cfg: VerifyConfig, dc: formats.DataConfig, good: list[int]
         verifier = {"norm.weight": t[names.norm], "lm_head.weight": t[names.lm_head]}
     model_dir = cfg.model
     cfg_path = Path(dc.model) / "config.json"
-    raw = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    raw = readers.read_model_config(cfg_path) if cfg_path.is_file() else {}
     eps = float((raw.get("text_config") or raw).get("rms_norm_eps", 1e-6))
     step = max(1, len(good) // max(1, cfg.alignment_samples))
     picked = good[::step][: cfg.alignment_samples]
@@ -386,7 +385,7 @@ def verify_verifier(path: Path) -> Summary:
     s.checks.append(check("nan_inf", not any(bad.values()), "all finite", f"non-finite values: {bad}"))
     meta_path = path / VERIFIER_META
     if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
+        meta = readers.read_json(meta_path, "run `pipeline weights --overwrite`")
         same = all(list(tensors[k].shape) == v for k, v in meta.get("shapes", {}).items())
         s.checks.append(check("metadata", same, f"from {meta.get('source')}", "verifier.json shapes differ from the tensors"))
         s.stats = {"source": meta.get("source"), "tied": meta.get("tied_word_embeddings"), "dtype": meta.get("dtype")}
@@ -400,16 +399,19 @@ def verify_verifier(path: Path) -> Summary:
 
 def verify(cfg: VerifyConfig) -> Summary:
     kind = detect_kind(cfg.path)
-    if kind == "prepared":
-        summary = verify_prepared(cfg.path)
-    elif kind == "hidden_states":
-        summary = verify_hidden_states(cfg)
-    elif kind == "verifier":
-        summary = verify_verifier(cfg.path)
-    else:
-        from pipeline.checkpoint_checks import verify_checkpoint
+    try:
+        if kind == "prepared":
+            summary = verify_prepared(cfg.path)
+        elif kind == "hidden_states":
+            summary = verify_hidden_states(cfg)
+        elif kind == "verifier":
+            summary = verify_verifier(cfg.path)
+        else:
+            from pipeline.checkpoint_checks import verify_checkpoint
 
-        summary = verify_checkpoint(cfg.path)
+            summary = verify_checkpoint(cfg.path)
+    except StageError as exc:  # a damaged file read on the way (pipeline/readers.py): a failed, named check
+        summary = Summary(kind, str(cfg.path), [fail("readable", str(exc))])
     if cfg.write_summary:  # next to what was checked: a train dir's own summary.json is train's
         summary.write(Path(summary.path) / SUMMARY)
     return summary

@@ -8,7 +8,6 @@ causal LMs and for wrappers (``language_model.`` prefixes), tied embeddings, and
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +17,11 @@ from pipeline.atomic import write_json
 from pipeline.errors import StageError
 from pipeline.modeldir import read_model_dir
 from pipeline.outdir import staged_dir
+from pipeline.readers import read_safetensors, read_shard_tensors, read_weight_map
 
 VERIFIER_FILE = "verifier.safetensors"
 VERIFIER_META = "verifier.json"
 KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
-INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -37,19 +36,7 @@ class VerifierNames:
 
 def weight_map(model_dir: Path) -> dict[str, str]:
     """Tensor name -> shard file name, from the index or from a single model.safetensors."""
-    index = model_dir / INDEX
-    if index.is_file():
-        try:
-            return dict(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError):
-            raise StageError(f"{index} is not a safetensors index (no weight_map)") from None
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as fh:
-            return {k: single.name for k in fh.keys()}  # noqa: SIM118 - safe_open has no __iter__
-    raise StageError(f"{model_dir} has neither {INDEX} nor model.safetensors: not a safetensors checkpoint")
+    return read_weight_map(model_dir)
 
 
 def resolve_names(names: list[str], tie_word_embeddings: bool) -> VerifierNames:
@@ -72,20 +59,7 @@ def resolve_names(names: list[str], tie_word_embeddings: bool) -> VerifierNames:
 
 
 def read_tensors(model_dir: Path, wmap: dict[str, str], names: list[str]) -> dict:
-    from safetensors import safe_open
-
-    tensors = {}
-    by_file: dict[str, list[str]] = {}
-    for n in names:
-        by_file.setdefault(wmap[n], []).append(n)
-    for shard, shard_names in by_file.items():
-        path = model_dir / shard
-        if not path.is_file():
-            raise StageError(f"shard {path} listed in the index is missing")
-        with safe_open(path, framework="pt") as fh:
-            for n in shard_names:
-                tensors[n] = fh.get_tensor(n)
-    return tensors
+    return read_shard_tensors(model_dir, wmap, names)
 
 
 def run(model_dir: Path, out: Path, overwrite: bool = False) -> dict:
@@ -122,12 +96,7 @@ def run(model_dir: Path, out: Path, overwrite: bool = False) -> dict:
 
 
 def load_verifier(directory: Path) -> dict:
-    from safetensors.torch import load_file
-
-    path = directory / VERIFIER_FILE
-    if not path.is_file():
-        raise StageError(f"{path} not found (run `pipeline weights`)")
-    return load_file(str(path))
+    return read_safetensors(directory / VERIFIER_FILE, "run `pipeline weights --overwrite`")
 
 
 @click.command("weights")
