@@ -9,6 +9,7 @@ is the backend's business (pipeline/backends/).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -28,6 +29,7 @@ from pipeline.backends import BACKENDS, Backend, BackendOptions, get_backend
 from pipeline.errors import StageError
 from pipeline.layers import parse_layer_ids, validate_layer_ids
 from pipeline.modeldir import read_model_dir
+from pipeline.outdir import output_lock, refuse_overlap
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,7 @@ def _expected_config(cfg: ExtractConfig, model, layer_ids, num_samples, seq_leng
 def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig) -> set[int]:
     """Apply the --resume/--overwrite policy; return the sample indices already complete."""
     out = cfg.out
+    refuse_overlap(out, {"--prepared": cfg.prepared, "--model": cfg.model})
     existing = formats.existing_data_indices(out)
     has_config = (out / formats.DATA_CONFIG).exists()
     if cfg.resume and cfg.overwrite:
@@ -565,7 +568,9 @@ def first_batch_after(stats: dict) -> tuple[float, float] | None:
 def command(layer_ids: str | None, json_stats: bool, **kwargs) -> None:
     """Capture the outputs of 4 decoder layers for every prepared sample."""
     cfg = ExtractConfig(layer_ids=tuple(ids) if (ids := parse_layer_ids(layer_ids)) else None, **kwargs)
-    stats = run(cfg)
+    shard = f"rank-{cfg.rank}" if cfg.world_size > 1 else ""
+    with output_lock(cfg.out, shard) if cfg.local_rank is None else contextlib.nullcontext():  # workers: the launcher's
+        stats = run(cfg)
     if json_stats:
         import json
 

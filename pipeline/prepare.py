@@ -192,7 +192,7 @@ def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
         mask_method="chat-template-prefix", skipped_rows=skipped, truncated_rows=truncated,
         extra={"rows_without_assistant_tokens": no_loss},
     )
-    with staged_dir(cfg.out, overwrite=cfg.overwrite) as staging:
+    with staged_dir(cfg.out, overwrite=cfg.overwrite, inputs={"--data": cfg.data, "--model": cfg.model}) as staging:
         formats.write_token_freq(staging / formats.TOKEN_FREQ, freq)
         if cfg.draft_vocab_size is not None:
             d2t, t2d = build_vocab_mapping(freq, model.vocab_size, cfg.draft_vocab_size)

@@ -16,7 +16,7 @@ import click
 from pipeline.atomic import write_json
 from pipeline.errors import StageError
 from pipeline.modeldir import read_model_dir
-from pipeline.outdir import staged_dir
+from pipeline.outdir import refuse_overlap, staged_dir
 from pipeline.readers import read_safetensors, read_shard_tensors, read_weight_map
 
 VERIFIER_FILE = "verifier.safetensors"
@@ -63,6 +63,7 @@ def read_tensors(model_dir: Path, wmap: dict[str, str], names: list[str]) -> dic
 
 
 def run(model_dir: Path, out: Path, overwrite: bool = False) -> dict:
+    refuse_overlap(out, {"--model": model_dir})
     model = read_model_dir(model_dir)
     wmap = weight_map(model_dir)
     names = resolve_names(sorted(wmap), model.tie_word_embeddings)
@@ -89,7 +90,7 @@ def run(model_dir: Path, out: Path, overwrite: bool = False) -> dict:
     }
     from safetensors.torch import save_file
 
-    with staged_dir(out, overwrite=overwrite) as staging:
+    with staged_dir(out, overwrite=overwrite, inputs={"--model": model_dir}) as staging:
         save_file(tensors, str(staging / VERIFIER_FILE), metadata={"source": meta["source"]})
         write_json(staging / VERIFIER_META, meta)
     return meta
