@@ -26,9 +26,9 @@ import torch
 from pipeline import formats
 from pipeline.atomic import remove_partials
 from pipeline.backends import BACKENDS, Backend, BackendOptions, get_backend
-from pipeline.errors import StageError
+from pipeline.errors import StageError, require_range
 from pipeline.layers import parse_layer_ids, validate_layer_ids
-from pipeline.modeldir import read_model_dir
+from pipeline.modeldir import check_checkpoint, read_model_dir
 from pipeline.outdir import output_lock, refuse_overlap
 
 
@@ -341,6 +341,8 @@ def device_idle(busy_seconds: float, wall_seconds: float, devices: int = 1) -> d
 
 
 def _check_parallel(cfg: ExtractConfig) -> None:
+    require_range("--limit", cfg.limit, 1)
+    require_range("--tensor-parallel-size", cfg.tensor_parallel_size, 1, 4096)
     if cfg.max_batch_tokens < 1 or cfg.max_batch_size < 1:
         raise StageError(f"--max-batch-tokens {cfg.max_batch_tokens} and --max-batch-size {cfg.max_batch_size} must be at least 1")
     if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
@@ -383,6 +385,7 @@ def run(cfg: ExtractConfig) -> dict:
     _check_parallel(cfg)
     prepared, meta = formats.read_prepared(cfg.prepared)
     model = read_model_dir(cfg.model)
+    check_checkpoint(model)  # every layer the config claims has weights, none is left unused
     if meta.target_vocab_size != model.vocab_size:
         raise StageError(f"{cfg.prepared} was prepared for a vocab of {meta.target_vocab_size}, but {cfg.model} has {model.vocab_size}: re-run prepare with this model")
     layer_ids = validate_layer_ids(cfg.layer_ids, model.num_layers)

@@ -23,7 +23,7 @@ import torch
 
 from pipeline import formats, readers
 from pipeline.checks import CheckResult, Summary, check, fail, ok, render, warn
-from pipeline.errors import CheckFailed, StageError
+from pipeline.errors import CheckFailed, StageError, require_range
 from pipeline.sample_buffer import NotFastPath, SampleBuffer
 from pipeline.vocab import token_frequencies, vocab_mapping_problems
 
@@ -419,6 +419,10 @@ def verify(cfg: VerifyConfig) -> Summary:
 
 def report(cfg: VerifyConfig) -> Summary:
     """Verify, print the table, raise CheckFailed (one line) if any check failed."""
+    require_range("--alignment-samples", cfg.alignment_samples, 1, 1 << 20)
+    require_range("--min-agreement", cfg.min_agreement, 0.0, 1.0)
+    require_range("--world-size", cfg.world_size, 1, 1 << 16)
+    require_range("--rank", cfg.rank, 0, cfg.world_size - 1)
     summary = verify(cfg)
     render(summary)
     if not summary.ok:

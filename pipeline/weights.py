@@ -15,7 +15,7 @@ import click
 
 from pipeline.atomic import write_json
 from pipeline.errors import StageError
-from pipeline.modeldir import read_model_dir
+from pipeline.modeldir import check_checkpoint, read_model_dir
 from pipeline.outdir import refuse_overlap, staged_dir
 from pipeline.readers import read_safetensors, read_shard_tensors, read_weight_map
 
@@ -58,6 +58,19 @@ def resolve_names(names: list[str], tie_word_embeddings: bool) -> VerifierNames:
     raise StageError("no lm_head.weight in the checkpoint and tie_word_embeddings is false: cannot build the verifier")
 
 
+def check_tied(tie_word_embeddings: bool, names: VerifierNames, src: dict) -> None:
+    """With ``tie_word_embeddings: true`` the target computes logits with its embedding, whatever lm_head the
+    checkpoint also holds: a different lm_head would give a verifier that is not the target's."""
+    import torch
+
+    embed, head = src[names.embed_tokens], src[names.lm_head]
+    if tie_word_embeddings and not names.tied and (embed.shape != head.shape or not torch.equal(embed, head)):
+        raise StageError(
+            f"config.json says tie_word_embeddings: true, but the checkpoint's {names.lm_head} differs from "
+            f"{names.embed_tokens}: the target computes with the embedding; fix tie_word_embeddings or the checkpoint"
+        )
+
+
 def read_tensors(model_dir: Path, wmap: dict[str, str], names: list[str]) -> dict:
     return read_shard_tensors(model_dir, wmap, names)
 
@@ -66,8 +79,10 @@ def run(model_dir: Path, out: Path, overwrite: bool = False) -> dict:
     refuse_overlap(out, {"--model": model_dir})
     model = read_model_dir(model_dir)
     wmap = weight_map(model_dir)
+    check_checkpoint(model, list(wmap))
     names = resolve_names(sorted(wmap), model.tie_word_embeddings)
     src = read_tensors(model_dir, wmap, sorted({names.embed_tokens, names.norm, names.lm_head}))
+    check_tied(model.tie_word_embeddings, names, src)
     tensors = {
         "embed_tokens.weight": src[names.embed_tokens].contiguous(),
         "norm.weight": src[names.norm].contiguous(),
