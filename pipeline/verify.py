@@ -275,6 +275,10 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
         return s
     s.checks.append(ok("data_config", f"{dc.num_samples} samples, layers {dc.layer_ids}, H={dc.hidden_size}, {dc.dtype}"))
     expected = set(range(cfg.rank, dc.num_samples, cfg.world_size))
+    if not expected:  # a shard that selects no file has nothing to be OK about
+        s.checks.append(fail("shard", f"--rank {cfg.rank} of --world-size {cfg.world_size} selects none of the "
+                                      f"{dc.num_samples} samples: check --world-size"))
+        return s
     present = formats.existing_data_indices(path)
     extra = sorted(set(present) - set(range(dc.num_samples)))
     indices = sorted(set(present) & expected)

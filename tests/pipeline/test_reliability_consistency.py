@@ -104,3 +104,10 @@ def test_numbers_outside_their_range_are_refused_at_the_boundary(
     refused(cli(monkeypatch, capsys, stage, *args, *flags), fragment)
     assert not out.exists()
     assert (extracted_llama / "summary.json").stat().st_mtime_ns == before
+
+
+def test_verify_of_a_shard_that_selects_no_file_fails(monkeypatch, capsys, extracted_llama):
+    """verify --world-size 100 --rank 99 of a 24-sample set checks nothing: a failed check, not OK."""
+    refused(cli(monkeypatch, capsys, "verify", extracted_llama, "--world-size", "100", "--rank", "99"),
+            "selects none of the 24 samples", code=3)
+    assert cli(monkeypatch, capsys, "verify", extracted_llama)[0] == 0  # summary.json back to the whole set's
