@@ -17,7 +17,7 @@ from rich.console import Console
 
 from ops import errors
 from ops.connection import Runner, connect
-from ops.hosts import HostConfig, resolve_host
+from ops.hosts import HostConfig, check_seconds, resolve_host
 from ops.secret_env import redact
 
 console = Console(highlight=False, soft_wrap=True)
@@ -89,7 +89,8 @@ def _write_trace(runner: Runner) -> None:
 
 
 def wait_option(fn):
-    return click.option("--wait", "lock_wait", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+    return click.option("--wait", "lock_wait", type=float, default=0.0, metavar="SECONDS",
+                        callback=lambda _ctx, _param, v: v and check_seconds(v, "--wait"),
                         help="when another ops command holds the host, wait up to SECONDS instead of refusing")(fn)
 
 

@@ -264,7 +264,15 @@ class _RefuseUnknown:
     def missing_host_key(self, client, hostname, key) -> None:
         import paramiko
 
-        raise paramiko.SSHException(f"__unknown_host_key__ {key.get_name()} {key.get_fingerprint().hex()}")
+        raise paramiko.SSHException(f"__unknown_host_key__ {key.get_name()} {sha256_fingerprint(key)}")
+
+
+def sha256_fingerprint(key) -> str:
+    """A host key's fingerprint as ssh and ssh-keygen -l show it: SHA256:<base64 of the digest, unpadded>."""
+    import base64
+    import hashlib
+
+    return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
 
 
 class RemoteRunner:
@@ -318,10 +326,14 @@ class RemoteRunner:
             raise ConnectError(f"unknown host {self._conn.host!r}: name does not resolve; check HOST") from None
         except p.BadHostKeyException as exc:
             raise ConnectError(
-                f"host key of {target} CHANGED (got {exc.key.get_name()} {exc.key.get_fingerprint().hex()}, "
-                f"{self._known} has another); refusing. If the host was reinstalled, remove its line "
-                f"from {self._known}"
+                f"host key of {target} CHANGED (got {exc.key.get_name()} {sha256_fingerprint(exc.key)}, "
+                f"{self._known} has {sha256_fingerprint(exc.expected_key)}); refusing. If the host was "
+                f"reinstalled, remove its line from {self._known}"
             ) from None
+        except p.PasswordRequiredException:  # before AuthenticationException, its base class
+            key = self.host.key or "the private key"
+            raise ConnectError(f"key {key} is encrypted: give its passphrase to an agent (ssh-add {key}) and use "
+                               "the agent (drop `key` from the hosts file), or use a key without a passphrase") from None
         except p.AuthenticationException:
             raise ConnectError(f"{target} refused our key/credentials; check `user` and `key`") from None
         except p.SSHException as exc:
@@ -351,14 +363,14 @@ class RemoteRunner:
         try:
             code, out, err = self._exec(command, stdin, timeout, stream)
         except (self._paramiko.SSHException, EOFError, OSError) as exc:
-            raise OpsError(f"lost the SSH connection to {self.label}: {exc}") from None
+            raise OpsError(f"connection to {self.label} lost during {_brief(command)}: {exc}") from None
         self.log.seconds.append(time.monotonic() - start)
         return Result(command, code, out, err)
 
     def _exec(self, command: str, stdin: str | None, timeout: float | None, stream: IO[str] | None):
         transport = self._conn.client.get_transport()
         if transport is None or not transport.is_active():
-            raise OpsError(f"lost the SSH connection to {self.label}")
+            raise OpsError(f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed")
         chan = transport.open_session()
         deadline = None if timeout is None else time.monotonic() + timeout
         out, err = bytearray(), bytearray()
@@ -373,12 +385,14 @@ class RemoteRunner:
                 if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
                 if chan.closed or not transport.is_active():  # connection dropped: no exit status will come
-                    raise OpsError(f"lost the SSH connection to {self.label} while running: {command[:80]}")
+                    raise OpsError(f"connection to {self.label} lost during {_brief(command)} (no exit status came)")
                 if deadline is not None and time.monotonic() > deadline:
                     raise OpsError(f"remote command timed out after {timeout:.0f} s: {command[:120]}")
                 if not got:
                     select.select([chan], [], [], 0.05)
             code = chan.recv_exit_status()
+            if code == -1 and not transport.is_active():  # paramiko's "no exit status": the connection dropped
+                raise OpsError(f"connection to {self.label} lost during {_brief(command)} (no exit status came)")
         finally:
             chan.close()
         return code, out.decode(errors="replace"), err.decode(errors="replace")
@@ -397,15 +411,20 @@ class RemoteRunner:
         try:
             transport = self._conn.client.get_transport()
             if transport is None or not transport.is_active():
-                raise OpsError(f"lost the SSH connection to {self.label}")
+                raise OpsError(f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed")
             chan = transport.open_session()
             chan.exec_command(command)
         except (self._paramiko.SSHException, EOFError, OSError) as exc:
-            raise OpsError(f"lost the SSH connection to {self.label}: {exc}") from None
+            raise OpsError(f"connection to {self.label} lost during {_brief(command)}: {exc}") from None
         return ChannelProcess(chan, self.label)
 
     def close(self) -> None:
         self._conn.close()
+
+
+def _brief(command: str) -> str:
+    """What a remote command is, for a message: its program and first words, at most 80 characters."""
+    return f"`{command[:77] + '...' if len(command) > 80 else command}`"
 
 
 def _drain(ready, recv, buf: bytearray, stream: IO[str] | None) -> bool:

@@ -28,7 +28,7 @@ from ops.errors import EXIT_HOSTS_FAILED, EXIT_INTERRUPTED, ConfigError, OpsErro
 from ops.hosts import HostConfig
 from ops.interrupts import interrupt_thread
 from ops.remote_run import remote_run
-from ops.runstate import write_json
+from ops.runstate import run_dir, write_json
 from ops.secret_env import available, env_file_text
 from ops.stage import StagePlan, new_run_id, plan_stage
 
@@ -165,7 +165,7 @@ def find_previous(runs_dir: Path, run_id: str | None, stage: str, names: list[st
     """The merged record of the run to continue: runs/<run-id>/summary.json, or with no run id the most
     recent multi-host record of the same stage and host list."""
     if run_id is not None:
-        path = runs_dir / run_id / SUMMARY
+        path = run_dir(runs_dir, run_id) / SUMMARY
         return _read(path) if path.is_file() else None
     found = [(r.get("updated", ""), r) for r in map(_read, runs_dir.glob(f"*/{SUMMARY}"))
              if r.get("kind") == KIND and r.get("stage") == stage and r.get("host_order") == names]
@@ -339,7 +339,7 @@ def run_fanout(plan: FanoutPlan, *, connect: Callable, runs_dir: Path, restore_s
                accept_new_host_key: bool = False, wait: float = 0.0) -> tuple[dict, bool]:
     """Every host at once, one thread and one connection each; writes runs/<run-id>/summary.json after
     all hosts finished. Returns the merged record and whether the operator pressed Ctrl-C."""
-    root = runs_dir / plan.run_id
+    root = run_dir(runs_dir, plan.run_id)
     root.mkdir(parents=True, exist_ok=True)
     lock, record_lock = threading.Lock(), threading.Lock()
     results: dict[str, HostResult] = {}

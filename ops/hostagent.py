@@ -232,6 +232,26 @@ def group_members(pgid: int) -> list[int]:
     return sorted(out)
 
 
+def same_connection() -> set[int]:
+    """Every process started over this agent's own SSH connection (the lock keeper, the log follower, their
+    shells): those whose environment carries our SSH_CONNECTION (client address and port: one per
+    connection). Empty when the agent does not run over SSH."""
+    ours = os.environ.get("SSH_CONNECTION")
+    if not ours:
+        return set()
+    needle = ("SSH_CONNECTION=" + ours).encode()
+    out = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as fh:
+                    if needle in fh.read().split(b"\0"):
+                        out.add(int(name))
+            except OSError:
+                pass
+    return out
+
+
 def unit_members(unit: str) -> list[int]:
     out = []
     needle = "/" + unit
@@ -313,7 +333,7 @@ def terminate(req: dict) -> dict:
     A process we may not signal (EPERM: another user's, and we are not root) is reported as denied at
     once and dropped from the targets: waiting for it or sending it SIGKILL cannot change anything."""
     started = time.monotonic()
-    ours = set(ancestry())
+    ours = set(ancestry()) | (same_connection() if req.get("spare_ssh_session") else set())
     grace, kill_wait = float(req.get("grace", 10)), float(req.get("kill_wait", 5))
     fixed = {int(t["pid"]): int(t["starttime"]) for t in req.get("targets", [])}
     groups = [int(g) for g in req.get("groups", [])]
@@ -330,7 +350,7 @@ def terminate(req: dict) -> dict:
             elif pid in ours:
                 cur.pop(pid)
                 if pid not in {s["pid"] for s in skipped}:
-                    skipped.append({"pid": pid, "reason": "our own ancestry"})
+                    skipped.append({"pid": pid, "reason": "our own ancestry or SSH connection"})
         return cur
 
     def send(sig: int, name: str) -> None:

@@ -8,6 +8,7 @@ command never starts with a half-valid configuration. Does not connect (connecti
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -23,6 +24,9 @@ LOCAL = "local"
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _SPEC = re.compile(rf"^(?:(?P<user>{_NAME})@)?(?P<host>{_NAME}|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]+))?$")
+# a host name (IPv6 addresses included) or a run id: one safe path component, never "." or ".."
+_LABEL = {True: re.compile(r"^[A-Za-z0-9:][A-Za-z0-9._:-]{0,99}$"), False: re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")}
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: anything longer is a typo, and inf/NaN would never return
 _CONTAINER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # docker's own rule for container names
 _UNIT = re.compile(r"^[A-Za-z0-9:_.@\\-]+$")
 
@@ -138,6 +142,25 @@ def parse_host_spec(spec: str) -> HostConfig:
     return HostConfig(name=host, host=host, user=m["user"], port=port)
 
 
+def check_label(text: str, what: str, *, host: bool = False) -> str:
+    """A host name or run id used as a folder under --runs-dir: 1-100 letters, digits, '.', '_' or '-' (and
+    ':' in a host name, for IPv6 addresses), starting with a letter or digit: never '.', '..' or a path."""
+    if not isinstance(text, str) or not _LABEL[host].match(text):
+        extra = ", ':'" if host else ""
+        raise ConfigError(f"{what} {text!r} must be 1-100 letters, digits, '.', '_', '-'{extra}, starting with a "
+                          "letter or digit (it names a folder under --runs-dir)")
+    return text
+
+
+def check_seconds(value: object, what: str) -> float:
+    """A timeout: a finite number of seconds in (0, MAX_TIMEOUT_S]."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not 0 < value <= MAX_TIMEOUT_S:
+        raise ConfigError(f"{what} must be a positive number of seconds up to {MAX_TIMEOUT_S:g} "
+                          f"(a week), got {value!r}")
+    return float(value)
+
+
 def _str(value: object, key: str, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where}: {key} must be a non-empty string")
@@ -246,10 +269,7 @@ def _timeouts(table: object, where: str) -> Timeouts:
     unknown = sorted(set(table) - known)
     if unknown:
         raise ConfigError(f"{where}: unknown timeout(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    for key, value in table.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{where}: timeouts.{key} must be a positive number of seconds")
-    return Timeouts(**{k: float(v) for k, v in table.items()})
+    return Timeouts(**{k: check_seconds(v, f"{where}: timeouts.{k}") for k, v in table.items()})
 
 
 def find_hosts_file(explicit: str | None) -> Path | None:
@@ -285,6 +305,7 @@ def load_hosts_file(path: Path) -> dict[str, HostConfig]:
     for name, table in hosts.items():
         if not isinstance(table, dict):
             raise ConfigError(f"hosts file {path}: hosts.{name} must be a table")
+        check_label(name, f"hosts file {path}: host name", host=True)
         out[name] = host_from_table(name, table, f"{path} [hosts.{name}]")
     return out
 

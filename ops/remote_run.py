@@ -31,7 +31,7 @@ from ops.interrupts import Interrupts
 from ops.lock import host_lock, refuse_duplicate_run, refuse_restoring_beside_stages
 from ops.preflight import (CheckResult, docker_checks, failed, gpu_check, path_checks, paths_request, secrets_check,
                            user_check)
-from ops.runstate import RunState, write_json
+from ops.runstate import RunState, run_dir, write_json
 from ops.secret_env import RedactingWriter, redact
 from ops.stage import StagePlan, abort_argvs, find_argv, finish_argvs, logs_argv, resolve_user
 
@@ -50,7 +50,7 @@ class RunOutcome:
 
 
 def local_run_dir(runs_root: Path, host: HostConfig, run_id: str) -> Path:
-    d = runs_root / host.name / run_id
+    d = run_dir(runs_root, host.name, run_id)
     d.mkdir(parents=True, exist_ok=True)
     return d
 

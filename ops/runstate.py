@@ -5,7 +5,8 @@ stop-server, clean, start, follow, fetch, restore; attach adds attach), each ste
 it ended: status `running`, `done`, `detached` (the stage left running on purpose), `interrupted` (Ctrl-C
 at `step`) or `failed` (at `step`, with the one-line error), plus what was left behind (container,
 server). Rewritten atomically (temp name + rename) at every step, so a reader never sees half a file.
-A step boundary is also where a deferred Ctrl-C takes effect and where the test pause seam sits.
+A step boundary is also where a deferred Ctrl-C takes effect and where the test pause seam sits. Also owns
+where a run's folder lies: always inside --runs-dir (run_dir).
 """
 
 from __future__ import annotations
@@ -15,10 +16,24 @@ import os
 import time
 from pathlib import Path
 
+from ops.errors import ConfigError
+from ops.hosts import check_label
 from ops.interrupts import Interrupts, pause_point
 from ops.secret_env import redact
 
 STEPS = ("connect", "lock", "preflight", "stop-server", "clean", "start", "follow", "fetch", "restore")
+
+
+def run_dir(runs_root: Path, *labels: str) -> Path:
+    """runs_root/<label>/...: each label (host name, run id) checked to be one safe folder name, and the
+    result checked to lie inside runs_root, so that no name can place a run record elsewhere."""
+    for label in labels:
+        check_label(label, "run folder name", host=True)
+    path = Path(runs_root).joinpath(*labels)
+    root = Path(runs_root).resolve()
+    if root not in path.resolve().parents:
+        raise ConfigError(f"run folder {path} would lie outside --runs-dir {runs_root}; choose another name")
+    return path
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -97,6 +97,9 @@ def plan_stop(host: HostConfig, facts: ServerFacts) -> StopPlan:
         if facts.pgid is None or not facts.members:
             return StopPlan(str(s), False, ())
         req = terminate_request([], [facts.pgid], grace=t.stop, kill_wait=t.kill_wait)
+        # the spared set: every process ops started over this connection, not only the agent's ancestry
+        # (a pid file that names, or a group that holds, ops' own helpers must not stop them)
+        req["spare_ssh_session"] = not host.is_local
         return StopPlan(str(s), True, (Step("stop server process group", agent=req),))
     raise ConfigError(f"unknown strategy {s}")
 

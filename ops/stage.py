@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ops import secret_env
 from ops.errors import ConfigError
-from ops.hosts import HostConfig
+from ops.hosts import HostConfig, check_label
 
 LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST = "eagle-ops.run-id", "eagle-ops.stage", "eagle-ops.output", "eagle-ops.host"
 DATA, MODEL, CACHE = "/data", "/model", "/cache"
@@ -55,9 +55,7 @@ def new_run_id(stage: str) -> str:
 
 
 def check_run_id(run_id: str) -> str:
-    if not run_id or not all(c.isalnum() or c in "-_." for c in run_id) or len(run_id) > 100:
-        raise ConfigError(f"run id {run_id!r} must be 1-100 letters, digits, '-', '_' or '.'")
-    return run_id
+    return check_label(run_id, "run id")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Errors a stage raises for bad input or a failed check.
 
-Owns the exception type and its exit code; only the CLI turns them into process exits.
+Owns the exception types and their exit codes (only the CLI turns them into process exits), and the
+one-line refusal of a number outside its allowed range.
 """
 
 from __future__ import annotations
@@ -19,3 +20,15 @@ class CheckFailed(StageError):
     """A verification check failed on a stage output."""
 
     exit_code = 3
+
+
+def require_range(flag: str, value: float | None, low: float, high: float | None = None) -> None:
+    """Refuse a number outside ``low..high`` (and NaN or an infinity) in one line naming the allowed range."""
+    import math
+
+    if value is None:
+        return
+    finite = not isinstance(value, float) or math.isfinite(value)
+    if not finite or value < low or (high is not None and value > high):
+        allowed = f"{low}..{high}" if high is not None else f"at least {low}"
+        raise StageError(f"{flag} {value} is outside the allowed range ({allowed})")

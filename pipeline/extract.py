@@ -9,6 +9,7 @@ is the backend's business (pipeline/backends/).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -25,9 +26,10 @@ import torch
 from pipeline import formats
 from pipeline.atomic import remove_partials
 from pipeline.backends import BACKENDS, Backend, BackendOptions, get_backend
-from pipeline.errors import StageError
+from pipeline.errors import StageError, require_range
 from pipeline.layers import parse_layer_ids, validate_layer_ids
-from pipeline.modeldir import read_model_dir
+from pipeline.modeldir import check_checkpoint, read_model_dir
+from pipeline.outdir import output_lock, refuse_overlap
 
 
 VLLM_SCRATCH_GLOB = ".vllm-states-*"  # pipeline/backends/vllm.py's per-run scratch folders in --out
@@ -220,6 +222,7 @@ def _expected_config(cfg: ExtractConfig, model, layer_ids, num_samples, seq_leng
 def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig) -> set[int]:
     """Apply the --resume/--overwrite policy; return the sample indices already complete."""
     out = cfg.out
+    refuse_overlap(out, {"--prepared": cfg.prepared, "--model": cfg.model})
     existing = formats.existing_data_indices(out)
     has_config = (out / formats.DATA_CONFIG).exists()
     if cfg.resume and cfg.overwrite:
@@ -344,6 +347,8 @@ def device_idle(busy_seconds: float, wall_seconds: float, devices: int = 1) -> d
 
 
 def _check_parallel(cfg: ExtractConfig) -> None:
+    require_range("--limit", cfg.limit, 1)
+    require_range("--tensor-parallel-size", cfg.tensor_parallel_size, 1, 4096)
     if cfg.max_batch_tokens < 1 or cfg.max_batch_size < 1:
         raise StageError(f"--max-batch-tokens {cfg.max_batch_tokens} and --max-batch-size {cfg.max_batch_size} must be at least 1")
     if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
@@ -394,6 +399,7 @@ def run(cfg: ExtractConfig) -> dict:
     _check_parallel(cfg)
     prepared, meta = formats.read_prepared(cfg.prepared)
     model = read_model_dir(cfg.model)
+    check_checkpoint(model)  # every layer the config claims has weights, none is left unused
     if meta.target_vocab_size != model.vocab_size:
         raise StageError(f"{cfg.prepared} was prepared for a vocab of {meta.target_vocab_size}, but {cfg.model} has {model.vocab_size}: re-run prepare with this model")
     layer_ids = validate_layer_ids(cfg.layer_ids, model.num_layers)
@@ -584,7 +590,9 @@ def first_batch_after(stats: dict) -> tuple[float, float] | None:
 def command(layer_ids: str | None, json_stats: bool, **kwargs) -> None:
     """Capture the outputs of 4 decoder layers for every prepared sample."""
     cfg = ExtractConfig(layer_ids=tuple(ids) if (ids := parse_layer_ids(layer_ids)) else None, **kwargs)
-    stats = run(cfg)
+    shard = f"rank-{cfg.rank}" if cfg.world_size > 1 else ""
+    with output_lock(cfg.out, shard) if cfg.local_rank is None else contextlib.nullcontext():  # workers: the launcher's
+        stats = run(cfg)
     if json_stats:
         import json
 

@@ -23,7 +23,6 @@ Nothing else in the project writes these files; this module does no computation 
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline import readers
 from pipeline.atomic import atomic_path, write_json
 from pipeline.errors import StageError
 
@@ -131,15 +131,13 @@ def read_prepared(directory: Path) -> tuple[PreparedSamples, PreparedMetadata]:
     missing = [n for n in PREPARED_FILES if not (directory / n).is_file()]
     if missing:
         raise StageError(f"{directory} is not a prepared dataset: missing {', '.join(missing)} (run `pipeline prepare`)")
-    meta = json.loads((directory / "metadata.json").read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise StageError(f"{directory}/metadata.json has format_version {meta.get('format_version')}, expected {FORMAT_VERSION}")
-    known = PreparedMetadata.__dataclass_fields__
-    metadata = PreparedMetadata(**{k: v for k, v in meta.items() if k in known})
+    metadata = readers.read_record(directory / "metadata.json", PreparedMetadata, readers.PREPARED_REMEDY)
+    if metadata.format_version != FORMAT_VERSION:
+        raise StageError(f"{directory}/metadata.json has format_version {metadata.format_version}, expected {FORMAT_VERSION}")
     samples = PreparedSamples(
-        tokens=np.load(directory / "tokens.npy", mmap_mode="r"),
-        loss_mask=np.load(directory / "loss_mask.npy", mmap_mode="r"),
-        offsets=np.load(directory / "offsets.npy"),
+        tokens=readers.read_npy(directory / "tokens.npy", readers.PREPARED_REMEDY, mmap=True),
+        loss_mask=readers.read_npy(directory / "loss_mask.npy", readers.PREPARED_REMEDY, mmap=True),
+        offsets=readers.read_npy(directory / "offsets.npy", readers.PREPARED_REMEDY),
     )
     if len(samples) != metadata.num_samples or int(samples.offsets[-1]) != len(samples.tokens):
         raise StageError(f"{directory}: offsets.npy does not match tokens.npy/metadata.json (re-run `pipeline prepare --overwrite`)")
@@ -156,7 +154,7 @@ def write_token_freq(target: Path, freq: dict[int, int]) -> None:
 
 
 def read_token_freq(path: Path) -> dict[int, int]:
-    return torch.load(path, weights_only=True)
+    return readers.read_token_freq(path)
 
 
 def write_vocab(directory: Path, d2t: np.ndarray, t2d: np.ndarray) -> None:
@@ -168,7 +166,8 @@ def read_vocab(directory: Path) -> tuple[np.ndarray, np.ndarray]:
     for name in (D2T, T2D):
         if not (directory / name).is_file():
             raise StageError(f"{directory / name} not found (run `pipeline prepare --draft-vocab-size N`)")
-    return np.load(directory / D2T), np.load(directory / T2D)
+    return (readers.read_npy(directory / D2T, readers.PREPARED_REMEDY, ndim=None),
+            readers.read_npy(directory / T2D, readers.PREPARED_REMEDY, ndim=None))
 
 
 # ---------------------------------------------------------------- hidden states
@@ -199,9 +198,7 @@ def read_data_config(directory: Path) -> DataConfig:
     path = directory / DATA_CONFIG
     if not path.is_file():
         raise StageError(f"{path} not found: {directory} is not a hidden-states directory (run `pipeline extract`)")
-    raw = json.loads(path.read_text())
-    known = DataConfig.__dataclass_fields__
-    return DataConfig(**{k: v for k, v in raw.items() if k in known})
+    return readers.read_record(path, DataConfig, readers.STATES_REMEDY)
 
 
 class _WriteErrorRecorder:
@@ -305,4 +302,4 @@ def write_sample_lengths(directory: Path, lengths: dict[int, int]) -> None:
 
 def read_sample_lengths(directory: Path) -> dict[int, int]:
     path = directory / SAMPLE_LENGTHS
-    return {int(k): int(v) for k, v in json.loads(path.read_text()).items()} if path.is_file() else {}
+    return readers.read_int_map(path, readers.STATES_REMEDY) if path.is_file() else {}

@@ -1,16 +1,18 @@
 """A local model directory: its config, text config and shape facts, read without loading weights.
 
 Owns the resolution of wrapper models (vision-language wrappers such as Kimi-K2.5 keep the decoder's
-config under ``text_config``) and the checks that a directory is a usable target model.
+config under ``text_config``) and the checks that a directory is a usable target model, its config
+consistent with its checkpoint (every layer claimed has weights; none is left unused).
 """
 
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import StageError
+from pipeline.readers import INDEX, read_model_config, read_weight_map
 
 
 @dataclass(frozen=True)
@@ -41,15 +43,9 @@ def read_model_dir(path: Path | str) -> ModelDir:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise StageError(f"{path} has no config.json: not a model directory (pass the directory saved by save_pretrained)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise StageError(f"{cfg_path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    raw = read_model_config(cfg_path)
     text = raw.get("text_config") or raw
     archs = raw.get("architectures") or []
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
-    if missing:
-        raise StageError(f"{cfg_path} lacks {', '.join(missing)}: not a decoder-only language model config")
     return ModelDir(
         path=path,
         architecture=archs[0] if archs else "",
@@ -62,3 +58,49 @@ def read_model_dir(path: Path | str) -> ModelDir:
         torch_dtype=text.get("torch_dtype") or raw.get("torch_dtype") or text.get("dtype"),
         raw=raw,
     )
+
+
+def decoder_layers_in(names: list[str]) -> tuple[str, set[int]]:
+    """The decoder's name prefix (the one of its top-level embed_tokens) and the layer numbers that have
+    weights under it; vision towers and other modules' layers are not counted."""
+    embeds = sorted((n for n in names if n.endswith("embed_tokens.weight") and ".layers." not in n),
+                    key=lambda n: (len(n), n))
+    prefix = embeds[0][: -len("embed_tokens.weight")] if embeds else ""
+    pattern = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
+    return prefix, {int(m.group(1)) for n in names if (m := pattern.match(n))}
+
+
+def check_checkpoint(model: ModelDir, names: list[str] | None = None) -> None:
+    """Config vs checkpoint, before any model runs: every decoder layer config.json claims has weights, and
+    no decoder layer's weights would be left unused (multi-token-prediction layers that the config declares
+    with ``num_nextn_predict_layers`` aside). A mismatch would run randomly initialised layers, or a
+    different model than the checkpoint holds. ``names`` default to the safetensors checkpoint's (its
+    index or header: no tensor is read); a directory without safetensors is not checked."""
+    if names is None:
+        if not ((model.path / INDEX).is_file() or (model.path / "model.safetensors").is_file()):
+            return
+        names = list(read_weight_map(model.path))
+    prefix, present = decoder_layers_in(names)
+    text = model.raw.get("text_config") or model.raw
+    mtp = text.get("num_nextn_predict_layers") or 0
+    mtp = mtp if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0 else 0
+    claimed = set(range(model.num_layers))
+    missing = sorted(claimed - present)
+    if missing:
+        raise StageError(
+            f"{model.path / 'config.json'} claims {model.num_layers} decoder layers but the checkpoint has no "
+            f"weights for {_span(missing)} ({len(present)} layers under {prefix or '(top level)'}layers.): fix "
+            "num_hidden_layers, or complete the checkpoint"
+        )
+    unused = sorted(present - claimed - set(range(model.num_layers, model.num_layers + mtp)))
+    if unused:
+        raise StageError(
+            f"the checkpoint in {model.path} has weights for {_span(unused)} that config.json's "
+            f"num_hidden_layers = {model.num_layers} leaves unused: fix num_hidden_layers (or declare "
+            "multi-token-prediction layers with num_nextn_predict_layers)"
+        )
+
+
+def _span(layers: list[int]) -> str:
+    shown = ", ".join(map(str, layers[:6])) + (", ..." if len(layers) > 6 else "")
+    return f"layer{'s' if len(layers) > 1 else ''} {shown}"

@@ -23,8 +23,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from pipeline import formats
-from pipeline.errors import StageError
+from pipeline import formats, readers
+from pipeline.errors import StageError, require_range
 from pipeline.modeldir import read_model_dir
 from pipeline.outdir import staged_dir
 from pipeline.vocab import build_vocab_mapping, token_frequencies
@@ -34,6 +34,7 @@ ROLE_ALIASES = {
     "chatgpt": "assistant", "model": "assistant", "bing": "assistant", "bard": "assistant",
 }
 MAX_ROW_BYTES = 16 * 1024 * 1024
+MAX_SEQ_LENGTH = 1 << 20  # longer than any model's context: a typo
 
 
 @dataclass(frozen=True)
@@ -147,17 +148,12 @@ class TemplateMasker:
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise StageError(f"cannot load the tokenizer from {model_dir}: {str(exc).splitlines()[0]}") from None
+    return readers.load_tokenizer(model_dir, trust_remote_code)
 
 
 def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
-    if cfg.seq_length < 2:
-        raise StageError(f"--seq-length {cfg.seq_length} is too small (at least 2)")
+    require_range("--seq-length", cfg.seq_length, 2, MAX_SEQ_LENGTH)
+    require_range("--max-samples", cfg.max_samples, 1)
     model = read_model_dir(cfg.model)
     if cfg.draft_vocab_size is not None and not 0 < cfg.draft_vocab_size <= model.vocab_size:
         raise StageError(f"--draft-vocab-size {cfg.draft_vocab_size} must be between 1 and the target vocab size {model.vocab_size}")
@@ -197,7 +193,7 @@ def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
         mask_method="chat-template-prefix", skipped_rows=skipped, truncated_rows=truncated,
         extra={"rows_without_assistant_tokens": no_loss},
     )
-    with staged_dir(cfg.out, overwrite=cfg.overwrite) as staging:
+    with staged_dir(cfg.out, overwrite=cfg.overwrite, inputs={"--data": cfg.data, "--model": cfg.model}) as staging:
         formats.write_token_freq(staging / formats.TOKEN_FREQ, freq)
         if cfg.draft_vocab_size is not None:
             d2t, t2d = build_vocab_mapping(freq, model.vocab_size, cfg.draft_vocab_size)

@@ -9,7 +9,6 @@ It reads outputs; it never modifies them (summary.json aside).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -22,9 +21,9 @@ import click
 import numpy as np
 import torch
 
-from pipeline import formats
+from pipeline import formats, readers
 from pipeline.checks import CheckResult, Summary, check, fail, ok, render, warn
-from pipeline.errors import CheckFailed, StageError
+from pipeline.errors import CheckFailed, StageError, require_range
 from pipeline.sample_buffer import NotFastPath, SampleBuffer
 from pipeline.vocab import token_frequencies, vocab_mapping_problems
 
@@ -276,6 +275,10 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
         return s
     s.checks.append(ok("data_config", f"{dc.num_samples} samples, layers {dc.layer_ids}, H={dc.hidden_size}, {dc.dtype}"))
     expected = set(range(cfg.rank, dc.num_samples, cfg.world_size))
+    if not expected:  # a shard that selects no file has nothing to be OK about
+        s.checks.append(fail("shard", f"--rank {cfg.rank} of --world-size {cfg.world_size} selects none of the "
+                                      f"{dc.num_samples} samples: check --world-size"))
+        return s
     present = formats.existing_data_indices(path)
     extra = sorted(set(present) - set(range(dc.num_samples)))
     indices = sorted(set(present) & expected)
@@ -331,7 +334,7 @@ def _alignment_checks(cfg: VerifyConfig, dc: formats.DataConfig, good: list[int]
         verifier = {"norm.weight": t[names.norm], "lm_head.weight": t[names.lm_head]}
     model_dir = cfg.model
     cfg_path = Path(dc.model) / "config.json"
-    raw = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    raw = readers.read_model_config(cfg_path) if cfg_path.is_file() else {}
     eps = float((raw.get("text_config") or raw).get("rms_norm_eps", 1e-6))
     step = max(1, len(good) // max(1, cfg.alignment_samples))
     picked = good[::step][: cfg.alignment_samples]
@@ -386,7 +389,7 @@ def verify_verifier(path: Path) -> Summary:
     s.checks.append(check("nan_inf", not any(bad.values()), "all finite", f"non-finite values: {bad}"))
     meta_path = path / VERIFIER_META
     if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
+        meta = readers.read_json(meta_path, "run `pipeline weights --overwrite`")
         same = all(list(tensors[k].shape) == v for k, v in meta.get("shapes", {}).items())
         s.checks.append(check("metadata", same, f"from {meta.get('source')}", "verifier.json shapes differ from the tensors"))
         s.stats = {"source": meta.get("source"), "tied": meta.get("tied_word_embeddings"), "dtype": meta.get("dtype")}
@@ -400,16 +403,19 @@ def verify_verifier(path: Path) -> Summary:
 
 def verify(cfg: VerifyConfig) -> Summary:
     kind = detect_kind(cfg.path)
-    if kind == "prepared":
-        summary = verify_prepared(cfg.path)
-    elif kind == "hidden_states":
-        summary = verify_hidden_states(cfg)
-    elif kind == "verifier":
-        summary = verify_verifier(cfg.path)
-    else:
-        from pipeline.checkpoint_checks import verify_checkpoint
+    try:
+        if kind == "prepared":
+            summary = verify_prepared(cfg.path)
+        elif kind == "hidden_states":
+            summary = verify_hidden_states(cfg)
+        elif kind == "verifier":
+            summary = verify_verifier(cfg.path)
+        else:
+            from pipeline.checkpoint_checks import verify_checkpoint
 
-        summary = verify_checkpoint(cfg.path)
+            summary = verify_checkpoint(cfg.path)
+    except StageError as exc:  # a damaged file read on the way (pipeline/readers.py): a failed, named check
+        summary = Summary(kind, str(cfg.path), [fail("readable", str(exc))])
     if cfg.write_summary:  # next to what was checked: a train dir's own summary.json is train's
         summary.write(Path(summary.path) / SUMMARY)
     return summary
@@ -417,6 +423,10 @@ def verify(cfg: VerifyConfig) -> Summary:
 
 def report(cfg: VerifyConfig) -> Summary:
     """Verify, print the table, raise CheckFailed (one line) if any check failed."""
+    require_range("--alignment-samples", cfg.alignment_samples, 1, 1 << 20)
+    require_range("--min-agreement", cfg.min_agreement, 0.0, 1.0)
+    require_range("--world-size", cfg.world_size, 1, 1 << 16)
+    require_range("--rank", cfg.rank, 0, cfg.world_size - 1)
     summary = verify(cfg)
     render(summary)
     if not summary.ok:

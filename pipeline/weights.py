@@ -8,7 +8,6 @@ causal LMs and for wrappers (``language_model.`` prefixes), tied embeddings, and
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,13 +15,13 @@ import click
 
 from pipeline.atomic import write_json
 from pipeline.errors import StageError
-from pipeline.modeldir import read_model_dir
-from pipeline.outdir import staged_dir
+from pipeline.modeldir import check_checkpoint, read_model_dir
+from pipeline.outdir import refuse_overlap, staged_dir
+from pipeline.readers import read_safetensors, read_shard_tensors, read_weight_map
 
 VERIFIER_FILE = "verifier.safetensors"
 VERIFIER_META = "verifier.json"
 KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
-INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -37,19 +36,7 @@ class VerifierNames:
 
 def weight_map(model_dir: Path) -> dict[str, str]:
     """Tensor name -> shard file name, from the index or from a single model.safetensors."""
-    index = model_dir / INDEX
-    if index.is_file():
-        try:
-            return dict(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError):
-            raise StageError(f"{index} is not a safetensors index (no weight_map)") from None
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as fh:
-            return {k: single.name for k in fh.keys()}  # noqa: SIM118 - safe_open has no __iter__
-    raise StageError(f"{model_dir} has neither {INDEX} nor model.safetensors: not a safetensors checkpoint")
+    return read_weight_map(model_dir)
 
 
 def resolve_names(names: list[str], tie_word_embeddings: bool) -> VerifierNames:
@@ -71,28 +58,31 @@ def resolve_names(names: list[str], tie_word_embeddings: bool) -> VerifierNames:
     raise StageError("no lm_head.weight in the checkpoint and tie_word_embeddings is false: cannot build the verifier")
 
 
-def read_tensors(model_dir: Path, wmap: dict[str, str], names: list[str]) -> dict:
-    from safetensors import safe_open
+def check_tied(tie_word_embeddings: bool, names: VerifierNames, src: dict) -> None:
+    """With ``tie_word_embeddings: true`` the target computes logits with its embedding, whatever lm_head the
+    checkpoint also holds: a different lm_head would give a verifier that is not the target's."""
+    import torch
 
-    tensors = {}
-    by_file: dict[str, list[str]] = {}
-    for n in names:
-        by_file.setdefault(wmap[n], []).append(n)
-    for shard, shard_names in by_file.items():
-        path = model_dir / shard
-        if not path.is_file():
-            raise StageError(f"shard {path} listed in the index is missing")
-        with safe_open(path, framework="pt") as fh:
-            for n in shard_names:
-                tensors[n] = fh.get_tensor(n)
-    return tensors
+    embed, head = src[names.embed_tokens], src[names.lm_head]
+    if tie_word_embeddings and not names.tied and (embed.shape != head.shape or not torch.equal(embed, head)):
+        raise StageError(
+            f"config.json says tie_word_embeddings: true, but the checkpoint's {names.lm_head} differs from "
+            f"{names.embed_tokens}: the target computes with the embedding; fix tie_word_embeddings or the checkpoint"
+        )
+
+
+def read_tensors(model_dir: Path, wmap: dict[str, str], names: list[str]) -> dict:
+    return read_shard_tensors(model_dir, wmap, names)
 
 
 def run(model_dir: Path, out: Path, overwrite: bool = False) -> dict:
+    refuse_overlap(out, {"--model": model_dir})
     model = read_model_dir(model_dir)
     wmap = weight_map(model_dir)
+    check_checkpoint(model, list(wmap))
     names = resolve_names(sorted(wmap), model.tie_word_embeddings)
     src = read_tensors(model_dir, wmap, sorted({names.embed_tokens, names.norm, names.lm_head}))
+    check_tied(model.tie_word_embeddings, names, src)
     tensors = {
         "embed_tokens.weight": src[names.embed_tokens].contiguous(),
         "norm.weight": src[names.norm].contiguous(),
@@ -115,19 +105,14 @@ def run(model_dir: Path, out: Path, overwrite: bool = False) -> dict:
     }
     from safetensors.torch import save_file
 
-    with staged_dir(out, overwrite=overwrite) as staging:
+    with staged_dir(out, overwrite=overwrite, inputs={"--model": model_dir}) as staging:
         save_file(tensors, str(staging / VERIFIER_FILE), metadata={"source": meta["source"]})
         write_json(staging / VERIFIER_META, meta)
     return meta
 
 
 def load_verifier(directory: Path) -> dict:
-    from safetensors.torch import load_file
-
-    path = directory / VERIFIER_FILE
-    if not path.is_file():
-        raise StageError(f"{path} not found (run `pipeline weights`)")
-    return load_file(str(path))
+    return read_safetensors(directory / VERIFIER_FILE, "run `pipeline weights --overwrite`")
 
 
 @click.command("weights")

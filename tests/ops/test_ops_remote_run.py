@@ -244,7 +244,7 @@ def test_server_side_drop_is_reported_and_attach_recovers(scene, extracted, dk, 
     for pid in sessions:  # only our sshd's per-connection children: this test's connection
         os.kill(int(pid), signal.SIGKILL)
     rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and "lost the SSH connection" in rest, rest
+    assert proc.returncode == 1 and "lost during" in rest, rest
     assert dk.containers.get("eagle-drop2").wait(timeout=120)["StatusCode"] == 0
     res = ops(scene, "attach", "drop2", "--runs-dir", str(scene["runs"]))
     assert res.returncode == 0, res.stdout + res.stderr
