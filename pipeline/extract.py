@@ -139,6 +139,7 @@ class Writer:
         self.wait_seconds = 0.0  # main-thread time spent waiting for room: the run was write-bound then
         self._pending = 0
         self._room = threading.Condition()
+        self.journal = formats.ChecksumJournal(out)  # each file's sha256, recorded once the file is complete
         self.threads = [threading.Thread(target=self._loop, name=f"extract-writer-{n}", daemon=True) for n in range(threads)]
         for t in self.threads:
             t.start()
@@ -151,8 +152,9 @@ class Writer:
                 if self.error is None:
                     ready()  # the device-to-host copies of this batch (a no-op for host-computed states)
                     target = formats.data_file(self.out, index)
-                    formats.write_sample(target, ids, states, mask)
-                    size = target.stat().st_size
+                    digest = formats.write_sample(target, ids, states, mask)
+                    self.journal.record(target.name, digest)
+                    size = digest.bytes
                     with self._room:
                         self.bytes += size
                         self.written += 1
@@ -182,6 +184,7 @@ class Writer:
             self.queue.put(None)
         for t in self.threads:
             t.join()
+        self.journal.close()
         self._raise()
 
     def abort(self) -> None:
@@ -198,6 +201,7 @@ class Writer:
             self.queue.put(None)
         for t in self.threads:
             t.join()
+        self.journal.close()
 
     def _raise(self) -> None:
         if self.error is not None:
@@ -429,6 +433,8 @@ def run(cfg: ExtractConfig) -> dict:
     if cfg.local_rank is not None:
         # deal the whole plan, not the pending part: workers list the directory at different moments
         plan = deal(plan, cfg.data_parallel, cfg.local_rank)
+    if cfg.local_rank is None:
+        record_missing_checksums(cfg.out, done)
     batches = pending_batches(plan, done)
     stats = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0, "bytes": 0}
     if batches and cfg.data_parallel > 1 and cfg.local_rank is None:
@@ -445,9 +451,26 @@ def run(cfg: ExtractConfig) -> dict:
                              done, cfg.progress, cfg.writer_threads)
     if cfg.local_rank is None:
         formats.write_sample_lengths(cfg.out, {i: int(lengths[i]) for i in range(n)})
+        formats.fold_checksums(cfg.out, owned, cfg.world_size, cfg.rank)
     stats.update(samples=n, owned=len(owned), batches_run=len(batches), resumed_from=len(done), config=asdict(expected))
     stats.setdefault("startup", startup)
     return stats
+
+
+def record_missing_checksums(out: Path, done: set[int]) -> None:
+    """Resume: hash the files already complete that no index or journal records (written before checksums
+    existed, or by a run killed between a file's rename and its journal line), so that every file has one."""
+    recorded = formats.read_checksums(out)
+    missing = sorted(i for i in done if formats.data_file(out, i).name not in recorded)
+    if not missing:
+        return
+    click.echo(f"resume: computing the checksums of {len(missing)} files written without one", err=True)
+    journal = formats.ChecksumJournal(out)
+    try:
+        for i in missing:
+            journal.record(formats.data_file(out, i).name, formats.file_digest(formats.data_file(out, i)))
+    finally:
+        journal.close()
 
 
 def worker_argv(cfg: ExtractConfig, local_rank: int, tensor_parallel_size: int = 1) -> list[str]:

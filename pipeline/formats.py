@@ -15,17 +15,39 @@ prepared dir (``prepare``)::
 hidden-states dir (``extract``)::
 
     data_{i}.pt           {"input_ids": int64[T], "hidden_states": [4 x dtype[T, H]], "loss_mask": int64[T]}
-    data_config.json      model, layer ids, hidden size, dtype, sample count, format version
+    data_config.json      model, layer ids, hidden size, dtype, sample count, format version, provenance
     sample_lengths.json   {"0": T0, "1": T1, ...}
+    checksums.json        {"schema": "eagle-ops.checksums", "version": 1, "algorithm": "sha256",
+                           "files": {"data_0.pt": {"sha256": HEX, "bytes": N}, ...}}
+    checksums.HOST.PID.journal  one {"file", "sha256", "bytes"} JSON line per file a running extract wrote
+
+Checksums: each data file's sha256 is computed by ``write_sample`` from the bytes as they are written (no
+second read) and appended to the writing process's journal once the file has its final name, so that an
+interrupted run keeps the checksums of every file it finished; at the end of a run the journals are folded
+into ``checksums.json`` (``checksums.rank{R}-of-{W}.json`` for one host of several, so that hosts sharing a
+directory never rewrite each other's index), written atomically. Readers take the union of the index files
+and the journals (a journal line appended after an index wins). Why an index and journals rather than a
+sidecar per file: one small file to copy and compare, no doubling of the file count of a million-sample
+set, and no per-file extra write; the journals exist only while a run is in progress or was interrupted.
+
+Summaries: every ``summary.json`` (verify's; train's through ``provenance.stamp``) carries
+``{"schema": "eagle-ops.summary", "schema_version": SUMMARY_SCHEMA_VERSION, "provenance": {...}}`` next to
+its stage keys; the provenance record's fields are listed in pipeline/provenance.py. Version 1 added
+``schema``, ``schema_version``, ``provenance`` and ``source_provenance`` (the checked output's own record)
+to the keys readers had before (kind, path, ok, stats, failures, checks), which are unchanged.
 
 Nothing else in the project writes these files; this module does no computation beyond (de)serialising.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pickle
 import re
+import socket
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +59,10 @@ from pipeline.atomic import atomic_path, write_json
 from pipeline.errors import StageError
 
 FORMAT_VERSION = 1
+SUMMARY_SCHEMA = "eagle-ops.summary"
+SUMMARY_SCHEMA_VERSION = 1
+CHECKSUM_SCHEMA = "eagle-ops.checksums"
+CHECKSUM_VERSION = 1
 
 PREPARED_FILES = ("tokens.npy", "loss_mask.npy", "offsets.npy", "metadata.json")
 TOKEN_FREQ = "token_freq.pt"
@@ -44,6 +70,9 @@ D2T = "d2t.npy"
 T2D = "t2d.npy"
 DATA_CONFIG = "data_config.json"
 SAMPLE_LENGTHS = "sample_lengths.json"
+CHECKSUMS = "checksums.json"
+CHECKSUM_INDEX_GLOB = "checksums*.json"
+CHECKSUM_JOURNAL_GLOB = "checksums.*.journal"
 DATA_FILE_RE = re.compile(r"^data_(\d+)\.pt$")
 DATA_KEYS = ("input_ids", "hidden_states", "loss_mask")
 
@@ -106,6 +135,7 @@ class PreparedMetadata:
     truncated_rows: int = 0
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)  # pipeline/provenance.py: how this output was made
 
 
 def _save_npy(target: Path, array: np.ndarray) -> None:
@@ -188,6 +218,8 @@ class DataConfig:
     backend: str
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)  # the run that last wrote this directory
+    provenance_history: list = field(default_factory=list)  # earlier runs' records (a resumed set)
 
 
 def write_data_config(directory: Path, config: DataConfig) -> None:
@@ -208,20 +240,34 @@ class _WriteErrorRecorder:
     def __init__(self, fh):
         self.fh = fh
         self.error: OSError | None = None
+        self.hash = hashlib.sha256()  # of the bytes as written: the file's checksum without a second read
+        self.size = 0
 
     def write(self, data) -> int:
         try:
-            return self.fh.write(data)
+            n = self.fh.write(data)
         except OSError as exc:
             self.error = exc
             raise
+        self.hash.update(memoryview(data)[:n])
+        self.size += n
+        return n
 
     def flush(self) -> None:
         self.fh.flush()
 
 
-def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torch.Tensor], loss_mask: torch.Tensor) -> None:
-    """Write one ``data_{i}.pt`` atomically. Tensors must own their storage (no views of a padded batch).
+@dataclass(frozen=True)
+class FileDigest:
+    """A file's checksum as its writer computed it."""
+
+    sha256: str
+    bytes: int
+
+
+def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torch.Tensor], loss_mask: torch.Tensor) -> FileDigest:
+    """Write one ``data_{i}.pt`` atomically; return the sha256 and size of the bytes written. Tensors must own
+    their storage (no views of a padded batch).
 
     Written through a file object, not a path: torch names the zip's records after a path's basename, and
     the temporary name would make reruns differ byte for byte. Zip CRC32s are not computed (they cost more
@@ -243,6 +289,7 @@ def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torc
                 if recorder.error is not None:
                     raise recorder.error from None
                 raise
+    return FileDigest(recorder.hash.hexdigest(), recorder.size)
 
 
 class _SampleUnpickler(pickle.Unpickler):
@@ -303,3 +350,98 @@ def write_sample_lengths(directory: Path, lengths: dict[int, int]) -> None:
 def read_sample_lengths(directory: Path) -> dict[int, int]:
     path = directory / SAMPLE_LENGTHS
     return readers.read_int_map(path, readers.STATES_REMEDY) if path.is_file() else {}
+
+
+# ---------------------------------------------------------------- checksums
+
+
+def file_digest(path: Path) -> FileDigest:
+    """A file's sha256 and size, read in 8 MiB blocks (hashlib releases the GIL on blocks this large)."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb", buffering=0) as fh:
+        while block := fh.read(8 << 20):
+            h.update(block)
+            size += len(block)
+    return FileDigest(h.hexdigest(), size)
+
+
+class ChecksumJournal:
+    """The checksums of the data files one process wrote, appended one JSON line each once the file has its
+    final name (a line therefore never names a file that is not complete). Thread-safe; opened on first use."""
+
+    def __init__(self, directory: Path):
+        self.path = Path(directory) / f"checksums.{socket.gethostname()}.{os.getpid()}.journal"
+        self._lock = threading.Lock()
+        self._fh = None
+
+    def record(self, name: str, digest: FileDigest) -> None:
+        line = json.dumps({"file": name, "sha256": digest.sha256, "bytes": digest.bytes}) + "\n"
+        with self._lock:
+            if self._fh is None:
+                self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held until close()
+            self._fh.write(line)
+            self._fh.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+
+def _journal_entries(path: Path) -> dict[str, FileDigest]:
+    entries = {}
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return entries
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            entries[str(rec["file"])] = FileDigest(str(rec["sha256"]), int(rec["bytes"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a line torn by a crash mid-append: its file has no checksum, which verify reports
+    return entries
+
+
+def read_checksums(directory: Path) -> dict[str, FileDigest]:
+    """Every recorded checksum in ``directory``: the index files, then the journals (oldest first), later
+    records winning. Unreadable index files are skipped here; verify reports them (``checksum_index``)."""
+    found: dict[str, FileDigest] = {}
+    for path in sorted(Path(directory).glob(CHECKSUM_INDEX_GLOB)):
+        found.update(read_checksum_index(path))
+    journals = sorted(Path(directory).glob(CHECKSUM_JOURNAL_GLOB), key=lambda p: (p.stat().st_mtime_ns, p.name))
+    for path in journals:
+        found.update(_journal_entries(path))
+    return found
+
+
+def read_checksum_index(path: Path) -> dict[str, FileDigest]:
+    """One index file's entries; {} for a file that is not one (damaged, or of another schema)."""
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("schema") != CHECKSUM_SCHEMA or raw.get("version") != CHECKSUM_VERSION:
+            return {}
+        return {str(k): FileDigest(str(v["sha256"]), int(v["bytes"])) for k, v in raw["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def checksum_index_name(world_size: int, rank: int) -> str:
+    return CHECKSUMS if world_size == 1 else f"checksums.rank{rank}-of-{world_size}.json"
+
+
+def fold_checksums(directory: Path, owned: set[int], world_size: int = 1, rank: int = 0) -> int:
+    """Write this host's index (atomically) from everything recorded for the data files it owns that exist,
+    then delete the journals whose every line is about such a file; return the entries written."""
+    directory = Path(directory)
+    recorded = read_checksums(directory)
+    present = {f"data_{i}.pt" for i in existing_data_indices(directory) if i in owned}
+    files = {k: {"sha256": v.sha256, "bytes": v.bytes} for k, v in sorted(recorded.items()) if k in present}
+    write_json(directory / checksum_index_name(world_size, rank),
+               {"schema": CHECKSUM_SCHEMA, "version": CHECKSUM_VERSION, "algorithm": "sha256", "files": files})
+    for journal in directory.glob(CHECKSUM_JOURNAL_GLOB):
+        names = _journal_entries(journal)
+        if all((m := DATA_FILE_RE.match(n)) and int(m.group(1)) in owned for n in names):
+            journal.unlink(missing_ok=True)
+    return len(files)

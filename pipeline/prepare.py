@@ -4,10 +4,29 @@ Owns reading conversation rows (OpenAI ``messages`` or ShareGPT ``conversations`
 mask from the target's own chat template, truncation, and producing the token frequencies and the draft
 vocabulary mapping. File layouts belong to pipeline/formats.py.
 
-The loss mask comes from the chat template itself: for each assistant turn i, the text rendered for
-``messages[:i]`` with the generation prompt is a prefix of the text for ``messages[:i+1]``; the characters
-in between are the assistant's, and a token is masked in when its first character lies there. Templates
-that rewrite earlier turns (so that the prefix property fails) are rejected with a clear error.
+The loss mask comes from the chat template itself, applied to the whole conversation once: the sample is
+that rendering, so templates that rewrite earlier turns (Qwen3- and Kimi-K2.5-style thinking templates drop
+the reasoning of turns before the last user message) are trained on exactly as they render them. For each
+assistant turn, the masker finds its span in the rendered text:
+
+* where it starts: right after the template's generation prompt (the text ``add_generation_prompt`` adds
+  after ``messages[:i]``, e.g. ``<|im_start|>assistant\n``), the last one before the first character that
+  depends on the turn's content (found by rendering the conversation again with that turn's content replaced
+  by a probe character and diffing the two texts);
+* where it ends: with the template's end-of-turn token (the special token the template writes right after
+  an assistant's content, e.g. ``<|im_end|>``, ``<|eot_id|>``), the first one after the turn's content.
+
+"Exactly the assistant tokens" therefore means: every token whose first character lies between the end of
+the generation prompt and the end of the end-of-turn token: the reasoning block when the template keeps it
+(its ``<think>`` tags included), the content, rendered tool calls, and the end-of-turn token itself (the
+model must learn to stop); not the header, and not what the template writes after the end-of-turn token
+(the newline after ``<|im_end|>``: serving stops at the end-of-turn token and never generates it). A
+template without an end-of-turn special token ends the span with the turn's content.
+
+Rows may carry ``reasoning_content`` (or ``reasoning``) on assistant turns, ``tool_calls`` on assistant
+turns and ``tool`` turns (OpenAI form), handed to the template as they are; a row with tool calls is
+refused with one line when the template does not render them (training on a conversation whose tool calls
+silently vanished would teach the draft text the target never saw).
 
 Samples are truncated to ``seq_length - 1`` tokens: vLLM needs prompt length < max_model_len to run
 the prefill that captures the states, and both backends must see identical samples.
@@ -31,8 +50,9 @@ from pipeline.vocab import build_vocab_mapping, token_frequencies
 
 ROLE_ALIASES = {
     "system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-    "chatgpt": "assistant", "model": "assistant", "bing": "assistant", "bard": "assistant",
+    "chatgpt": "assistant", "model": "assistant", "bing": "assistant", "bard": "assistant", "tool": "tool",
 }
+PROBE = "\ue000"  # a private-use character: replaces a turn's content to find which characters depend on it
 MAX_ROW_BYTES = 16 * 1024 * 1024
 MAX_SEQ_LENGTH = 1 << 20  # longer than any model's context: a typo
 
@@ -72,12 +92,39 @@ def normalize_row(row: object) -> list[dict]:
         role = ROLE_ALIASES.get(str(turn[role_key]).lower())
         if role is None:
             raise ValueError(f"turn {j} has unknown role {turn[role_key]!r}")
-        if not isinstance(turn[text_key], str):
-            raise ValueError(f"turn {j} content is not a string")
-        messages.append({"role": role, "content": turn[text_key]})
+        messages.append(_message(j, role, turn, text_key))
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("conversation has no assistant turn")
     return messages
+
+
+def _message(j: int, role: str, turn: dict, text_key: str) -> dict:
+    """One turn as the template receives it: role and content, and the reasoning and tool fields it may use."""
+    content = turn[text_key]
+    calls = turn.get("tool_calls")
+    if content is None and role == "assistant" and calls:
+        content = ""
+    if not isinstance(content, str):
+        raise ValueError(f"turn {j} content is not a string")
+    if PROBE in content:
+        raise ValueError(f"turn {j} contains U+E000, which the loss masking reserves")
+    message = {"role": role, "content": content}
+    reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+    if reasoning is not None:
+        if role != "assistant" or not isinstance(reasoning, str):
+            raise ValueError(f"turn {j} has reasoning_content that is not an assistant turn's string")
+        message["reasoning_content"] = reasoning
+    if calls is not None:
+        if role != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls):
+            raise ValueError(f"turn {j} tool_calls must be an assistant turn's list of {{'function': {{'name', 'arguments'}}}}")
+        message["tool_calls"] = calls
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(turn.get(key), str):
+                message[key] = turn[key]
+    return message
 
 
 def read_rows(path: Path, *, skip_invalid: bool) -> Iterator[tuple[int, list[dict] | None]]:
@@ -117,25 +164,72 @@ class TemplateMasker:
         self.tokenizer = tokenizer
 
     def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except TemplateError as exc:
+            raise ValueError(f"the chat template fails on this row: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+    def end_of_turn(self) -> str:
+        """The special token the template writes right after an assistant's content ("" if none)."""
+        if not hasattr(self, "_eot"):
+            text = self.render([{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE}])
+            tail = text[text.rindex(PROBE) + 1:] if PROBE in text else ""
+            enc = self.tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True) if tail else None
+            special = set(self.tokenizer.all_special_ids) | {
+                i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+            first = enc["input_ids"][0] if enc and enc["input_ids"] else None
+            self._eot = tail[slice(*enc["offset_mapping"][0])] if first in special and enc["offset_mapping"][0][0] == 0 else ""
+        return self._eot
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and each assistant turn's character span in it (module docstring)."""
         full = self.render(messages)
-        spans = []
+        eot = self.end_of_turn()
+        spans: list[tuple[int, int]] = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = self.render(messages[:i], generation_prompt=True) if i else ""
-            upto = self.render(messages[: i + 1])
-            if not (full.startswith(upto) and upto.startswith(before)):
-                raise StageError(
-                    "the chat template rewrites earlier turns, so assistant spans cannot be derived from it "
-                    "(prefix property fails); use a template that renders turns append-only"
-                )
-            spans.append((len(before), len(upto)))
+            probe = [*messages[:i], {k: v for k, v in m.items() if k != "reasoning_content"} | {"content": PROBE},
+                     *messages[i + 1:]]
+            other = self.render(probe)
+            first = _common_prefix(full, other)
+            content_end = len(full) - _common_suffix(full[first:], other[first:])
+            start = self._turn_start(messages, i, full, first)
+            end = full.find(eot, content_end) + len(eot) if eot else content_end
+            if start < (spans[-1][1] if spans else 0) or (eot and end < len(eot)):
+                raise StageError(f"cannot find assistant turn {i} in the rendered conversation: the chat template "
+                                 f"does not write the generation prompt before it or {eot or 'an end'} after it")
+            spans.append((start, end))
         return full, spans
 
+    def _turn_start(self, messages: list[dict], i: int, full: str, first: int) -> int:
+        """Right after the last generation prompt before character ``first`` (0 for a conversation that opens
+        with the assistant)."""
+        if i == 0:
+            return 0
+        prompt = self.render(messages[:i], generation_prompt=True)
+        plain = self.render(messages[:i])
+        header = prompt[len(plain):] if prompt.startswith(plain) else ""
+        if not header:
+            return first
+        at = full.rfind(header, 0, first)  # the last occurrence that ends at or before ``first``
+        if at < 0:
+            raise StageError(f"the chat template's generation prompt {header!r} does not precede assistant turn {i}")
+        return at + len(header)
+
+    def refuse_unrendered_tools(self, messages: list[dict]) -> None:
+        """One line if the template drops a row's tool calls (or tool turns) instead of rendering them."""
+        if not any("tool_calls" in m for m in messages):
+            return
+        bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+        if self.render(bare) == self.render(messages):
+            raise ValueError("row has tool_calls, but the chat template does not render them: tool-call rows are "
+                             "supported only with a template that writes tool calls")
+
     def __call__(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        self.refuse_unrendered_tools(messages)
         text, spans = self.assistant_spans(messages)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, mask = enc["input_ids"], []
@@ -145,6 +239,19 @@ class TemplateMasker:
             inside = bool(np.any((starts <= start) & (start < ends))) if end > start else False
             mask.append(1 if inside else 0)
         return ids, mask
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _common_suffix(a: str, b: str) -> int:
+    return _common_prefix(a[::-1], b[::-1])
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool):
@@ -165,7 +272,13 @@ def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
             skipped += 1
             continue
         seen += 1
-        ids, mask = masker(messages)
+        try:
+            ids, mask = masker(messages)
+        except ValueError as exc:
+            if not cfg.skip_invalid:
+                raise StageError(f"{cfg.data}:{lineno}: {exc} (drop the row or pass --skip-invalid)") from None
+            skipped += 1
+            continue
         if len(ids) > max_tokens:
             ids, mask = ids[:max_tokens], mask[:max_tokens]
             truncated += 1
@@ -190,7 +303,7 @@ def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
         model=str(cfg.model.resolve()), seq_length=cfg.seq_length, max_tokens=max_tokens,
         num_samples=len(samples), num_tokens=int(samples.offsets[-1]), num_loss_tokens=int(samples.loss_mask.sum()),
         target_vocab_size=model.vocab_size, draft_vocab_size=cfg.draft_vocab_size, source=str(cfg.data.resolve()),
-        mask_method="chat-template-prefix", skipped_rows=skipped, truncated_rows=truncated,
+        mask_method="chat-template-render-spans", skipped_rows=skipped, truncated_rows=truncated,
         extra={"rows_without_assistant_tokens": no_loss},
     )
     with staged_dir(cfg.out, overwrite=cfg.overwrite, inputs={"--data": cfg.data, "--model": cfg.model}) as staging:

@@ -4,7 +4,8 @@ A ``SampleBuffer`` reads a whole file with one ``readinto`` into a buffer it kee
 the sample's tensors as views of that buffer: no page faults after the first file, no allocation, no
 second copy. ``torch.load`` maps each file (page faults and unmaps that serialise a process's readers:
 on a 32-core H200 host they stop gaining past 2-4 readers) or copies every record into fresh memory.
-The views are valid until the next ``read`` on the same buffer: one buffer per reader thread.
+The views are valid until the next ``read`` on the same buffer: one buffer per reader thread. ``digest``
+hashes the bytes the last ``read`` took in: verify's checksum check costs a hash pass, not another read.
 
 It uses three methods of torch's own zip reader (``get_record``, ``has_record``, ``get_record_offset``:
 present in torch 2.10, 2.11 and 2.13, which the tests and the H200 runs use; torch.load's own mmap path has
@@ -20,6 +21,7 @@ verify returns.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import os
@@ -116,6 +118,11 @@ class SampleBuffer:
 
     def __init__(self):
         self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._size = 0
+
+    def digest(self) -> formats.FileDigest:
+        """The sha256 and size of the bytes the last ``read`` took in (the file's checksum, no second read)."""
+        return formats.FileDigest(hashlib.sha256(memoryview(self._buffer.numpy())[: self._size]).hexdigest(), self._size)
 
     def read(self, path: Path) -> dict:
         if formats.weights_only_forced():
@@ -130,6 +137,7 @@ class SampleBuffer:
                 done += n
         if done != size:
             raise NotFastPath("file changed while read")
+        self._size = size
         try:
             reader = _ZipReader(_View(view))
             if reader.get_record("byteorder") != b"little":

@@ -1,8 +1,10 @@
 """The ``verify`` stage: a summary.json and a table for any stage's output, non-zero exit on a failed check.
 
 Owns the checks of each output kind: prepared data (arrays, masks, token_freq, vocab mapping), hidden
-states (count, contiguity, keys, shapes, dtypes, NaN/Inf, lengths, equality with the prepared rows, and the
-alignment check: final norm + lm_head on the last captured layer must give the target's own next-token
+states (count, contiguity, each file's sha256 against the one extract recorded, keys, shapes, dtypes,
+NaN/Inf, lengths, equality with the prepared rows, layer order and scale against the set's own profile
+(pipeline/layer_profile.py), with ``--model`` a spot re-computation of K files (pipeline/recompute.py), and
+the alignment check: final norm + lm_head on the last captured layer must give the target's own next-token
 argmax), verifier weights, and draft checkpoints (delegated to pipeline/checkpoint_checks.py).
 It reads outputs; it never modifies them (summary.json aside).
 """
@@ -14,14 +16,14 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 import numpy as np
 import torch
 
-from pipeline import formats, readers
+from pipeline import formats, layer_profile, readers, recompute
 from pipeline.checks import CheckResult, Summary, check, fail, ok, render, warn
 from pipeline.errors import CheckFailed, StageError, require_range
 from pipeline.sample_buffer import NotFastPath, SampleBuffer
@@ -45,6 +47,10 @@ class VerifyConfig:
     write_summary: bool = True
     world_size: int = 1  # hidden states written by several hosts: check only this host's shard
     rank: int = 0
+    recompute_samples: int = recompute.DEFAULT_SAMPLES  # with model: files recomputed and compared (0 = none)
+    recompute_seed: int | None = None  # None: a fresh seed, reported in summary.json
+    recompute_tolerance: float | None = None  # None: by the stored dtype (recompute.TOLERANCE)
+    trust_remote_code: bool = False  # with model: let transformers run the model's own code
 
 
 def detect_kind(path: Path) -> str:
@@ -109,57 +115,125 @@ def _vocab_check(path: Path, draft_vocab: int | None, target_vocab: int | None) 
 
 
 def _reader_loads():
-    """A loader for reader threads: each thread reads through its own ``SampleBuffer`` and falls back to
-    ``formats.read_sample`` (mapped) for a file the buffer path does not take; the samples it returns are
-    valid until the same thread loads the next file."""
+    """A loader for reader threads: ``load(path)`` gives the sample and the file's digest. Each thread reads
+    through its own ``SampleBuffer`` (the digest hashes the bytes it read) and falls back to
+    ``formats.read_sample`` (mapped, and hashed by a read of its own) for a file the buffer path does not
+    take; the samples it returns are valid until the same thread loads the next file."""
     local = threading.local()
 
-    def load(path: Path) -> dict:
+    def load(path: Path) -> tuple[dict, formats.FileDigest]:
         if not hasattr(local, "buffer"):
             local.buffer = SampleBuffer()
         try:
-            return local.buffer.read(path)
+            return local.buffer.read(path), local.buffer.digest()
         except NotFastPath:
-            return formats.read_sample(path, mmap=True)
+            return formats.read_sample(path, mmap=True), formats.file_digest(path)
 
     return load
 
 
-def _check_file(directory: Path, i: int, dc: formats.DataConfig, lengths: dict[int, int], prepared, load) -> list[CheckResult]:
+#: per-file checks that say the file cannot be read as a sample at all (the others judge its content)
+STRUCTURAL = ("loadable", "keys", "ids_mask", "layers", "shape_dtype", "nan_inf")
+
+
+@dataclass(frozen=True)
+class SetContext:
+    """What each file is judged against: the set's config, lengths, prepared rows, recorded checksums and
+    layer profile."""
+
+    dc: formats.DataConfig
+    lengths: dict[int, int] = field(default_factory=dict)
+    prepared: object = None
+    recorded: dict[str, formats.FileDigest] = field(default_factory=dict)
+    reference: layer_profile.Reference | None = None
+
+    def owner_of(self, sha256: str) -> str | None:
+        """The file whose recorded checksum is ``sha256``."""
+        return next((n for n, d in self.recorded.items() if d.sha256 == sha256), None)
+
+
+def _checksum_finding(name: str, digest: formats.FileDigest | None, ctx: SetContext, damaged: bool) -> CheckResult | None:
+    """A failed ``checksum`` check naming how the file's bytes differ from what extract recorded, or None."""
+    if not ctx.recorded or digest is None:
+        return None
+    want = ctx.recorded.get(name)
+    if want is None:
+        return fail("checksum", "no checksum recorded for this file: not written by this set's extract "
+                    "(or its run was killed before recording it: run extract --resume, which records it)", name)
+    if digest.sha256 == want.sha256:
+        return None
+    twin = ctx.owner_of(digest.sha256)
+    if twin is not None:
+        return fail("checksum", f"holds the bytes extract wrote as {twin}: files renamed or copied over each other", name)
+    if damaged and digest.bytes < want.bytes:
+        return fail("checksum", f"truncated: {digest.bytes} bytes, extract wrote {want.bytes}", name)
+    what = ("bytes differ from what extract wrote (damaged: see this file's other checks)" if damaged else
+            "a well-formed sample whose bytes are not what extract wrote: a file from another set (or rewritten since)")
+    return fail("checksum", f"{what}; {digest.bytes} bytes, sha256 {digest.sha256[:12]}, recorded {want.sha256[:12]}", name)
+
+
+def _check_file(directory: Path, i: int, ctx: SetContext, load) -> tuple[list[CheckResult], list | None]:
+    """The findings of one file, and its layer signatures (None where the file is not a readable sample)."""
     name = f"data_{i}.pt"
     try:
-        d = load(directory / name)
+        d, digest = load(directory / name)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
-        return [fail("loadable", f"cannot load: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", name)]
+        try:
+            digest = formats.file_digest(directory / name)
+        except OSError:
+            digest = None
+        found = [fail("loadable", f"cannot load: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", name)]
+        return [c for c in [_checksum_finding(name, digest, ctx, True)] if c] + found, None
+    out, stats = _sample_findings(name, i, d, ctx)
+    checksum = _checksum_finding(name, digest, ctx, any(c.name in STRUCTURAL for c in out))
+    return ([checksum] if checksum else []) + out, stats
+
+
+def _sample_findings(name: str, i: int, d, ctx: SetContext) -> tuple[list[CheckResult], list | None]:
+    dc, ref = ctx.dc, ctx.reference
     out: list[CheckResult] = []
     if not isinstance(d, dict) or set(d) != set(formats.DATA_KEYS):
-        return [fail("keys", f"keys {sorted(d) if isinstance(d, dict) else type(d).__name__}, expected {list(formats.DATA_KEYS)}", name)]
+        return [fail("keys", f"keys {sorted(d) if isinstance(d, dict) else type(d).__name__}, expected {list(formats.DATA_KEYS)}", name)], None
     ids, mask, hs = d["input_ids"], d["loss_mask"], d["hidden_states"]
     t = int(ids.shape[0]) if ids.ndim == 1 else -1
     if ids.dtype != torch.int64 or ids.ndim != 1 or mask.dtype != torch.int64 or tuple(mask.shape) != (t,):
         out.append(fail("ids_mask", f"input_ids {ids.dtype}{tuple(ids.shape)}, loss_mask {mask.dtype}{tuple(mask.shape)}; expected int64[T] both", name))
-        return out
+        return out, None
     if not isinstance(hs, list) or len(hs) != len(dc.layer_ids):
-        out.append(fail("layers", f"{len(hs) if isinstance(hs, list) else type(hs).__name__} hidden-state tensors, expected {len(dc.layer_ids)}", name))
-        return out
+        detail = f"{len(hs) if isinstance(hs, list) else type(hs).__name__} hidden-state tensors, expected {len(dc.layer_ids)}"
+        if ref is not None and isinstance(hs, list) and 0 < len(hs) < len(dc.layer_ids) and all(
+                tuple(h.shape) == (t, dc.hidden_size) for h in hs):
+            detail += ": " + layer_profile.dropped_problem([layer_profile.layer_stats(h) for h in hs], ref)
+        out.append(fail("layers", detail, name))
+        return out, None
     want_dtype = getattr(torch, dc.dtype)
     for j, h in enumerate(hs):
         if tuple(h.shape) != (t, dc.hidden_size) or h.dtype != want_dtype:
             out.append(fail("shape_dtype", f"hidden_states[{j}] is {str(h.dtype).removeprefix('torch.')}{list(h.shape)}, expected {dc.dtype}[{t}, {dc.hidden_size}]", name))
     if out:
-        return out
+        return out, None
     bad = [_nonfinite(h) for h in hs]
+    stats = None
     if any(bad):
-        out.append(fail("nan_inf", f"non-finite values per layer: {bad}", name))
+        named = ", ".join(f"hidden_states[{j}] (layer {dc.layer_ids[j]}): {n}" for j, n in enumerate(bad) if n)
+        out.append(fail("nan_inf", f"non-finite values: {named}", name))
+    else:
+        stats = [layer_profile.layer_stats(h) for h in hs]
+        if ref is not None:
+            if problem := layer_profile.order_problem(stats, ref, t):
+                out.append(fail("layer_order", problem, name))
+            if problem := layer_profile.scale_problem(stats, ref):
+                out.append(fail("layer_scale", problem, name))
     if t > dc.seq_length - 1 or t < 1:
         out.append(fail("length", f"T = {t} outside 1..seq_length-1 = {dc.seq_length - 1}", name))
-    if lengths and lengths.get(i) != t:
-        out.append(fail("sample_lengths", f"T = {t} but sample_lengths.json says {lengths.get(i)}", name))
+    if ctx.lengths and ctx.lengths.get(i) != t:
+        out.append(fail("sample_lengths", f"T = {t} but sample_lengths.json says {ctx.lengths.get(i)}", name))
+    prepared = ctx.prepared
     if prepared is not None and i < len(prepared):
         same = np.array_equal(ids.numpy(), prepared.ids(i).astype(np.int64)) and np.array_equal(mask.numpy(), prepared.mask(i).astype(np.int64))
         if not same:
             out.append(fail("prepared_match", "input_ids/loss_mask differ from the prepared row", name))
-    return out
+    return out, stats
 
 
 def _nonfinite(h: torch.Tensor) -> int:
@@ -217,11 +291,32 @@ def _threads_per_reader(readers: int):
         torch.set_num_threads(before)
 
 
+def set_context(directory: Path, indices: list[int], dc: formats.DataConfig, pool, load, lengths=None, prepared=None,
+                sample: int = 16) -> SetContext:
+    """The context files are judged in: recorded checksums, and the layer profile of up to ``sample`` of
+    ``indices`` spread over the set (their files read once more for it)."""
+    step = max(1, len(indices) // sample)
+    picked = indices[::step][:sample]
+
+    def signature(i: int):
+        try:
+            d, _ = load(directory / f"data_{i}.pt")
+            _, stats = _sample_findings(f"data_{i}.pt", i, d, SetContext(dc))
+            return stats
+        except Exception:  # noqa: BLE001 - an unreadable file is left out of the profile (and reported later)
+            return None
+
+    sigs = [s for s in pool.map(signature, picked) if s is not None]
+    return SetContext(dc, lengths or {}, prepared, formats.read_checksums(directory),
+                      layer_profile.build_reference(sigs, dc.layer_ids))
+
+
 def damaged_files(directory: Path, indices: list[int], dc: formats.DataConfig, prepared, workers: int = 0) -> dict[int, str]:
     """Files among ``indices`` that fail any per-file check, with the first reason: what --repair redoes."""
     workers, load = _readers(workers, dc)
     with _threads_per_reader(workers), ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(lambda i: (i, _check_file(directory, i, dc, {}, prepared, load)), indices))
+        ctx = set_context(directory, indices, dc, pool, load, prepared=prepared)
+        results = list(pool.map(lambda i: (i, _check_file(directory, i, ctx, load)[0]), indices))
     return {i: f"{cs[0].name}: {cs[0].detail}" for i, cs in results if cs}
 
 
@@ -232,9 +327,9 @@ def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight.to(h.dtype) * x.to(h.dtype)
 
 
-def alignment(directory: Path, indices: list[int], verifier: dict, model_dir: Path | None, eps: float) -> dict[int, dict]:
-    """Per file: argmax of lm_head(norm(last captured)) vs the target's own argmax, and vs input_ids[t+1]."""
-    target = _load_target(model_dir) if model_dir else None
+def alignment(directory: Path, indices: list[int], verifier: dict, target, eps: float) -> dict[int, dict]:
+    """Per file: argmax of lm_head(norm(last captured)) vs the target's own argmax (``target``: the loaded
+    causal LM, or None), and vs input_ids[t+1]."""
     norm_w, head = verifier["norm.weight"], verifier["lm_head.weight"]
     result = {}
     for i in indices:
@@ -251,12 +346,16 @@ def alignment(directory: Path, indices: list[int], verifier: dict, model_dir: Pa
     return result
 
 
-def _load_target(model_dir: Path):
-    from transformers import AutoModelForCausalLM
+def _open_target(cfg: VerifyConfig, dc: formats.DataConfig):
+    """The target through the hf backend over the set's layer ids (fp32 on the CPU, the set's dtype on a
+    GPU): what the spot re-computation runs and the alignment check takes the target's argmax from."""
+    from pipeline.backends.base import BackendOptions, resolve_device
+    from pipeline.backends.hf import HFBackend
+    from pipeline.modeldir import read_model_dir
 
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    dtype = dc.dtype if resolve_device("auto").type == "cuda" else "float32"
+    return HFBackend(BackendOptions(model=read_model_dir(cfg.model), layer_ids=tuple(dc.layer_ids), dtype=dtype,
+                                    seq_length=dc.seq_length, trust_remote_code=cfg.trust_remote_code))
 
 
 @torch.inference_mode()
@@ -297,26 +396,95 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
     prepared_dir = cfg.prepared or (Path(dc.prepared) if dc.prepared and Path(dc.prepared).is_dir() else None)
     prepared = formats.read_prepared(prepared_dir)[0] if prepared_dir else None
     workers, load = _readers(cfg.workers, dc)
+    checked = sorted(set(indices) & set(range(dc.num_samples)))
     with _threads_per_reader(workers), ThreadPoolExecutor(max_workers=workers) as pool:
-        per_file = list(pool.map(lambda i: _check_file(path, i, dc, lengths, prepared, load), sorted(set(indices) & set(range(dc.num_samples)))))
+        ctx = set_context(path, checked, dc, pool, load, lengths, prepared)
+        per_file = [cs for cs, _ in pool.map(lambda i: _check_file(path, i, ctx, load), checked)]
     findings = [c for cs in per_file for c in cs]
+    if extra:  # a file past the end that holds another file's recorded bytes was renamed: say which
+        s.checks.extend(_renamed(path, extra, ctx))
+    s.checks.append(_checksums_summary(path, ctx, len(checked)))
     s.checks.extend(findings)
-    names = ("loadable", "keys", "ids_mask", "layers", "shape_dtype", "nan_inf", "length", "sample_lengths", "prepared_match")
+    names = ("checksum", "loadable", "keys", "ids_mask", "layers", "shape_dtype", "nan_inf", "layer_order", "layer_scale",
+             "length", "sample_lengths", "prepared_match")
     failed_names = {c.name for c in findings}
     for n in names:
         if n == "prepared_match" and prepared is None:
             s.checks.append(warn(n, "no prepared dir found: input_ids not compared"))
+        elif n == "checksum" and not ctx.recorded:
+            continue  # said once by the checksums row
+        elif n in ("layer_order", "layer_scale") and ctx.reference is None:
+            s.checks.append(warn(n, f"fewer than {layer_profile.MIN_REFERENCE_FILES} intact files to build the "
+                                 "set's layer profile from: not checked"))
         elif n not in failed_names:
             s.checks.append(ok(n if n != "sample_lengths" else "lengths_match", f"all {len(per_file)} files"))
     s.stats = {"samples": dc.num_samples, "files": len(indices), "layer_ids": dc.layer_ids, "dtype": dc.dtype,
                "world_size": cfg.world_size, "rank": cfg.rank, "missing": missing,
-               "tokens": sum(lengths.get(i, 0) for i in indices)}
+               "tokens": sum(lengths.get(i, 0) for i in indices), "checksums_recorded": len(ctx.recorded)}
+    if ctx.reference is not None:
+        s.stats["layer_profile"] = {"files": ctx.reference.files,
+                                    "median_rms": [round(math.exp(x), 6) for x in ctx.reference.log_rms]}
     if cfg.verifier or cfg.model:
-        s.checks.extend(_alignment_checks(cfg, dc, sorted(set(indices) - {int(c.file[5:-3]) for c in findings if c.file}), s))
+        unreadable = {c.file for c in findings if c.file and c.name in STRUCTURAL}
+        readable = [i for i in checked if f"data_{i}.pt" not in unreadable]
+        s.checks.extend(_model_checks(cfg, dc, readable, s))
     return s
 
 
-def _alignment_checks(cfg: VerifyConfig, dc: formats.DataConfig, good: list[int], s: Summary) -> list[CheckResult]:
+def _renamed(path: Path, extra: list[int], ctx: SetContext) -> list[CheckResult]:
+    out = []
+    for i in extra[:64]:
+        try:
+            owner = ctx.owner_of(formats.file_digest(formats.data_file(path, i)).sha256)
+        except OSError:
+            continue
+        if owner is not None:
+            out.append(fail("renumbered", f"holds the bytes extract wrote as {owner}: renamed out of its place", f"data_{i}.pt"))
+    return out
+
+
+def _checksums_summary(path: Path, ctx: SetContext, files: int) -> CheckResult:
+    damaged = [p.name for p in sorted(path.glob(formats.CHECKSUM_INDEX_GLOB)) if not formats.read_checksum_index(p)
+               and p.stat().st_size > 0 and formats.CHECKSUM_SCHEMA not in p.read_text(errors="replace")[:200]]
+    if damaged:
+        return fail("checksums", f"{', '.join(damaged)} is not a checksum index (damaged): "
+                    "re-run extract --resume to record the files' checksums again")
+    if not ctx.recorded:
+        return warn("checksums", "no checksums recorded (a set written before extract recorded them): "
+                    "file contents not compared with what was written")
+    return ok("checksums", f"{len(ctx.recorded)} recorded (sha256), {files} files hashed")
+
+
+def _model_checks(cfg: VerifyConfig, dc: formats.DataConfig, readable: list[int], s: Summary) -> list[CheckResult]:
+    """The spot re-computation of K readable files (with --model) and the alignment check (on readable files:
+    one whose bytes or profile are off is still worth its agreement figure), with one model load."""
+    target = None
+    out: list[CheckResult] = []
+    try:
+        if cfg.model:
+            try:
+                target = _open_target(cfg, dc)
+            except StageError as exc:
+                return [fail("recompute", f"cannot load --model: {exc}")]
+        if target is not None and cfg.recompute_samples > 0:
+            if not readable:
+                out.append(fail("recompute", "no readable files to recompute"))
+            else:
+                seed = cfg.recompute_seed if cfg.recompute_seed is not None else int.from_bytes(os.urandom(4), "little")
+                picked = recompute.pick(readable, cfg.recompute_samples, seed)
+                load = _reader_loads()
+                checks, errors = recompute.spot_recompute(lambda p: load(p)[0], cfg.path, picked, dc.layer_ids,
+                                                          dc.dtype, target, cfg.recompute_tolerance)
+                out.extend(checks)
+                s.stats["recompute"] = {"samples": len(picked), "seed": seed, "relative_errors": errors}
+        out.extend(_alignment_checks(cfg, dc, readable, s, target.model if target is not None else None))
+    finally:
+        if target is not None:
+            target.close()
+    return out
+
+
+def _alignment_checks(cfg: VerifyConfig, dc: formats.DataConfig, good: list[int], s: Summary, target) -> list[CheckResult]:
     from pipeline.weights import load_verifier
 
     if not good:
@@ -332,13 +500,12 @@ def _alignment_checks(cfg: VerifyConfig, dc: formats.DataConfig, good: list[int]
         names = resolve_names(sorted(wmap), md.tie_word_embeddings)
         t = read_tensors(cfg.model, wmap, sorted({names.norm, names.lm_head}))
         verifier = {"norm.weight": t[names.norm], "lm_head.weight": t[names.lm_head]}
-    model_dir = cfg.model
     cfg_path = Path(dc.model) / "config.json"
     raw = readers.read_model_config(cfg_path) if cfg_path.is_file() else {}
     eps = float((raw.get("text_config") or raw).get("rms_norm_eps", 1e-6))
     step = max(1, len(good) // max(1, cfg.alignment_samples))
     picked = good[::step][: cfg.alignment_samples]
-    rows = alignment(cfg.path, picked, verifier, model_dir, eps)
+    rows = alignment(cfg.path, picked, verifier, target, eps)
     s.stats["alignment"] = {f"data_{i}.pt": r for i, r in rows.items()}
     out = []
     for i, r in rows.items():
@@ -438,7 +605,14 @@ def report(cfg: VerifyConfig) -> Summary:
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--prepared", type=click.Path(path_type=Path), default=None, help="Prepared dir to compare input_ids with.")
 @click.option("--verifier", type=click.Path(path_type=Path), default=None, help="Dir with verifier.safetensors (alignment check).")
-@click.option("--model", type=click.Path(path_type=Path), default=None, help="Target model dir: compare with its own argmax.")
+@click.option("--model", type=click.Path(path_type=Path), default=None,
+              help="Target model dir: recompute --recompute-samples files through it, compare with its own argmax.")
+@click.option("--recompute-samples", type=click.IntRange(min=0), default=recompute.DEFAULT_SAMPLES, show_default=True,
+              help="With --model: K random files whose states are computed again and compared layer by layer (0 = none).")
+@click.option("--recompute-seed", type=click.IntRange(min=0), default=None, help="Seed choosing them (default: fresh, reported).")
+@click.option("--recompute-tolerance", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Largest relative error per layer (default 0.1 for bf16/fp16 states, 1e-3 for fp32).")
+@click.option("--trust-remote-code", is_flag=True, help="With --model: allow the model's own Python code (e.g. Kimi-K2.5).")
 @click.option("--alignment-samples", type=int, default=4, show_default=True)
 @click.option("--min-agreement", type=float, default=0.95, show_default=True)
 @click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,

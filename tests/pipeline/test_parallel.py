@@ -61,7 +61,7 @@ def test_hosts_shards_merge_into_one_verified_set(tmp_path, tiny_llama, prepared
     assert run_pipeline("verify", tmp_path / "host0").returncode == 3
     merged = tmp_path / "merged"
     shutil.copytree(tmp_path / "host0", merged)
-    for p in (tmp_path / "host1").glob("data_*.pt"):
+    for p in [*(tmp_path / "host1").glob("data_*.pt"), *(tmp_path / "host1").glob(formats.CHECKSUM_INDEX_GLOB)]:
         shutil.copy(p, merged / p.name)
     run_pipeline("verify", merged, check=True)
     run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 12, "--no-progress",

@@ -69,7 +69,7 @@ def test_verify_reports_such_a_file_as_not_loadable(tmp_path, extracted_llama):
     torch.save(sample, d / "data_2.pt")
     summary = verify(VerifyConfig(path=d, write_summary=False))
     failed = {(c.file, c.name) for c in summary.checks if c.status == "fail"}
-    assert failed == {("data_2.pt", "loadable")}
+    assert failed == {("data_2.pt", "loadable"), ("data_2.pt", "checksum")}
     assert not marker.exists()
 
 
@@ -144,6 +144,7 @@ def test_verify_falls_back_for_valid_files_the_buffer_does_not_take(tmp_path, ex
     sample = formats.read_sample(d / "data_4.pt")
     sample["hidden_states"] = [h.t().contiguous().t() for h in sample["hidden_states"]]  # same values, column-major
     torch.save(sample, d / "data_4.pt")
+    (d / formats.CHECKSUMS).unlink()  # rewritten on purpose: its recorded checksum no longer applies
     with pytest.raises(NotFastPath):
         SampleBuffer().read(d / "data_4.pt")
     assert verify(VerifyConfig(path=d, write_summary=False)).ok

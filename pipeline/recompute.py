@@ -1,0 +1,98 @@
+"""Spot re-computation: K data files' states computed again through the hf backend, compared layer by layer.
+
+Owns choosing the K files (at random, the seed reported so that a run can be repeated), the comparison
+(per layer, the relative error ||stored - fresh|| / ||fresh|| against a tolerance set by the stored
+dtype) and, for a file that fails it, the diagnosis: a stored tensor that matches another layer's fresh
+states (swapped layers), or states that match the fresh ones shifted by a few tokens (an off-by-one
+between input_ids and states). The model is loaded once by the caller (verify) and handed in.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.checks import CheckResult, check
+
+DEFAULT_SAMPLES = 4
+#: the stored dtype -> largest relative error accepted. Half types: the extract ran in bf16/fp16 (on a GPU,
+#: perhaps another backend) and the recomputation in fp32 on the CPU or in the same dtype on a GPU: bf16
+#: rounding over the depth of a large model stays within a few percent, a wrong layer or a shifted token
+#: is of order 1. fp32: only summation order differs.
+TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
+MAX_SHIFT = 2
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One file's per-layer relative errors and, when some exceed the tolerance, what they look like."""
+
+    errors: list[float]
+    diagnosis: str | None
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.to(torch.float32), b.to(torch.float32)
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def compare(stored: list[torch.Tensor], fresh: list[torch.Tensor], layer_ids: list[int], tol: float) -> Comparison:
+    errors = [rel_err(s, f) if s.shape == f.shape else float("inf") for s, f in zip(stored, fresh, strict=True)]
+    if all(e <= tol for e in errors):
+        return Comparison(errors, None)
+    notes = []
+    for j, s in enumerate(stored):
+        if errors[j] <= tol:
+            continue
+        others = [k for k in range(len(fresh)) if k != j and fresh[k].shape == s.shape and rel_err(s, fresh[k]) <= tol]
+        if others:
+            notes.append(f"hidden_states[{j}] (layer {layer_ids[j]}) equals the recomputed layer {layer_ids[others[0]]}")
+            continue
+        shift = _shift(s, fresh[j], tol)
+        if shift is not None:
+            notes.append(f"hidden_states[{j}] (layer {layer_ids[j]}) matches the recomputation shifted by "
+                         f"{shift:+d} token{'s' if abs(shift) > 1 else ''} (stored row t is row t{shift:+d})")
+        else:
+            notes.append(f"hidden_states[{j}] (layer {layer_ids[j]}) differs by {errors[j]:.3g} > {tol:g}")
+    return Comparison(errors, "; ".join(notes))
+
+
+def _shift(s: torch.Tensor, f: torch.Tensor, tol: float) -> int | None:
+    """The token shift d (|d| <= MAX_SHIFT) with stored[t] == fresh[t + d] over the overlap, if any."""
+    t = s.shape[0]
+    for d in (1, -1, 2, -2)[: 2 * MAX_SHIFT]:
+        if t - abs(d) < 2:
+            continue
+        a, b = (s[: t - d], f[d:]) if d > 0 else (s[-d:], f[: t + d])
+        if rel_err(a, b) <= tol:
+            return d
+    return None
+
+
+def pick(indices: list[int], k: int, seed: int) -> list[int]:
+    return sorted(random.Random(seed).sample(indices, min(k, len(indices))))
+
+
+def spot_recompute(load, directory, picked: list[int], layer_ids: list[int], dtype: str, backend,
+                   tolerance: float | None = None) -> tuple[list[CheckResult], dict]:
+    """Recompute ``picked`` files through ``backend`` (an HFBackend over the set's layer ids) and compare."""
+    tol = tolerance if tolerance is not None else TOLERANCE.get(dtype, 0.1)
+    out, stats = [], {}
+    for i in picked:
+        name = f"data_{i}.pt"
+        d = load(directory / name)
+        ids = d["input_ids"].tolist()
+        stored = [h.clone() for h in d["hidden_states"]]
+        fresh = backend.capture([ids])[0]
+        if len(stored) != len(fresh):
+            out.append(check("recompute", False, "", f"{len(stored)} stored tensors for {len(fresh)} layers", name))
+            continue
+        c = compare(stored, fresh, layer_ids, tol)
+        stats[name] = [round(e, 6) for e in c.errors]
+        worst = max(c.errors)
+        out.append(check("recompute", c.diagnosis is None,
+                         f"max relative error {worst:.3g} <= {tol:g} over layers {layer_ids}",
+                         f"stored states differ from the recomputation: {c.diagnosis}", name))
+    return out, stats
