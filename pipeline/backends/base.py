@@ -31,6 +31,8 @@ class BackendOptions:
     tensor_parallel_size: int | None = None  # vllm only; default: all visible devices
     max_batch_tokens: int = 16384
     trust_remote_code: bool = False
+    packed: bool | None = None  # hf: samples end to end in one row, varlen attention; None = on a GPU only
+    compile: bool | None = None  # hf: torch.compile each decoder layer; None = on a GPU only
     cache_dir: Path | None = None
 
 
