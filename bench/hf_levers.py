@@ -14,6 +14,7 @@ as it is and replayed from a captured graph.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 
@@ -80,9 +81,19 @@ def run_loop(backend, seqs: list[list[int]], batches) -> tuple[float, float]:
     return time.perf_counter() - t0, backend.clock.seconds - busy0
 
 
-def worst_error(states, reference) -> float:
-    return max(float((a.float() - b.float()).norm() / b.float().norm())
-               for got, want in zip(states, reference, strict=True) for a, b in zip(got, want, strict=True))
+def layer_errors(states, reference) -> list[float]:
+    """Per captured layer, the worst relative error (Frobenius, per sample) of ``states`` against ``reference``."""
+    return [max(float((got[j].float() - want[j].float()).norm() / want[j].float().norm())
+                for got, want in zip(states, reference, strict=True)) for j in range(len(reference[0]))]
+
+
+def one_by_one(model, probe: list[list[int]]) -> list[list[torch.Tensor]]:
+    """The plain backend's states, one sample at a time: the reference every variant is held to."""
+    plain = backend_for(model, False, False, 16384)
+    try:
+        return [plain.capture([s])[0] for s in probe]
+    finally:
+        plain.close()
 
 
 def graph_gain(backend, batch: list[list[int]], repeats: int = 5) -> dict:
@@ -113,7 +124,7 @@ def graph_gain(backend, batch: list[list[int]], repeats: int = 5) -> dict:
     return {"launched_ms": launched, "graph_ms": replayed, "graph_gain": launched / replayed}
 
 
-def measure(model, name: str, seqs, probe, reference, roof: DecoderShape, gpu: bool) -> dict:
+def measure(model, name: str, seqs, probe, reference, fp32, roof: DecoderShape, gpu: bool) -> dict:
     """One variant's figures (see the module docstring)."""
     from torch._dynamo.utils import counters
 
@@ -132,11 +143,13 @@ def measure(model, name: str, seqs, probe, reference, roof: DecoderShape, gpu: b
             torch.cuda.reset_peak_memory_stats()
         wall, busy = run_loop(backend, seqs, batches)
         peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
-        err = worst_error(backend.capture(probe), reference)
+        states = backend.capture(probe)
+        err = max(layer_errors(states, reference))
+        fp32_err = layer_errors(states, fp32) if fp32 is not None else None
         row = {"packed": packed, "compiled": compiled, "max_batch_tokens": mbt, "batches": len(batches),
                "first_two_batches_seconds": first, "tokens_per_s": sum(lengths) / wall,
                "roofline": roof.roofline_fraction(lengths, wall), "busy_roofline": roof.roofline_fraction(lengths, busy),
-               "device_idle": 1 - busy / wall, "worst_rel_err_vs_one_by_one": err, "peak_gpu_gib": peak,
+               "device_idle": 1 - busy / wall, "worst_rel_err_vs_one_by_one": err, "rel_err_vs_fp32_per_layer": fp32_err, "peak_gpu_gib": peak,
                "graphs_compiled": counters["stats"]["unique_graphs"] - graphs0}
         if gpu and name in ("plain-32k", "packed-compiled-32k"):
             try:
@@ -155,8 +168,10 @@ def measure(model, name: str, seqs, probe, reference, roof: DecoderShape, gpu: b
 @click.option("--variants", default=",".join(VARIANTS), show_default=True)
 @click.option("--samples", "counts", default="256,96", show_default=True, help="Samples per shape, in --shapes order.")
 @click.option("--seq-length", type=int, default=2048, show_default=True)
+@click.option("--fp32-reference/--no-fp32-reference", default=False, show_default=True,
+              help="Also hold every variant (and plain bf16) to an fp32 copy of the model, one sample at a time.")
 @click.option("--json-out", type=click.Path(), default=None)
-def main(shapes: str, variants: str, counts: str, seq_length: int, json_out: str | None) -> None:
+def main(shapes: str, variants: str, counts: str, seq_length: int, fp32_reference: bool, json_out: str | None) -> None:
     gpu = torch.cuda.is_available()
     results = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu", "shapes": {}}
     for shape, n in zip(shapes.split(","), [int(c) for c in counts.split(",")], strict=True):
@@ -169,14 +184,18 @@ def main(shapes: str, variants: str, counts: str, seq_length: int, json_out: str
         seqs = samples(n, seq_length, cfg.vocab_size)
         lengths = [len(s) for s in seqs]
         probe = seqs[:4]
-        plain = backend_for(model, False, False, 16384)
-        reference = [plain.capture([s])[0] for s in probe]  # one sample at a time: the reference
-        plain.close()
+        reference = one_by_one(model, probe)
+        fp32 = None
+        if fp32_reference:  # how far bf16 itself is from fp32, so that each variant's error has a scale
+            exact = copy.deepcopy(model).float()
+            fp32 = one_by_one(exact, probe)
+            del exact
         out = results["shapes"][shape] = {"build_seconds": built, "samples": n, "tokens": sum(lengths),
-                                         "decoder_params": roof.decoder_params, "variants": {}}
+                                         "decoder_params": roof.decoder_params, "variants": {},
+                                         "plain_bf16_vs_fp32_per_layer": layer_errors(reference, fp32) if fp32 else None}
         for name in variants.split(","):
             try:
-                row = measure(model, name, seqs, probe, reference, roof, gpu)
+                row = measure(model, name, seqs, probe, reference, fp32, roof, gpu)
             except Exception as exc:  # noqa: BLE001 - one broken lever is reported, the others still run
                 row = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
             out["variants"][name] = row

@@ -18,9 +18,12 @@ Two layouts, the same states (tests compare every sample with its batch-of-one r
   interface), which keeps each sample to itself: flash attention's variable-length kernel on a GPU, one
   causal SDPA per sample elsewhere. No token is padding, so no FLOP is spent on it.
 
-On a GPU each decoder layer's forward is also ``torch.compile``d (``dynamic=True``: one graph for every
-batch shape, shared by all layers), which fuses the norms, rotary embedding, SiLU and residual adds that
-the eager forward runs as separate memory-bound kernels (docs/benchmarks.md measures each lever).
+On a GPU, for a run long enough to repay it, each decoder layer's forward is also ``torch.compile``d
+(``dynamic=True``: one graph for every batch shape, shared by all layers), which fuses the norms, rotary
+embedding, SiLU and residual adds that the eager forward runs as separate memory-bound kernels. The first
+batch pays the compilation (8-9 s on the H200 for a Llama layer, with an empty kernel cache); it saved
+1.3 us per token on a 1.5B model and 5.2 us on an 8B one, so it pays from ~1.3e16 and ~2.3e16 decoder
+FLOPs: runs planned above ``COMPILE_MIN_FLOPS`` compile (docs/benchmarks.md measures each lever).
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ from pipeline.backends.base import Backend, BackendOptions, Captured, DeviceCloc
 from pipeline.errors import StageError
 
 PACKED_ATTENTION = "eagle_ops_packed"
+COMPILE_MIN_FLOPS = 2e16  # 2 x decoder parameters x planned tokens above which compiling pays for itself
+
+
+def should_compile(option: bool | None, on_gpu: bool, decoder_params: int, planned_tokens: int | None) -> bool:
+    """The compile decision: as asked; else on a GPU when the run's dense decoder FLOPs (or, unknown, always)
+    reach ``COMPILE_MIN_FLOPS``; never on the CPU by default (inductor's C++ build takes minutes there)."""
+    if option is not None:
+        return option
+    return on_gpu and (planned_tokens is None or 2 * decoder_params * planned_tokens >= COMPILE_MIN_FLOPS)
 
 
 def find_decoder(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.ModuleList]:
@@ -109,7 +121,8 @@ class HFBackend(Backend):
         self._layers, self._attn_before = layers, self.decoder.config._attn_implementation
         on_gpu = self.device.type == "cuda"
         self.packed = on_gpu if options.packed is None else options.packed
-        self.compiled = on_gpu if options.compile is None else options.compile
+        decoder_params = sum(p.numel() for name, p in self.decoder.named_parameters() if "embed_tokens" not in name)
+        self.compiled = should_compile(options.compile, on_gpu, decoder_params, options.planned_tokens)
         if self.packed:
             use_packed_attention(self.decoder)
         if self.compiled:
