@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import click
@@ -46,7 +46,8 @@ class ExtractConfig:
     layer_ids: tuple[int, ...] | None = None  # default [2, L//2, L-3, L-1]
     device: str = "auto"
     dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
-    max_batch_tokens: int = 16384  # padded tokens per forward
+    max_batch_tokens: int = 32768  # padded tokens per forward
+    compile: str = "auto"  # hf: torch.compile the decoder layers: auto (on a GPU, for long runs) | on | off
     max_batch_size: int = 64
     limit: int | None = None  # only the first N samples
     resume: bool = False
@@ -417,6 +418,7 @@ def run(cfg: ExtractConfig) -> dict:
         model=model, layer_ids=tuple(layer_ids), device=cfg.device, dtype=cfg.dtype, seq_length=meta.seq_length,
         tensor_parallel_size=cfg.tensor_parallel_size, max_batch_tokens=cfg.max_batch_tokens,
         trust_remote_code=cfg.trust_remote_code, enforce_eager=cfg.enforce_eager, scratch_dir=cfg.out,
+        compile={"auto": None, "on": True, "off": False}[cfg.compile],
     )
     from pipeline.backends.base import resolve_device, resolve_dtype
 
@@ -445,6 +447,7 @@ def run(cfg: ExtractConfig) -> dict:
             # H200 host (docs/benchmarks.md), half the cores (at most 16) did not
             torch.set_num_threads(max(1, min(16, (os.cpu_count() or 2) // 2)))
         load0 = time.perf_counter()
+        options = replace(options, planned_tokens=sum(int(lengths[i]) for b in batches for i in b.indices))
         with get_backend(cfg.backend, options) as backend:
             startup.update(model_load_seconds=time.perf_counter() - load0, loop_start_seconds=process_age())
             stats = run_loop(backend, prepared, batches, cfg.out, model.hidden_size, len(layer_ids), len(owned),
@@ -480,7 +483,7 @@ def worker_argv(cfg: ExtractConfig, local_rank: int, tensor_parallel_size: int =
             "--out", str(cfg.out), "--backend", cfg.backend, "--dtype", cfg.dtype,
             "--max-batch-tokens", str(cfg.max_batch_tokens), "--max-batch-size", str(cfg.max_batch_size),
             "--world-size", str(cfg.world_size), "--rank", str(cfg.rank), "--data-parallel", str(cfg.data_parallel),
-            "--writer-threads", str(cfg.writer_threads),
+            "--writer-threads", str(cfg.writer_threads), "--compile", cfg.compile,
             "--local-rank", str(local_rank), "--no-verify", "--no-progress", "--json-stats"]
     if cfg.layer_ids:
         argv += ["--layer-ids", ",".join(map(str, cfg.layer_ids))]
@@ -593,7 +596,9 @@ def first_batch_after(stats: dict) -> tuple[float, float] | None:
 @click.option("--layer-ids", default=None, help="Comma-separated decoder layer ids (default 2,L//2,L-3,L-1).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N (hf backend).")
 @click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
-@click.option("--max-batch-tokens", type=int, default=16384, show_default=True, help="Padded tokens per forward.")
+@click.option("--max-batch-tokens", type=int, default=32768, show_default=True, help="Padded tokens per forward.")
+@click.option("--compile", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="hf: torch.compile the decoder layers (auto: on a GPU, for runs long enough to repay it).")
 @click.option("--max-batch-size", type=int, default=64, show_default=True)
 @click.option("--limit", type=int, default=None, help="Only the first N samples.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run in --out.")

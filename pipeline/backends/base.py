@@ -29,8 +29,11 @@ class BackendOptions:
     dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "bfloat16" | "float16" | "float32"
     seq_length: int = 2048
     tensor_parallel_size: int | None = None  # vllm only; default: all visible devices
-    max_batch_tokens: int = 16384
+    max_batch_tokens: int = 32768
     trust_remote_code: bool = False
+    packed: bool | None = None  # hf: samples end to end in one row, varlen attention; None = on a GPU only
+    compile: bool | None = None  # hf: torch.compile each decoder layer; None = on a GPU, for long runs
+    planned_tokens: int | None = None  # tokens the run will capture (None: unknown), for the compile decision
     cache_dir: Path | None = None
     enforce_eager: bool = False  # vllm only: no CUDA graphs / torch.compile (faster start, slower loop)
     scratch_dir: Path | None = None  # vllm only: where the engine's per-request files wait to be read

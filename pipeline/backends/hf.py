@@ -1,15 +1,29 @@
 """The transformers backend: forward hooks on the chosen decoder layers of an HF causal LM.
 
 Owns loading the model with transformers, finding its decoder layers (plain causal LMs and wrappers that
-keep the text model under ``language_model``), padding a batch on the right, and returning each sample's
-layer outputs with the padding stripped. The forward runs the decoder stack only (no lm_head), and the
-hooks keep nothing but the chosen layers' outputs. On a GPU nothing waits: the forward, the copies of
-each sample's rows to the host (on a second stream) and the next batch's forward are queued at once.
+keep the text model under ``language_model``), laying a batch out for the forward, and returning each
+sample's layer outputs. The forward runs the decoder stack only (no lm_head), and the hooks keep nothing
+but the chosen layers' outputs. On a GPU nothing waits: the forward, the copies of each sample's rows to
+the host (on a second stream) and the next batch's forward are queued at once.
 
-Right padding needs no attention mask: under causal attention a real token at position t < T_i only
-sees positions <= t, which are all real, and its position id is t either way. Passing no mask lets SDPA
-use its fused causal kernels instead of materialising a [B, heads, T, T] mask (tests compare every
-sample with its batch-of-one result). Pad positions compute garbage that is never copied to the host.
+Two layouts, the same states (tests compare every sample with its batch-of-one result):
+
+- **padded** (the plain path, the default on the CPU): the batch right-padded to its longest sample.
+  Right padding needs no attention mask: under causal attention a real token at position t < T_i only
+  sees positions <= t, which are all real, and its position id is t either way. Passing no mask lets
+  SDPA use its fused causal kernels instead of materialising a [B, heads, T, T] mask. Pad positions
+  compute garbage that is never copied to the host.
+- **packed** (the default on a GPU): the batch's samples end to end in one row, position ids restarting
+  at each sample, and attention through ``packed_attention`` (registered with transformers' attention
+  interface), which keeps each sample to itself: flash attention's variable-length kernel on a GPU, one
+  causal SDPA per sample elsewhere. No token is padding, so no FLOP is spent on it.
+
+On a GPU, for a run long enough to repay it, each decoder layer's forward is also ``torch.compile``d
+(``dynamic=True``: one graph for every batch shape, shared by all layers), which fuses the norms, rotary
+embedding, SiLU and residual adds that the eager forward runs as separate memory-bound kernels. The first
+batch pays the compilation (8-9 s on the H200 for a Llama layer, with an empty kernel cache); it saved
+1.3 us per token on a 1.5B model and 5.2 us on an 8B one, so it pays from ~1.3e16 and ~2.3e16 decoder
+FLOPs: runs planned above ``COMPILE_MIN_FLOPS`` compile (docs/benchmarks.md measures each lever).
 """
 
 from __future__ import annotations
@@ -21,6 +35,17 @@ from torch import nn
 
 from pipeline.backends.base import Backend, BackendOptions, Captured, DeviceClock, resolve_device, resolve_dtype
 from pipeline.errors import StageError
+
+PACKED_ATTENTION = "eagle_ops_packed"
+COMPILE_MIN_FLOPS = 2e16  # 2 x decoder parameters x planned tokens above which compiling pays for itself
+
+
+def should_compile(option: bool | None, on_gpu: bool, decoder_params: int, planned_tokens: int | None) -> bool:
+    """The compile decision: as asked; else on a GPU when the run's dense decoder FLOPs (or, unknown, always)
+    reach ``COMPILE_MIN_FLOPS``; never on the CPU by default (inductor's C++ build takes minutes there)."""
+    if option is not None:
+        return option
+    return on_gpu and (planned_tokens is None or 2 * decoder_params * planned_tokens >= COMPILE_MIN_FLOPS)
 
 
 def find_decoder(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.ModuleList]:
@@ -48,23 +73,66 @@ def load_causal_lm(options: BackendOptions, device: torch.device, dtype: torch.d
     return model.to(device).eval()
 
 
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
+                     max_length_q=None, **kwargs):
+    """Causal attention within each sample of a packed row: query [1, heads, N, D], key/value
+    [1, kv_heads, N, D], samples delimited by ``cu_seq_lens_q`` (int32 offsets, first 0, last N).
+    Returns [1, N, heads, D] as transformers' attention functions do."""
+    if cu_seq_lens_q is None:
+        raise StageError("packed attention called without cu_seq_lens_q (the hf backend passes it)")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, D]
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == v.shape[-1]:
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, 0.0, True, False, scale=scaling)[0]
+        return out[None], None
+    bounds = cu_seq_lens_q.tolist()
+    parts = []
+    for start, end in zip(bounds, bounds[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, T, D]
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling,
+                                                             enable_gqa=ks.shape[1] != qs.shape[1])
+        parts.append(o[0].transpose(0, 1))
+    return torch.cat(parts)[None], None
+
+
+def use_packed_attention(decoder: nn.Module) -> None:
+    """Make ``decoder`` attend through ``packed_attention``. A name transformers' mask interface does not know
+    gets no mask built (the kernel is causal by itself), and position ids are ours."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    decoder.config._attn_implementation = PACKED_ATTENTION
+
+
 class HFBackend(Backend):
     name = "hf"
 
-    def __init__(self, options: BackendOptions):
+    def __init__(self, options: BackendOptions, model: nn.Module | None = None):
+        """Load ``options.model`` (or take ``model``, already on the device: benchmarks reuse one model for
+        every variant; ``close()`` gives it back as it was)."""
         self.options = options
         self.device = resolve_device(options.device)
         if self.device.type == "cuda" and self.device.index is not None:
             # events, the clock and the copy stream use the current device's streams: make it the model's
             torch.cuda.set_device(self.device)
         self._dtype = resolve_dtype(options.dtype, self.device)
-        self.model = load_causal_lm(options, self.device, self._dtype)
+        self.model = load_causal_lm(options, self.device, self._dtype) if model is None else model
         self.decoder, layers = find_decoder(self.model, options.model.num_layers)
+        self._layers, self._attn_before = layers, self.decoder.config._attn_implementation
+        on_gpu = self.device.type == "cuda"
+        self.packed = on_gpu if options.packed is None else options.packed
+        decoder_params = sum(p.numel() for name, p in self.decoder.named_parameters() if "embed_tokens" not in name)
+        self.compiled = should_compile(options.compile, on_gpu, decoder_params, options.planned_tokens)
+        if self.packed:
+            use_packed_attention(self.decoder)
+        if self.compiled:
+            for layer in layers:  # the hooks stay outside the compiled forward
+                layer.forward = torch.compile(layer.forward, dynamic=True)
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [layers[k].register_forward_hook(self._hook(k)) for k in options.layer_ids]
         self.pad_id = 0
         self.clock = DeviceClock(self.device)
-        self._copies = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._copies = torch.cuda.Stream(self.device) if on_gpu else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,19 +144,38 @@ class HFBackend(Backend):
 
         return hook
 
-    @torch.inference_mode()
-    def forward_layers(self, batch: Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], list[int]]:
-        """Queue one right-padded batch; return the captured [B, T_max, H] outputs (on device) and lengths."""
+    def inputs(self, batch: Sequence[Sequence[int]]) -> tuple[dict, list[tuple[int, slice]]]:
+        """The decoder's keyword arguments for one batch (queued to the device) and, per sample, where its
+        rows are in a captured [rows, T, H] output: ``out[row, tokens]``."""
         lengths = [len(s) for s in batch]
-        t_max = max(lengths)
-        ids = torch.full((len(batch), t_max), self.pad_id, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        pinned = self.device.type == "cuda"  # pinned + non_blocking: no wait for the device's previous batch
+        to = dict(device=self.device, non_blocking=True)
+        if not self.packed:
+            ids = torch.full((len(batch), max(lengths)), self.pad_id, dtype=torch.long, pin_memory=pinned)
+            for i, s in enumerate(batch):
+                ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            # causal attention: right padding needs no mask
+            return dict(input_ids=ids.to(**to), use_cache=False), [(i, slice(0, n)) for i, n in enumerate(lengths)]
+        ids = torch.empty((2, sum(lengths)), dtype=torch.long, pin_memory=pinned)  # token ids, position ids
+        cu = torch.zeros(len(batch) + 1, dtype=torch.int32, pin_memory=pinned)
+        rows, offset = [], 0
         for i, s in enumerate(batch):
-            ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            ids[0, offset : offset + len(s)] = torch.as_tensor(s, dtype=torch.long)
+            ids[1, offset : offset + len(s)] = torch.arange(len(s))
+            rows.append((0, slice(offset, offset + len(s))))
+            offset += len(s)
+            cu[i + 1] = offset
+        ids = ids.to(**to)
+        return dict(input_ids=ids[:1], position_ids=ids[1:], use_cache=False, cu_seq_lens_q=cu.to(**to),
+                    max_length_q=max(lengths)), rows
+
+    @torch.inference_mode()
+    def forward_layers(self, batch: Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], list[tuple[int, slice]]]:
+        """Queue one batch; return the captured outputs (on the device) and where each sample's rows are."""
+        kwargs, rows = self.inputs(batch)
         self._captured.clear()
-        # pinned + non_blocking: the host does not wait for the device's previous batch to queue this one
-        self.decoder(input_ids=ids.to(self.device, non_blocking=True), use_cache=False)  # causal: no mask needed
-        outs = [self._captured.pop(k) for k in self.options.layer_ids]
-        return outs, lengths
+        self.decoder(**kwargs)
+        return [self._captured.pop(k) for k in self.options.layer_ids], rows
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
         captured = self.capture_async(batch)
@@ -97,25 +184,25 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def capture_async(self, batch: Sequence[Sequence[int]]) -> Captured:
-        """Each sample's real rows go straight from the device into a host tensor of its own (pinned, from
-        torch's caching host allocator, so reuse costs nothing): no packing, no host-side copy, padding never
-        leaves the device. On a GPU the copies run on a second stream once the forward is done, so the next
+        """Each sample's rows go straight from the device into a host tensor of its own (pinned, from torch's
+        caching host allocator, so reuse costs nothing): no host-side copy, padding never leaves the device. On a GPU the copies run on a second stream once the forward is done, so the next
         batch's forward overlaps them; ``ready()`` waits for them."""
         self.clock.start()
-        outs, lengths = self.forward_layers(batch)
+        outs, rows = self.forward_layers(batch)
         self.clock.stop()
         if self.device.type != "cuda":
-            return Captured([[o[i, :n].clone() for o in outs] for i, n in enumerate(lengths)])
+            return Captured([[o[r].clone() for o in outs] for r in rows])
         computed = torch.cuda.Event()
         computed.record()
         with torch.cuda.stream(self._copies):
             self._copies.wait_event(computed)
             states = []
-            for i, n in enumerate(lengths):
+            for r in rows:
                 row = []
                 for o in outs:
-                    h = torch.empty((n, o.shape[-1]), dtype=o.dtype, pin_memory=True)
-                    h.copy_(o[i, :n], non_blocking=True)
+                    src = o[r]
+                    h = torch.empty(src.shape, dtype=o.dtype, pin_memory=True)
+                    h.copy_(src, non_blocking=True)
                     row.append(h)
                 states.append(row)
             for o in outs:  # the allocator must not hand this memory to the next forward before the copies ran
@@ -125,9 +212,14 @@ class HFBackend(Backend):
         return Captured(states, copied.synchronize)
 
     def close(self) -> None:
+        if self.decoder is None:
+            return
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for layer in self._layers:
+            layer.__dict__.pop("forward", None)  # the compiled forward, if any: back to the class's
+        self.decoder.config._attn_implementation = self._attn_before
         self.model = self.decoder = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

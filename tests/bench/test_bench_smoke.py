@@ -33,6 +33,30 @@ def test_extract_bench_agrees_with_the_naive_reference(tmp_path):
     assert r["ours_tokens_per_s"] > 0 and r["naive_tokens_per_s"] > 0
 
 
+def test_hf_levers_runs_each_variant_and_holds_it_to_the_one_by_one_reference(tmp_path):
+    """Every lever variant asked for reports a rate and its error against the plain path one sample at a time."""
+    r = _run(tmp_path, "-m", "bench.hf_levers", "--shapes", "tiny", "--variants", "plain-16k,packed-32k",
+             "--samples", "6", "--seq-length", "128", "--fp32-reference")
+    rows = r["shapes"]["tiny"]["variants"]
+    assert set(rows) == {"plain-16k", "packed-32k"}
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["tokens_per_s"] > 0 and row["worst_rel_err_vs_one_by_one"] < 1e-4  # fp32 on the CPU
+        assert len(row["rel_err_vs_fp32_per_layer"]) == 4
+
+
+@pytest.mark.slow
+def test_e2e_bench_runs_both_processes_and_checks_them_against_fp32(tmp_path):
+    """The whole-process benchmark runs the real CLI and the naive script on one set and reports both."""
+    r = _run(tmp_path, "-m", "bench.e2e_bench", "--shapes", "tiny", "--samples", "6", "--seq-length", "128",
+             "--workdir", str(tmp_path / "w"))
+    tiny = r["shapes"]["tiny"]
+    assert tiny["ours"]["bytes"] > 0 and tiny["ours"]["bytes"] == pytest.approx(tiny["naive"]["bytes"], rel=0.01)
+    assert tiny["ours"]["wall_seconds"] > tiny["ours"]["verify_seconds"] > 0
+    assert "tok/s" in tiny["ours"]["closing_line"] and tiny["naive"]["loop_tokens_per_s"] > 0
+    assert max(tiny["rel_err_vs_fp32_per_layer"]["ours"]) < 1e-4
+
+
 def test_verify_bench_compares_both_loaders_on_a_set_verify_passes(tmp_path):
     r = _run(tmp_path, "-m", "bench.verify_bench", "--dir", str(tmp_path / "v"), "--gb", "0.02", "--hidden", "64",
              "--seq-length", "256", "--workers", "0,2", "--repeat", "1")

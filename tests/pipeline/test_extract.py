@@ -99,6 +99,55 @@ def test_padding_never_leaks(tiny_llama):
             torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=FP32_RTOL)
 
 
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_packed_batch_equals_the_plain_path_one_by_one(family, tiny_llama, tiny_deepseek):
+    """Samples packed end to end in one row (the GPU default) give each sample the states the plain padded
+    path gives it alone: no sample attends to another, positions restart, rows are cut where they belong."""
+    md = read_model_dir(tiny_llama if family == "llama" else tiny_deepseek)
+    opts = dict(model=md, layer_ids=(2, 4, 5, 7), device="cpu", dtype="float32", compile=False)
+    plain = HFBackend(BackendOptions(**opts, packed=False))
+    packed = HFBackend(BackendOptions(**opts, packed=True))
+    assert packed.packed and not plain.packed
+    for seq, states in zip(SEQS, packed.capture(SEQS), strict=True):
+        alone = plain.capture([seq])[0]
+        for got, want in zip(states, alone, strict=True):
+            assert got.shape == (len(seq), md.hidden_size)
+            assert got.untyped_storage().nbytes() == len(seq) * md.hidden_size * 4
+            torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=FP32_RTOL)
+    packed.close()
+    assert plain.decoder.config._attn_implementation != "eagle_ops_packed"  # each model keeps its own
+
+
+@pytest.mark.slow
+def test_compiled_packed_batch_equals_the_plain_path_one_by_one(tiny_llama):
+    """torch.compile'd layers (the GPU default for long runs) over a packed batch, then a batch of another
+    shape (no recompile may change the answer), equal the eager plain path one sample at a time (fp32)."""
+    md = read_model_dir(tiny_llama)
+    opts = dict(model=md, layer_ids=(2, 4, 5, 7), device="cpu", dtype="float32")
+    plain = HFBackend(BackendOptions(**opts, packed=False, compile=False))
+    fast = HFBackend(BackendOptions(**opts, packed=True, compile=True))
+    assert fast.compiled
+    for batch in (SEQS, SEQS[1:]):
+        for seq, states in zip(batch, fast.capture(batch), strict=True):
+            for got, want in zip(states, plain.capture([seq])[0], strict=True):
+                torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=FP32_RTOL)
+    fast.close()
+    assert "forward" not in fast._layers[0].__dict__  # close() gives the model its eager layers back
+
+
+def test_compile_is_chosen_for_long_gpu_runs_only():
+    """auto compiles on a GPU once 2 x decoder params x planned tokens reach COMPILE_MIN_FLOPS, never on the CPU."""
+    from pipeline.backends.hf import COMPILE_MIN_FLOPS, should_compile
+
+    params = 10**9
+    enough = int(COMPILE_MIN_FLOPS / (2 * params)) + 1
+    assert should_compile(None, True, params, enough)
+    assert not should_compile(None, True, params, enough // 2)
+    assert should_compile(None, True, params, None)  # unknown length: assume long
+    assert not should_compile(None, False, params, 10 * enough)
+    assert should_compile(True, False, params, 1) and not should_compile(False, True, params, 10 * enough)
+
+
 def test_batch_plan_is_length_bucketed_and_complete():
     """Every sample is planned once; batches respect the token budget; longest first; deterministic."""
     lengths = [5, 100, 37, 100, 3, 64, 64, 12, 90]

@@ -1,0 +1,204 @@
+"""Benchmark: the product's `pipeline extract` against the naive script, whole processes, side by side.
+
+For each model shape: build the model on the GPU and save it (bench/gpu_models.py), write a prepared set of
+random conversations (lengths uniform in [seq/2, seq)), then run, each as a fresh process on the same set,
+``python -m pipeline extract`` with its default flags (closing verification included) and
+``python -m bench.naive_extract`` (one conversation at a time). Reports, for both: whole-process seconds,
+loop tokens/s, the decoder roofline fraction of the loop (bench/roofline.py), peak GPU memory (nvidia-smi,
+sampled every 100 ms: the process's whole footprint, CUDA context and allocator cache included) and write
+bandwidth; for extract also its own start-up figures and how long the closing verification took. Holds both
+runs' states to an fp32 copy of the model (first 4 samples, ``accuracy``) and exits non-zero when ours is
+further from it than the naive script; the plain relative difference between the two is reported too.
+
+    python -m bench.e2e_bench --shapes llama-1b,llama-8b --samples 256,128 --workdir /dev/shm/e2e
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from bench.extract_bench import agreement, make_prepared
+from bench.gpu_models import build_model, save_model
+from bench.roofline import model_shape
+
+CLOSING = re.compile(r"extracted (\d+) samples .*?; ([\d,]+) tok/s(?:, device idle (\d+)%)?"
+                     r"(?:; first batch ([\d.]+) s after start, model load ([\d.]+) s)?")
+
+
+class GpuMemory:
+    """The peak of nvidia-smi's memory.used (MiB) on GPU 0 while it runs; None without nvidia-smi."""
+
+    def __init__(self):
+        self.peak_mib: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                                     capture_output=True, text=True, timeout=5).stdout
+                self.peak_mib = max(self.peak_mib or 0, int(out.split()[0]))
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                return
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> GpuMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def timed_process(argv: list[str], env: dict | None = None) -> tuple[float, list[tuple[float, str]]]:
+    """Run ``argv``; its wall seconds and its output lines, each with the seconds since its start."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = [(time.perf_counter() - t0, line.rstrip()) for line in proc.stdout]
+    proc.wait()
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = "\n".join(line for _, line in lines[-15:])
+        raise SystemExit(f"{' '.join(argv[:4])} exited {proc.returncode}:\n{tail}")
+    return wall, lines
+
+
+def accuracy(shape: str, model_dir: Path, prepared: Path, runs: dict[str, Path], n: int = 4) -> dict[str, list[float]]:
+    """Per layer stored pre-norm by both (the first 3), each run's worst relative error over its first ``n``
+    samples against an fp32 copy of the model run one sample at a time: bf16 runs differ from each other by
+    rounding that deep random layers amplify, so each is held to the exact answer instead of to the other."""
+    from safetensors import safe_open
+
+    from bench.hf_levers import layer_errors, one_by_one
+    from pipeline import formats
+
+    model = build_model(shape, "cuda" if torch.cuda.is_available() else "cpu")  # same seed: the saved weights
+    name, param = next((k, p) for k, p in model.named_parameters() if "layers.1." in k)
+    with safe_open(_shard_of(model_dir, name), "pt") as fh:
+        if not torch.equal(fh.get_tensor(name).to(param.device), param):
+            raise SystemExit(f"rebuilding {shape} did not give the saved weights ({name} differs)")
+    samples, _ = formats.read_prepared(prepared)
+    probe = [samples.ids(i).tolist() for i in range(n)]
+    exact = one_by_one(model.float(), probe)
+    del model
+    reference = [states[:3] for states in exact]
+    return {who: layer_errors([formats.read_sample(formats.data_file(d, i))["hidden_states"][:3] for i in range(n)],
+                              reference) for who, d in runs.items()}
+
+
+def _shard_of(model_dir: Path, name: str) -> str:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return str(model_dir / json.loads(index.read_text())["weight_map"][name])
+    return str(model_dir / "model.safetensors")
+
+
+def dir_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("data_*.pt"))
+
+
+def run_ours(prepared: Path, model: Path, out: Path, extra: list[str], cache: Path) -> dict:
+    # compiled kernels are cached on disk between runs: a fresh cache, as on a fresh machine
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
+    with GpuMemory() as mem:
+        wall, lines = timed_process([sys.executable, "-m", "pipeline", "extract", "--prepared", str(prepared),
+                                     "--model", str(model), "--out", str(out), "--no-progress", *extra], env)
+    found = [(t, CLOSING.search(line)) for t, line in lines if CLOSING.search(line)]
+    if not found:
+        raise SystemExit("pipeline extract printed no closing line:\n" + "\n".join(line for _, line in lines[-10:]))
+    at, m = found[-1]
+    tps = float(m.group(2).replace(",", ""))
+    return {"wall_seconds": wall, "loop_tokens_per_s": tps, "device_idle": int(m.group(3)) / 100 if m.group(3) else None,
+            "first_batch_seconds": float(m.group(4)) if m.group(4) else None,
+            "model_load_seconds": float(m.group(5)) if m.group(5) else None,
+            "closing_line": next(line for _, line in lines if CLOSING.search(line)),
+            "verify_seconds": wall - at, "peak_gpu_mib": mem.peak_mib, "bytes": dir_bytes(out)}
+
+
+def run_naive(prepared: Path, model: Path, out: Path) -> dict:
+    with GpuMemory() as mem:
+        wall, lines = timed_process([sys.executable, "-m", "bench.naive_extract", "--prepared", str(prepared),
+                                     "--model", str(model), "--out", str(out)])
+    stats = json.loads(lines[-1][1])
+    return {"wall_seconds": wall, "loop_tokens_per_s": stats["tokens_per_s"], "loop_seconds": stats["seconds"],
+            "peak_gpu_mib": mem.peak_mib, "bytes": dir_bytes(out)}
+
+
+@click.command()
+@click.option("--shapes", default="llama-1b,llama-8b", show_default=True)
+@click.option("--samples", "counts", default="256,128", show_default=True, help="Conversations per shape, in --shapes order.")
+@click.option("--seq-length", type=int, default=2048, show_default=True)
+@click.option("--workdir", type=click.Path(path_type=Path), default=Path("/dev/shm/e2e-bench"), show_default=True)
+@click.option("--extract-args", default="", help="Extra flags for pipeline extract (default: none, its defaults).")
+@click.option("--json-out", type=click.Path(path_type=Path), default=None)
+def main(shapes: str, counts: str, seq_length: int, workdir: Path, extract_args: str, json_out: Path | None) -> None:
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    gpu = torch.cuda.is_available()
+    results: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu",
+                     "extract_args": extract_args, "shapes": {}}
+    failures = []
+    for shape, n in zip(shapes.split(","), [int(c) for c in counts.split(",")], strict=True):
+        t0 = time.perf_counter()
+        model = build_model(shape, "cuda" if gpu else "cpu")
+        model_dir = save_model(model, workdir / f"model-{shape}")
+        vocab, L = model.config.vocab_size, model.config.num_hidden_layers
+        del model
+        if gpu:
+            torch.cuda.empty_cache()
+        built = time.perf_counter() - t0
+        prepared = workdir / f"prepared-{shape}"
+        make_prepared(prepared, n, seq_length, vocab)
+        from pipeline import formats
+
+        lengths = [int(t) for t in formats.read_prepared(prepared)[0].lengths()]
+        roof = model_shape(model_dir)
+        ours = run_ours(prepared, model_dir, workdir / f"ours-{shape}", extract_args.split(), workdir / f"cache-{shape}")
+        naive = run_naive(prepared, model_dir, workdir / f"naive-{shape}")
+        for r in (ours, naive):
+            loop = sum(lengths) / r["loop_tokens_per_s"]
+            r.update(roofline=roof.roofline_fraction(lengths, loop), write_gb_s=r["bytes"] / loop / 1e9)
+        worst = agreement(workdir / f"naive-{shape}", workdir / f"ours-{shape}", min(16, n), [2, L // 2, L - 3])
+        errors = accuracy(shape, model_dir, prepared, {"ours": workdir / f"ours-{shape}", "naive": workdir / f"naive-{shape}"})
+        # ours may be no less exact than the naive bf16 script, layer by layer (a slack of a quarter plus 5e-3)
+        if any(o > 1.25 * b + 5e-3 for o, b in zip(errors["ours"], errors["naive"], strict=True)):
+            failures.append(f"{shape}: ours is further from fp32 than naive: {errors}")
+        if gpu:
+            torch.cuda.empty_cache()
+        results["shapes"][shape] = {"samples": n, "tokens": sum(lengths), "build_seconds": built,
+                                    "decoder_params": roof.decoder_params, "ours": ours, "naive": naive,
+                                    "whole_process_speedup": naive["wall_seconds"] / ours["wall_seconds"],
+                                    "loop_speedup": ours["loop_tokens_per_s"] / naive["loop_tokens_per_s"],
+                                    "max_rel_err_vs_naive": worst, "rel_err_vs_fp32_per_layer": errors}
+        print(json.dumps({shape: results["shapes"][shape]}, indent=1), flush=True)
+        for d in (f"ours-{shape}", f"naive-{shape}"):
+            shutil.rmtree(workdir / d)
+    print("\n| shape | run | whole process s | loop tok/s | decoder roofline | peak GPU MiB | write GB/s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for shape, r in results["shapes"].items():
+        for who in ("ours", "naive"):
+            x = r[who]
+            print(f"| {shape} | {who} | {x['wall_seconds']:.1f} | {x['loop_tokens_per_s']:,.0f} | {x['roofline']:.1%} | "
+                  f"{x['peak_gpu_mib']} | {x['write_gb_s']:.2f} |")
+        print(f"| {shape} | ours vs naive | {r['whole_process_speedup']:.2f}x | {r['loop_speedup']:.2f}x | | | |")
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=2) + "\n")
+    if failures:
+        raise SystemExit("; ".join(failures))
+
+
+if __name__ == "__main__":
+    main()

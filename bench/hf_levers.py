@@ -1,0 +1,222 @@
+"""Benchmark: the hf backend's speed levers, one at a time, side by side on one model in one process.
+
+For each model shape (built on the GPU, never saved), every variant of the backend runs the same samples
+(random ids, lengths uniform in [seq/2, seq)) through ``capture_async`` as the extract loop does (the next
+batch queued before the previous batch's copies are waited for; no files): padded vs. packed batches,
+eager vs. ``torch.compile``d layers, and several ``max_batch_tokens``. Each variant reports tokens/s,
+the decoder roofline fraction (bench/roofline.py), the device's busy time, its first two batches' seconds
+(compilation included) and its worst relative error against the plain backend run one sample at a time.
+CUDA graphs are measured at one recurring shape: the first batch's forward, eager or compiled, launched
+as it is and replayed from a captured graph.
+
+    python -m bench.hf_levers --shapes llama-1b,llama-8b --json-out levers.json
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import click
+import numpy as np
+import torch
+
+from bench.gpu_models import build_model
+from bench.roofline import DecoderShape, is_decoder_param
+
+VARIANTS = {  # name: (packed, compile, max_batch_tokens)
+    "plain-16k": (False, False, 16384),
+    "plain-32k": (False, False, 32768),
+    "plain-64k": (False, False, 65536),
+    "packed-32k": (True, False, 32768),
+    "compiled-32k": (False, True, 32768),
+    "packed-compiled-16k": (True, True, 16384),
+    "packed-compiled-32k": (True, True, 32768),
+    "packed-compiled-64k": (True, True, 65536),
+}
+
+
+class _Dir:
+    """What BackendOptions needs of a model directory, for a model that has none."""
+
+    def __init__(self, model):
+        self.num_layers = model.config.num_hidden_layers
+        self.path = None
+
+
+def samples(n: int, seq_length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(t)).tolist() for t in rng.integers(seq_length // 2, seq_length, size=n)]
+
+
+def backend_for(model, packed: bool, compiled: bool, max_batch_tokens: int):
+    from pipeline.backends.base import BackendOptions
+    from pipeline.backends.hf import HFBackend
+
+    L = model.config.num_hidden_layers
+    options = BackendOptions(model=_Dir(model), layer_ids=(2, L // 2, L - 3, L - 1), device=str(model.device),
+                             max_batch_tokens=max_batch_tokens, packed=packed, compile=compiled)
+    return HFBackend(options, model=model)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_loop(backend, seqs: list[list[int]], batches) -> tuple[float, float]:
+    """Wall seconds and device-busy seconds of capturing every batch the way the extract loop does."""
+    _sync()
+    busy0 = backend.clock.seconds
+    t0 = time.perf_counter()
+    previous = None
+    for b in batches:
+        captured = backend.capture_async([seqs[i] for i in b.indices])
+        if previous is not None:
+            previous.ready()
+        previous = captured
+    previous.ready()
+    _sync()
+    return time.perf_counter() - t0, backend.clock.seconds - busy0
+
+
+def layer_errors(states, reference) -> list[float]:
+    """Per captured layer, the worst relative error (Frobenius, per sample) of ``states`` against ``reference``."""
+    return [max(float((got[j].float() - want[j].float()).norm() / want[j].float().norm())
+                for got, want in zip(states, reference, strict=True)) for j in range(len(reference[0]))]
+
+
+def one_by_one(model, probe: list[list[int]]) -> list[list[torch.Tensor]]:
+    """The plain backend's states, one sample at a time: the reference every variant is held to."""
+    plain = backend_for(model, False, False, 16384)
+    try:
+        return [plain.capture([s])[0] for s in probe]
+    finally:
+        plain.close()
+
+
+def graph_gain(backend, batch: list[list[int]], repeats: int = 5) -> dict:
+    """ms of one forward of ``batch`` launched op by op, and replayed from a CUDA graph of it."""
+    kwargs, _ = backend.inputs(batch)
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / repeats * 1e3
+
+    with torch.inference_mode():
+        launched = timed(lambda: backend.decoder(**kwargs))
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            backend.decoder(**kwargs)  # warm-up on a side stream, as capture requires
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            backend.decoder(**kwargs)
+        replayed = timed(graph.replay)
+    del graph
+    return {"launched_ms": launched, "graph_ms": replayed, "graph_gain": launched / replayed}
+
+
+def measure(model, name: str, seqs, probe, reference, fp32, roof: DecoderShape, gpu: bool) -> dict:
+    """One variant's figures (see the module docstring)."""
+    from torch._dynamo.utils import counters
+
+    from pipeline.extract import plan_batches
+
+    packed, compiled, mbt = VARIANTS[name]
+    lengths = [len(s) for s in seqs]
+    backend = backend_for(model, packed, compiled, mbt)
+    try:
+        batches = plan_batches(lengths, mbt, 64)
+        graphs0 = counters["stats"]["unique_graphs"]
+        t1 = time.perf_counter()
+        run_loop(backend, seqs, batches[:2])  # compiles (when compiled), first shapes
+        first = time.perf_counter() - t1
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        wall, busy = run_loop(backend, seqs, batches)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
+        states = backend.capture(probe)
+        err = max(layer_errors(states, reference))
+        fp32_err = layer_errors(states, fp32) if fp32 is not None else None
+        row = {"packed": packed, "compiled": compiled, "max_batch_tokens": mbt, "batches": len(batches),
+               "first_two_batches_seconds": first, "tokens_per_s": sum(lengths) / wall,
+               "roofline": roof.roofline_fraction(lengths, wall), "busy_roofline": roof.roofline_fraction(lengths, busy),
+               "device_idle": 1 - busy / wall, "worst_rel_err_vs_one_by_one": err, "rel_err_vs_fp32_per_layer": fp32_err, "peak_gpu_gib": peak,
+               "graphs_compiled": counters["stats"]["unique_graphs"] - graphs0}
+        if gpu and name in ("plain-32k", "packed-compiled-32k"):
+            try:
+                row.update(graph_gain(backend, [seqs[i] for i in batches[0].indices]))
+            except Exception as exc:  # noqa: BLE001 - a lever that cannot be measured is reported, not fatal
+                row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        return row
+    finally:
+        backend.close()
+        if gpu:
+            torch.cuda.empty_cache()
+
+
+@click.command()
+@click.option("--shapes", default="llama-1b,llama-8b", show_default=True)
+@click.option("--variants", default=",".join(VARIANTS), show_default=True)
+@click.option("--samples", "counts", default="256,96", show_default=True, help="Samples per shape, in --shapes order.")
+@click.option("--seq-length", type=int, default=2048, show_default=True)
+@click.option("--fp32-reference/--no-fp32-reference", default=False, show_default=True,
+              help="Also hold every variant (and plain bf16) to an fp32 copy of the model, one sample at a time.")
+@click.option("--json-out", type=click.Path(), default=None)
+def main(shapes: str, variants: str, counts: str, seq_length: int, fp32_reference: bool, json_out: str | None) -> None:
+    gpu = torch.cuda.is_available()
+    results = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu", "shapes": {}}
+    for shape, n in zip(shapes.split(","), [int(c) for c in counts.split(",")], strict=True):
+        t0 = time.perf_counter()
+        model = build_model(shape, "cuda" if gpu else "cpu")
+        built = time.perf_counter() - t0
+        cfg = model.config
+        roof = DecoderShape.from_config(cfg.to_dict(), sum(p.numel() for k, p in model.named_parameters()
+                                                           if is_decoder_param(k)))
+        seqs = samples(n, seq_length, cfg.vocab_size)
+        lengths = [len(s) for s in seqs]
+        probe = seqs[:4]
+        reference = one_by_one(model, probe)
+        fp32 = None
+        if fp32_reference:  # how far bf16 itself is from fp32, so that each variant's error has a scale
+            exact = copy.deepcopy(model).float()
+            fp32 = one_by_one(exact, probe)
+            del exact
+        out = results["shapes"][shape] = {"build_seconds": built, "samples": n, "tokens": sum(lengths),
+                                         "decoder_params": roof.decoder_params, "variants": {},
+                                         "plain_bf16_vs_fp32_per_layer": layer_errors(reference, fp32) if fp32 else None}
+        for name in variants.split(","):
+            try:
+                row = measure(model, name, seqs, probe, reference, fp32, roof, gpu)
+            except Exception as exc:  # noqa: BLE001 - one broken lever is reported, the others still run
+                row = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+            out["variants"][name] = row
+            print(json.dumps({"shape": shape, "variant": name, **{k: round(v, 4) if isinstance(v, float) else v
+                                                                  for k, v in row.items()}}), flush=True)
+        del model
+        if gpu:
+            torch.cuda.empty_cache()
+    print("\n| shape | variant | tok/s | decoder roofline | busy roofline | idle | first 2 batches s | rel err |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for shape, out in results["shapes"].items():
+        for name, r in out["variants"].items():
+            if "error" in r:
+                print(f"| {shape} | {name} | {r['error'][:80]} | | | | | |")
+                continue
+            print(f"| {shape} | {name} | {r['tokens_per_s']:,.0f} | {r['roofline']:.1%} | {r['busy_roofline']:.1%} | "
+                  f"{r['device_idle']:.1%} | {r['first_two_batches_seconds']:.1f} | {r['worst_rel_err_vs_one_by_one']:.2g} |")
+    if json_out:
+        with open(json_out, "w") as fh:
+            json.dump(results, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
