@@ -39,3 +39,7 @@ test-ops-vllm: env env-vllm ## ops against a real `vllm serve` (needs .venv-vllm
 	$(PY) -m pytest -m vllm tests/ops $(PYTEST_ARGS)
 
 test: test-ops-vllm
+
+.PHONY: bench-remote-preflight
+bench-remote-preflight: env ## remote-extract on a misconfigured run: seconds from the laptop command to the error line
+	$(PY) bench/remote_preflight_bench.py --json-out runs/remote_preflight_bench.json $(BENCH_ARGS)
