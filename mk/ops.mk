@@ -43,3 +43,7 @@ test: test-ops-vllm
 .PHONY: bench-remote-preflight
 bench-remote-preflight: env ## remote-extract on a misconfigured run: seconds from the laptop command to the error line
 	$(PY) bench/remote_preflight_bench.py --json-out runs/remote_preflight_bench.json $(BENCH_ARGS)
+
+.PHONY: compose-file
+compose-file: ## rewrite compose.yaml from ops' stage table (ops/stage.py STAGES)
+	$(PY) -m ops.composefile --write

@@ -163,8 +163,8 @@ def _container_args(host: HostConfig, spec: StageSpec, run_id: str, env_file: st
 
 def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
     """The shell line the preflight container runs: `pipeline check-args` of the exact stage argv, and
-    for prepare and extract `pipeline preflight` with the stage's own values (all checks run, each
-    prints its failures; the line fails if any did)."""
+    for prepare and extract `pipeline preflight` with the stage's own values (both run, each prints its
+    failures; the line fails if either did)."""
     spec = STAGES[stage]
     args = stage_argv[4:]
     cmds = [("python", "-m", "pipeline", "check-args", stage, *args)]
@@ -182,7 +182,9 @@ def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
         cmds.append(tuple(pf))
     if len(cmds) == 1:
         return shlex.join(cmds[0])
-    return f"{shlex.join(cmds[0])}; a=$?; {shlex.join(cmds[1])}; b=$?; [ $a -eq 0 ] && [ $b -eq 0 ]"
+    # side by side (each starts an interpreter and imports torch: on a many-core host the wall time is the
+    # slower one's); check-args prints its one line when it exits, so lines never interleave mid-way
+    return f"{shlex.join(cmds[0])} & a=$!; {shlex.join(cmds[1])}; b=$?; wait $a; a=$?; [ $a -eq 0 ] && [ $b -eq 0 ]"
 
 
 def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[str, ...] = (),
