@@ -159,7 +159,8 @@ def test_vllm_without_a_patch_set_is_refused(scene, dk):
     hosts = scene["hosts"]("standin", data_root=str(data_root(scene, "standin")), image=image)
     res, _ = refused(scene, hosts, "--run-id", "pf-vllm")
     line = res.stderr.lower()
-    assert "vllm" in line.split(":", 2)[1] and STANDIN_VLLM in line, res.stderr
+    check = line.removeprefix("error: preflight failed: ").split(":", 1)[0]  # the failed check's name
+    assert "vllm" in check and STANDIN_VLLM in line, res.stderr
     run = json.loads((scene["tmp"] / "runs" / "pfbox" / "pf-vllm" / "run.json").read_text())
     assert run["layout"] == {"backend": "vllm", "tensor_parallel_size": 1, "data_parallel": 1}
     assert f"vLLM {STANDIN_VLLM}" in res.stdout
