@@ -43,6 +43,8 @@ class StageSpec:
     # "args": `pipeline check-args` of the exact argv; "model": that and `pipeline preflight` of the model
     # (config, checkpoint headers, tokenizer, chat template); "extract": that and the full extraction preflight
     preflight: str = "args"
+    # check names that refuse the run ("" = every failed check); others are reported as warnings
+    fatal: tuple[str, ...] = ()
     compose_vars: tuple[tuple[str, str, str], ...] = ()  # (argv word, compose variable, its default)
 
 
@@ -50,6 +52,8 @@ STAGES: dict[str, StageSpec] = {
     "prepare": StageSpec(("conversations.jsonl",), "prepared",
                          ("--data", f"{DATA}/conversations.jsonl", "--model", MODEL, "--out", f"{DATA}/prepared"), False,
                          gpus=False, preflight="model",
+                         # prepare reads config, tokenizer and chat template, never the checkpoint
+                         fatal=("arguments", "model config", "tokenizer", "chat template", "stage preflight"),
                          compose_vars=((f"{DATA}/conversations.jsonl", "PREPARE_DATA", f"{DATA}/conversations.jsonl"),)),
     "extract": StageSpec(("prepared",), "hidden_states",
                          ("--prepared", f"{DATA}/prepared", "--model", MODEL, "--out", f"{DATA}/hidden_states",

@@ -95,7 +95,17 @@ def run_container_preflight(runner: Runner, host: HostConfig, plan: StagePlan, l
                                                            f"(log: {local_dir / 'preflight.log'})"))
     if res.ok and not checks:
         checks.append(CheckResult("stage preflight", WARN, "passed but printed no check line"))
-    return checks
+    return demote(plan.stage, checks)
+
+
+def demote(stage: str, checks: list[CheckResult]) -> list[CheckResult]:
+    """A failed check the stage does not depend on (StageSpec.fatal) is a warning for it: prepare never
+    reads the checkpoint, so an unreadable or inconsistent one does not refuse prepare."""
+    fatal = STAGES[stage].fatal
+    if not fatal:
+        return checks
+    return [CheckResult(c.name, WARN, f"{c.detail} (not needed by {stage})")
+            if c.status == FAIL and c.name not in fatal else c for c in checks]
 
 
 def stage_preflight(runner: Runner, host: HostConfig, plan: StagePlan, state: GpuState,

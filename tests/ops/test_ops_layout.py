@@ -9,7 +9,7 @@ from ops.errors import ConfigError
 from ops.hosts import HostConfig, host_from_table
 from ops.layout import Layout, known, resolve, stage_flags, visible_gpus
 from ops.stage import plan_stage, preflight_script, resolve_user, with_layout
-from ops.stagecheck import parse_lines
+from ops.stagecheck import demote, parse_lines
 
 
 def test_defaults_fit_the_reference_host():
@@ -100,3 +100,10 @@ def test_check_lines_of_both_output_styles_are_read():
     assert [(c.name, c.status) for c in got] == [("model config", "ok"), ("layer ids", "fail"),
                                                   ("vllm patch set", "fail")]
     assert got[1].detail == "[0, 1] needs 4 ids"
+
+
+def test_prepare_is_refused_only_by_checks_it_depends_on():
+    """For prepare a failed checkpoint check is a warning (it never reads weights); tokenizer still refuses."""
+    got = demote("prepare", parse_lines("fail checkpoint: permission denied\nfail tokenizer: cannot load\n"))
+    assert [(c.name, c.status) for c in got] == [("checkpoint", "warn"), ("tokenizer", "fail")]
+    assert demote("extract", parse_lines("fail checkpoint: x"))[0].status == "fail"
