@@ -39,3 +39,11 @@ test-ops-vllm: env env-vllm ## ops against a real `vllm serve` (needs .venv-vllm
 	$(PY) -m pytest -m vllm tests/ops $(PYTEST_ARGS)
 
 test: test-ops-vllm
+
+.PHONY: bench-remote-preflight
+bench-remote-preflight: env ## remote-extract on a misconfigured run: seconds from the laptop command to the error line
+	$(PY) bench/remote_preflight_bench.py --json-out runs/remote_preflight_bench.json $(BENCH_ARGS)
+
+.PHONY: compose-file
+compose-file: ## rewrite compose.yaml from ops' stage table (ops/stage.py STAGES)
+	$(PY) -m ops.composefile --write

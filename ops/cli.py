@@ -196,6 +196,7 @@ def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dr
     from ops.remote_run import remote_run
     from ops.report import print_stage_plan
     from ops.secret_env import available, env_file_text
+    from ops.layout import known
     from ops.stage import new_run_id, plan_stage
 
     if detach and restore_server:
@@ -204,7 +205,7 @@ def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dr
     names = available(host.secrets, os.environ)
     env_file_text(names, os.environ)  # a value docker cannot take fails now, before anything is stopped
     plan = plan_stage(host, stage, run_id=run_id or new_run_id(stage), extra_args=tuple(extra), resume=resume,
-                      secret_names=names)
+                      secret_names=names, layout=known(host.layout, tuple(extra)))
     if dry_run:
         print_stage_plan(console, host, plan)
         return

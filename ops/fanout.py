@@ -30,6 +30,7 @@ from ops.interrupts import interrupt_thread
 from ops.remote_run import remote_run
 from ops.runstate import run_dir, write_json
 from ops.secret_env import available, env_file_text
+from ops.layout import known
 from ops.stage import StagePlan, new_run_id, plan_stage
 
 SHARDED = ("extract", "verify")  # stages whose pipeline command takes --world-size/--rank
@@ -139,6 +140,7 @@ def plan_fanout(hosts: list[HostConfig], stage: str, *, run_id: str | None, extr
         names = available(host.secrets, environ or {})
         env_file_text(names, environ or {})  # a value docker cannot take fails now, before any host is touched
         plan = plan_stage(host, stage, run_id=run_id, extra_args=(*extra, *shard_args(n, rank)), resume=again,
+                          layout=known(host.layout, extra),
                           secret_names=names)
         skip = None
         if host.name in done:

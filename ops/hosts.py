@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ops.errors import ConfigError
+from ops.layout import AUTO, BACKENDS, Layout
 
 DEFAULT_PROTECTED = ("nvidia-persistenced", "nv-hostengine", "dcgm-exporter", "Xorg")
 HOSTS_FILE_ENV = "EAGLE_OPS_HOSTS"
@@ -118,11 +119,18 @@ class HostConfig:
     stage_ipc: str = "private"  #: "private" (own IPC namespace, /dev/shm of stage_shm_size) or "host"
     stage_shm_size: str = "16g"  #: /dev/shm size when stage_ipc is private (NCCL, vLLM message queues)
     lock_file: str = "/run/lock/eagle-ops.lock"  #: the host lock (flock) every changing ops command holds
+    backend: str = AUTO  #: extract's backend: "auto" (vllm when the image has it, else hf), "vllm" or "hf"
+    tensor_parallel_size: int = 0  #: vllm backend: GPUs per model replica; 0 = all GPUs of the host
+    data_parallel: int = 0  #: hf backend: processes, one GPU each; 0 = one per GPU (vllm: 1)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     @property
     def is_local(self) -> bool:
         return self.host == LOCAL
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.backend, self.tensor_parallel_size, self.data_parallel)
 
 
 _KEYS = {f.name for f in fields(HostConfig)} - {"name"}
@@ -218,6 +226,7 @@ def host_from_table(name: str, table: dict, where: str) -> HostConfig:
     if "timeouts" in table:
         kw["timeouts"] = _timeouts(table["timeouts"], where)
     kw.update(_stage_keys(table, where))
+    kw.update(_layout_keys(table, where))
     gpu_source = kw.get("gpu_source", "nvml")
     if gpu_source != "nvml" and not (gpu_source.startswith("table:/")):
         raise ConfigError(f"{where}: gpu_source must be 'nvml' or 'table:/ABS/PATH.json', got {gpu_source!r}")
@@ -259,6 +268,22 @@ def _stage_keys(table: dict, where: str) -> dict:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"{where}: stage_pids_limit must be a non-negative integer (0: no limit)")
         kw["stage_pids_limit"] = value
+    return kw
+
+
+def _layout_keys(table: dict, where: str) -> dict:
+    """backend, tensor_parallel_size, data_parallel (ops.layout)."""
+    kw: dict = {}
+    if "backend" in table:
+        if table["backend"] not in (AUTO, *BACKENDS):
+            raise ConfigError(f"{where}: backend must be one of {AUTO}, {', '.join(BACKENDS)}, got {table['backend']!r}")
+        kw["backend"] = table["backend"]
+    for key in ("tensor_parallel_size", "data_parallel"):
+        if key in table:
+            value = table[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{where}: {key} must be a non-negative integer (0: auto), got {value!r}")
+            kw[key] = value
     return kw
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ops.connection import Runner
 from ops.gpus import GpuState
 from ops.hosts import HostConfig
+from ops.layout import flag_value
 from ops.stage import StagePlan, expected_output_bytes, host_path, stage_containers_argv
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -104,17 +105,6 @@ def path_checks(host: HostConfig, plan: StagePlan, facts: dict) -> list[CheckRes
     return out
 
 
-def _flag(argv: tuple[str, ...], flag: str) -> str | None:
-    """The value of `--flag V` or `--flag=V` in a stage's argv (the last one wins, as in click)."""
-    value = None
-    for i, word in enumerate(argv):
-        if word == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif word.startswith(flag + "="):
-            value = word.split("=", 1)[1]
-    return value
-
-
 def _disk_check(meta: dict | None, config: dict | None, free: int, stage_argv: tuple[str, ...] = ()) -> CheckResult:
     if not meta or not config:
         return CheckResult("disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no metadata or config)")
@@ -123,9 +113,9 @@ def _disk_check(meta: dict | None, config: dict | None, free: int, stage_argv: t
     if not hidden or not tokens:
         return CheckResult("disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no hidden_size/num_tokens)")
     # float32 only when asked for (auto is bf16 on a GPU); a host of --world-size N writes about 1/N
-    width = 4 if _flag(stage_argv, "--dtype") == "float32" else 2
+    width = 4 if flag_value(stage_argv, "--dtype") == "float32" else 2
     try:
-        world = max(1, int(_flag(stage_argv, "--world-size") or 1))
+        world = max(1, int(flag_value(stage_argv, "--world-size") or 1))
     except ValueError:
         world = 1
     need = expected_output_bytes(int(tokens), int(hidden), bytes_per_value=width) // world

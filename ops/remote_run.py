@@ -33,6 +33,7 @@ from ops.preflight import (CheckResult, docker_checks, failed, gpu_check, path_c
                            user_check)
 from ops.runstate import RunState, run_dir, write_json
 from ops.secret_env import RedactingWriter, redact
+from ops.stagecheck import stage_preflight
 from ops.stage import StagePlan, abort_argvs, find_argv, finish_argvs, logs_argv, resolve_user
 
 
@@ -151,10 +152,17 @@ class _Run:
         refuse_duplicate_run(r, h, p.host_output)
         step("preflight")
         out.checks, digest, self.before, p = preflight(r, h, p)
-        self.plan = p
         report.print_checks(self.console, out.checks)
+        if not failed(out.checks):  # the stage's own preflight, in the image: the server still runs
+            self.console.print(f"preflight in the image {h.image} (the server keeps running) ...", markup=False)
+            p, inside = stage_preflight(r, h, p, self.before, out.local_dir)
+            report.print_checks(self.console, inside, title="preflight in the image")
+            out.checks += inside
+        self.plan = p
         self.record = {"run_id": p.run_id, "host": h.name, "stage": p.stage, "image": h.image,
                        "image_digest": digest, "docker_run": list(p.docker_run), "host_output": p.host_output,
+                       "layout": dataclasses.asdict(p.layout) if p.layout else None,
+                       "preflight_run": list(p.preflight_run),
                        "secrets": list(p.secret_names), "checks": [c.__dict__ for c in out.checks]}
         write_json(out.local_dir / "run.json", self.record)
         bad = failed(out.checks)

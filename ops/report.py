@@ -154,8 +154,8 @@ def print_fanout(console: Console, merged: dict, local_dir) -> None:
                       + "; run the same command again to redo only those hosts")
 
 
-def print_checks(console: Console, checks) -> None:
-    t = Table(title="preflight", title_justify="left")
+def print_checks(console: Console, checks, title: str = "preflight") -> None:
+    t = Table(title=title, title_justify="left")
     for col in ("check", "status", "detail"):
         t.add_column(col)
     colour = {"ok": "green", "warn": "yellow", "fail": "red"}
@@ -187,8 +187,14 @@ def print_stage_plan(console: Console, host, plan) -> None:
     """remote-run --dry-run: the exact docker run argv and which secrets would travel (names only)."""
     import shlex
 
+    from ops.layout import describe
+    from ops.stage import STAGES
+
     console.print(f"[bold]plan[/] {plan.stage} on {host.name}, run id {plan.run_id}")
-    console.print(f"  stage: {shlex.join(plan.stage_argv)}")
+    console.print(f"  stage: {shlex.join(plan.stage_argv)}", markup=False)
+    if STAGES[plan.stage].layout:
+        console.print(f"  layout: {describe(host.layout, plan.layout)}", markup=False)
+    console.print(f"  preflight in the image: {plan.preflight_run[-1]}", markup=False)
     if plan.secret_names:
         console.print(f"  secrets: {', '.join(plan.secret_names)} (values through a 0600 env file in "
                       f"{plan.env_dir}, removed once the container started)")
@@ -197,5 +203,5 @@ def print_stage_plan(console: Console, host, plan) -> None:
     missing = [n for n in host.secrets if n not in plan.secret_names]
     if missing:
         console.print(f"  not set on this machine (not passed): {', '.join(missing)}")
-    console.print(f"  {shlex.join(plan.docker_run)}")
+    console.print(f"  {shlex.join(plan.docker_run)}", markup=False)
     console.print("[bold]dry run[/]: nothing was checked, stopped or started")

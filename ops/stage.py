@@ -19,35 +19,53 @@ from dataclasses import dataclass
 from ops import secret_env
 from ops.errors import ConfigError
 from ops.hosts import HostConfig, check_label
+from ops.layout import Layout, flag_value, stage_flags
 
 LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST = "eagle-ops.run-id", "eagle-ops.stage", "eagle-ops.output", "eagle-ops.host"
+LABEL_PREFLIGHT = "eagle-ops.preflight"  # a stage's preflight container (not a stage container: no run-id label)
 DATA, MODEL, CACHE = "/data", "/model", "/cache"
 AUTO_USER = "auto"  # placeholder until preflight knows the data root's owner (resolve_user)
 
 
 @dataclass(frozen=True)
 class StageSpec:
-    """A stage's defaults, paths relative to the data root."""
+    """A stage's defaults, paths relative to the data root. The one source of both ops' plans and
+    compose.yaml's stage services (ops.composefile renders them from this table)."""
 
     inputs: tuple[str, ...]  # must exist on the host before the run
     output: str  # the folder the stage writes (and summary.json lands in)
     args: tuple[str, ...]  # `python -m pipeline STAGE ARGS` (container paths)
     verify_after: bool  # run `pipeline verify OUTPUT` after the stage (extract verifies itself)
     uses_model: bool = True
+    gpus: bool = True  # the container gets the host's GPUs (docker --gpus, compose device reservation)
+    layout: bool = False  # takes the host's parallel layout (ops.layout): --backend, --tensor-parallel-size ...
+    # what runs inside the image before anything on the host is stopped (preflight_script):
+    # "args": `pipeline check-args` of the exact argv; "model": that and `pipeline preflight` of the model
+    # (config, checkpoint headers, tokenizer, chat template); "extract": that and the full extraction preflight
+    preflight: str = "args"
+    # check names that refuse the run ("" = every failed check); others are reported as warnings
+    fatal: tuple[str, ...] = ()
+    compose_vars: tuple[tuple[str, str, str], ...] = ()  # (argv word, compose variable, its default)
 
 
 STAGES: dict[str, StageSpec] = {
     "prepare": StageSpec(("conversations.jsonl",), "prepared",
-                         ("--data", f"{DATA}/conversations.jsonl", "--model", MODEL, "--out", f"{DATA}/prepared"), False),
+                         ("--data", f"{DATA}/conversations.jsonl", "--model", MODEL, "--out", f"{DATA}/prepared"), False,
+                         gpus=False, preflight="model",
+                         # prepare reads config, tokenizer and chat template, never the checkpoint
+                         fatal=("arguments", "model config", "tokenizer", "chat template", "stage preflight"),
+                         compose_vars=((f"{DATA}/conversations.jsonl", "PREPARE_DATA", f"{DATA}/conversations.jsonl"),)),
     "extract": StageSpec(("prepared",), "hidden_states",
                          ("--prepared", f"{DATA}/prepared", "--model", MODEL, "--out", f"{DATA}/hidden_states",
-                          "--no-progress"), False),
-    "weights": StageSpec((), "verifier", ("--model", MODEL, "--out", f"{DATA}/verifier"), True),
+                          "--no-progress"), False, layout=True, preflight="extract"),
+    "weights": StageSpec((), "verifier", ("--model", MODEL, "--out", f"{DATA}/verifier"), True, gpus=False),
     "train": StageSpec(("hidden_states", "verifier", "prepared"), "train",
                        ("--data", f"{DATA}/hidden_states", "--verifier", f"{DATA}/verifier", "--prepared",
                         f"{DATA}/prepared", "--model", MODEL, "--out", f"{DATA}/train"), True),
-    "verify": StageSpec(("hidden_states",), "hidden_states", (f"{DATA}/hidden_states",), False, uses_model=False),
+    "verify": StageSpec(("hidden_states",), "hidden_states", (f"{DATA}/hidden_states",), False, uses_model=False,
+                        compose_vars=((f"{DATA}/hidden_states", "VERIFY_PATH", f"{DATA}/hidden_states"),)),
 }
+PREFLIGHT_FLAGS = ("--model", "--prepared", "--out", "--backend", "--layer-ids", "--tensor-parallel-size", "--dtype")
 
 
 def new_run_id(stage: str) -> str:
@@ -72,6 +90,9 @@ class StagePlan:
     resume: bool
     secret_names: tuple[str, ...] = ()  # variables passed through the env file (names only; never values)
     env_dir: str | None = None  # host directory of the env file while `docker run` reads it
+    extra_args: tuple[str, ...] = ()  # the operator's arguments after `--` (multi-host: with the shard flags)
+    layout: Layout | None = None  # resolved parallel layout (layout stages); None: not yet resolved
+    preflight_run: tuple[str, ...] = ()  # `docker run --rm` of the stage's preflight (preflight_script)
 
 
 def host_path(host: HostConfig, rel: str) -> str:
@@ -102,54 +123,134 @@ def privilege_args(host: HostConfig) -> list[str]:
     return argv
 
 
+def container_env(run_id: str) -> tuple[tuple[str, str], ...]:
+    """The stage container's environment (besides secrets): run id, HF cache, a writable home for caches
+    (triton, flashinfer, vLLM) on the read-only root file system, and a user name for a uid the image's
+    passwd does not know (getpass.getuser())."""
+    return (("EAGLE_RUN_ID", run_id), ("HF_HOME", f"{CACHE}/hf"), ("HOME", f"{CACHE}/home"), ("USER", "eagle-stage"))
+
+
+def stage_mounts(host: HostConfig, spec: StageSpec) -> list[tuple[str, str, bool]]:
+    """(host path, container path, read-only) of the stage container: data, cache, model, extra mounts."""
+    mounts = [(host.data_root, DATA, False), (host.cache_dir, CACHE, False)]
+    if spec.uses_model:
+        mounts.append((host.model_dir, MODEL, True))
+    for m in host.mounts:
+        src, dst, *mode = m.split(":")
+        mounts.append((src, dst, mode == ["ro"]))
+    return mounts
+
+
+def _container_args(host: HostConfig, spec: StageSpec, run_id: str, env_file: str | None = None) -> list[str]:
+    """Everything of `docker run` the stage and its preflight share: privileges, environment, mounts, GPUs
+    (the stage alone also gets the secrets' env file)."""
+    argv = privilege_args(host)
+    mounts = stage_mounts(host, spec)
+    for src, dst, ro in mounts[:2]:
+        argv += ["--mount", _mount(src, dst, ro)]
+    for name, value in container_env(run_id):
+        argv += ["--env", f"{name}={value}"]
+    if env_file:
+        argv += ["--env-file", env_file]
+    tail: list[str] = []
+    for src, dst, ro in mounts[2:]:
+        tail += ["--mount", _mount(src, dst, ro)]
+    if spec.uses_model:  # the model mount, then GPUs, then the hosts file's mounts (the argv's historic order)
+        argv += tail[:2]
+        tail = tail[2:]
+    if host.docker_gpus and spec.gpus:
+        argv += ["--gpus", host.docker_gpus]
+    return argv + tail
+
+
+def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
+    """The shell line the preflight container runs: `pipeline check-args` of the exact stage argv, and
+    for prepare and extract `pipeline preflight` with the stage's own values (both run, each prints its
+    failures; the line fails if either did)."""
+    spec = STAGES[stage]
+    args = stage_argv[4:]
+    cmds = [("python", "-m", "pipeline", "check-args", stage, *args)]
+    if spec.preflight in ("model", "extract"):
+        pf = ["python", "-m", "pipeline", "preflight"]
+        flags = PREFLIGHT_FLAGS if spec.preflight == "extract" else ("--model",)
+        for flag in flags:
+            value = flag_value(args, flag)
+            if value is not None:
+                pf += [flag, value]
+        if spec.preflight == "model":
+            pf += ["--backend", "hf"]  # prepare loads no model: its tokenizer and config matter, not vLLM
+        if "--trust-remote-code" in args:
+            pf.append("--trust-remote-code")
+        cmds.append(tuple(pf))
+    if len(cmds) == 1:
+        return shlex.join(cmds[0])
+    # side by side (each starts an interpreter and imports torch: on a many-core host the wall time is the
+    # slower one's); check-args prints its one line when it exits, so lines never interleave mid-way
+    return f"{shlex.join(cmds[0])} & a=$!; {shlex.join(cmds[1])}; b=$?; wait $a; a=$?; [ $a -eq 0 ] && [ $b -eq 0 ]"
+
+
 def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[str, ...] = (),
-               resume: bool = False, secret_names: tuple[str, ...] = (), env_token: str | None = None) -> StagePlan:
+               resume: bool = False, secret_names: tuple[str, ...] = (), env_token: str | None = None,
+               layout: Layout | None = None, env_dir: str | None = None) -> StagePlan:
     """`secret_names`: variables (set on the operator's machine) that reach the container through the env
-    file; `env_token` names its directory (random by default)."""
+    file; `env_token` names its directory (random by default; `env_dir` keeps an earlier plan's).
+    `layout`: the resolved parallel layout of a layout stage (ops.layout.resolve); without it the
+    stage's argv carries no layout flags yet (a dry run shows what auto becomes)."""
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
     spec = STAGES[stage]
     check_run_id(run_id)
-    stage_argv = ("python", "-m", "pipeline", stage, *spec.args, *(("--resume",) if resume and stage in (
+    extra_args = tuple(extra_args)
+    flags = stage_flags(layout, extra_args) if spec.layout and layout is not None else ()
+    stage_argv = ("python", "-m", "pipeline", stage, *spec.args, *flags, *(("--resume",) if resume and stage in (
         "extract", "train") else ()), *extra_args)
     verify_argv = ("python", "-m", "pipeline", "verify", f"{DATA}/{spec.output}") if spec.verify_after else None
     script = shlex.join(stage_argv) + (f" && {shlex.join(verify_argv)}" if verify_argv else "")
     name = f"eagle-{run_id}"
-    argv = ["docker", "run", "--detach", "--name", name,
+    if secret_names:
+        env_dir = env_dir or secret_env.env_dir(host.secrets_dir, run_id, env_token or secrets.token_hex(8))
+    else:
+        env_dir = None
+    env_file = f"{env_dir}/{secret_env.ENV_FILE}" if env_dir else None
+    argv = ("docker", "run", "--detach", "--name", name,
             "--label", f"{LABEL_RUN}={run_id}", "--label", f"{LABEL_STAGE}={stage}",
             "--label", f"{LABEL_OUT}={host_path(host, spec.output)}", "--label", f"{LABEL_HOST}={host.name}",
-            *privilege_args(host), "--mount", _mount(host.data_root, DATA), "--mount", _mount(host.cache_dir, CACHE),
-            "--env", f"EAGLE_RUN_ID={run_id}", "--env", f"HF_HOME={CACHE}/hf",
-            # a writable home for caches (triton, flashinfer, vLLM) on the read-only root file system, and a
-            # user name for a uid the image's passwd does not know (getpass.getuser())
-            "--env", f"HOME={CACHE}/home", "--env", "USER=eagle-stage"]
-    env_dir = None
-    if secret_names:
-        env_dir = secret_env.env_dir(host.secrets_dir, run_id, env_token or secrets.token_hex(8))
-        argv += ["--env-file", f"{env_dir}/{secret_env.ENV_FILE}"]
-    if spec.uses_model:
-        argv += ["--mount", _mount(host.model_dir, MODEL, readonly=True)]
-    if host.docker_gpus:
-        argv += ["--gpus", host.docker_gpus]
-    for m in host.mounts:
-        src, dst, *mode = m.split(":")
-        argv += ["--mount", _mount(src, dst, readonly=mode == ["ro"])]
-    argv += ["--entrypoint", "/bin/sh", host.image, "-c", script]
+            *_container_args(host, spec, run_id, env_file), "--entrypoint", "/bin/sh", host.image, "-c", script)
+    common = _container_args(host, spec, run_id)
+    # the preflight: the same user, mounts, environment and GPUs, removed when it exits, never counted as a
+    # stage container (no run-id label), no secrets (it reads local files only)
+    preflight_run = ("docker", "run", "--rm", "--name", f"{name}-preflight", "--label", f"{LABEL_PREFLIGHT}={run_id}",
+                     *common, "--entrypoint", "/bin/sh", host.image, "-c", preflight_script(stage, stage_argv))
     return StagePlan(run_id=run_id, stage=stage, container=name, image=host.image,
                      host_inputs=tuple(host_path(host, p) for p in spec.inputs), host_output=host_path(host, spec.output),
-                     stage_argv=stage_argv, verify_argv=verify_argv, docker_run=tuple(argv), resume=resume,
-                     secret_names=tuple(secret_names), env_dir=env_dir)
+                     stage_argv=stage_argv, verify_argv=verify_argv, docker_run=argv, resume=resume,
+                     secret_names=tuple(secret_names), env_dir=env_dir, extra_args=extra_args,
+                     layout=layout if spec.layout else None, preflight_run=preflight_run)
+
+
+def with_layout(host: HostConfig, plan: StagePlan, layout: Layout) -> StagePlan:
+    """The same plan (run id, arguments, secrets, env directory, resolved user) with the layout's flags."""
+    new = plan_stage(host, plan.stage, run_id=plan.run_id, extra_args=plan.extra_args, resume=plan.resume,
+                     secret_names=plan.secret_names, layout=layout, env_dir=plan.env_dir)
+    user = plan.docker_run[plan.docker_run.index("--user") + 1]
+    if user != AUTO_USER and ":" in user:
+        new = resolve_user(new, *(int(x) for x in user.split(":")))
+    return new
 
 
 def resolve_user(plan: StagePlan, uid: int, gid: int) -> StagePlan:
     """stage_user "auto": the container runs as the data root's owner (found by the preflight probe), so
     what the stage writes belongs to whoever owns the data."""
-    argv = list(plan.docker_run)
-    i = argv.index("--user") + 1
-    if argv[i] != AUTO_USER:
+    def resolved(argv: tuple[str, ...]) -> tuple[str, ...]:
+        out = list(argv)
+        i = out.index("--user") + 1
+        if out[i] == AUTO_USER:
+            out[i] = f"{uid}:{gid}"
+        return tuple(out)
+
+    if plan.docker_run[plan.docker_run.index("--user") + 1] != AUTO_USER:
         return plan
-    argv[i] = f"{uid}:{gid}"
-    return dataclasses.replace(plan, docker_run=tuple(argv))
+    return dataclasses.replace(plan, docker_run=resolved(plan.docker_run), preflight_run=resolved(plan.preflight_run))
 
 
 def logs_argv(container: str) -> tuple[str, ...]:

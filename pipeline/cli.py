@@ -24,6 +24,7 @@ COMMANDS = {
     "preflight": "pipeline.preflight:command",
     "train": "pipeline.train_cli:command",
     "demo-assets": "pipeline.tiny:command",
+    "check-args": "pipeline.argcheck:command",
 }
 
 

@@ -251,7 +251,7 @@ def test_compose_server_on_the_image(ci_image, docker_client, tiny_llama, tmp_pa
         server = found[0]
         ask = (
             "import json, urllib.request; r = urllib.request.Request('http://127.0.0.1:8000/v1/completions', "
-            "data=json.dumps({'model': '/models/target', 'prompt': 'hello', 'max_tokens': 4}).encode(), "
+            "data=json.dumps({'model': '/model', 'prompt': 'hello', 'max_tokens': 4}).encode(), "
             "headers={'Content-Type': 'application/json'}); "
             "print(json.load(urllib.request.urlopen(r, timeout=300))['usage']['completion_tokens'])"
         )

@@ -21,8 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 
 from ops_helpers import REPO, ssh_table, write_hosts  # noqa: E402
-from ops_docker import client, holder_container, remove_test_containers, stage_image, unique  # noqa: E402
-from ops_procs import write_gpu_table  # noqa: E402
+from ops_docker import client, remove_test_containers, server_on_one_gpu, stage_image  # noqa: E402
 from ops_sshd import start_sshd  # noqa: E402
 
 RUNS = int(os.environ.get("BENCH_RUNS", "3"))
@@ -34,9 +33,9 @@ def ts(text: str) -> float:
     return datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}+00:00").timestamp()
 
 
-def main() -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="bench-ops-"))
-    dk = client()
+def bench_scene(tmp: Path, dk, label: str = "bench") -> dict:
+    """The loopback 'GPU host' of the ops benchmarks: a real sshd, a server container holding the one GPU,
+    a tiny real model and its prepared samples, the stage image, and its hosts file (host `label`)."""
     img, mounts = stage_image(dk, REPO, sys.base_prefix)
     sshd = start_sshd(tmp / "sshd")
     data, assets = tmp / "data", tmp / "assets"
@@ -45,17 +44,20 @@ def main() -> None:
     subprocess.run([*py, "demo-assets", "--out", str(assets), "--conversations", "6"], check=True, capture_output=True, cwd=REPO)
     subprocess.run([*py, "prepare", "--data", str(assets / "conversations.jsonl"), "--model", str(assets / "model"),
                     "--out", str(data / "prepared")], check=True, capture_output=True, cwd=REPO)
-    devdir = tmp / "dev"
-    devdir.mkdir()
-    (devdir / "nvidia0").write_bytes(b"")
-    name = unique("ops-bench-server")
-    server = holder_container(dk, name, devdir, [devdir / "nvidia0"])
-    table = write_gpu_table(tmp / "gpus.json", [{"processes": [{"pid": server.attrs["State"]["Pid"], "used_mib": 1}]}])
-    hosts = write_hosts(tmp / "hosts.toml", "bench", **ssh_table(
-        sshd, sshd.write_known_hosts(tmp / "known_hosts"), server=f"container:{name}", device_glob=f"{devdir}/nvidia*",
-        gpu_source=f"table:{table}", image=img, docker_gpus="", mounts=mounts, data_root=str(data),
-        model_dir=str(assets / "model"), cache_dir=str(data / "cache"),
+    server, devdir, table = server_on_one_gpu(dk, tmp, "ops-bench-server", used_mib=1)
+    hosts = write_hosts(tmp / "hosts.toml", label, **ssh_table(
+        sshd, sshd.write_known_hosts(tmp / "known_hosts"), server=f"container:{server.name}",
+        device_glob=f"{devdir}/nvidia*", gpu_source=f"table:{table}", image=img, docker_gpus="", mounts=mounts,
+        data_root=str(data), model_dir=str(assets / "model"), cache_dir=str(data / "cache"),
         timeouts={"grace": 2, "kill_wait": 2, "stop": 10, "clean": 10}))
+    return dict(sshd=sshd, server=server, hosts=hosts, data=data)
+
+
+def main() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-ops-"))
+    dk = client()
+    scene = bench_scene(tmp, dk)
+    sshd, server, hosts, data, name = scene["sshd"], scene["server"], scene["hosts"], scene["data"], scene["server"].name
     rows = []
     try:
         for i in range(RUNS):

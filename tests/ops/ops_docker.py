@@ -8,7 +8,7 @@ from pathlib import Path
 
 import docker
 
-from ops_procs import HOLDER
+from ops_procs import HOLDER, write_gpu_table
 
 BASE_IMAGE = "eagle-ops-test-base:bookworm"
 TEST_LABEL = "eagle-ops-test"
@@ -42,6 +42,18 @@ def holder_container(c: docker.DockerClient, name: str, devdir: Path, files: lis
             break
     ctr.reload()
     return ctr
+
+
+def server_on_one_gpu(c: docker.DockerClient, folder: Path, prefix: str, used_mib: int = 9000):
+    """A server container holding the host's one "GPU" (folder/dev/nvidia0) and the GPU table (gpu_source)
+    that lists its main process there. Returns (container, device dir, table path)."""
+    devdir = folder / "dev"
+    devdir.mkdir()
+    (devdir / "nvidia0").write_bytes(b"")
+    server = holder_container(c, unique(prefix), devdir, [devdir / "nvidia0"])
+    table = write_gpu_table(folder / "gpus.json", [{"processes": [{"pid": server.attrs["State"]["Pid"],
+                                                                   "used_mib": used_mib}]}])
+    return server, devdir, table
 
 
 def remove_test_containers(c: docker.DockerClient, names: list[str]) -> None:

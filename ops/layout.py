@@ -1,0 +1,128 @@
+"""A stage's parallel layout on one host: backend, tensor parallel size, data parallel processes.
+
+Owns the rules that turn the hosts file's `backend`, `tensor_parallel_size` and `data_parallel` (each may
+be "auto"/0) into the exact flags of `pipeline extract`, given what the preflight found: the host's GPU
+count and whether the image has vLLM. Defaults fit the reference host (one 8-GPU box serving a
+Kimi-K2.5-sized model): the vLLM backend when the image has it, tensor parallel over all GPUs, one
+process. With the hf backend the GPUs are shared out by data parallelism instead (one process per GPU).
+Flags the operator passed after `--` win over the hosts file. Pure: probing is ops.preflight's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ops.errors import ConfigError
+
+AUTO = "auto"
+BACKENDS = ("vllm", "hf")
+LAYOUT_FLAGS = ("--backend", "--tensor-parallel-size", "--data-parallel")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """As configured (backend "auto", sizes 0 = auto) or resolved (every field concrete)."""
+
+    backend: str = AUTO  # auto | vllm | hf
+    tensor_parallel_size: int = 0  # vllm: 0 = all GPUs of the host
+    data_parallel: int = 0  # hf: processes, one GPU each; 0 = one per GPU (vllm: always 1)
+
+    @property
+    def resolved(self) -> bool:
+        return self.backend != AUTO and self.tensor_parallel_size > 0 and self.data_parallel > 0
+
+
+def flag_value(argv: tuple[str, ...] | list[str], flag: str) -> str | None:
+    """The value of `--flag V` or `--flag=V` in argv (the last one wins, as in click)."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def _int_flag(extra: tuple[str, ...], flag: str) -> int | None:
+    value = flag_value(extra, flag)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r} after `--` must be a whole number") from None
+
+
+def visible_gpus(docker_gpus: str, host_gpus: int) -> int:
+    """GPUs the stage container gets from `docker run --gpus VALUE`: all of them, a count, or a device list."""
+    value = docker_gpus.strip()
+    if value.startswith(("device=", '"device=')):
+        return len([d for d in value.split("=", 1)[1].strip('"').split(",") if d.strip()])
+    if value.isdigit():
+        return min(int(value), host_gpus)
+    return host_gpus
+
+
+def needs_image_probe(configured: Layout, extra: tuple[str, ...]) -> bool:
+    """Whether resolving takes a look into the image (backend auto and not given after `--`)."""
+    return configured.backend == AUTO and flag_value(extra, "--backend") is None
+
+
+def resolve(configured: Layout, *, gpus: int, image_has_vllm: bool | None, extra: tuple[str, ...] = ()) -> Layout:
+    """The concrete layout for a host with `gpus` GPUs visible to the stage. ConfigError for one that
+    cannot run: more GPUs asked for than there are, data parallelism with vLLM."""
+    backend = flag_value(extra, "--backend") or configured.backend
+    if backend == AUTO:
+        backend = "vllm" if image_has_vllm else "hf"
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")
+    tp = _int_flag(extra, "--tensor-parallel-size") or configured.tensor_parallel_size
+    dp = _int_flag(extra, "--data-parallel") or configured.data_parallel
+    have = max(gpus, 1)  # no GPU (a CPU rehearsal): one device's worth
+    if backend == "vllm":
+        if dp > 1:
+            raise ConfigError(f"data_parallel {dp} with the vllm backend: it runs one process over "
+                              "tensor_parallel_size GPUs; set data_parallel = 1 or backend = \"hf\"")
+        tp, dp = tp or have, 1
+    else:
+        tp, dp = 1, dp or have
+    if tp * dp > have:
+        raise ConfigError(f"layout {backend} tensor parallel {tp} x data parallel {dp} needs {tp * dp} GPUs, the "
+                          f"stage sees {gpus}; lower tensor_parallel_size/data_parallel in the hosts file")
+    return Layout(backend, tp, dp)
+
+
+def known(configured: Layout, extra: tuple[str, ...] = ()) -> Layout | None:
+    """The layout when nothing of it depends on the host (a dry run can show the exact argv), else None."""
+    backend = flag_value(extra, "--backend") or configured.backend
+    size = "--tensor-parallel-size" if backend == "vllm" else "--data-parallel"
+    given = _int_flag(extra, size) or (configured.tensor_parallel_size if backend == "vllm" else configured.data_parallel)
+    if backend not in BACKENDS or not given:
+        return None
+    return resolve(configured, gpus=given, image_has_vllm=backend == "vllm", extra=extra)
+
+
+def stage_flags(layout: Layout, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """`pipeline extract` flags for a resolved layout, leaving out those the operator gave after `--`."""
+    flags = {"--backend": layout.backend}
+    if layout.backend == "vllm":
+        flags["--tensor-parallel-size"] = str(layout.tensor_parallel_size)
+    else:
+        flags["--data-parallel"] = str(layout.data_parallel)
+    out: list[str] = []
+    for flag, value in flags.items():
+        if flag_value(extra, flag) is None:
+            out += [flag, value]
+    return tuple(out)
+
+
+def describe(configured: Layout, resolved: Layout | None = None) -> str:
+    """One line for --dry-run and the preflight table: the configured values and what auto becomes."""
+    if resolved is not None:
+        if resolved.backend == "vllm":
+            return f"backend vllm, tensor parallel {resolved.tensor_parallel_size}, data parallel 1"
+        return f"backend hf, data parallel {resolved.data_parallel} (one process per GPU)"
+    backend = ("auto (vllm when the image has it, else hf)" if configured.backend == AUTO else configured.backend)
+    tp = configured.tensor_parallel_size or "all GPUs"
+    dp = configured.data_parallel or "1 with vllm, one process per GPU with hf"
+    return f"backend {backend}, tensor parallel {tp}, data parallel {dp}; resolved by the preflight"
