@@ -100,6 +100,18 @@ def check_patched() -> None:
         raise StageError(f"the installed vLLM is not ready for extraction ({names})")
 
 
+def check_routing(options: BackendOptions) -> None:
+    """Refuse a DeepSeek-style MoE config whose routing keys vLLM reads with other defaults than the checkpoint
+    was trained with (vLLM would compute every MoE layer differently, silently): preflight's check, here too."""
+    from pipeline.preflight import check_moe_routing, checkpoint_tensor_names
+
+    raw = options.model.raw
+    names, _ = checkpoint_tensor_names(options.model.path)
+    failed = [r for r in check_moe_routing(names, raw.get("text_config") or raw) if r.failed]
+    if failed:
+        raise StageError(f"{options.model.path}/config.json: {failed[0].detail}")
+
+
 def _vllm_dtype(dtype: str) -> str:
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise StageError(f"unknown --dtype {dtype!r}: choose auto, bfloat16, float16 or float32")
@@ -157,6 +169,7 @@ class VllmBackend(Backend):
         if devices == 0:
             os.environ.update(cpu_environment(self.tensor_parallel_size))
         check_patched()
+        check_routing(options)
         self.layer_ids = [int(k) for k in options.layer_ids]
         scratch = options.scratch_dir
         if scratch is not None:

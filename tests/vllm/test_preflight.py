@@ -237,3 +237,17 @@ def test_old_vllm_versions_fail_what_they_cannot_do(tiny_llama, deepseek_for_vll
     result = preflight("--model", tiny_llama, env=env)
     assert result.returncode == 3 and result.status["vllm version"] == "fail"
     assert "predates native hidden-state extraction" in result.stdout
+
+
+def test_extract_refuses_softmax_routing_before_loading(tiny_deepseek, prepared_llama, tmp_path):
+    """extract --backend vllm on a DeepseekV3 config without scoring_func (vLLM would route with softmax and
+    write silently different states) stops with one line naming the key, before any model load."""
+    bad = copy_model(tiny_deepseek, tmp_path / "model", drop=("scoring_func",))
+    out = tmp_path / "states"
+    proc = run_pipeline("extract", "--backend", "vllm", "--prepared", prepared_llama, "--model", bad, "--out", out,
+                        "--no-progress", "--enforce-eager", timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    error = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(error) == 1 and '"scoring_func": "sigmoid"' in error[0], proc.stderr[-2000:]
+    assert "Starting to load model" not in proc.stdout + proc.stderr
+    assert not list(out.glob("data_*.pt"))
