@@ -13,15 +13,16 @@ Two layouts, the same states (tests compare every sample with its batch-of-one r
   sees positions <= t, which are all real, and its position id is t either way. Passing no mask lets
   SDPA use its fused causal kernels instead of materialising a [B, heads, T, T] mask. Pad positions
   compute garbage that is never copied to the host.
-- **packed** (the default on a GPU): the batch's samples end to end in one row, position ids restarting
-  at each sample, and attention through ``packed_attention`` (registered with transformers' attention
-  interface), which keeps each sample to itself: flash attention's variable-length kernel on a GPU, one
-  causal SDPA per sample elsewhere. No token is padding, so no FLOP is spent on it.
+- **packed** (the default on a GPU, where flash attention takes the model's heads: ``flash_fits``): the
+  batch's samples end to end in one row, position ids restarting at each sample, and attention through
+  ``packed_attention`` (registered with transformers' attention interface), which keeps each sample to
+  itself: flash attention's variable-length kernel on a GPU, one causal SDPA per sample elsewhere. No
+  token is padding, so no FLOP is spent on it.
 
 On a GPU, for a run long enough to repay it, each decoder layer's forward is also ``torch.compile``d
 (``dynamic=True``: one graph for every batch shape, shared by all layers), which fuses the norms, rotary
 embedding, SiLU and residual adds that the eager forward runs as separate memory-bound kernels. The first
-batch pays the compilation (8-9 s on the H200 for a Llama layer, with an empty kernel cache); it saved
+batch pays the compilation (7-8.5 s on the H200 for a Llama layer, with an empty kernel cache); it saved
 1.3 us per token on a 1.5B model and 5.2 us on an 8B one, so it pays from ~1.3e16 and ~2.3e16 decoder
 FLOPs: runs planned above ``COMPILE_MIN_FLOPS`` compile (docs/benchmarks.md measures each lever).
 """
@@ -38,6 +39,13 @@ from pipeline.errors import StageError
 
 PACKED_ATTENTION = "eagle_ops_packed"
 COMPILE_MIN_FLOPS = 2e16  # 2 x decoder parameters x planned tokens above which compiling pays for itself
+
+
+def flash_fits(config) -> bool:
+    """Whether flash attention's kernel takes this model's heads: query and value of one head size (MLA
+    models, DeepSeek's, have 192 and 128; packing them would fall back to one SDPA per sample)."""
+    v = getattr(config, "v_head_dim", None)
+    return v is None or v == (getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None))
 
 
 def should_compile(option: bool | None, on_gpu: bool, decoder_params: int, planned_tokens: int | None) -> bool:
@@ -120,7 +128,7 @@ class HFBackend(Backend):
         self.decoder, layers = find_decoder(self.model, options.model.num_layers)
         self._layers, self._attn_before = layers, self.decoder.config._attn_implementation
         on_gpu = self.device.type == "cuda"
-        self.packed = on_gpu if options.packed is None else options.packed
+        self.packed = on_gpu and flash_fits(self.decoder.config) if options.packed is None else options.packed
         decoder_params = sum(p.numel() for name, p in self.decoder.named_parameters() if "embed_tokens" not in name)
         self.compiled = should_compile(options.compile, on_gpu, decoder_params, options.planned_tokens)
         if self.packed:
