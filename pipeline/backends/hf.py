@@ -29,6 +29,7 @@ FLOPs: runs planned above ``COMPILE_MIN_FLOPS`` compile (docs/benchmarks.md meas
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -95,7 +96,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return out[None], None
     bounds = cu_seq_lens_q.tolist()
     parts = []
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, T, D]
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling,
                                                              enable_gqa=ks.shape[1] != qs.shape[1])
@@ -157,13 +158,13 @@ class HFBackend(Backend):
         rows are in a captured [rows, T, H] output: ``out[row, tokens]``."""
         lengths = [len(s) for s in batch]
         pinned = self.device.type == "cuda"  # pinned + non_blocking: no wait for the device's previous batch
-        to = dict(device=self.device, non_blocking=True)
+        to = {"device": self.device, "non_blocking": True}
         if not self.packed:
             ids = torch.full((len(batch), max(lengths)), self.pad_id, dtype=torch.long, pin_memory=pinned)
             for i, s in enumerate(batch):
                 ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
             # causal attention: right padding needs no mask
-            return dict(input_ids=ids.to(**to), use_cache=False), [(i, slice(0, n)) for i, n in enumerate(lengths)]
+            return {"input_ids": ids.to(**to), "use_cache": False}, [(i, slice(0, n)) for i, n in enumerate(lengths)]
         ids = torch.empty((2, sum(lengths)), dtype=torch.long, pin_memory=pinned)  # token ids, position ids
         cu = torch.zeros(len(batch) + 1, dtype=torch.int32, pin_memory=pinned)
         rows, offset = [], 0
@@ -174,8 +175,8 @@ class HFBackend(Backend):
             offset += len(s)
             cu[i + 1] = offset
         ids = ids.to(**to)
-        return dict(input_ids=ids[:1], position_ids=ids[1:], use_cache=False, cu_seq_lens_q=cu.to(**to),
-                    max_length_q=max(lengths)), rows
+        return {"input_ids": ids[:1], "position_ids": ids[1:], "use_cache": False, "cu_seq_lens_q": cu.to(**to),
+                "max_length_q": max(lengths)}, rows
 
     @torch.inference_mode()
     def forward_layers(self, batch: Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], list[tuple[int, slice]]]:
