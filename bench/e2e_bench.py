@@ -48,7 +48,7 @@ class GpuMemory:
         while not self._stop.is_set():
             try:
                 out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                                     capture_output=True, text=True, timeout=5).stdout
+                                     capture_output=True, text=True, timeout=5, check=False).stdout
                 self.peak_mib = max(self.peak_mib or 0, int(out.split()[0]))
             except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
                 return

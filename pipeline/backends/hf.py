@@ -13,21 +13,23 @@ Two layouts, the same states (tests compare every sample with its batch-of-one r
   sees positions <= t, which are all real, and its position id is t either way. Passing no mask lets
   SDPA use its fused causal kernels instead of materialising a [B, heads, T, T] mask. Pad positions
   compute garbage that is never copied to the host.
-- **packed** (the default on a GPU): the batch's samples end to end in one row, position ids restarting
-  at each sample, and attention through ``packed_attention`` (registered with transformers' attention
-  interface), which keeps each sample to itself: flash attention's variable-length kernel on a GPU, one
-  causal SDPA per sample elsewhere. No token is padding, so no FLOP is spent on it.
+- **packed** (the default on a GPU, where flash attention takes the model's heads: ``flash_fits``): the
+  batch's samples end to end in one row, position ids restarting at each sample, and attention through
+  ``packed_attention`` (registered with transformers' attention interface), which keeps each sample to
+  itself: flash attention's variable-length kernel on a GPU, one causal SDPA per sample elsewhere. No
+  token is padding, so no FLOP is spent on it.
 
 On a GPU, for a run long enough to repay it, each decoder layer's forward is also ``torch.compile``d
 (``dynamic=True``: one graph for every batch shape, shared by all layers), which fuses the norms, rotary
 embedding, SiLU and residual adds that the eager forward runs as separate memory-bound kernels. The first
-batch pays the compilation (8-9 s on the H200 for a Llama layer, with an empty kernel cache); it saved
+batch pays the compilation (7-8.5 s on the H200 for a Llama layer, with an empty kernel cache); it saved
 1.3 us per token on a 1.5B model and 5.2 us on an 8B one, so it pays from ~1.3e16 and ~2.3e16 decoder
 FLOPs: runs planned above ``COMPILE_MIN_FLOPS`` compile (docs/benchmarks.md measures each lever).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +40,13 @@ from pipeline.errors import StageError
 
 PACKED_ATTENTION = "eagle_ops_packed"
 COMPILE_MIN_FLOPS = 2e16  # 2 x decoder parameters x planned tokens above which compiling pays for itself
+
+
+def flash_fits(config) -> bool:
+    """Whether flash attention's kernel takes this model's heads: query and value of one head size (MLA
+    models, DeepSeek's, have 192 and 128; packing them would fall back to one SDPA per sample)."""
+    v = getattr(config, "v_head_dim", None)
+    return v is None or v == (getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None))
 
 
 def should_compile(option: bool | None, on_gpu: bool, decoder_params: int, planned_tokens: int | None) -> bool:
@@ -87,7 +96,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return out[None], None
     bounds = cu_seq_lens_q.tolist()
     parts = []
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, T, D]
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling,
                                                              enable_gqa=ks.shape[1] != qs.shape[1])
@@ -120,7 +129,7 @@ class HFBackend(Backend):
         self.decoder, layers = find_decoder(self.model, options.model.num_layers)
         self._layers, self._attn_before = layers, self.decoder.config._attn_implementation
         on_gpu = self.device.type == "cuda"
-        self.packed = on_gpu if options.packed is None else options.packed
+        self.packed = on_gpu and flash_fits(self.decoder.config) if options.packed is None else options.packed
         decoder_params = sum(p.numel() for name, p in self.decoder.named_parameters() if "embed_tokens" not in name)
         self.compiled = should_compile(options.compile, on_gpu, decoder_params, options.planned_tokens)
         if self.packed:
@@ -149,13 +158,13 @@ class HFBackend(Backend):
         rows are in a captured [rows, T, H] output: ``out[row, tokens]``."""
         lengths = [len(s) for s in batch]
         pinned = self.device.type == "cuda"  # pinned + non_blocking: no wait for the device's previous batch
-        to = dict(device=self.device, non_blocking=True)
+        to = {"device": self.device, "non_blocking": True}
         if not self.packed:
             ids = torch.full((len(batch), max(lengths)), self.pad_id, dtype=torch.long, pin_memory=pinned)
             for i, s in enumerate(batch):
                 ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
             # causal attention: right padding needs no mask
-            return dict(input_ids=ids.to(**to), use_cache=False), [(i, slice(0, n)) for i, n in enumerate(lengths)]
+            return {"input_ids": ids.to(**to), "use_cache": False}, [(i, slice(0, n)) for i, n in enumerate(lengths)]
         ids = torch.empty((2, sum(lengths)), dtype=torch.long, pin_memory=pinned)  # token ids, position ids
         cu = torch.zeros(len(batch) + 1, dtype=torch.int32, pin_memory=pinned)
         rows, offset = [], 0
@@ -166,8 +175,8 @@ class HFBackend(Backend):
             offset += len(s)
             cu[i + 1] = offset
         ids = ids.to(**to)
-        return dict(input_ids=ids[:1], position_ids=ids[1:], use_cache=False, cu_seq_lens_q=cu.to(**to),
-                    max_length_q=max(lengths)), rows
+        return {"input_ids": ids[:1], "position_ids": ids[1:], "use_cache": False, "cu_seq_lens_q": cu.to(**to),
+                "max_length_q": max(lengths)}, rows
 
     @torch.inference_mode()
     def forward_layers(self, batch: Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], list[tuple[int, slice]]]:

@@ -148,6 +148,20 @@ def test_compile_is_chosen_for_long_gpu_runs_only():
     assert should_compile(True, False, params, 1) and not should_compile(False, True, params, 10 * enough)
 
 
+def test_packing_is_left_to_models_whose_heads_flash_attention_takes(tiny_llama, tiny_deepseek):
+    """Llama's heads fit flash attention's varlen kernel; an MLA config fits only while its query-key and
+    value head sizes are equal (the tiny DeepSeek's: 64 and 64; DeepSeek-V3's: 192 and 128)."""
+    from transformers import AutoConfig
+
+    from pipeline.backends.hf import flash_fits
+
+    assert flash_fits(AutoConfig.from_pretrained(tiny_llama))
+    ds = AutoConfig.from_pretrained(tiny_deepseek)
+    assert flash_fits(ds) == (ds.v_head_dim == ds.qk_head_dim)
+    ds.v_head_dim = ds.qk_head_dim // 2
+    assert not flash_fits(ds)
+
+
 def test_batch_plan_is_length_bucketed_and_complete():
     """Every sample is planned once; batches respect the token budget; longest first; deterministic."""
     lengths = [5, 100, 37, 100, 3, 64, 64, 12, 90]
