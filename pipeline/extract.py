@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import formats
+from pipeline import formats, provenance
 from pipeline.atomic import remove_partials
 from pipeline.backends import BACKENDS, Backend, BackendOptions, get_backend
 from pipeline.errors import StageError, require_range
@@ -221,6 +221,7 @@ def _expected_config(cfg: ExtractConfig, model, layer_ids, num_samples, seq_leng
         model=str(model.path.resolve()), layer_ids=list(layer_ids), num_layers=model.num_layers,
         hidden_size=model.hidden_size, dtype=str(dtype).removeprefix("torch."), num_samples=num_samples,
         seq_length=seq_length, prepared=str(cfg.prepared.resolve()), backend=cfg.backend,
+        provenance=provenance.record("extract"),
     )
 
 
@@ -255,6 +256,7 @@ def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig) -> set[
                 f"cannot --resume {out}: its data_config.json has {k}={getattr(found, k)!r} but this run has "
                 f"{getattr(expected, k)!r}; use --overwrite or another --out"
             )
+        expected.provenance_history = [*found.provenance_history, *([found.provenance] if found.provenance else [])]
     formats.write_data_config(out, expected)
     if cfg.repair:
         from pipeline.verify import damaged_files
@@ -455,6 +457,8 @@ def run(cfg: ExtractConfig) -> dict:
     if cfg.local_rank is None:
         formats.write_sample_lengths(cfg.out, {i: int(lengths[i]) for i in range(n)})
         formats.fold_checksums(cfg.out, owned, cfg.world_size, cfg.rank)
+        expected.provenance = provenance.record("extract")  # its finished time: now
+        formats.write_data_config(cfg.out, expected)
     stats.update(samples=n, owned=len(owned), batches_run=len(batches), resumed_from=len(done), config=asdict(expected))
     stats.setdefault("startup", startup)
     return stats

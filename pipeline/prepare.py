@@ -42,7 +42,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from pipeline import formats, readers
+from pipeline import formats, provenance, readers
 from pipeline.errors import StageError, require_range
 from pipeline.modeldir import read_model_dir
 from pipeline.outdir import staged_dir
@@ -304,7 +304,7 @@ def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
         num_samples=len(samples), num_tokens=int(samples.offsets[-1]), num_loss_tokens=int(samples.loss_mask.sum()),
         target_vocab_size=model.vocab_size, draft_vocab_size=cfg.draft_vocab_size, source=str(cfg.data.resolve()),
         mask_method="chat-template-render-spans", skipped_rows=skipped, truncated_rows=truncated,
-        extra={"rows_without_assistant_tokens": no_loss},
+        extra={"rows_without_assistant_tokens": no_loss}, provenance=provenance.record("prepare"),
     )
     with staged_dir(cfg.out, overwrite=cfg.overwrite, inputs={"--data": cfg.data, "--model": cfg.model}) as staging:
         formats.write_token_freq(staging / formats.TOKEN_FREQ, freq)

@@ -465,7 +465,8 @@ def _model_checks(cfg: VerifyConfig, dc: formats.DataConfig, readable: list[int]
             try:
                 target = _open_target(cfg, dc)
             except StageError as exc:
-                return [fail("recompute", f"cannot load --model: {exc}")]
+                hint = "" if cfg.trust_remote_code else " (pass --trust-remote-code if the model needs its own code)"
+                return [fail("recompute", f"cannot load --model: {exc}{hint}")]
         if target is not None and cfg.recompute_samples > 0:
             if not readable:
                 out.append(fail("recompute", "no readable files to recompute"))
@@ -584,7 +585,11 @@ def verify(cfg: VerifyConfig) -> Summary:
     except StageError as exc:  # a damaged file read on the way (pipeline/readers.py): a failed, named check
         summary = Summary(kind, str(cfg.path), [fail("readable", str(exc))])
     if cfg.write_summary:  # next to what was checked: a train dir's own summary.json is train's
-        summary.write(Path(summary.path) / SUMMARY)
+        from pipeline import provenance
+        from pipeline.atomic import write_json
+
+        write_json(Path(summary.path) / SUMMARY,
+                   provenance.stamp(summary.to_json(), "verify", provenance.of_output(Path(summary.path))))
     return summary
 
 
