@@ -1,4 +1,4 @@
-"""A real `vllm serve` (vLLM 0.16.0 CPU build from .venv-vllm) of the tiny model as the inference server:
+"""A real `vllm serve` (vLLM 0.32.0 CPU build from .venv-vllm) of the tiny model as the inference server:
 stopped by pid file and by container, including after its API process was SIGKILLed and its
 VLLM::EngineCore child was left re-parented (the field bug, vllm#55510). Run by `make test-ops-vllm`
 with the light venv; .venv-vllm only provides the server program."""
@@ -23,7 +23,7 @@ from ops_sshd import free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.sshd]
 
 VLLM = REPO / ".venv-vllm" / "bin" / "vllm"
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "all", "PYTHONUNBUFFERED": "1"}
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}  # 0.32 binds OpenMP threads itself ("auto"; "all" is refused)
 
 
 @pytest.fixture(scope="module")
