@@ -124,7 +124,7 @@ def _child(cfg: OnlineConfig, prompts: list[list[int]], with_draft: bool, out: P
 def measure(cfg: OnlineConfig, prompts: list[list[int]], workdir: Path) -> dict:
     """Serve the target alone and with the draft on the same prompts; compare and read vLLM's counters."""
     try:
-        import vllm  # noqa: F401
+        from vllm import LLM  # noqa: F401
     except ImportError:
         raise StageError("online acceptance needs vLLM in this environment (the image, or .venv-vllm): "
                          "drop --online-eval or run where vLLM is installed") from None
