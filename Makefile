@@ -16,7 +16,7 @@ $(VENV)/.ready: requirements/dev.txt pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -r requirements/dev.txt
-	$(PY) -m pip install -q --no-deps speculators==0.4.0.1
+	$(PY) -m pip install -q --no-deps speculators==0.9.0
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 

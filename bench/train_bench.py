@@ -48,22 +48,23 @@ class Report:
 def attention_check(cfg) -> dict:
     """Loss and proposals of the trained draft on one packed batch with speculators' flex kernel and ours."""
     from pipeline import draft as draft_mod
-    from pipeline.train import DRAFT, Runtime, check_inputs, make_loader
+    from pipeline.train import DRAFT, Runtime, check_inputs, get_trainer_kwargs, make_loader
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inputs = check_inputs(cfg)
-    model = draft_mod.load_draft(cfg.out / DRAFT).to(device).eval()
-    batch = next(iter(make_loader(inputs.train_files, cfg, Runtime(device), shuffle_seed=0)))
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = next(iter(make_loader(inputs.train_files, cfg, Runtime(device), shuffle_seed=0,
+                                  hidden_size=inputs.target.hidden_size)))
+    batch = {k: v.to(device) for k, v in batch.items() if k != "error_records"}
     results = {}
-    for impl in (draft_mod.FLEX_ATTENTION, draft_mod.DENSE_ATTENTION):
-        draft_mod.set_attention(model.config, impl)
+    for impl in (draft_mod.FLEX_ATTENTION, draft_mod.DENSE_ATTENTION):  # speculators picks the mask at load
+        model = draft_mod.load_draft(cfg.out / DRAFT, attention=impl).to(device).eval()
+        call, _ = get_trainer_kwargs(model, cfg, device)
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            tokens, loss, _ = model(**batch, ttt_steps=cfg.ttt_steps)
+            tokens, loss, _ = model(**batch, **call)
         results[impl] = (tokens, float(loss))
     (tf, lf), (td, ld) = results.values()
     agree = float(sum((a == b).float().mean() for a, b in zip(tf, td)) / len(tf))
-    return {"flex_loss": lf, "dense_loss": ld, "proposal_agreement": agree, "documents": int(len(batch["lengths"]))}
+    return {"flex_loss": lf, "dense_loss": ld, "proposal_agreement": agree, "documents": int(batch["document_ids"].max()) + 1}
 
 
 def _timed(fn, *args, **kwargs):

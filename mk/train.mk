@@ -5,3 +5,7 @@ bench-train: env ## draft training: tokens/s + offline acceptance vs baselines (
 
 test-train: env ## the train stage's tests in the light environment
 	$(PY) -m pytest tests/train -m "not vllm" $(PYTEST_ARGS)
+
+.PHONY: demo-learned
+demo-learned: env ## make demo on a tiny Llama trained for a minute on the stdlib's sources (its acceptance table means something)
+	$(PY) -m pipeline.demo --workdir $(DEMO_DIR)-learned --kind learned $(DEMO_ARGS)

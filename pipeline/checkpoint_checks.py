@@ -3,7 +3,7 @@
 Owns what makes a trained draft servable and sound: its config parses as speculators' Eagle-3 config,
 ``eagle_aux_hidden_state_layer_ids`` are in vLLM's convention (the captured layer ids + 1, last layer
 excluded), the weights have the shapes the config implies, every float is finite, d2t/t2d are a valid
-mapping for the draft vocab, and, when the train run's eval.json is at hand, the draft's offline acceptance
+mapping for a reduced draft vocab and absent for a full one (vLLM refuses a d2t there), and, when the train run's eval.json is at hand, the draft's offline acceptance
 beats the trivial baselines. Accepts a train output dir (uses its draft/), a draft dir, or
 checkpoints/<epoch>/. It reads; it writes nothing.
 """
@@ -89,8 +89,9 @@ def _weight_checks(ckpt: Path, raw: dict, s: Summary) -> dict:
     h = int(layer.get("hidden_size", 0))
     v = int(layer.get("vocab_size", 0))
     dv = int(raw.get("draft_vocab_size", 0))
-    expected = {"fc.weight": (h, 3 * h), "lm_head.weight": (dv, h), "embed_tokens.weight": (v, h), "norm.weight": (h,),
-                "d2t": (dv,), "t2d": (v,)}
+    expected = {"fc.weight": (h, 3 * h), "lm_head.weight": (dv, h), "embed_tokens.weight": (v, h), "norm.weight": (h,)}
+    if dv != v:  # a full-vocab draft has no mapping (speculators stores none, vLLM loads none)
+        expected.update({"d2t": (dv,), "t2d": (v,)})
     bad = [f"{k} {tuple(w[k].shape) if k in w else 'missing'} != {shape}" for k, shape in expected.items()
            if k not in w or tuple(w[k].shape) != shape]
     n_layers = int(layer.get("num_hidden_layers", 1))
@@ -100,7 +101,10 @@ def _weight_checks(ckpt: Path, raw: dict, s: Summary) -> dict:
     s.checks.append(check("shapes", not bad, f"hidden {h}, draft vocab {dv}, target vocab {v}, {n_layers} layer(s)", "; ".join(bad)))
     nonfinite = [k for k, t in w.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     s.checks.append(check("finite", not nonfinite, f"{len(w)} tensors, no NaN/Inf", f"NaN/Inf in {', '.join(nonfinite[:5])}"))
-    if "d2t" in w and "t2d" in w:
+    if dv == v and "d2t" in w:
+        s.checks.append(fail("vocab_mapping", f"d2t stored although the draft vocab is the target's ({v}): vLLM refuses to load it "
+                             "(no draft_id_to_target_id in Eagle3LlamaForCausalLM); re-export with `pipeline train`"))
+    elif "d2t" in w and "t2d" in w:
         problems = vocab_mapping_problems(w["d2t"].numpy().astype(np.int64), w["t2d"].numpy(), dv, v)
         s.checks.append(check("vocab_mapping", not problems, f"d2t/t2d map {dv} draft ids into {v} target ids", "; ".join(problems)))
     s.stats.update(hidden_size=h, draft_vocab_size=dv, target_vocab_size=v, draft_layers=n_layers,

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
 import sys
 
 import click
 
 from pipeline.errors import StageError
+
+# transformers 5 draws a "Loading weights" progress bar on stderr at every model load (it reads this flag of
+# huggingface_hub at import): a stage's stderr is its one-line error, and stages report their own progress
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 # command name -> "module:attribute" of a click.Command
 COMMANDS = {

@@ -49,12 +49,13 @@ def steps(work: Path, kind: str, samples: int, seq_length: int, train: bool) -> 
 
 @click.command()
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("demo"), show_default=True)
-@click.option("--kind", type=click.Choice(["llama", "deepseek_v3"]), default="llama", show_default=True)
+@click.option("--kind", type=click.Choice(["llama", "deepseek_v3", "learned"]), default="llama", show_default=True,
+              help="learned: a tiny Llama trained for a minute on real text, so the acceptance table means something.")
 @click.option("--samples", type=int, default=300, show_default=True)
 @click.option("--seq-length", type=int, default=256, show_default=True)
 @click.option("--train/--no-train", default=True, show_default=True)
 def main(workdir: Path, kind: str, samples: int, seq_length: int, train: bool) -> None:
-    """prepare -> extract -> weights -> train -> verify on a tiny random model."""
+    """prepare -> extract -> weights -> train -> verify on a tiny random (or --kind learned) model."""
     t0 = time.perf_counter()
     for args in steps(workdir, kind, samples, seq_length, train):
         stage(args)

@@ -1,19 +1,20 @@
-"""The EAGLE-3 draft model as speculators 0.4.0.1 defines it: its config, its verifier view, its loading.
+"""The EAGLE-3 draft model as speculators 0.9.0 defines it: its config, its verifier view, its loading.
 
 Owns how a draft is described and instantiated with speculators' ``Eagle3DraftModel``:
 
 * ``draft_layer_config``: the draft decoder's ``LlamaConfig``, derived from the target's text config
-  (vLLM 0.16.0 serves EAGLE-3 drafts as Llama layers whatever the target architecture is);
+  (vLLM serves EAGLE-3 drafts as Llama layers, ``Eagle3LlamaForCausalLM``, whatever the target is);
 * ``build_speculator_config``: the ``Eagle3SpeculatorConfig`` whose ``eagle_aux_hidden_state_layer_ids``
-  are in vLLM's convention (input of layer k+1 = output of captured layer k);
+  are in vLLM's convention (id k = input of decoder layer k = output of captured layer k-1);
 * ``write_verifier_view``: the directory speculators reads the verifier's embed_tokens / final norm /
   lm_head from (a ``config.json`` plus a ``model.safetensors`` with the key names its suffix match
   expects), made from the ``weights`` stage output;
-* the attention kernel choice (speculators' flex attention on GPUs; on the CPU, where flex attention
-  has no backward, the same mask evaluated densely and fed to SDPA);
-* ``load_draft``: loading a saved draft through speculators' ``from_pretrained``, with a shim for two
-  defects of 0.4.0.1 (its ``from_pretrained`` forwards a ``verifier`` argument the Eagle-3 constructor
-  rejects, and the meta-device init of transformers 4.57 breaks the verifier-weight copy in ``__init__``).
+* the attention kernel choice: speculators' flex attention on GPUs; on the CPU, where flex attention is
+  has no backward pass, transformers' SDPA on the dense rendering of the same mask
+  (speculators 0.9 builds that mask itself for any implementation other than flex);
+* ``new_draft`` / ``load_draft``: a fresh draft with its vocab mapping and verifier tensors, and a saved
+  one through speculators' ``from_pretrained``. When the draft vocab equals the target vocab speculators
+  keeps no ``d2t``/``t2d`` (vLLM refuses a ``d2t`` then: it has no ``draft_id_to_target_id``).
 
 It does not train (pipeline/train.py) or measure (pipeline/evaluate.py).
 """
@@ -31,13 +32,17 @@ from pipeline.atomic import atomic_path, write_json
 from pipeline.errors import StageError
 
 FLEX_ATTENTION = "simple_flex_attention"  # registered by speculators.models.eagle3.attention
-DENSE_ATTENTION = "pipeline_dense_sdpa"  # registered below
+DENSE_ATTENTION = "sdpa"  # transformers' SDPA on speculators' dense mask
 VIEW_CONFIG = "config.json"
 VIEW_WEIGHTS = "model.safetensors"
 # the key names speculators' load_model_layers() finds by suffix
 VIEW_KEYS = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "lm_head.weight": "lm_head.weight"}
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+# the config fields TargetFacts reads
+CONFIG_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+               "max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id")
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,7 @@ class TargetFacts:
     intermediate_size: int
     hidden_act: str
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
+    rope_parameters: dict  # transformers 5's form: rope_type, rope_theta and the scaling keys
     max_position_embeddings: int
     pad_token_id: int | None
     bos_token_id: int | None
@@ -82,8 +86,7 @@ class TargetFacts:
             intermediate_size=int(text.get("intermediate_size") or 4 * hidden),
             hidden_act=str(text.get("hidden_act") or "silu"),
             rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6),
-            rope_theta=float(text.get("rope_theta") or 10000.0),
-            rope_scaling=text.get("rope_scaling") if model_type in LLAMA_FAMILY else None,
+            rope_parameters=_rope_parameters(text, model_type),
             max_position_embeddings=int(text.get("max_position_embeddings") or 4096),
             pad_token_id=text.get("pad_token_id", raw.get("pad_token_id")),
             bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
@@ -91,12 +94,61 @@ class TargetFacts:
         )
 
 
-def read_target_facts(model_dir: Path) -> TargetFacts:
+def _rope_parameters(text: dict, model_type: str) -> dict:
+    """The target's rope as transformers 5 spells it (``rope_parameters``), also from a 4.x config.
+
+    Scaling is kept for the Llama family only: an MLA target's yarn scaling belongs to its rope head
+    dimension, not to the draft's plain heads.
+    """
+    given = text.get("rope_parameters")
+    if isinstance(given, dict) and "sliding_attention" not in given and "full_attention" not in given:
+        theta = given.get("rope_theta", text.get("rope_theta"))
+        scaling = {k: v for k, v in given.items() if k != "rope_theta"}
+    else:
+        theta = text.get("rope_theta")
+        scaling = dict(text.get("rope_scaling") or {})
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+    if model_type not in LLAMA_FAMILY or not scaling.get("rope_type") or scaling.get("rope_type") == "default":
+        scaling = {"rope_type": "default"}
+    return {**scaling, "rope_theta": float(theta or 10000.0)}
+
+
+def _resolved_config(model_dir: Path) -> dict:
+    """The target's config as its own (remote) code resolves it: defaults and attribute aliases applied."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=True)
+    except Exception as exc:  # noqa: BLE001 - any failure of the model's own code is the same operator problem
+        raise StageError(f"{model_dir}/config.json does not load with its own code ({type(exc).__name__}: {exc}): "
+                         "fix the model dir or drop --trust-remote-code (then config.json is read as plain JSON)") from None
+
+    def flat(cfg) -> dict:  # to_dict() leaves aliased names (attribute_map) out; getattr resolves them
+        out = cfg.to_dict()
+        out.update({k: getattr(cfg, k) for k in CONFIG_KEYS if getattr(cfg, k, None) is not None})
+        return out
+
+    resolved = flat(config)
+    text = getattr(config, "text_config", None)
+    if text is not None and not isinstance(text, dict):
+        resolved["text_config"] = flat(text)
+    return resolved
+
+
+def read_target_facts(model_dir: Path, trust_remote_code: bool = False) -> TargetFacts:
+    """The target's facts from its config.json: as plain JSON, or through its own config code if trusted."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise StageError(f"{path} not found: pass --model with the target model dir (its config.json is read)")
     try:
-        return TargetFacts.from_config_dict(json.loads(path.read_text()))
+        raw = json.loads(path.read_text())
+    except ValueError as exc:
+        raise StageError(f"{path} is not JSON ({exc}): fix or replace the target's config.json") from None
+    if trust_remote_code:
+        raw = {**raw, **_resolved_config(Path(model_dir))}
+    try:
+        return TargetFacts.from_config_dict(raw)
     except (KeyError, ValueError, TypeError) as exc:
         raise StageError(f"{path} lacks what the draft needs ({exc}): not a decoder-only LM config") from None
 
@@ -119,8 +171,7 @@ def draft_layer_config(target: TargetFacts, num_layers: int = 1, intermediate_si
         hidden_act=target.hidden_act,
         max_position_embeddings=target.max_position_embeddings,
         rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope_theta,
-        rope_scaling=target.rope_scaling,
+        rope_parameters=dict(target.rope_parameters),
         tie_word_embeddings=False,
         pad_token_id=target.pad_token_id,
         bos_token_id=target.bos_token_id,
@@ -192,41 +243,13 @@ def write_verifier_view(view: Path, verifier: dict[str, torch.Tensor], target: T
 # ---------------------------------------------------------------- attention
 
 
-def dense_block_mask(block_mask, q_len: int, kv_len: int) -> torch.Tensor:
-    """Evaluate a flex-attention BlockMask's mask_mod on the full [q_len, kv_len] grid (bool)."""
-    device = block_mask.kv_indices.device
-    q = torch.arange(q_len, device=device).unsqueeze(1)
-    kv = torch.arange(kv_len, device=device).unsqueeze(0)
-    zero = torch.zeros((), dtype=torch.long, device=device)
-    return block_mask.mask_mod(zero, zero, q, kv).expand(q_len, kv_len)
-
-
-def _dense_attention(module, query, key, value, attention_mask, scaling=None, **_kwargs):
-    mask = dense_block_mask(attention_mask, query.shape[2], key.shape[2])
-    if key.shape[1] != query.shape[1]:
-        groups = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_dense_attention() -> str:
-    import speculators.models.eagle3.attention  # noqa: F401 - registers the flex kernel
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(DENSE_ATTENTION, _dense_attention)
-    return DENSE_ATTENTION
-
-
 def choose_attention(device: torch.device, requested: str = "auto") -> str:
-    """``flex`` (speculators' kernel; GPUs), ``dense`` (CPU-capable, same mask) or ``auto``."""
-    register_dense_attention()
+    """``flex`` (speculators' kernel; GPUs), ``dense`` (SDPA on the dense mask; any device) or ``auto``."""
     if requested == "auto":
         return FLEX_ATTENTION if device.type == "cuda" else DENSE_ATTENTION
     if requested == "flex":
         if device.type == "cpu":
-            raise StageError("--attention flex has no backward pass on the CPU: use --attention dense or auto")
+            raise StageError("--attention flex has no backward pass on the CPU (torch: FlexAttention does not support backward on CPU): use --attention dense or auto")
         return FLEX_ATTENTION
     if requested == "dense":
         return DENSE_ATTENTION
@@ -234,6 +257,9 @@ def choose_attention(device: torch.device, requested: str = "auto") -> str:
 
 
 def set_attention(config, implementation: str) -> None:
+    """Choose the kernel of a draft built from ``config`` afterwards (speculators picks its mask at init)."""
+    import speculators.models.eagle3.attention  # noqa: F401 - registers the flex kernel
+
     config.transformer_layer_config._attn_implementation = implementation
 
 
@@ -241,36 +267,17 @@ def set_attention(config, implementation: str) -> None:
 
 
 def new_draft(config, d2t: np.ndarray, t2d: np.ndarray):
-    """A freshly initialised speculators Eagle3DraftModel (verifier tensors loaded from the view)."""
+    """A freshly initialised speculators Eagle3DraftModel with its vocab mapping and verifier tensors."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    return Eagle3DraftModel(config=config, t2d=torch.from_numpy(np.asarray(t2d, dtype=bool)),
-                            d2t=torch.from_numpy(np.asarray(d2t, dtype=np.int64)))
+    model = Eagle3DraftModel(config=config)
+    model.load_vocab_mappings(torch.from_numpy(np.asarray(t2d, dtype=bool)), torch.from_numpy(np.asarray(d2t, dtype=np.int64)))
+    model.load_verifier_weights()
+    return model
 
 
-def _loadable_class():
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from transformers.modeling_utils import no_init_weights
-
-    class LoadableEagle3DraftModel(Eagle3DraftModel):
-        """Eagle3DraftModel that speculators 0.4.0.1's from_pretrained can construct (upstream PR #669)."""
-
-        def __init__(self, config, t2d=None, d2t=None, verifier=None, verifier_attachment_mode=None):
-            super().__init__(config, t2d=t2d, d2t=d2t)
-
-        @classmethod
-        def get_init_context(cls, is_quantized, _is_ds_init_called):
-            # real tensors, not meta: __init__ copies the verifier's lm_head rows into them
-            return [no_init_weights()]
-
-        def _init_weights(self, module):
-            # missing keys are only the verifier_* tensors __init__ already loaded: keep them
-            return
-
-    return LoadableEagle3DraftModel
-
-
-def read_checkpoint_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def read_checkpoint_vocab(path: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(d2t, t2d) of a saved draft; (None, None) for a full-vocab draft, which stores neither."""
     from safetensors import safe_open
 
     weights = Path(path) / "model.safetensors"
@@ -278,9 +285,9 @@ def read_checkpoint_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise StageError(f"{weights} not found: {path} is not a draft checkpoint (run `pipeline train`)")
     with safe_open(str(weights), framework="pt") as fh:
         keys = set(fh.keys())  # noqa: SIM118
-        if not {"d2t", "t2d"} <= keys:
-            raise StageError(f"{weights} has no d2t/t2d tensors: not an EAGLE-3 draft with a vocab mapping")
-        return fh.get_tensor("d2t"), fh.get_tensor("t2d")
+        if {"d2t", "t2d"} <= keys:
+            return fh.get_tensor("d2t"), fh.get_tensor("t2d")
+    return None, None
 
 
 def load_draft(path: Path, *, attention: str | None = None, verifier_view: Path | None = None):
@@ -289,7 +296,7 @@ def load_draft(path: Path, *, attention: str | None = None, verifier_view: Path 
     The verifier tensors come from ``verifier_view``, else from a train output's ``verifier/`` beside the
     checkpoint (``OUT/draft`` or ``OUT/checkpoints/N``), else from the path recorded in config.json.
     """
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     path = Path(path)
     config = Eagle3SpeculatorConfig.from_pretrained(str(path))
@@ -300,8 +307,8 @@ def load_draft(path: Path, *, attention: str | None = None, verifier_view: Path 
     view = Path(config.speculators_config.verifier.name_or_path or "")
     if not (view / VIEW_CONFIG).is_file():
         raise StageError(f"verifier {view} recorded in {path}/config.json does not exist here: pass the train output's verifier/ dir")
-    set_attention(config, attention or register_dense_attention())
+    set_attention(config, attention or DENSE_ATTENTION)
     d2t, t2d = read_checkpoint_vocab(path)
-    model = _loadable_class().from_pretrained(str(path), config=config, t2d=t2d, d2t=d2t)
+    model = Eagle3DraftModel.from_pretrained(str(path), config=config, t2d=t2d, d2t=d2t, dtype=torch.float32)
     model.eval()
     return model

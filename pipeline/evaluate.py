@@ -98,9 +98,9 @@ class HeldOut:
     """Held-out samples in the draft's alignment (speculators' dataset + shift), with the target's greedy tokens."""
 
     def __init__(self, files: list[Path], verifier: dict, eps: float, device: torch.device):
-        from speculators.train.data import Eagle3SampleFileDataset
+        from pipeline.train_data import sample_dataset
 
-        self.dataset = Eagle3SampleFileDataset(max_len=1 << 30, file_list=[str(f) for f in files], hidden_states_dtype=torch.float32)
+        self.dataset = sample_dataset(files, max_len=1 << 30)
         self.norm = verifier["norm.weight"].to(device)
         self.lm_head = verifier["lm_head.weight"].to(device)
         self.eps = eps
@@ -110,8 +110,10 @@ class HeldOut:
         return len(self.dataset)
 
     def __iter__(self):
+        from speculators.models.eagle3.data import shift_batch
+
         for i in range(len(self.dataset)):
-            item = {k: v.to(self.device) for k, v in self.dataset[i].items()}
+            item = {k: v.to(self.device) for k, v in shift_batch(self.dataset[i]).items()}
             item["greedy"] = greedy_tokens(item["verifier_last_hidden_states"], self.norm, self.lm_head, self.eps)
             yield item
 
@@ -123,7 +125,7 @@ def draft_proposals(model, item: dict, k: int, d2t: torch.Tensor) -> torch.Tenso
         tokens = model(
             hidden_states=item["hidden_states"].unsqueeze(0),
             input_ids=item["input_ids"].unsqueeze(0),
-            lengths=item["lengths"],
+            document_ids=torch.zeros_like(item["input_ids"]).unsqueeze(0),  # one document
             position_ids=item["position_ids"].unsqueeze(0),
             ttt_steps=k,
         )
@@ -179,7 +181,7 @@ def evaluate_run(cfg: EvalConfig, inputs) -> dict:
 
     device = torch.device(cfg.device)
     k = int(cfg.k)
-    attention = draft_mod.register_dense_attention()
+    attention = draft_mod.DENSE_ATTENTION
     eps = inputs.target.rms_norm_eps
     eval_files = inputs.eval_files[: cfg.max_samples]
     held_out = HeldOut(eval_files, inputs.verifier, eps, device)

@@ -101,8 +101,8 @@ def _corpus(rows: list[dict]) -> list[str]:
     return texts
 
 
-def train_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE):
-    """Train a byte-level BPE tokenizer on the synthetic text; save it with a chat template."""
+def train_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE, texts: list[str] | None = None):
+    """Train a byte-level BPE tokenizer on the synthetic text (or ``texts``); save it with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -115,8 +115,9 @@ def train_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    rows = make_conversations(600, seed + 1)
-    tok.train_from_iterator(_corpus(rows) + _SYSTEM + _TOPICS, trainer=trainer)
+    if texts is None:
+        texts = _corpus(make_conversations(600, seed + 1)) + _SYSTEM + _TOPICS
+    tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|begin_of_text|>",
@@ -195,11 +196,20 @@ def build_tiny_model(kind: str, out_dir: Path, *, seed: int = 0, **overrides) ->
 
 @click.command("demo-assets")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Directory to create.")
-@click.option("--kind", type=click.Choice(KINDS), default="llama", show_default=True)
+@click.option("--kind", type=click.Choice([*KINDS, "learned"]), default="llama", show_default=True,
+              help="learned: a Llama trained for --train-seconds on the stdlib's sources (pipeline/learned.py).")
 @click.option("--conversations", type=int, default=300, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def command(out_dir: Path, kind: str, conversations: int, seed: int) -> None:
-    """Build a tiny random model (OUT/model) and synthetic conversations (OUT/conversations.jsonl)."""
+@click.option("--train-seconds", type=float, default=60.0, show_default=True, help="Training time of --kind learned.")
+def command(out_dir: Path, kind: str, conversations: int, seed: int, train_seconds: float) -> None:
+    """Build a tiny model (OUT/model) and conversations (OUT/conversations.jsonl) for it."""
+    if kind == "learned":
+        from pipeline import learned
+
+        learned.build_learned_model(out_dir / "model", seconds=train_seconds, seed=seed)
+        learned.write_conversations(out_dir / "conversations.jsonl", conversations, seed)
+        click.echo(f"wrote {out_dir / 'model'} and {out_dir / 'conversations.jsonl'}")
+        return
     build_tiny_model(kind, out_dir / "model", seed=seed)
     write_conversations(out_dir / "conversations.jsonl", conversations, seed)
     click.echo(f"wrote {out_dir / 'model'} and {out_dir / 'conversations.jsonl'}")

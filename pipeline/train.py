@@ -1,12 +1,12 @@
 """The ``train`` stage: hidden states + verifier weights + vocab mapping in, an EAGLE-3 draft checkpoint out.
 
-Owns the training run: checking every input before the first step, the train/held-out split, the data
-loaders (speculators' ``Eagle3SampleFileDataset``, multipack sampler and collate), speculators' ``Trainer``
-(subclassed only for what it lacks: device-independent checkpoint loading, full-precision checkpoints so
-that a resumed run equals an uninterrupted one, atomic per-epoch checkpoint directories, stopping after
-N epochs of an invocation, a throughput figure), per-step metrics in ``metrics.jsonl``, the servable
-export ``draft/`` and the final ``summary.json`` with the offline acceptance (pipeline/evaluate.py) and
-the plots (pipeline/plots.py).
+Owns the training run on speculators 0.9.0: checking every input before the first step, the train/held-out
+split, speculators' ``Trainer`` (subclassed only for what it lacks: any device, CPU included; full-precision
+checkpoints so that a resumed run equals an uninterrupted one; atomic per-epoch checkpoint directories;
+stopping after N epochs of an invocation; a throughput figure), per-step metrics in ``metrics.jsonl``, the
+servable export ``draft/`` and the final ``summary.json`` with the offline acceptance (pipeline/evaluate.py)
+and the plots (pipeline/plots.py). The data loaders (our ``data_{i}.pt`` files through speculators'
+sampler and collate) are pipeline/train_data.py.
 
 Output directory::
 
@@ -20,18 +20,20 @@ Output directory::
     loss.png, acceptance.png
 
 Data parallel: started by ``torchrun --nproc-per-node N -m pipeline train ...`` each process trains on its
-shard through speculators' FSDP setup; rank 0 writes everything else. The draft architecture and its
+shard through speculators' DDP setup (one GPU per process); rank 0 writes everything else. The draft architecture and its
 config live in pipeline/draft.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -54,6 +56,7 @@ EVAL = "eval.json"
 SUMMARY = "summary.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FLEX_BLOCK = 128
+LOSS = "kl_div"  # speculators 0.9's default loss for EAGLE-3: KL(target || draft) per TTT step
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,11 @@ class TrainConfig:
     num_workers: int | None = None  # data loader workers; default 0 on the CPU, 4 on a GPU
     save_dtype: str = "bfloat16"  # dtype of the exported draft/ weights
     draft_vocab_size: int | None = None  # if given, must equal len(d2t)
+    trust_remote_code: bool = False  # read the target's config.json through its own code (e.g. Kimi-K2.5)
     evaluate: bool = True  # measure acceptance and draw plots after training
+    online_eval: bool = False  # also serve the draft in vLLM (EAGLE-3 speculative decoding) and read its acceptance
+    online_prompts: int = 16  # held-out prompts generated from in the online measurement
+    online_max_tokens: int = 32  # greedy tokens per prompt in the online measurement
     plots: bool = True
 
 
@@ -199,7 +206,7 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
 
     verifier, meta = _read_verifier(Path(cfg.verifier))
     model_dir = _resolve_model(cfg, meta, dc)
-    target = read_target_facts(model_dir)
+    target = read_target_facts(model_dir, cfg.trust_remote_code)
     emb, norm, head = verifier["embed_tokens.weight"], verifier["norm.weight"], verifier["lm_head.weight"]
     sizes = {"data_config.json": dc.hidden_size, "target config.json": target.hidden_size,
              "verifier embed_tokens": int(emb.shape[-1]), "verifier lm_head": int(head.shape[-1]), "verifier norm": int(norm.shape[0])}
@@ -277,10 +284,12 @@ class Runtime:
 
 def setup_runtime(device: str) -> Runtime:
     if "LOCAL_RANK" in os.environ:  # torchrun
-        from speculators.train.utils import maybe_setup_distributed
+        from speculators.train import distributed as dist_state
 
-        local_rank, world_size, rank, distributed = maybe_setup_distributed()
-        return Runtime(torch.device("cuda", local_rank), rank, world_size, distributed)
+        if not torch.cuda.is_available():
+            raise StageError("torchrun data parallel needs GPUs (one per process) and none is visible: run without torchrun")
+        dist_state.maybe_setup_distributed()
+        return Runtime(torch.device("cuda", dist_state.get_local_rank()), dist_state.get_rank(), dist_state.get_world_size(), True)
     if device == "auto":
         return Runtime(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     dev = torch.device(device)
@@ -324,27 +333,77 @@ class MetricsFile(logging.Handler):
         super().close()
 
 
+def loss_implementation(device: torch.device) -> str:
+    """speculators' fused (Triton) loss where Triton runs, its eager one elsewhere (same values)."""
+    if device.type != "cuda":
+        return "eager"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "eager"
+    return "fused"
+
+
+def get_trainer_kwargs(model, cfg: TrainConfig, device: torch.device) -> tuple[dict, dict]:
+    """The forward arguments of a training and a validation step (TTT unroll, loss), speculators' way."""
+    return type(model).get_trainer_kwargs(ttt_steps=cfg.ttt_steps, ttt_step_loss_decay=cfg.ttt_step_loss_decay,
+                                          loss_fn=LOSS, loss_implementation=loss_implementation(device))
+
+
+@contextlib.contextmanager
+def _on_host(device: torch.device):
+    """speculators 0.9's trainer on the CPU: its step timer synchronizes an accelerator unconditionally
+    (there is none), and its autocast to fp32 warns on every step (CPU autocast has only 16-bit types)."""
+    from speculators.train import trainer as trainer_mod
+
+    if device.type != "cpu":
+        yield
+        return
+    original = trainer_mod._StepTimer
+
+    class HostStepTimer(original):
+        def mark(self, name: str) -> None:
+            if self.enabled:
+                self._marks[name] = time.perf_counter()
+
+        def now(self) -> float | None:
+            return time.perf_counter() if self.enabled else None
+
+    trainer_mod._StepTimer = HostStepTimer
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+            yield
+    finally:
+        trainer_mod._StepTimer = original
+
+
 def _trainer_class():
     from speculators.train.checkpointer import SingleGPUCheckpointer, convert_float_dtype, load_safetensors_state_dict
     from speculators.train.trainer import Trainer
+    from torch.nn.parallel import DistributedDataParallel
 
     class DeviceCheckpointer(SingleGPUCheckpointer):
-        """speculators' single-process checkpointer, loading onto the model's device (also the CPU)."""
+        """speculators' checkpointer, loading onto the runtime's device (speculators assumes an accelerator)."""
 
         def __init__(self, path, device: torch.device):
             self.device = str(device)
             super().__init__(path)
 
         def load_model_state_dict(self, model, float_dtype=None):
+            raw = model.module if isinstance(model, DistributedDataParallel) else model
             state = load_safetensors_state_dict(self.model_path(self.previous_epoch), self.device)
-            model.load_state_dict(convert_float_dtype(state, float_dtype or model.dtype), strict=False)
+            raw.load_state_dict(convert_float_dtype(state, float_dtype or raw.dtype), strict=False)
 
         def load_optimizer_state_dict(self, model, optimizer, float_dtype=None):
+            raw = model.module if isinstance(model, DistributedDataParallel) else model
             state = torch.load(self.optimizer_path(self.previous_epoch), weights_only=True, map_location=self.device)
-            optimizer.load_state_dict(convert_float_dtype(state, float_dtype or model.dtype))
+            states = state if isinstance(state, list) else [state]
+            for opt, st in zip(optimizer if isinstance(optimizer, list) else [optimizer], states, strict=True):
+                opt.load_state_dict(convert_float_dtype(st, float_dtype or raw.dtype))
 
     class PipelineTrainer(Trainer):
-        """speculators' Trainer plus: CPU-capable loads, fp32 atomic checkpoints, stop-after, timing."""
+        """speculators' Trainer plus: any device, fp32 atomic checkpoints, stop-after, timing."""
 
         def __init__(self, *args, runtime: Runtime, stop_after: int | None, **kwargs):
             self.runtime = runtime
@@ -353,18 +412,12 @@ def _trainer_class():
             super().__init__(*args, **kwargs)
 
         def setup_trainer(self):
-            if not self.is_distributed:
-                self.checkpointer = DeviceCheckpointer(self.config.save_path, self.runtime.device)
+            # speculators moves batches to `local_rank` and autocasts on the accelerator type it finds
+            self.local_rank = self.runtime.trainer_rank
+            self.device_type = self.runtime.device.type
+            self.checkpointer = DeviceCheckpointer(self.config.save_path, self.runtime.device)
             super().setup_trainer()
             self.global_step = self.current_epoch * len(self.train_loader)
-
-        def setup_optimizer(self):
-            super().setup_optimizer()
-            if self.resume_from_checkpoint and self.checkpointer.previous_epoch != -1 and self.scheduler is not None:
-                # speculators builds the scheduler with last_epoch=<epoch number>, whose constructor step sets
-                # the learning rate of step 1; the restored scheduler state knows the right one
-                for group, lr in zip(self.opt.param_groups, self.scheduler.get_last_lr(), strict=True):
-                    group["lr"] = lr
 
         def save_checkpoint(self, epoch: int):
             final_root = self.checkpointer.path
@@ -372,9 +425,11 @@ def _trainer_class():
             self.checkpointer.path = staging_root
             try:
                 # full precision: a resumed run must continue from exactly the weights and moments it stopped at
-                self.checkpointer.save_checkpoint(self.model, self.opt, epoch, float_dtype=torch.float32)
-                if self.scheduler is not None and self.runtime.is_main:
-                    self.checkpointer.save_scheduler_state_dict(self.scheduler, epoch)
+                self.checkpointer.save_checkpoint(self.model, self.optimizers, epoch, float_dtype=torch.float32)
+                if self.schedulers:
+                    self.checkpointer.save_scheduler_state_dict(self.schedulers, epoch)
+                if self.runtime.is_main:  # end of epoch: speculators' own --resume continues with the next one
+                    self._save_training_state(epoch, 0)
             finally:
                 self.checkpointer.path = final_root
             if self.runtime.is_main:
@@ -384,18 +439,24 @@ def _trainer_class():
                 shutil.rmtree(staging_root, ignore_errors=True)
             _barrier(self.runtime)
 
+        def _save_training_state(self, epoch: int, local_step: int) -> None:
+            write_json(self.checkpointer.path / str(epoch) / "training_state.json",
+                       {"epoch": epoch, "local_step": local_step, "global_step": self.global_step})
+
         def run_training(self):
             done = 0
             for epoch in range(self.current_epoch, self.config.num_epochs):
                 if self.stop_after is not None and done >= self.stop_after:
                     break
                 start = time.perf_counter()
-                self.train_epoch(epoch)
+                with _on_host(self.runtime.device):
+                    self.train_epoch(epoch)
                 if self.runtime.device.type == "cuda":
                     torch.cuda.synchronize()
                 self.epoch_seconds.append(time.perf_counter() - start)
                 _barrier(self.runtime)
-                self.val_epoch(epoch)
+                with _on_host(self.runtime.device):
+                    self.val_epoch(epoch)
                 _barrier(self.runtime)
                 self.save_checkpoint(epoch)
                 done += 1
@@ -404,18 +465,12 @@ def _trainer_class():
     return PipelineTrainer
 
 
-def make_loader(files: list[Path], cfg: TrainConfig, rt: Runtime, *, shuffle_seed: int):
-    from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
-    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-    from torch.utils.data import DataLoader
+def make_loader(files: list[Path], cfg: TrainConfig, rt: Runtime, *, shuffle_seed: int, hidden_size: int):
+    from pipeline.train_data import make_loader as loader
 
-    dataset = Eagle3SampleFileDataset(max_len=cfg.max_len, file_list=[str(f) for f in files], hidden_states_dtype=torch.float32)
-    sampler = MultipackDistributedBatchSamplerV2(
-        batch_max_length=cfg.max_len, lengths=dataset.approx_lengths, num_replicas=rt.world_size, rank=rt.rank, seed=shuffle_seed,
-    )
     workers = cfg.num_workers if cfg.num_workers is not None else (4 if rt.device.type == "cuda" else 0)
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=rt.device.type == "cuda",
-                      collate_fn=create_collate_fn(cfg.max_len), persistent_workers=workers > 0)
+    return loader(files, max_len=cfg.max_len, hidden_size=hidden_size, world_size=rt.world_size, rank=rt.rank,
+                  seed=shuffle_seed, workers=workers, pin_memory=rt.device.type == "cuda")
 
 
 def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
@@ -536,17 +591,20 @@ def run(cfg: TrainConfig, log=print) -> dict:
         draft_mod.set_attention(spec_config, attention)
         model = draft_mod.new_draft(spec_config, inputs.d2t, inputs.t2d)
 
-        train_loader = make_loader(inputs.train_files, cfg, rt, shuffle_seed=cfg.seed)
-        val_loader = make_loader(inputs.eval_files, cfg, rt, shuffle_seed=cfg.seed)
+        hidden = inputs.target.hidden_size
+        train_loader = make_loader(inputs.train_files, cfg, rt, shuffle_seed=cfg.seed, hidden_size=hidden)
+        val_loader = make_loader(inputs.eval_files, cfg, rt, shuffle_seed=cfg.seed, hidden_size=hidden)
         if len(train_loader) == 0:
             raise StageError(f"no training batch could be formed from {len(inputs.train_files)} samples on {rt.world_size} processes")
         from speculators.train.trainer import TrainerConfig
 
-        call = {"ttt_steps": cfg.ttt_steps, "ttt_step_loss_decay": cfg.ttt_step_loss_decay, "use_off_policy_tokens": False}
+        call, val_call = get_trainer_kwargs(model, cfg, rt.device)
         tconfig = TrainerConfig(
             lr=cfg.lr, num_epochs=cfg.epochs, save_path=str(out / CHECKPOINTS), resume_from_checkpoint=cfg.resume,
-            is_distributed=rt.distributed, local_rank=rt.trainer_rank, train_call_kwargs=call, val_call_kwargs=dict(call),
-            scheduler_type=cfg.scheduler, scheduler_warmup_steps=cfg.warmup_steps,
+            train_call_kwargs=call, val_call_kwargs=val_call, scheduler_type=cfg.scheduler,
+            scheduler_warmup_steps=cfg.warmup_steps,
+            # autocast dtype: bf16 on GPUs (speculators' default); the CPU trains in fp32
+            hidden_states_dtype=torch.bfloat16 if rt.device.type == "cuda" else torch.float32,
         )
         metric_logger = logging.getLogger("speculators.metrics")
         metric_logger.setLevel(logging.INFO)
@@ -593,6 +651,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
             ev = evaluate_run(EvalConfig(out=out, k=cfg.eval_k or cfg.ttt_steps, max_samples=cfg.eval_max_samples,
                                          seed=cfg.seed, device=str(rt.device), attention=attention), inputs)
+            if cfg.online_eval:
+                ev["online"] = _online(cfg, inputs, out)
             write_json(out / EVAL, ev)
             summary["eval"] = ev
         write_json(out / SUMMARY, summary)
@@ -603,9 +663,20 @@ def run(cfg: TrainConfig, log=print) -> dict:
         return summary
     finally:
         if rt.distributed:
-            from speculators.train.utils import maybe_destroy_distributed
+            from speculators.train.distributed import maybe_destroy_distributed
 
             maybe_destroy_distributed()
+
+
+def _online(cfg: TrainConfig, inputs: TrainInputs, out: Path) -> dict:
+    """vLLM's own acceptance of the exported draft on the held-out prompts (pipeline/online_eval.py)."""
+    from pipeline import online_eval
+
+    k = cfg.eval_k or cfg.ttt_steps
+    ocfg = online_eval.OnlineConfig(target=inputs.model_dir, draft=out / DRAFT, k=k, max_tokens=cfg.online_max_tokens,
+                                    max_model_len=max(cfg.max_len, inputs.data_config.seq_length) + cfg.online_max_tokens,
+                                    dtype="float32" if cfg.save_dtype == "float32" else "auto")
+    return online_eval.measure(ocfg, online_eval.prompts_of(inputs.eval_files, cfg.online_prompts), out / "online")
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -44,8 +44,16 @@ def print_table(summary: dict) -> None:
         table.add_column(f"pos {j + 1}")
     for name, length, rates in table_rows(ev):
         table.add_row(name, length, *rates)
+    online = ev.get("online")
+    if online and online.get("acceptance_length") is not None:
+        rates = [f"{x:.3f}" for x in online["per_position"]] + [""] * (ev["k"] - len(online["per_position"]))
+        table.add_row(f"trained draft, online (vLLM, {online['prompts']} prompts)", f"{online['acceptance_length']:.3f}", *rates[: ev["k"]])
     console = Console()
     console.print(table)
+    if online:
+        same = "equals" if online["greedy_equal"] else "DIFFERS from"
+        console.print(f"vLLM greedy output with the draft {same} the target alone "
+                      f"({online['greedy_equal_prompts']}/{online['prompts']} prompts, {online['drafts']} drafts)")
     console.print(f"target's greedy tokens inside the draft vocab: {ev['greedy_in_draft_vocab']:.1%}")
     verdict = "beats" if ev["beats_baseline"] else "does NOT beat"
     console.print(f"trained draft {verdict} the best trivial baseline ({ev['best_baseline']}): "
@@ -80,6 +88,12 @@ def print_table(summary: dict) -> None:
 @click.option("--num-workers", type=int, default=None, help="Data loader workers [default: 0 on CPU, 4 on GPU].")
 @click.option("--save-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--draft-vocab-size", type=int, default=None, help="Expected draft vocab size (checked against d2t).")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Read the target's config.json through its own Python code (e.g. Kimi-K2.5), not as plain JSON.")
+@click.option("--online-eval", is_flag=True,
+              help="Also serve the draft with vLLM (EAGLE-3 speculative decoding) on held-out prompts and report vLLM's acceptance.")
+@click.option("--online-prompts", type=int, default=16, show_default=True)
+@click.option("--online-max-tokens", type=int, default=32, show_default=True)
 @click.option("--no-eval", "evaluate", is_flag=True, flag_value=False, default=True, help="Skip the acceptance measurement.")
 @click.option("--no-plots", "plots", is_flag=True, flag_value=False, default=True, help="Skip the PNG plots.")
 def command(**kwargs) -> None:

@@ -90,3 +90,25 @@ def test_low_draft_vocab_coverage_warns(trained, tmp_path):
     (run / "eval.json").write_text(json.dumps(ev))
     c = next(c for c in verify_checkpoint(run).checks if c.name == "draft_vocab_coverage")
     assert c.status == "warn" and "0.3%" in c.detail and "--draft-vocab-size" in c.detail
+
+
+def test_full_vocab_draft_passes_without_mapping_and_fails_with_one(make_inputs, tmp_path):
+    """A full-vocab draft verifies without d2t/t2d; a stray d2t (what vLLM cannot load) fails the vocab check."""
+    import numpy as np
+
+    from pipeline import draft as draft_mod
+    from pipeline.train import check_inputs
+
+    inputs = make_inputs(draft_vocab=96)
+    checked = check_inputs(inputs.config(tmp_path / "unused"))
+    view = draft_mod.write_verifier_view(tmp_path / "view", checked.verifier, checked.target)
+    config = draft_mod.build_speculator_config(target=checked.target, verifier_view=view, draft_vocab_size=96,
+                                               vllm_aux_layer_ids=checked.vllm_aux_layer_ids, ttt_steps=3)
+    draft_mod.new_draft(config, checked.d2t, checked.t2d).save_pretrained(tmp_path / "draft")
+    s = verify_checkpoint(tmp_path / "draft")
+    assert _status(s)["shapes"] == "ok" and "vocab_mapping" not in _status(s), s.checks
+    w = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    w["d2t"] = torch.from_numpy(np.zeros(96, dtype=np.int64))
+    save_file(w, str(tmp_path / "draft" / "model.safetensors"), metadata={"format": "pt"})
+    bad = [c.detail for c in verify_checkpoint(tmp_path / "draft").failures if c.name == "vocab_mapping"]
+    assert bad and "draft_id_to_target_id" in bad[0]

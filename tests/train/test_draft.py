@@ -1,4 +1,4 @@
-"""The speculators draft as pipeline/draft.py builds it: vocab mapping, attention kernel, save/load round trip."""
+"""The speculators 0.9 draft as pipeline/draft.py builds it: vocab mapping, attention kernel, save/load round trip."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pipeline import draft as draft_mod
 from pipeline.train import check_inputs
 
 
-def _model(inputs, tmp_path, d2t=None, t2d=None, seed=0):
+def _model(inputs, tmp_path, d2t=None, t2d=None, seed=0, attention=draft_mod.DENSE_ATTENTION):
     checked = check_inputs(inputs.config(tmp_path / "unused"))
     d2t = checked.d2t if d2t is None else d2t
     t2d = checked.t2d if t2d is None else t2d
     view = draft_mod.write_verifier_view(tmp_path / "view", checked.verifier, checked.target)
     config = draft_mod.build_speculator_config(target=checked.target, verifier_view=view, draft_vocab_size=len(d2t),
                                                vllm_aux_layer_ids=checked.vllm_aux_layer_ids, ttt_steps=3)
-    draft_mod.set_attention(config, draft_mod.register_dense_attention())
+    draft_mod.set_attention(config, attention)
     torch.manual_seed(seed)
     return draft_mod.new_draft(config, d2t, t2d), checked
 
@@ -40,24 +40,14 @@ def test_vocab_mapping_selects_lm_head_rows(make_inputs, tmp_path):
     assert torch.equal(model.verifier_norm.weight.data, checked.verifier["norm.weight"].float())
 
 
-def test_dense_mask_equals_speculators_reference(make_inputs, tmp_path):
-    """The CPU attention mask equals speculators' own dense rendering of its block mask, also after TTT extension."""
-    from speculators.models.eagle3.attention import (
-        block_mask_to_dense_attention_mask,
-        create_combined_mask_mod,
-        extend_mask_for_draft_tokens,
-    )
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    total = 256
-    lengths = torch.tensor([100, 60, 50])  # three packed documents and 46 padding positions
-    mask = create_block_mask(create_combined_mask_mod(lengths, total), B=None, H=None, Q_LEN=total, KV_LEN=total, device="cpu")
-    for step in range(3):
-        kv = total * (step + 1)
-        ours = draft_mod.dense_block_mask(mask, total, kv)
-        ref = block_mask_to_dense_attention_mask(mask, torch.device("cpu"), torch.bool)[0, 0, :, :kv]
-        assert torch.equal(ours, ref), f"TTT step {step}"
-        mask = extend_mask_for_draft_tokens(mask)
+def test_full_vocab_draft_stores_no_mapping(make_inputs, tmp_path):
+    """A draft whose vocab is the target's saves no d2t/t2d: vLLM has no draft_id_to_target_id to load one into."""
+    inputs = make_inputs(draft_vocab=96)
+    model, _ = _model(inputs, tmp_path)
+    model.save_pretrained(tmp_path / "saved")
+    assert draft_mod.read_checkpoint_vocab(tmp_path / "saved") == (None, None)
+    loaded = draft_mod.load_draft(tmp_path / "saved", verifier_view=tmp_path / "view")
+    assert loaded.d2t is None and loaded.lm_head.weight.shape[0] == inputs.vocab
 
 
 def test_round_trip_through_speculators_from_pretrained(make_inputs, tmp_path):
@@ -68,8 +58,8 @@ def test_round_trip_through_speculators_from_pretrained(make_inputs, tmp_path):
         for p in model.layers.parameters():
             p.add_(0.01 * torch.randn_like(p))  # not the initial values: the load must really read them
     model.save_pretrained(tmp_path / "saved")
-    loaded = draft_mod.load_draft(tmp_path / "saved")
-    assert type(loaded).__mro__[1].__name__ == "Eagle3DraftModel"
+    loaded = draft_mod.load_draft(tmp_path / "saved", verifier_view=tmp_path / "view")
+    assert type(loaded).__name__ == "Eagle3DraftModel"
     a, b = model.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
@@ -77,23 +67,22 @@ def test_round_trip_through_speculators_from_pretrained(make_inputs, tmp_path):
     g = torch.Generator().manual_seed(1)
     hs = torch.randn(1, 50, 3 * inputs.hidden, generator=g)
     ids = torch.randint(0, inputs.vocab, (1, 50), generator=g)
+    docs = torch.zeros_like(ids)
     with torch.no_grad():
-        out_a = model(hidden_states=hs, input_ids=ids, ttt_steps=3)
-        out_b = loaded(hidden_states=hs, input_ids=ids, ttt_steps=3)
+        out_a = model(hidden_states=hs, input_ids=ids, document_ids=docs, ttt_steps=3)
+        out_b = loaded(hidden_states=hs, input_ids=ids, document_ids=docs, ttt_steps=3)
     assert all(torch.equal(x, y) for x, y in zip(out_a, out_b, strict=True))
 
 
-def test_plain_speculators_from_pretrained_still_broken():
-    """Pin canary: speculators 0.4.0.1's own Eagle3DraftModel.from_pretrained passes `verifier` to the
-    constructor (fixed upstream in PR #669); when this starts passing, drop the shim in pipeline/draft.py."""
-    import inspect
+def test_speculators_step_timer_still_needs_an_accelerator():
+    """Pin canary: speculators 0.9's step timer synchronizes an accelerator unconditionally, which fails on the
+    CPU; when this starts passing without one, drop the timer swap in pipeline/train.py (_on_host)."""
+    from speculators.train.trainer import _StepTimer
 
-    from speculators.models.eagle3 import Eagle3DraftModel
-
-    params = inspect.signature(Eagle3DraftModel.__init__).parameters
-    assert "verifier" not in params
-    src = inspect.getsource(Eagle3DraftModel.__mro__[1].from_pretrained)
-    assert "verifier=verifier" in src
+    timer = _StepTimer(enabled=True)
+    if torch.accelerator.current_accelerator() is None:
+        with pytest.raises(RuntimeError):
+            timer.mark("start")
 
 
 def test_layer_config_from_mla_target_uses_plain_heads():
@@ -105,7 +94,7 @@ def test_layer_config_from_mla_target_uses_plain_heads():
     })
     cfg = draft_mod.draft_layer_config(facts)
     assert (cfg.head_dim, cfg.num_attention_heads, cfg.hidden_size, cfg.num_hidden_layers) == (112, 64, 7168, 1)
-    assert cfg.rope_scaling is None and cfg.tie_word_embeddings is False
+    assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0} and cfg.tie_word_embeddings is False
     wrapped = draft_mod.TargetFacts.from_config_dict({"architectures": ["KimiK25ForConditionalGeneration"],
                                                       "text_config": {"model_type": "deepseek_v3", "hidden_size": 7168,
                                                                       "vocab_size": 163840, "num_hidden_layers": 61,
@@ -123,22 +112,38 @@ def test_flex_attention_refused_on_cpu():
     assert draft_mod.choose_attention(torch.device("cuda")) == draft_mod.FLEX_ATTENTION
 
 
+def test_rope_of_a_transformers5_config_reaches_the_draft():
+    """A target saved by transformers 5 (rope_parameters, no rope_theta) gives the draft its theta and scaling."""
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "vocab_size": 96,
+           "num_hidden_layers": 8, "num_attention_heads": 2,
+           "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    cfg = draft_mod.draft_layer_config(draft_mod.TargetFacts.from_config_dict(raw))
+    assert cfg.rope_parameters["rope_theta"] == 500000.0 and cfg.rope_parameters["rope_type"] == "llama3"
+    old = draft_mod.TargetFacts.from_config_dict({**{k: v for k, v in raw.items() if k != "rope_parameters"},
+                                                  "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert old.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
+
+
 def test_dense_kernel_matches_flex_forward(make_inputs, tmp_path):
     """On a packed batch, the CPU kernel gives the same loss and proposals as speculators' flex attention."""
-    from pipeline.train import Runtime, make_loader
+    from pipeline.train import Runtime, get_trainer_kwargs, make_loader
 
     inputs = make_inputs()
-    model, checked = _model(inputs, tmp_path)
+    dense, checked = _model(inputs, tmp_path)
+    flex, _ = _model(inputs, tmp_path, attention=draft_mod.FLEX_ATTENTION)
+    flex.load_state_dict(dense.state_dict())
     cfg = inputs.config(tmp_path / "out", max_len=128)
-    batch = next(iter(make_loader(checked.train_files, cfg, Runtime(torch.device("cpu")), shuffle_seed=0)))
-    assert len(batch["lengths"]) > 1  # several documents packed: the document mask matters
-    results = {}
-    model.eval()
-    for impl in (draft_mod.FLEX_ATTENTION, draft_mod.DENSE_ATTENTION):
-        draft_mod.set_attention(model.config, impl)
+    batch = next(iter(make_loader(checked.train_files, cfg, Runtime(torch.device("cpu")), shuffle_seed=0,
+                                  hidden_size=inputs.hidden)))
+    assert int(batch["document_ids"].max()) > 0  # several documents packed: the document mask matters
+    call, _ = get_trainer_kwargs(dense, cfg, torch.device("cpu"))
+    results = []
+    for model in (flex, dense):
+        model.eval()
         with torch.no_grad():
-            tokens, loss, _ = model(**batch, ttt_steps=3)
-        results[impl] = (tokens, loss)
-    (tf, lf), (td, ld) = results.values()
+            tokens, loss, _ = model(**{k: v for k, v in batch.items() if k != "error_records"}, **call)
+        results.append((tokens, loss))
+    (tf, lf), (td, ld) = results
     assert torch.allclose(lf, ld, rtol=1e-4, atol=1e-5), (lf, ld)
     assert all(torch.equal(a, b) for a, b in zip(tf, td, strict=True))

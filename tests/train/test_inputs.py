@@ -131,3 +131,33 @@ def test_resume_with_other_inputs_rejected(make_inputs, tmp_path):
     with pytest.raises(StageError, match="ttt_steps differ"):
         run(inputs.config(out, epochs=2, evaluate=False, resume=True, ttt_steps=2), log=lambda m: None)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0"]
+
+
+_CUSTOM_CONFIG = '''
+from transformers import PretrainedConfig
+
+
+class WrappedConfig(PretrainedConfig):
+    model_type = "pipeline_test_wrapped"
+    attribute_map = {"num_attention_heads": "n_heads"}
+
+    def __init__(self, n_heads=2, **kwargs):
+        self.n_heads = n_heads
+        super().__init__(**kwargs)
+'''
+
+
+def test_trust_remote_code_reads_the_target_config_through_its_own_code(make_inputs, tmp_path):
+    """A target whose config.json needs its own code (an attribute alias) trains only with --trust-remote-code."""
+    import json
+
+    inputs = make_inputs()
+    raw = json.loads((inputs.model / "config.json").read_text())
+    del raw["num_attention_heads"]  # only the custom class knows: n_heads, aliased, default 2
+    raw.update(model_type="pipeline_test_wrapped", auto_map={"AutoConfig": "configuration_wrapped.WrappedConfig"})
+    (inputs.model / "config.json").write_text(json.dumps(raw))
+    (inputs.model / "configuration_wrapped.py").write_text(_CUSTOM_CONFIG)
+    with pytest.raises(StageError, match="lacks what the draft needs"):
+        check_inputs(inputs.config(tmp_path / "out"))
+    checked = check_inputs(inputs.config(tmp_path / "out", trust_remote_code=True))
+    assert checked.target.num_attention_heads == 2 and checked.target.num_layers == 8

@@ -1,13 +1,15 @@
-"""vLLM 0.16.0 (CPU build) accepts a draft trained by `pipeline train` as an EAGLE-3 speculative config.
+"""vLLM 0.32 (CPU build) serves a draft trained by `pipeline train` with real EAGLE-3 speculative decoding.
 
-Runs in .venv-vllm (`make test-vllm`); elsewhere the vLLM import fails the test. Serving the draft needs a
-GPU (vLLM's CPU engine refuses speculative decoding), so this checks what vLLM decides before serving:
-the draft's architecture, its auxiliary layer ids and vocab size, and the target `vllm serve DRAFT` picks.
+Runs in .venv-vllm (`make test-vllm`); elsewhere the vLLM import fails the test. The draft is trained on the
+real stages' output for the tiny random Llama with the full vocab as draft vocab (the case that failed to load
+with speculators 0.4's drafts: "no module or parameter named 'draft_id_to_target_id'"); the online measurement
+runs the target alone and the target + draft in vLLM on the held-out prompts.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -15,48 +17,68 @@ from pipeline.train import TrainConfig, run
 
 pytestmark = pytest.mark.vllm
 
+K = 3
+
 
 @pytest.fixture(scope="module")
-def trained_draft(tiny_run, tiny_llama, tmp_path_factory):
+def served(tiny_run, tiny_llama, tmp_path_factory):
+    """A train run with offline and online acceptance (vLLM on the CPU needs a KV-cache size: 1 GiB)."""
     out = tmp_path_factory.mktemp("vllm-draft") / "train"
     cfg = TrainConfig(data=tiny_run / "hidden_states", verifier=tiny_run / "verifier", out=out, model=tiny_llama,
-                      prepared=tiny_run / "prepared", epochs=1, max_len=256, device="cpu", evaluate=False, plots=False)
-    run(cfg, log=lambda m: None)
-    return out / "draft"
+                      prepared=tiny_run / "prepared", epochs=1, lr=1e-3, max_len=256, device="cpu", plots=False,
+                      ttt_steps=K, save_dtype="float32", online_eval=True, online_prompts=4, online_max_tokens=16)
+    saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    try:
+        summary = run(cfg, log=lambda m: None)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
+    return cfg, summary
 
 
-def _engine_config(**kwargs):
+def test_vllm_serves_the_draft_with_the_targets_greedy_output(served):
+    """vLLM loads the full-vocab draft as an EAGLE-3 speculator, proposes with it, and greedy output is unchanged."""
+    _, summary = served
+    online = summary["eval"]["online"]
+    assert online["greedy_equal"] and online["greedy_equal_prompts"] == online["prompts"] == 4, online
+    assert online["drafts"] > 0 and online["draft_tokens"] == K * online["drafts"], online
+    assert 1.0 <= online["acceptance_length"] <= K + 1 and len(online["per_position"]) == K
+    # vLLM's figure is its own counters': 1 + accepted / drafts
+    assert online["acceptance_length"] == pytest.approx(1 + online["accepted_tokens"] / online["drafts"])
+
+
+def test_closing_table_prints_online_next_to_offline(served, capsys):
+    """The acceptance table shows the offline estimate and vLLM's online acceptance length of the same draft."""
+    from pipeline.train_cli import print_table
+
+    _, summary = served
+    print_table(summary)
+    text = capsys.readouterr().out
+    ev = summary["eval"]
+    assert f"{ev['draft']['acceptance_length']:.3f}" in text
+    assert "online (vLLM" in text and f"{ev['online']['acceptance_length']:.3f}" in text
+    assert "equals the target alone" in text
+
+
+def test_served_config_is_in_vllms_convention(served, tiny_llama):
+    """vLLM reads the draft as Eagle3LlamaForCausalLM with aux ids [3, 5, 6] = captured outputs of 2, 4, 5 + 1."""
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(max_model_len=256, enforce_eager=True, dtype="float32", **kwargs).create_engine_config()
-
-
-def test_vllm_resolves_trained_draft_as_eagle3(trained_draft, tiny_llama):
-    """vLLM reads the trained draft as Eagle3LlamaForCausalLM with our aux layer ids and draft vocab."""
-    from vllm.model_executor.models.registry import ModelRegistry
-
-    # vLLM 0.16.0 reads speculative_tokens from the draft's config only when the draft is served as the model
-    # (test below); with --speculative-config the count must be given (without it: a TypeError in its config)
-    cfg = _engine_config(model=str(tiny_llama),
-                         speculative_config={"model": str(trained_draft), "method": "eagle3", "num_speculative_tokens": 3})
-    spec = cfg.speculative_config
-    saved = json.loads((trained_draft / "config.json").read_text())
-    assert spec.method == "eagle3" and spec.num_speculative_tokens == 3
-    draft = spec.draft_model_config
-    assert draft.architectures == ["Eagle3LlamaForCausalLM"]
-    cls, arch = ModelRegistry.resolve_model_cls(draft.architectures, draft)
-    assert arch == "Eagle3LlamaForCausalLM" and cls.__name__ == "Eagle3LlamaForCausalLM"
-    hf = draft.hf_config
-    assert hf.eagle_aux_hidden_state_layer_ids == [3, 5, 6]  # captured outputs of layers 2, 4, 5 of 8, + 1
-    assert hf.draft_vocab_size == saved["draft_vocab_size"]
-    assert hf.norm_before_residual is False and hf.hidden_size == 256
-
-
-def test_vllm_serve_of_the_draft_dir_picks_the_real_target(trained_draft, tiny_llama):
-    """`vllm serve DRAFT` takes the target from the draft's verifier entry: the real model, not a training view."""
-    cfg = _engine_config(model=str(trained_draft))
-    assert cfg.model_config.model == str(tiny_llama.resolve())
-    assert cfg.model_config.architectures == ["LlamaForCausalLM"]
-    assert cfg.speculative_config.method == "eagle3"
-    assert cfg.speculative_config.num_speculative_tokens == 3  # the draft config's speculative_tokens (= --ttt-steps)
-    assert cfg.speculative_config.draft_model_config.model == str(trained_draft)
+    cfg, _ = served
+    draft = cfg.out / "draft"
+    engine = EngineArgs(model=str(tiny_llama), max_model_len=256, enforce_eager=True, dtype="float32",
+                        speculative_config={"model": str(draft), "method": "eagle3", "num_speculative_tokens": K},
+                        ).create_engine_config()
+    spec = engine.speculative_config
+    assert spec.method == "eagle3" and spec.num_speculative_tokens == K
+    hf = spec.draft_model_config.hf_config
+    assert spec.draft_model_config.architectures == ["Eagle3LlamaForCausalLM"]
+    saved = json.loads((draft / "config.json").read_text())
+    assert saved["eagle_aux_hidden_state_layer_ids"] == [3, 5, 6]
+    aux = getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or (getattr(hf, "eagle_config", None) or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    assert list(aux) == [3, 5, 6]
+    assert hf.draft_vocab_size == saved["draft_vocab_size"] == saved["transformer_layer_config"]["vocab_size"]

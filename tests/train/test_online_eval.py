@@ -1,0 +1,49 @@
+"""The online-acceptance arithmetic and inputs (pipeline/online_eval.py), without vLLM; serving is test_vllm_draft.py."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from pipeline import formats
+from pipeline.errors import StageError
+from pipeline.online_eval import OnlineConfig, acceptance_from_counters, measure, prompts_of
+
+
+def test_acceptance_length_is_vllms_definition():
+    """Mean acceptance length = 1 + accepted / drafts; per-position rates are per draft."""
+    r = acceptance_from_counters({"vllm:spec_decode_num_drafts": 27, "vllm:spec_decode_num_draft_tokens": 81,
+                                  "vllm:spec_decode_num_accepted_tokens": 36,
+                                  "vllm:spec_decode_num_accepted_tokens_per_pos": [20, 10, 6]})
+    assert r["acceptance_length"] == pytest.approx(1 + 36 / 27)
+    assert r["per_position"] == pytest.approx([20 / 27, 10 / 27, 6 / 27]) and r["draft_tokens"] == 81
+
+
+def test_no_drafts_gives_no_figure():
+    """A run in which vLLM never drafted reports no acceptance length rather than a made-up 1.0."""
+    assert acceptance_from_counters({})["acceptance_length"] is None
+
+
+def test_prompts_stop_before_the_first_assistant_token(make_inputs):
+    """Each prompt is the sample's tokens before its first loss-mask position (the conftest masks the first 4)."""
+    inputs = make_inputs(samples=4)
+    files = [formats.data_file(inputs.data, i) for i in range(4)]
+    prompts = prompts_of(files, limit=3)
+    assert len(prompts) == 3
+    assert prompts[0] == formats.read_sample(files[0])["input_ids"][:4].tolist()
+
+
+def _has_vllm() -> bool:
+    try:  # a name lookup, not find_spec("vllm"): pytest puts tests/ on sys.path, where tests/vllm is a namespace
+        return importlib.util.find_spec("vllm.entrypoints") is not None
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(_has_vllm(), reason="vLLM is installed here")
+def test_without_vllm_is_a_one_line_error(tmp_path):
+    """Asking for the online measurement where vLLM is missing says so in one line, naming the flag."""
+    with pytest.raises(StageError) as info:
+        measure(OnlineConfig(target=tmp_path, draft=tmp_path), [[1, 2]], tmp_path / "w")
+    assert "needs vLLM" in str(info.value) and "--online-eval" in str(info.value) and "\n" not in str(info.value)
