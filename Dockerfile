@@ -127,6 +127,8 @@ ARG BASE_IMAGE
 ARG LOCK
 # The commit the build context was made from (`-dirty` if it had uncommitted changes).
 ARG GIT_REVISION=unknown
+# pipeline/provenance.py records it in every output (the image holds no .git to ask)
+ENV EAGLE_OPS_COMMIT=${GIT_REVISION}
 LABEL org.opencontainers.image.title="eagle-ops" \
       org.opencontainers.image.description="EAGLE-3 draft-model pipeline: vLLM 0.32.0, speculators 0.9.0, patched" \
       org.opencontainers.image.revision="${GIT_REVISION}" \

@@ -32,6 +32,7 @@ from ops.runstate import run_dir, write_json
 from ops.secret_env import available, env_file_text
 from ops.layout import known
 from ops.stage import StagePlan, new_run_id, plan_stage
+from ops.summary import disagreements, provenance_facts, schema_note
 
 SHARDED = ("extract", "verify")  # stages whose pipeline command takes --world-size/--rank
 KIND = "fanout"  # runs/<run-id>/summary.json of a multi-host run says so
@@ -198,7 +199,8 @@ def host_section(result: HostResult, world_size: int) -> dict:
             "error": result.error, "seconds": round(result.seconds, 1), "complete": complete,
             "samples": stats.get("samples"), "files": stats.get("files", 0), "tokens": stats.get("tokens", 0),
             "missing": stats.get("missing") if result.summary else None, "summary": f"{result.host}/{SUMMARY}"
-            if result.summary else None}
+            if result.summary else None, "provenance": provenance_facts(result.summary),
+            "schema_note": schema_note(result.summary) if result.summary else None}
 
 
 def merge(plan: FanoutPlan, results: list[HostResult]) -> dict:
@@ -229,7 +231,8 @@ def merge(plan: FanoutPlan, results: list[HostResult]) -> dict:
         "totals": {"samples": samples, "files": files, "tokens": sum(s.get("tokens") or 0 for s in sections),
                    "complete_ranks": complete, "incomplete_ranks": [s["rank"] for s in sections if not s["complete"]],
                    "missing_files": sorted(missing), "unknown_ranks": unknown,
-                   "samples_disagree": sizes if len(sizes) > 1 else []},
+                   "samples_disagree": sizes if len(sizes) > 1 else [],
+                   "provenance_disagree": disagreements([s["provenance"] for s in sections if s.get("provenance")])},
         "complete": len(complete) == plan.world_size and samples is not None and files == samples,
     }
 

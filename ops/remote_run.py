@@ -34,7 +34,7 @@ from ops.preflight import (CheckResult, docker_checks, failed, gpu_check, path_c
 from ops.runstate import RunState, run_dir, write_json
 from ops.secret_env import RedactingWriter, redact
 from ops.stagecheck import stage_preflight
-from ops.stage import StagePlan, abort_argvs, find_argv, finish_argvs, logs_argv, resolve_user
+from ops.stage import StagePlan, abort_argvs, find_argv, finish_argvs, logs_argv, resolve_user, with_image_digest
 
 
 @dataclass
@@ -158,6 +158,7 @@ class _Run:
             p, inside = stage_preflight(r, h, p, self.before, out.local_dir)
             report.print_checks(self.console, inside, title="preflight in the image")
             out.checks += inside
+        p = with_image_digest(p, h.image, digest)  # last: the in-image preflight re-renders the stage argv
         self.plan = p
         self.record = {"run_id": p.run_id, "host": h.name, "stage": p.stage, "image": h.image,
                        "image_digest": digest, "docker_run": list(p.docker_run), "host_output": p.host_output,

@@ -16,6 +16,7 @@ from rich.table import Table
 from ops.clean import CleanPlan, CleanReport
 from ops.gpus import GpuState, Holder
 from ops.secret_env import redact
+from ops.summary import provenance_facts, schema_note
 
 STYLE = {"protected": "green", "server": "yellow", "orphan": "red"}
 
@@ -152,6 +153,13 @@ def print_fanout(console: Console, merged: dict, local_dir) -> None:
                       + (f"; missing {shown}" if missing else "")
                       + (f"; ranks with unknown state {tot['unknown_ranks']}" if tot["unknown_ranks"] else "")
                       + "; run the same command again to redo only those hosts")
+    differ = tot.get("provenance_disagree") or []
+    if differ:
+        console.print(f"[yellow]the hosts' outputs were not made alike: they differ in {', '.join(differ)}[/] "
+                      "(each host's summary.json says how it was made)")
+    for h in merged["hosts"]:
+        if h.get("schema_note"):
+            console.print(f"[yellow]{escape(h['host'])}: {escape(h['schema_note'])}[/]")
 
 
 def print_checks(console: Console, checks, title: str = "preflight") -> None:
@@ -179,6 +187,12 @@ def print_summary(console: Console, summary: dict | None, exit_code: int | None,
             if k != "checks" and (v is None or isinstance(v, (str, int, float, bool))):
                 t.add_row(k, "", str(v))
         console.print(t)
+        note = schema_note(summary)
+        facts = provenance_facts(summary)
+        if note:
+            console.print(f"[yellow]{note}[/]", markup=True)
+        elif any(facts.values()):
+            console.print("made by eagle-ops " + ", ".join(f"{k} {v}" for k, v in facts.items() if v), markup=False)
     colour = "green" if exit_code == 0 else "red"
     console.print(f"[{colour}]stage exit code {exit_code}[/]")
 

@@ -25,6 +25,8 @@ LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST = "eagle-ops.run-id", "eagle-ops.s
 LABEL_PREFLIGHT = "eagle-ops.preflight"  # a stage's preflight container (not a stage container: no run-id label)
 DATA, MODEL, CACHE = "/data", "/model", "/cache"
 AUTO_USER = "auto"  # placeholder until preflight knows the data root's owner (resolve_user)
+# read by pipeline/provenance.py (same name there): the image digest an output was made in
+IMAGE_DIGEST_ENV = "EAGLE_OPS_IMAGE_DIGEST"
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,17 @@ def resolve_user(plan: StagePlan, uid: int, gid: int) -> StagePlan:
     if plan.docker_run[plan.docker_run.index("--user") + 1] != AUTO_USER:
         return plan
     return dataclasses.replace(plan, docker_run=resolved(plan.docker_run), preflight_run=resolved(plan.preflight_run))
+
+
+def with_image_digest(plan: StagePlan, image: str, digest: str | None) -> StagePlan:
+    """The stage container is told the digest of the image it runs in (``IMAGE_DIGEST_ENV``), which the
+    pipeline records in every output's provenance; nothing changes when the digest is unknown."""
+    if not digest or image not in plan.docker_run:
+        return plan
+    argv = list(plan.docker_run)
+    i = argv.index(image)
+    argv[i:i] = ["--env", f"{IMAGE_DIGEST_ENV}={digest}"]
+    return dataclasses.replace(plan, docker_run=tuple(argv))
 
 
 def logs_argv(container: str) -> tuple[str, ...]:

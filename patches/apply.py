@@ -272,7 +272,8 @@ def load_patches(patches_root: Path, inst: Installed) -> list[Patch]:
         have = sorted(p.name for p in (patches_root / inst.package).glob("*") if p.is_dir())
         raise PatchError(
             f"{inst.dist} {inst.version} is installed in {inst.site}, but patches exist only for "
-            f"{inst.package} {', '.join(have) or '(none)'}: install {PACKAGES[inst.package][0]}=={have[-1] if have else 'X'}"
+            f"{inst.package} {', '.join(have) or '(none)'}: add {folder} (docs/vllm.md: adding a patch set) "
+            f"or install {PACKAGES[inst.package][0]}=={have[-1] if have else 'X'}"
         )
     patches = [Patch(p) for p in sorted(folder.glob("*.patch"))]
     if not patches and not (folder / NO_PATCHES_NOTE).is_file():

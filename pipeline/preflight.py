@@ -272,12 +272,26 @@ def check_prepared(prepared: Path, model: ModelDir) -> Iterator[CheckResult]:
         yield ok("vocab files", f"draft vocab {len(d2t)} of target vocab {len(t2d)}, d2t/t2d consistent")
 
 
+def cuda_usable(devices: int) -> CheckResult:
+    """GPUs that NVML lists are usable by this torch: a driver older than torch's CUDA (vLLM 0.32's PyPI build is
+    CUDA 13.0: driver >= 580) lists the GPUs and then fails every CUDA call, after the server was stopped."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ok("cuda", f"{devices} GPU(s), torch {torch.__version__} (CUDA {torch.version.cuda})")
+    return fail("cuda", f"{devices} GPU(s) listed by NVML but torch {torch.__version__} (CUDA {torch.version.cuda}) "
+                        "cannot use them: the NVIDIA driver is older than this CUDA build (CUDA 13.x needs a driver "
+                        ">= 580); update the driver or use an image built for the driver's CUDA")
+
+
 def check_parallel(cfg: PreflightConfig, model: ModelDir, text: dict) -> Iterator[CheckResult]:
     if cfg.backend != "vllm":
         return
     from pipeline.backends.vllm import visible_device_count
 
     devices = visible_device_count()
+    if devices:
+        yield cuda_usable(devices)
     tp = cfg.tensor_parallel_size or max(1, devices)
     heads = int(text.get("num_attention_heads", 0) or 0)
     kv_heads = int(text.get("num_key_value_heads", heads) or heads)
@@ -384,7 +398,7 @@ def patch_status(package: str) -> CheckResult:
         inst = apply.find_installed(package, None)
         current, text = apply.status(inst, apply.load_patches(PATCHES_DIR, inst))
     except Exception as exc:  # noqa: BLE001 - PatchError and anything else: the finding
-        return fail(f"{package} patches", f"{str(exc).splitlines()[0][:300]}")
+        return fail(f"{package} patches", f"{str(exc).splitlines()[0][:500]}")
     if not current:
         return fail(f"{package} patches", f"{text} (run `python patches/apply.py`)")
     return ok(f"{package} patches", text)

@@ -122,7 +122,10 @@ def test_remote_extract_end_to_end(scene, extracted):
     summary = json.loads((local / "summary.json").read_text())
     assert summary["checks"] and all(c["status"] == "ok" for c in summary["checks"])
     assert "OK (0 failed checks)" in (local / "stage.log").read_text()
-    assert json.loads((local / "run.json").read_text())["exit_code"] == 0
+    run = json.loads((local / "run.json").read_text())
+    assert run["exit_code"] == 0
+    # the stage recorded the image it ran in: the digest ops read from the engine, through the container's env
+    assert run["image_digest"] and summary["provenance"]["image_digest"] == run["image_digest"]
     assert sorted(p.name for p in (scene["data"] / "hidden_states").glob("data_*.pt")) == [f"data_{i}.pt" for i in range(6)]
     scene["server"].reload()
     assert scene["server"].status == "running"

@@ -219,6 +219,7 @@ def test_a_vllm_without_a_patch_set_is_named(tiny_llama, unpatched_overlay, tmp_
     assert result.returncode == 3, result.stdout + result.stderr
     line = next(ln for ln in result.stdout.splitlines() if "vllm patches" in ln)
     assert "fail" in line and "0.33.0" in line and "patches exist only for vllm 0.32.0" in line
+    assert "add " in line and "patches/vllm/0.33.0" in line  # the folder to add, named
 
 
 def test_old_vllm_versions_fail_what_they_cannot_do(tiny_llama, deepseek_for_vllm, unpatched_overlay, tmp_path):

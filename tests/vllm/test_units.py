@@ -138,3 +138,17 @@ def test_expected_output_bytes():
 
     assert expected_output_bytes(1000, 10, 256, "bfloat16") == 1000 * (4 * 256 * 2 + 16) + 10 * 2048
     assert expected_output_bytes(1000, 10, 256, "float32") == 1000 * (4 * 256 * 4 + 16) + 10 * 2048
+
+
+def test_cuda_usable_names_a_driver_older_than_torchs_cuda(monkeypatch):
+    """GPUs listed by NVML that torch cannot use (an old driver under a CUDA 13 build) fail 'cuda' naming the
+    driver; usable ones pass. (No GPU host with an old driver exists here: torch's answer is stood in.)"""
+    import torch
+
+    from pipeline.preflight import cuda_usable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = cuda_usable(8)
+    assert result.failed and "8 GPU(s) listed by NVML" in result.detail and "driver >= 580" in result.detail
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not cuda_usable(8).failed
