@@ -6,8 +6,8 @@ batches, forward hooks on 4 layers, no lm_head, background writers). Both write 
 Prints a markdown table and writes JSON with every figure, the decoder roofline (bench/roofline.py) among them;
 exits non-zero when ours is further from an fp32 run of the checkpoint than the naive way.
 
-    python bench/extract_bench.py --preset tiny            # CPU, tiny model
-    python bench/extract_bench.py --preset llama-1b        # GPU, ~1B random Llama, seq 2048
+    python -m bench.extract_bench --preset tiny            # CPU, tiny model
+    python -m bench.extract_bench --preset llama-1b        # GPU, ~1B random Llama, seq 2048
 """
 
 from __future__ import annotations

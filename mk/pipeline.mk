@@ -1,6 +1,6 @@
 .PHONY: bench-extract
 bench-extract: env ## extract throughput: ours vs naive, side by side (CPU here; --preset llama-1b on a GPU)
-	$(PY) bench/extract_bench.py --preset tiny $(BENCH_ARGS)
+	$(PY) -m bench.extract_bench --preset tiny $(BENCH_ARGS)
 
 .PHONY: bench-scaling bench-verify
 bench-scaling: env ## extract --data-parallel 1 vs 2 (+ dd, verify, naive loop); on a GPU host: BENCH_ARGS="--preset llama-1b --samples 1024 --sweep 1,2,1,2"

@@ -4,7 +4,7 @@ Owns the signature of one captured layer (the log of its median per-token RMS, a
 the set's reference profile (built from a sample of the set's own files: element-wise medians, so one bad
 file in the sample does not move it), and the per-file findings that a reference makes possible:
 
-* out of order: a tensor whose signature is clearly nearer another layer's than its own position's
+* out of order: the file's tensors fit the set's layers clearly better in another order than their own
   (swapped layers, or layers written in another order);
 * dropped: a file with fewer tensors than layer ids: which layer id is missing (each present tensor is
   matched to its nearest layer, in order);
@@ -26,6 +26,10 @@ import torch
 
 SCALE_FACTOR = 4.0  # a layer's RMS this many times above or below the set's is a finding
 ORDER_MARGIN = 0.05  # how much nearer another layer's profile a tensor must be to count as out of order
+# ...and how much of its in-order distance the best reordering of a file's tensors must save: single tensors
+# of an intact file are often nearer a neighbouring layer (a random or shallow model's adjacent layers look
+# alike), so only a whole reordering that fits clearly better is a finding
+ORDER_GAIN = 0.25
 MIN_TOKENS = 16  # shorter files are not judged for order
 MIN_REFERENCE_FILES = 3
 
@@ -76,17 +80,22 @@ def distance(x: LayerStats, ref: Reference, k: int) -> float:
 
 
 def order_problem(stats: list[LayerStats], ref: Reference, tokens: int) -> str | None:
-    """Which positions hold another layer's states, or None when every tensor is nearest its own layer."""
-    if tokens < MIN_TOKENS or len(stats) != len(ref.layer_ids):
+    """Which positions hold another layer's states, or None: the assignment of the file's tensors to the set's
+    layers with the least total distance, when it is not the file's own order and saves at least ORDER_GAIN
+    of the in-order distance (and ORDER_MARGIN)."""
+    from itertools import permutations
+
+    n = len(ref.layer_ids)
+    if tokens < MIN_TOKENS or len(stats) != n or n > 8:
         return None
-    wrong = []
-    for j, x in enumerate(stats):
-        d = [distance(x, ref, k) for k in range(len(ref.layer_ids))]
-        best = min(range(len(d)), key=d.__getitem__)
-        if best != j and d[j] - d[best] > ORDER_MARGIN:
-            wrong.append(f"hidden_states[{j}] (layer {ref.layer_ids[j]}) looks like layer {ref.layer_ids[best]}")
-    if not wrong:
+    d = [[distance(x, ref, k) for k in range(n)] for x in stats]
+    in_order = sum(d[j][j] for j in range(n))
+    best = min(permutations(range(n)), key=lambda perm: sum(d[j][perm[j]] for j in range(n)))
+    cost = sum(d[j][best[j]] for j in range(n))
+    if not math.isfinite(in_order) or cost > in_order - max(ORDER_MARGIN, ORDER_GAIN * in_order):
         return None
+    wrong = [f"hidden_states[{j}] (layer {ref.layer_ids[j]}) looks like layer {ref.layer_ids[best[j]]}"
+             for j in range(n) if best[j] != j]
     return "; ".join(wrong) + ": layers swapped or out of order"
 
 

@@ -128,3 +128,29 @@ def test_shifted_token_is_named_by_the_spot_recomputation(states, tiny_llama):
     assert bad["status"] == "fail"
     assert "hidden_states[0] (layer 2) matches the recomputation shifted by +1 token" in bad["detail"]
     assert all(c["status"] == "ok" for c in recomputed.values())
+
+
+def test_layer_order_ignores_neighbours_an_intact_file_cannot_tell_apart():
+    """A tensor a little nearer its neighbouring layer's profile (adjacent layers of a shallow random model look
+    alike: seen as a false 'layers swapped' on an intact set) is no finding; a first/last swap still is."""
+    import torch
+
+    from pipeline import layer_profile as lp
+
+    torch.manual_seed(0)
+    base = [torch.randn(64) for _ in range(3)]
+    means = [base[0], base[1], base[1] + 0.3 * base[2], base[2]]  # layers 1 and 2 alike
+
+    def stats(vectors, noise):
+        return [lp.LayerStats(float(j) * 0.2, v + noise * torch.randn(64)) for j, v in enumerate(vectors)]
+
+    ref = lp.build_reference([stats(means, 0.3) for _ in range(8)], [2, 4, 5, 7])
+    blurred = stats(means, 0.3)
+    blurred[1] = lp.LayerStats(0.4, means[2] + 0.3 * torch.randn(64))  # layer 4's tensor looks like layer 5's
+    d = [lp.distance(blurred[1], ref, k) for k in range(4)]
+    assert d[2] < d[1] - lp.ORDER_MARGIN  # what the per-tensor rule flagged
+    assert lp.order_problem(blurred, ref, tokens=64) is None
+    intact = stats(means, 0.3)
+    swapped = [intact[3], intact[1], intact[2], intact[0]]
+    problem = lp.order_problem(swapped, ref, tokens=64)
+    assert problem and "hidden_states[0] (layer 2) looks like layer 7" in problem
