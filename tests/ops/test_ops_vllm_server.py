@@ -120,8 +120,9 @@ def test_container_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mo
     # vllm._C needs libnuma, which the minimal test base lacks: lend the host's (same Debian 12)
     volumes["/usr/lib/x86_64-linux-gnu/libnuma.so.1.0.0"] = {"bind": "/usr/lib/x86_64-linux-gnu/libnuma.so.1", "mode": "ro"}
     cmd = " ".join(serve_argv(str(VLLM), tiny_model, port))
+    # vLLM 0.32's engine needs 160 MiB of shared memory for its message queue; docker's default /dev/shm is 64 MiB
     ctr = dk.containers.run(image, ["sh", "-c", cmd], name=name, detach=True, network_mode="host", environment=ENV,
-                            volumes=volumes, labels={"eagle-ops-test": "1"})
+                            volumes=volumes, labels={"eagle-ops-test": "1"}, shm_size="512m")
     try:
         def running() -> bool:
             ctr.reload()
