@@ -152,7 +152,9 @@ def test_two_hosts_write_one_verified_set(hosts, tmp_path, servers):
     assert "all 2 shards complete" in res.stdout
     together = tmp_path / "together"
     shutil.copytree(tmp_path / f"disk-{A}" / "hidden_states", together)
-    for p in (tmp_path / f"disk-{B}" / "hidden_states").glob("data_*.pt"):
+    # a merged set carries every host's files and its checksum index (docs/ops.md: merging hosts)
+    for p in [*(tmp_path / f"disk-{B}" / "hidden_states").glob("data_*.pt"),
+              *(tmp_path / f"disk-{B}" / "hidden_states").glob("checksums*.json")]:
         shutil.copy(p, together / p.name)
     check = subprocess.run([sys.executable, "-m", "pipeline", "verify", str(together)], cwd=REPO,
                            capture_output=True, text=True)
