@@ -67,7 +67,8 @@ def test_stop_and_restore_plans_are_exact_argv():
         "systemctl", "start", "vllm.service")
     group = ServerFacts("pidfile", pgid=77, members=(77, 78))
     step = plan_stop(_host("pidfile:/run/v.pid"), group).steps[0]
-    assert step.agent == {"op": "terminate", "targets": [], "groups": [77], "grace": 42, "kill_wait": 5.0}
+    assert step.agent == {"op": "terminate", "targets": [], "groups": [77], "grace": 42, "kill_wait": 5.0,
+                          "spare_ssh_session": True}  # ops' own processes on the host are never signalled
     start = plan_restore(_host("pidfile:/run/v.pid", server_start=("/opt/v/serve.sh", "a b")), ServerFacts("pidfile"))
     assert start[0].argv == ("sh", "-c", START_WATCH, "sh", "/opt/v/serve.sh", "a b")
     assert plan_stop(_host("container:vllm"), ServerFacts("container", ("c1",))).steps == ()
