@@ -61,13 +61,19 @@ def read_model_dir(path: Path | str) -> ModelDir:
 
 
 def decoder_layers_in(names: list[str]) -> tuple[str, set[int]]:
-    """The decoder's name prefix (the one of its top-level embed_tokens) and the layer numbers that have
-    weights under it; vision towers and other modules' layers are not counted."""
-    embeds = sorted((n for n in names if n.endswith("embed_tokens.weight") and ".layers." not in n),
-                    key=lambda n: (len(n), n))
-    prefix = embeds[0][: -len("embed_tokens.weight")] if embeds else ""
-    pattern = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
-    return prefix, {int(m.group(1)) for n in names if (m := pattern.match(n))}
+    """The decoder's name prefix (of the embed_tokens with the most numbered layers beside it; ties: the
+    shortest name) and the layer numbers that have weights under it; vision towers and other modules'
+    layers are not counted (a wrapper's vision tower may have an embed_tokens of its own)."""
+    def layers_under(prefix: str) -> set[int]:
+        pattern = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
+        return {int(m.group(1)) for n in names if (m := pattern.match(n))}
+
+    prefixes = [n[: -len("embed_tokens.weight")] for n in names if n.endswith("embed_tokens.weight") and ".layers." not in n]
+    if not prefixes:
+        return "", layers_under("")
+    found = {p: layers_under(p) for p in prefixes}
+    prefix = min(found, key=lambda p: (-len(found[p]), len(p), p))
+    return prefix, found[prefix]
 
 
 def check_checkpoint(model: ModelDir, names: list[str] | None = None) -> None:

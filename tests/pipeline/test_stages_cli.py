@@ -200,7 +200,7 @@ def test_weights_reads_three_tensors_and_handles_tied_and_wrapped_models(tmp_pat
 
     wrapped = tmp_path / "wrapped"
     wrapped.mkdir()
-    cfg = json.loads((tiny_llama / "config.json").read_text())
+    cfg = {**json.loads((tiny_llama / "config.json").read_text()), "num_hidden_layers": 1}  # the one layer below
     (wrapped / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": cfg,
                                                      "tie_word_embeddings": True}))
     shard1 = {"language_model.model.embed_tokens.weight": src["model.embed_tokens.weight"],
