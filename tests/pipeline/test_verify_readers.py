@@ -7,6 +7,7 @@ import os
 from concurrent import futures
 
 import pytest
+import torch
 
 from pipeline import formats, verify
 from pipeline.verify import VerifyConfig, available_memory, default_workers
@@ -34,8 +35,11 @@ def test_verify_reads_with_the_bounded_count(monkeypatch, tmp_path):
     out = tmp_path / "hs"
     out.mkdir()
     dc = formats.DataConfig(model="m", layer_ids=[0, 1, 2, 3], num_layers=4, hidden_size=8, dtype="bfloat16",
-                            num_samples=0, seq_length=16, prepared="", backend="hf")
+                            num_samples=1, seq_length=16, prepared="", backend="hf")
     formats.write_data_config(out, dc)
+    # one file: a set that selects none is a failed check before any reader starts
+    formats.write_sample(formats.data_file(out, 0), torch.arange(4), [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(4)],
+                         torch.ones(4, dtype=torch.int64))
     per_file = 16 * 8 * 4 * 2
     monkeypatch.setattr(verify, "available_memory", lambda: 4 * per_file * 2)  # room for two buffers
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
