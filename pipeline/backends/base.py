@@ -34,7 +34,6 @@ class BackendOptions:
     packed: bool | None = None  # hf: samples end to end in one row, varlen attention; None = on a GPU only
     compile: bool | None = None  # hf: torch.compile each decoder layer; None = on a GPU, for long runs
     planned_tokens: int | None = None  # tokens the run will capture (None: unknown), for the compile decision
-    cache_dir: Path | None = None
     enforce_eager: bool = False  # vllm only: no CUDA graphs / torch.compile (faster start, slower loop)
     scratch_dir: Path | None = None  # vllm only: where the engine's per-request files wait to be read
 
