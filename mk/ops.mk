@@ -35,7 +35,7 @@ bench-ops: env ## remote-extract overhead and SSH connection count against a loo
 	$(PY) tests/ops/bench_ops.py
 
 .PHONY: test-ops-vllm
-test-ops-vllm: env env-vllm ## ops against a real `vllm serve` (needs .venv-vllm: make env-vllm)
+test-ops-vllm: env patch-vllm ## ops against a real `vllm serve` (.venv-vllm with patches/ applied: 0003 lets `vllm` start)
 	$(PY) -m pytest -m vllm tests/ops $(PYTEST_ARGS)
 
 test: test-ops-vllm

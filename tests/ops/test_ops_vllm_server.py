@@ -39,11 +39,12 @@ def serve_argv(vllm: str, model: Path, port: int) -> list[str]:
             "--enforce-eager", "--dtype", "float32"]
 
 
-def wait_ready(port: int, proc_alive, timeout: float = 400, complete: bool = True) -> None:
-    """Until the OpenAI API lists the model and (if `complete`) answers one completion."""
+def wait_ready(port: int, proc_alive, log_tail, timeout: float = 400, complete: bool = True) -> None:
+    """Until the OpenAI API lists the model and (if `complete`) answers one completion. `log_tail()` is the
+    server's last output, shown when it dies during start-up (CI has only this to go on)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc_alive(), "vllm serve exited during start-up"
+        assert proc_alive(), "vllm serve exited during start-up; its last output:\n" + log_tail()
         try:
             models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5))
             if not complete:
@@ -84,12 +85,13 @@ def test_pidfile_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mode
     """vllm serve's API process is SIGKILLed, its EngineCore lives on re-parented in the process group;
     stop-server by pid file ends every member of the group."""
     port = free_port()
-    log = (tmp_path / "serve.log").open("w")
+    log_path = tmp_path / "serve.log"
+    log = log_path.open("w")
     api = subprocess.Popen(serve_argv(str(VLLM), tiny_model, port), stdout=log, stderr=subprocess.STDOUT,
                            start_new_session=True, env={**__import__("os").environ, **ENV})
     try:
         (tmp_path / "vllm.pid").write_text(str(api.pid))
-        wait_ready(port, lambda: api.poll() is None)
+        wait_ready(port, lambda: api.poll() is None, lambda: log_path.read_text()[-4000:])
         engine = [pid for pid, (comm, _) in group(api.pid).items() if comm.startswith("VLLM::EngineCor")]
         assert engine, group(api.pid)
         api.send_signal(signal.SIGKILL)
@@ -130,7 +132,7 @@ def test_container_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mo
 
         # models listed, no completion: the engine's first step compiles with g++, which the minimal
         # test base image lacks (the engine would die of it, and the point is that it lives on)
-        wait_ready(port, running, complete=False)
+        wait_ready(port, running, lambda: ctr.logs(tail=40).decode(errors="replace"), complete=False)
         top = {int(p[1]): p[-1] for p in dk.api.top(name, ps_args="-eo pid,pid,comm")["Processes"]}
         api = [pid for pid, comm in top.items() if comm == "vllm"]
         engine = [pid for pid, comm in top.items() if comm.startswith("VLLM::EngineCor")]
