@@ -93,6 +93,7 @@ RUN python /opt/eagle-ops/patches/apply.py \
 
 FROM patched AS runtime
 COPY docker/ /opt/eagle-ops/docker/
+COPY contract/ /opt/eagle-ops/contract/
 COPY pipeline/ /opt/eagle-ops/pipeline/
 ENV PYTHONPATH=/opt/eagle-ops
 WORKDIR /opt/eagle-ops

@@ -45,5 +45,5 @@ bench-remote-preflight: env ## remote-extract on a misconfigured run: seconds fr
 	$(PY) bench/remote_preflight_bench.py --json-out runs/remote_preflight_bench.json $(BENCH_ARGS)
 
 .PHONY: compose-file
-compose-file: ## rewrite compose.yaml from ops' stage table (ops/stage.py STAGES)
+compose-file: ## rewrite compose.yaml from the stage table (contract/stages.py STAGES)
 	$(PY) -m ops.composefile --write

@@ -1,7 +1,7 @@
-"""compose.yaml, rendered from ops' stage table, so that both run the same stages the same way.
+"""compose.yaml, rendered from the stage table (contract/stages.py): both run the same stages alike.
 
 Owns the text of compose.yaml: the inference server and one service per pipeline stage (plus the extract
-preflight), each with the command, mounts, environment and GPUs of ops.stage's table (STAGES,
+preflight), each with the command, mounts, environment and GPUs of the stage table (STAGES,
 stage_mounts, container_env, privilege defaults). `python -m ops.composefile --write` rewrites the file;
 tests/ops/test_ops_compose.py fails when the committed file and this rendering (or ops' plans) differ.
 Compose cannot look into the image, so extract's backend is `${EXTRACT_BACKEND:-vllm}` (the project's
@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
         return 0
     if argv == ["--check"]:
         if COMPOSE_FILE.read_text() != text:
-            print(f"error: {COMPOSE_FILE} differs from ops' stage table; run `python -m ops.composefile --write`",
+            print(f"error: {COMPOSE_FILE} differs from the stage table; run `python -m ops.composefile --write`",
                   file=sys.stderr)
             return 1
         return 0

@@ -24,15 +24,16 @@ from typing import Callable, Iterable, Mapping
 
 from rich.console import Console
 
+from contract.shards import shard
+from contract.summary import disagreements, provenance_facts, schema_note
 from ops.errors import EXIT_HOSTS_FAILED, EXIT_INTERRUPTED, ConfigError, OpsError
 from ops.hosts import HostConfig
 from ops.interrupts import interrupt_thread
+from ops.layout import known
 from ops.remote_run import remote_run
 from ops.runstate import run_dir, write_json
 from ops.secret_env import available, env_file_text
-from ops.layout import known
 from ops.stage import StagePlan, new_run_id, plan_stage
-from ops.summary import disagreements, provenance_facts, schema_note
 
 SHARDED = ("extract", "verify")  # stages whose pipeline command takes --world-size/--rank
 KIND = "fanout"  # runs/<run-id>/summary.json of a multi-host run says so
@@ -109,7 +110,7 @@ def shard_complete(summary: dict | None, world_size: int, rank: int) -> bool:
     samples = stats.get("samples")
     if not isinstance(samples, int) or stats.get("missing"):
         return False
-    return stats.get("files") == len(range(rank, samples, world_size))
+    return stats.get("files") == len(shard(samples, rank, world_size))
 
 
 def plan_fanout(hosts: list[HostConfig], stage: str, *, run_id: str | None, extra: Iterable[str] = (),

@@ -11,11 +11,12 @@ import json
 import shlex
 from dataclasses import dataclass
 
+from contract import sizes
 from ops.connection import Runner
 from ops.gpus import GpuState
 from ops.hosts import HostConfig
 from ops.layout import flag_value
-from ops.stage import StagePlan, expected_output_bytes, host_path, stage_containers_argv
+from ops.stage import StagePlan, host_path, stage_containers_argv
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -113,17 +114,17 @@ def _disk_check(meta: dict | None, config: dict | None, free: int, stage_argv: t
     if not hidden or not tokens:
         return CheckResult("disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no hidden_size/num_tokens)")
     # float32 only when asked for (auto is bf16 on a GPU); a host of --world-size N writes about 1/N
-    width = 4 if flag_value(stage_argv, "--dtype") == "float32" else 2
+    dtype = flag_value(stage_argv, "--dtype")
     try:
         world = max(1, int(flag_value(stage_argv, "--world-size") or 1))
     except ValueError:
         world = 1
-    need = expected_output_bytes(int(tokens), int(hidden), bytes_per_value=width) // world
+    need = sizes.hidden_states_bytes(int(tokens), int(meta.get("num_samples") or 0), int(hidden), dtype, world)
     ok = free >= need
     share = f" / {world} hosts" if world > 1 else ""
     return CheckResult("disk", OK if ok else FAIL,
-                       f"need {need / 2**30:.3f} GiB ({tokens} tokens x {hidden} x 4 layers x {width} B{share}), "
-                       f"{free / 2**30:.1f} GiB free")
+                       f"need {need / 2**30:.3f} GiB ({tokens} tokens x {hidden} x 4 layers x {sizes.dtype_bytes(dtype)} B"
+                       f"{share}), {free / 2**30:.1f} GiB free")
 
 
 def _may(fact: dict, uid: int, gid: int, bit: int) -> bool:

@@ -13,10 +13,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from contract.summary import provenance_facts, schema_note
 from ops.clean import CleanPlan, CleanReport
 from ops.gpus import GpuState, Holder
 from ops.secret_env import redact
-from ops.summary import provenance_facts, schema_note
 
 STYLE = {"protected": "green", "server": "yellow", "orphan": "red"}
 

@@ -1,7 +1,7 @@
 """Stage container plans: what runs in the image, with which mounts, under which name and labels.
 
-Owns the per-stage defaults (container command, input and output folders under the data root), the run
-id, the stage container's privileges, and the exact `docker run` / `docker logs` / `docker wait` argv. Pure: running them is
+Owns, from the stage table (contract/stages.py: container command, input and output folders under the data
+root), the run id, the stage container's privileges, and the exact `docker run` / `docker logs` / `docker wait` argv. Pure: running them is
 ops.remote_run's job. Host paths are passed to docker as data (--mount fields, CSV-quoted), never
 interpolated into a shell string unquoted.
 """
@@ -16,6 +16,8 @@ import shlex
 import time
 from dataclasses import dataclass
 
+from contract.env import IMAGE_DIGEST_ENV
+from contract.stages import CACHE, DATA, MODEL, STAGES, StageSpec
 from ops import secret_env
 from ops.errors import ConfigError
 from ops.hosts import HostConfig, check_label
@@ -23,50 +25,9 @@ from ops.layout import Layout, flag_value, stage_flags
 
 LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST = "eagle-ops.run-id", "eagle-ops.stage", "eagle-ops.output", "eagle-ops.host"
 LABEL_PREFLIGHT = "eagle-ops.preflight"  # a stage's preflight container (not a stage container: no run-id label)
-DATA, MODEL, CACHE = "/data", "/model", "/cache"
 AUTO_USER = "auto"  # placeholder until preflight knows the data root's owner (resolve_user)
-# read by pipeline/provenance.py (same name there): the image digest an output was made in
-IMAGE_DIGEST_ENV = "EAGLE_OPS_IMAGE_DIGEST"
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    """A stage's defaults, paths relative to the data root. The one source of both ops' plans and
-    compose.yaml's stage services (ops.composefile renders them from this table)."""
-
-    inputs: tuple[str, ...]  # must exist on the host before the run
-    output: str  # the folder the stage writes (and summary.json lands in)
-    args: tuple[str, ...]  # `python -m pipeline STAGE ARGS` (container paths)
-    verify_after: bool  # run `pipeline verify OUTPUT` after the stage (extract verifies itself)
-    uses_model: bool = True
-    gpus: bool = True  # the container gets the host's GPUs (docker --gpus, compose device reservation)
-    layout: bool = False  # takes the host's parallel layout (ops.layout): --backend, --tensor-parallel-size ...
-    # what runs inside the image before anything on the host is stopped (preflight_script):
-    # "args": `pipeline check-args` of the exact argv; "model": that and `pipeline preflight` of the model
-    # (config, checkpoint headers, tokenizer, chat template); "extract": that and the full extraction preflight
-    preflight: str = "args"
-    # check names that refuse the run ("" = every failed check); others are reported as warnings
-    fatal: tuple[str, ...] = ()
-    compose_vars: tuple[tuple[str, str, str], ...] = ()  # (argv word, compose variable, its default)
-
-
-STAGES: dict[str, StageSpec] = {
-    "prepare": StageSpec(("conversations.jsonl",), "prepared",
-                         ("--data", f"{DATA}/conversations.jsonl", "--model", MODEL, "--out", f"{DATA}/prepared"), False,
-                         gpus=False, preflight="model",
-                         # prepare reads config, tokenizer and chat template, never the checkpoint
-                         fatal=("arguments", "model config", "tokenizer", "chat template", "stage preflight"),
-                         compose_vars=((f"{DATA}/conversations.jsonl", "PREPARE_DATA", f"{DATA}/conversations.jsonl"),)),
-    "extract": StageSpec(("prepared",), "hidden_states",
-                         ("--prepared", f"{DATA}/prepared", "--model", MODEL, "--out", f"{DATA}/hidden_states",
-                          "--no-progress"), False, layout=True, preflight="extract"),
-    "weights": StageSpec((), "verifier", ("--model", MODEL, "--out", f"{DATA}/verifier"), True, gpus=False),
-    "train": StageSpec(("hidden_states", "verifier", "prepared"), "train",
-                       ("--data", f"{DATA}/hidden_states", "--verifier", f"{DATA}/verifier", "--prepared",
-                        f"{DATA}/prepared", "--model", MODEL, "--out", f"{DATA}/train"), True),
-    "verify": StageSpec(("hidden_states",), "hidden_states", (f"{DATA}/hidden_states",), False, uses_model=False,
-                        compose_vars=((f"{DATA}/hidden_states", "VERIFY_PATH", f"{DATA}/hidden_states"),)),
-}
 PREFLIGHT_FLAGS = ("--model", "--prepared", "--out", "--backend", "--layer-ids", "--tensor-parallel-size", "--dtype")
 
 
@@ -308,6 +269,3 @@ def stage_containers_argv() -> tuple[str, ...]:
             "{{.Names}}\t{{.State}}\t{{.Label \"" + LABEL_RUN + "\"}}")
 
 
-def expected_output_bytes(num_tokens: int, hidden_size: int, layers: int = 4, bytes_per_value: int = 2) -> int:
-    """Hidden states on disk: samples x tokens (= all tokens) x hidden x 4 layers x 2 bytes (bf16)."""
-    return num_tokens * hidden_size * layers * bytes_per_value

@@ -14,9 +14,7 @@ import json
 from pathlib import Path
 
 from pipeline.checks import Summary, check, fail, ok, warn
-
-TRAIN_CONFIG = "train_config.json"
-EVAL = "eval.json"
+from pipeline.train_files import EVAL, TRAIN_CONFIG
 
 
 def resolve(path: Path) -> tuple[Path, Path | None]:

@@ -28,7 +28,7 @@ COMMANDS = {
     "verify": "pipeline.verify:command",
     "preflight": "pipeline.preflight:command",
     "train": "pipeline.train_cli:command",
-    "demo-assets": "pipeline.tiny:command",
+    "demo-assets": "pipeline.demo:assets_command",
     "check-args": "pipeline.argcheck:command",
 }
 

@@ -1,7 +1,9 @@
 """``make demo``: the whole pipeline on a built-in tiny model, from nothing, in a few minutes on a CPU.
 
-Owns only the sequence of stage invocations and their arguments for the demo; every stage runs through
-its real command line (``python -m pipeline ...``) in a subprocess, exactly as an operator would run it.
+Owns the sequence of stage invocations and their arguments for the demo (every stage runs through its
+real command line, ``python -m pipeline ...``, in a subprocess, exactly as an operator would run it) and
+``pipeline demo-assets``, which builds the demo's model and conversations (pipeline/tiny.py for the random
+kinds, pipeline/learned.py for the learned one).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import time
 from pathlib import Path
 
 import click
+
+from contract.stages import STAGES
+from pipeline import learned, tiny
 
 
 def stage(args: list[str]) -> None:
@@ -26,7 +31,9 @@ def stage(args: list[str]) -> None:
 
 
 def steps(work: Path, kind: str, samples: int, seq_length: int, train: bool) -> list[list[str]]:
-    assets, prepared, states, verifier, draft = (work / n for n in ("assets", "prepared", "hidden_states", "verifier", "draft"))
+    # the host's layout (contract/stages.py): what ops and compose would name each stage's output
+    assets = work / "assets"
+    prepared, states, verifier, draft = (work / STAGES[s].output for s in ("prepare", "extract", "weights", "train"))
     model = assets / "model"
     plan = [
         ["demo-assets", "--out", str(assets), "--kind", kind, "--conversations", str(samples)],
@@ -45,6 +52,25 @@ def steps(work: Path, kind: str, samples: int, seq_length: int, train: bool) -> 
                      "--lr", "1e-3"])
         plan.append(["verify", str(draft)])
     return plan
+
+
+@click.command("demo-assets")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Directory to create.")
+@click.option("--kind", type=click.Choice([*tiny.KINDS, "learned"]), default="llama", show_default=True,
+              help="learned: a Llama trained for --train-seconds on the stdlib's sources (pipeline/learned.py).")
+@click.option("--conversations", type=int, default=300, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--train-seconds", type=float, default=60.0, show_default=True, help="Training time of --kind learned.")
+def assets_command(out_dir: Path, kind: str, conversations: int, seed: int, train_seconds: float) -> None:
+    """Build a tiny model (OUT/model) and conversations (OUT/conversations.jsonl) for it."""
+    if kind == "learned":
+        learned.build_learned_model(out_dir / "model", seconds=train_seconds, seed=seed)
+        learned.write_conversations(out_dir / "conversations.jsonl", conversations, seed)
+        click.echo(f"wrote {out_dir / 'model'} and {out_dir / 'conversations.jsonl'}")
+        return
+    tiny.build_tiny_model(kind, out_dir / "model", seed=seed)
+    tiny.write_conversations(out_dir / "conversations.jsonl", conversations, seed)
+    click.echo(f"wrote {out_dir / 'model'} and {out_dir / 'conversations.jsonl'}")
 
 
 @click.command()

@@ -177,7 +177,8 @@ def draft_vocab_coverage(samples: HeldOut, t2d: torch.Tensor, k: int) -> float:
 def evaluate_run(cfg: EvalConfig, inputs) -> dict:
     """Measure the exported draft of a train run and the baselines on its held-out samples."""
     from pipeline import draft as draft_mod
-    from pipeline.train import DRAFT, VERIFIER_VIEW, seed_everything
+    from pipeline.train_data import seed_everything
+    from pipeline.train_files import DRAFT, VERIFIER_VIEW
 
     device = torch.device(cfg.device)
     k = int(cfg.k)

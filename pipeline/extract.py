@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 import torch
 
+from contract.shards import shard
 from pipeline import formats, provenance
 from pipeline.atomic import remove_partials
 from pipeline.backends import BACKENDS, Backend, BackendOptions, get_backend
@@ -96,7 +97,7 @@ def pending_batches(batches: list[Batch], done: set[int]) -> list[Batch]:
 
 def shard_indices(num_samples: int, world_size: int, rank: int) -> list[int]:
     """The samples a host owns: i % world_size == rank. Any host count yields one contiguous set."""
-    return list(range(rank, num_samples, world_size))
+    return list(shard(num_samples, rank, world_size))
 
 
 def plan_shard(lengths: Sequence[int], world_size: int, rank: int, max_batch_tokens: int, max_batch_size: int) -> list[Batch]:

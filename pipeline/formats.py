@@ -30,11 +30,9 @@ and the journals (a journal line appended after an index wins). Why an index and
 sidecar per file: one small file to copy and compare, no doubling of the file count of a million-sample
 set, and no per-file extra write; the journals exist only while a run is in progress or was interrupted.
 
-Summaries: every ``summary.json`` (verify's; train's through ``provenance.stamp``) carries
-``{"schema": "eagle-ops.summary", "schema_version": SUMMARY_SCHEMA_VERSION, "provenance": {...}}`` next to
-its stage keys; the provenance record's fields are listed in pipeline/provenance.py. Version 1 added
-``schema``, ``schema_version``, ``provenance`` and ``source_provenance`` (the checked output's own record)
-to the keys readers had before (kind, path, ok, stats, failures, checks), which are unchanged.
+Summaries: every ``summary.json`` (verify's; train's through ``provenance.stamp``) carries the header of
+contract/summary.py (schema and version, which ops reads too) and a ``provenance`` record next to its stage
+keys; the provenance record's fields are listed in pipeline/provenance.py.
 
 Nothing else in the project writes these files; this module does no computation beyond (de)serialising.
 """
@@ -59,8 +57,6 @@ from pipeline.atomic import atomic_path, write_json
 from pipeline.errors import StageError
 
 FORMAT_VERSION = 1
-SUMMARY_SCHEMA = "eagle-ops.summary"
-SUMMARY_SCHEMA_VERSION = 1
 CHECKSUM_SCHEMA = "eagle-ops.checksums"
 CHECKSUM_VERSION = 1
 

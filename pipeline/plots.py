@@ -78,7 +78,7 @@ def acceptance_bars(ev: dict, target: Path) -> Path:
 
 def draw_all(out: Path) -> list[Path]:
     """Draw every plot whose inputs exist in a train output dir; return the files written."""
-    from pipeline.train import EVAL, METRICS, read_metrics
+    from pipeline.train_files import EVAL, METRICS, read_metrics
 
     out = Path(out)
     written = []

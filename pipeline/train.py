@@ -45,15 +45,11 @@ from pipeline.atomic import write_json
 from pipeline.draft import TargetFacts, read_target_facts
 from pipeline.errors import StageError
 from pipeline.layers import NUM_CAPTURED, to_vllm_aux_ids, validate_layer_ids
+from pipeline.train_data import seed_everything
+from pipeline.train_files import (CHECKPOINTS, DRAFT, EVAL, METRICS, SUMMARY, TRAIN_CONFIG, VERIFIER_VIEW,  # noqa: F401
+                                  last_metrics, read_metrics)
 from pipeline.vocab import vocab_mapping_problems
 
-CHECKPOINTS = "checkpoints"
-DRAFT = "draft"
-VERIFIER_VIEW = "verifier"
-TRAIN_CONFIG = "train_config.json"
-METRICS = "metrics.jsonl"
-EVAL = "eval.json"
-SUMMARY = "summary.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FLEX_BLOCK = 128
 LOSS = "kl_div"  # speculators 0.9's default loss for EAGLE-3: KL(target || draft) per TTT step
@@ -305,14 +301,6 @@ def _barrier(rt: Runtime) -> None:
         torch.distributed.barrier()
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)  # noqa: NPY002
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
-
-
 class MetricsFile(logging.Handler):
     """Appends speculators' per-step metric records to metrics.jsonl (rank 0 only)."""
 
@@ -379,7 +367,11 @@ def _on_host(device: torch.device):
 
 
 def _trainer_class():
-    from speculators.train.checkpointer import SingleGPUCheckpointer, convert_float_dtype, load_safetensors_state_dict
+    from speculators.train.checkpointer import (
+        SingleGPUCheckpointer,
+        convert_float_dtype,
+        load_safetensors_state_dict,
+    )
     from speculators.train.trainer import Trainer
     from torch.nn.parallel import DistributedDataParallel
 
@@ -679,15 +671,3 @@ def _online(cfg: TrainConfig, inputs: TrainInputs, out: Path) -> dict:
     return online_eval.measure(ocfg, online_eval.prompts_of(inputs.eval_files, cfg.online_prompts), out / "online")
 
 
-def read_metrics(path: Path) -> list[dict]:
-    if not Path(path).is_file():
-        return []
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def last_metrics(path: Path) -> dict:
-    """The last training step's metrics and the last validation record."""
-    rows = read_metrics(path)
-    train = [r for r in rows if "train" in r]
-    val = [r for r in rows if "val" in r]
-    return {"last_train": train[-1] if train else None, "last_val": val[-1] if val else None, "steps": len(train)}

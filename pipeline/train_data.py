@@ -10,8 +10,10 @@ EAGLE-3 ``shift_batch`` (token t+1 against the states of token t). speculators 0
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pipeline import formats
@@ -75,3 +77,11 @@ def make_loader(files: list[Path], *, max_len: int, hidden_size: int, world_size
     return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory, collate_fn=collate,
                       persistent_workers=workers > 0)
 
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (all GPUs too): data order and initialisation repeat."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)

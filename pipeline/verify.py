@@ -23,6 +23,7 @@ import click
 import numpy as np
 import torch
 
+from contract.shards import shard
 from pipeline import formats, layer_profile, readers, recompute
 from pipeline.checks import CheckResult, Summary, check, fail, ok, render, warn
 from pipeline.errors import CheckFailed, StageError, require_range
@@ -373,7 +374,7 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
         s.checks.append(fail("data_config", str(exc)))
         return s
     s.checks.append(ok("data_config", f"{dc.num_samples} samples, layers {dc.layer_ids}, H={dc.hidden_size}, {dc.dtype}"))
-    expected = set(range(cfg.rank, dc.num_samples, cfg.world_size))
+    expected = set(shard(dc.num_samples, cfg.rank, cfg.world_size))
     if not expected:  # a shard that selects no file has nothing to be OK about
         s.checks.append(fail("shard", f"--rank {cfg.rank} of --world-size {cfg.world_size} selects none of the "
                                       f"{dc.num_samples} samples: check --world-size"))
@@ -382,11 +383,11 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
     extra = sorted(set(present) - set(range(dc.num_samples)))
     indices = sorted(set(present) & expected)
     missing = sorted(expected - set(indices))
-    shard = f" (shard {cfg.rank}/{cfg.world_size})" if cfg.world_size > 1 else ""
-    s.checks.append(check("contiguity", not missing and not extra, f"data_0..data_{dc.num_samples - 1}{shard}",
+    which = f" (shard {cfg.rank}/{cfg.world_size})" if cfg.world_size > 1 else ""
+    s.checks.append(check("contiguity", not missing and not extra, f"data_0..data_{dc.num_samples - 1}{which}",
                           f"missing {_ranges(missing)}" + (f"; unexpected {_ranges(extra)}" if extra else "")))
-    s.checks.append(check("count", len(indices) == len(expected) and not extra, f"{len(indices)} files{shard}",
-                          f"{len(indices)} data files{shard}, expected {len(expected)} of data_config.json's {dc.num_samples}"))
+    s.checks.append(check("count", len(indices) == len(expected) and not extra, f"{len(indices)} files{which}",
+                          f"{len(indices)} data files{which}, expected {len(expected)} of data_config.json's {dc.num_samples}"))
     partials = [p.name for p in path.glob(".*.partial")]
     if partials:
         s.checks.append(warn("partials", f"{len(partials)} leftover partial files (removed by --resume)"))

@@ -1,8 +1,11 @@
-"""The two sides stay apart: ops/ never imports the ML stack, pipeline/ never imports the SSH/Docker stack."""
+"""The project's one architecture test: the two sides stay apart (ops/ never imports the ML stack, pipeline/
+never the SSH/Docker stack), what they share (contract/) and the scripts ops runs alone on the host import
+nothing but the standard library, and the shared facts are spelled once."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,84 @@ def test_package_does_not_import_the_other_side(package):
     offenders = {f"{p.relative_to(REPO)}: {sorted(imported_roots(p) & FORBIDDEN[package])}"
                  for p in files if imported_roots(p) & FORBIDDEN[package]}
     assert not offenders, offenders
+
+
+def test_contract_is_standard_library_only():
+    """contract/ imports only the standard library and itself, so both sides can import it without the other's stack."""
+    files = sorted((REPO / "contract").rglob("*.py"))
+    assert files, "contract/ has no modules"
+    allowed = set(sys.stdlib_module_names) | {"contract", "__future__"}
+    offenders = {f"{p.relative_to(REPO)}: {sorted(imported_roots(p) - allowed)}" for p in files if imported_roots(p) - allowed}
+    assert not offenders, offenders
+
+
+def test_host_side_scripts_are_standard_library_only():
+    """hostagent.py and hostlock.py run alone on the host's python: standard library only (pynvml is sent
+    with the agent)."""
+    for name in ("hostagent.py", "hostlock.py"):
+        extra = imported_roots(REPO / "ops" / name) - set(sys.stdlib_module_names) - {"__future__", "pynvml"}
+        assert extra == set(), name
+
+
+def test_shared_facts_are_spelled_once():
+    """The facts contract/ owns are not restated on either side (the summary schema name, the image-digest
+    variable, the shard rule's range)."""
+    spelled = {'"eagle-ops.summary"': "contract/summary.py", '"EAGLE_OPS_IMAGE_DIGEST"': "contract/env.py",
+               "range(rank, num_samples, world_size)": "contract/shards.py"}
+    for needle, owner in spelled.items():
+        found = sorted(str(p.relative_to(REPO)) for package in ("ops", "pipeline", "contract")
+                       for p in (REPO / package).rglob("*.py") if needle in p.read_text())
+        assert found == [owner], (needle, found)
+
+
+def module_imports(package: str) -> dict[str, set[str]]:
+    """For each module of ``package``: the modules of the package it imports, function-local imports too."""
+    root = REPO / package
+    names = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in names.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in names:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & names.keys()
+                found |= subs or {node.module}
+        graph[name] = found - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import circles in ``graph`` (each found once, from its first module in sorted order)."""
+    found, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            found.append(path[path.index(node):] + [node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for start in sorted(graph):
+        visit(start, [])
+    return found
+
+
+@pytest.mark.parametrize("package", ["contract", "ops", "pipeline"])
+def test_no_import_circles(package):
+    """No module of the package imports, directly or through others, a module that imports it back
+    (lazy function-local imports count: they hide a circle, they do not remove it)."""
+    assert cycles(module_imports(package)) == []
+
+
+def test_the_circle_finder_finds_circles():
+    """A two-module and a three-module circle are found; a diamond is not a circle."""
+    assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}) == []
 
 
 def test_the_checker_sees_imports(tmp_path):

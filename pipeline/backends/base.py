@@ -19,6 +19,16 @@ import torch
 from pipeline.modeldir import ModelDir
 
 
+def visible_device_count() -> int:
+    """GPUs this process may use (CUDA_VISIBLE_DEVICES honoured); 0 without any. Counted through NVML
+    where possible, so that this process creates no CUDA context before vLLM spawns its workers."""
+    try:
+        from vllm.utils.torch_utils import cuda_device_count_stateless
+    except ImportError:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return cuda_device_count_stateless()
+
+
 @dataclass(frozen=True)
 class BackendOptions:
     """What a backend needs to load the model."""

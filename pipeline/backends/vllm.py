@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.backends.base import Backend, BackendOptions
+from pipeline.backends.base import Backend, BackendOptions, visible_device_count
 from pipeline.errors import StageError
 
 METHOD = "extract_hidden_states"
@@ -44,16 +44,6 @@ CPU_KVCACHE_GIB_DEFAULT = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's own d
 def vllm_layer_ids(layer_ids: Sequence[int]) -> list[int]:
     """vLLM's aux layer ids for our captured layer OUTPUTS: the input of the next layer (k + 1)."""
     return [int(k) + 1 for k in layer_ids]
-
-
-def visible_device_count() -> int:
-    """GPUs this process may use (CUDA_VISIBLE_DEVICES honoured); 0 without any. Counted through NVML
-    where possible, so that this process creates no CUDA context before vLLM spawns its workers."""
-    try:
-        from vllm.utils.torch_utils import cuda_device_count_stateless
-    except ImportError:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return cuda_device_count_stateless()
 
 
 def default_tensor_parallel_size() -> int:

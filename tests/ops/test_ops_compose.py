@@ -1,4 +1,4 @@
-"""compose.yaml and ops' stage table are one source: the committed file is the rendering of the table, and
+"""compose.yaml and the stage table (contract/stages.py) are one source: the committed file is the rendering of the table, and
 what the real compose binary makes of it (commands, mounts, environment, GPUs, privileges) is what ops plans."""
 
 from __future__ import annotations

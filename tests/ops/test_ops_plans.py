@@ -11,7 +11,7 @@ from ops.agent import command, probe_request, terminate_request
 from ops.errors import ConfigError
 from ops.hosts import HostConfig
 from ops.secret_env import RedactingWriter, available, env_file_text, protect, redact, start_command
-from ops.stage import expected_output_bytes, plan_stage, resolve_user
+from ops.stage import plan_stage, resolve_user
 
 
 def host(**kw) -> HostConfig:
@@ -124,11 +124,6 @@ def test_bad_run_ids(bad):
         plan_stage(host(), "extract", run_id=bad)
 
 
-def test_expected_output_bytes_formula():
-    """samples x tokens (= all tokens) x hidden x 4 layers x 2 bytes."""
-    assert expected_output_bytes(num_tokens=1_000_000, hidden_size=7168) == 1_000_000 * 7168 * 4 * 2
-
-
 def test_agent_requests():
     """The agent is one fixed command line; what to do travels as JSON on stdin."""
     h = host(python="/usr/bin/python3", device_glob="/dev/nvidia*")
@@ -162,8 +157,8 @@ def test_disk_check_follows_dtype_and_host_share():
     """The extract disk estimate uses 4 bytes for --dtype float32 and a 1/N share for --world-size N."""
     from ops.preflight import _disk_check
 
-    meta, config = {"num_tokens": 1000}, {"hidden_size": 256}
-    bf16 = 1000 * 256 * 4 * 2
+    meta, config = {"num_tokens": 1000, "num_samples": 10}, {"hidden_size": 256}
+    bf16 = 1000 * (256 * 4 * 2 + 16) + 10 * 2048
     assert f"need {bf16 / 2**30:.3f} GiB" in _disk_check(meta, config, bf16).detail
     assert _disk_check(meta, config, bf16).status != _disk_check(meta, config, bf16, ("--dtype", "float32")).status
     half = _disk_check(meta, config, bf16 // 2, ("--dtype=bfloat16", "--world-size", "2", "--rank", "1"))

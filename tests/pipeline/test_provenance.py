@@ -32,7 +32,7 @@ def test_stage_outputs_record_how_they_were_made(prepared_llama, extracted_llama
 
 def test_image_digest_and_patch_marker_are_recorded(tmp_path, tiny_llama, monkeypatch):
     """The digest ops passes in EAGLE_OPS_IMAGE_DIGEST lands in metadata.json; the patch set's hash comes
-    from the marker patches/apply.py writes next to the patched package."""
+    from the marker patches/apply.py writes next to the patched package, read through apply.py itself."""
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
     monkeypatch.setenv("EAGLE_OPS_IMAGE_DIGEST", "sha256:" + "ab" * 32)
@@ -43,6 +43,9 @@ def test_image_digest_and_patch_marker_are_recorded(tmp_path, tiny_llama, monkey
     site = tmp_path / "site"
     (site / "speculators").mkdir(parents=True)
     (site / "speculators" / "__init__.py").write_text("")
+    dist = site / "speculators-0.9.0.dist-info"  # apply.py finds a package by its distribution, as pip installed it
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: speculators\nVersion: 0.9.0\n")
     marker = site / "_eagle_ops_patches" / "speculators" / "state.json"
     marker.parent.mkdir(parents=True)
     applied = [{"name": "0001-fix.patch", "sha256": "1" * 64}]

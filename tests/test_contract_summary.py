@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
+from contract.summary import disagreements, provenance_facts, schema_note
 from ops import report
-from ops.summary import disagreements, provenance_facts, schema_note
 
 
 def stage_summary(version=1, digest="sha256:aa", commit="c1") -> dict:
