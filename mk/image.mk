@@ -36,9 +36,9 @@ image: ## build $(IMAGE) (OFFLINE=1: from ./wheelhouse; VLLM_WHEEL_URL/_SHA256: 
 image-check: ## what $(IMAGE) holds vs. this checkout's lock file and patch set
 	$(PY) docker/image_check.py $(IMAGE)
 
-ship-image: ## docker save | ssh HOST docker load (skipped when HOST has the same image id)
-	@test -n "$(HOST)" || { echo "usage: make ship-image HOST=[user@]host[:port] [IMAGE=...]" >&2; exit 2; }
-	$(PY) docker/ship_image.py $(HOST) $(IMAGE) $(SHIP_ARGS)
+ship-image: ## docker save | ssh HOST docker load (HOST: a hosts-file name; skipped when it has the same image id)
+	@test -n "$(HOST)" || { echo "usage: make ship-image HOST=NAME [HOSTS_FILE=...] [IMAGE=...]" >&2; exit 2; }
+	$(OPS) ship-image $(OPS_HOST_ARGS) $(if $(filter command line,$(origin IMAGE)),--image "$(IMAGE)") $(OPS_ARGS)
 
 image-lock: ## regenerate requirements/image.lock and image-ci.lock (uv pip compile, with hashes)
 	$(UV) pip compile requirements/image.in $(LOCK_FLAGS) --python-platform x86_64-manylinux_2_31 \

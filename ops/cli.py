@@ -264,6 +264,38 @@ def attach_cmd(host, runner, run_id, runs_dir, restore_server, lock_wait) -> Non
                    restore_server=restore_server, wait=lock_wait))
 
 
+@main.command("ship-image")
+@host_options
+@click.option("--image", default=None, help="local image to send (default: the host's `image` in the hosts file)")
+@click.option("--dry-run", is_flag=True, help="compare image ids; send nothing")
+def ship_image_cmd(host: HostConfig, runner: Runner, image: str | None, dry_run: bool) -> None:
+    """docker save | ssh | docker load of the image onto the host; nothing is sent when it already has it."""
+    import docker
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from ops.ship import ship
+
+    try:
+        client = docker.from_env()
+    except docker.errors.DockerException as exc:
+        raise errors.OpsError(f"local docker engine: {exc} (is dockerd running here?)") from None
+    bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn(), console=notes, transient=False)
+    started = []
+
+    def progress(total: int | None):  # shown only once bytes flow: an error or a skip stays one line
+        bar.start()
+        started.append(True)
+        task = bar.add_task(f"docker save | {host.name} docker load", total=total)
+        return lambda n: bar.advance(task, n)
+
+    try:
+        ship(runner, client, image or host.image, dry_run=dry_run, progress=progress, say=console.print)
+    finally:
+        if started:
+            bar.stop()
+
+
 def run() -> None:
     try:
         main(standalone_mode=False)

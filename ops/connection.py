@@ -18,6 +18,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
@@ -54,6 +55,8 @@ class Runner(Protocol):
     def put(self, local: Path, remote: str) -> None: ...
 
     def start(self, command: str) -> "Process": ...
+
+    def feed(self, command: str, chunks: Iterable[bytes], on_bytes: Callable[[int], None]) -> Result: ...
 
     def close(self) -> None: ...
 
@@ -220,6 +223,29 @@ class LocalRunner:
         self.log.commands.append(command)
         self.log.seconds.append(0.0)
         return LocalProcess(command, self.label)
+
+    def feed(self, command, chunks, on_bytes) -> Result:
+        """Run ``command`` with ``chunks`` (bytes) as its stdin; stop feeding once it has exited."""
+        start = time.monotonic()
+        self.log.commands.append(command)
+        proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        try:
+            for chunk in chunks:
+                if proc.poll() is not None:
+                    break
+                try:
+                    proc.stdin.write(chunk)
+                except BrokenPipeError:
+                    break
+                on_bytes(len(chunk))
+            out, err = proc.communicate()  # closes stdin (a broken pipe there is the early exit above)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        self.log.seconds.append(time.monotonic() - start)
+        return Result(command, proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
 
     def close(self) -> None:
         pass
@@ -403,6 +429,42 @@ class RemoteRunner:
 
     def put(self, local: Path, remote: str) -> None:
         self._conn.sftp().put(str(local), remote)
+
+    def feed(self, command, chunks, on_bytes) -> Result:
+        """Exec ``command`` on a new channel of the one transport with ``chunks`` (bytes) as its stdin, sent
+        as they come (a multi-GB ``docker save`` never sits in memory); stop feeding once it has exited."""
+        start = time.monotonic()
+        self.log.commands.append(command)
+        out, err = bytearray(), bytearray()
+        try:
+            transport = self._conn.client.get_transport()
+            if transport is None or not transport.is_active():
+                raise OpsError(f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed")
+            chan = transport.open_session()
+            try:
+                chan.exec_command(command)
+                for chunk in chunks:
+                    if chan.exit_status_ready():
+                        break  # the command gave up early; its stderr says why
+                    chan.sendall(chunk)
+                    on_bytes(len(chunk))
+                    _drain(chan.recv_ready, chan.recv, out, None)
+                    _drain(chan.recv_stderr_ready, chan.recv_stderr, err, None)
+                chan.shutdown_write()
+                while not (chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready()):
+                    got = _drain(chan.recv_ready, chan.recv, out, None)
+                    got = _drain(chan.recv_stderr_ready, chan.recv_stderr, err, None) or got
+                    if chan.closed or not transport.is_active():
+                        raise OpsError(f"connection to {self.label} lost during {_brief(command)} (no exit status came)")
+                    if not got:
+                        select.select([chan], [], [], 0.05)
+                code = chan.recv_exit_status()
+            finally:
+                chan.close()
+        except (self._paramiko.SSHException, EOFError, OSError) as exc:
+            raise OpsError(f"connection to {self.label} lost during {_brief(command)}: {exc}") from None
+        self.log.seconds.append(time.monotonic() - start)
+        return Result(command, code, out.decode(errors="replace"), err.decode(errors="replace"))
 
     def start(self, command: str) -> Process:
         """Exec on a new channel of the one transport and leave it running (see Process)."""

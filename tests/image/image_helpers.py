@@ -7,11 +7,10 @@ import hashlib
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "docker"))
+
 
 # Names derived from this checkout's path: test runs of two checkouts (a developer's and a CI clone) share
 # one Docker engine and must not build, tag or remove each other's images and compose projects.

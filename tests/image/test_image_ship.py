@@ -1,16 +1,16 @@
-"""`make ship-image` against a real sshd on 127.0.0.1 whose `docker` is a second, empty Docker engine:
-the image travels through docker save | ssh | docker load, a second run sends nothing, host keys are checked."""
+"""`make ship-image` (`python -m ops ship-image`) against a real sshd on 127.0.0.1 whose `docker` is a
+second, empty Docker engine: the image travels through docker save | ssh | docker load, a second run sends
+nothing, host keys are checked, a docker that cannot run on the host is one line naming the command."""
 
 from __future__ import annotations
 
 import io
 import subprocess
-import sys
 import tarfile
 
 import pytest
-import ship_image
 from image_helpers import REPO, RUN_ID, sh
+from ops_helpers import run_ops, ssh_table, write_hosts
 from ops_sshd import start_sshd
 
 pytestmark = [pytest.mark.docker, pytest.mark.sshd, pytest.mark.slow]
@@ -33,30 +33,20 @@ def small_image(docker_client):
 
 
 @pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+def sshd(tmp_path_factory, second_engine):
+    """The "remote" host: its sessions' docker is the second engine."""
+    server = start_sshd(tmp_path_factory.mktemp("sshd"), env={"DOCKER_HOST": second_engine.socket})
     yield server
     server.stop()
 
 
-def ship_cli(sshd, engine, *extra: str, known_hosts=None) -> subprocess.CompletedProcess:
-    known = known_hosts or sshd.write_known_hosts(sshd.root / "known_hosts")
-    return sh(
-        sys.executable,
-        "docker/ship_image.py",
-        f"{sshd.user}@127.0.0.1",
-        SMALL,
-        "--port",
-        str(sshd.port),
-        "--identity",
-        str(sshd.user_key),
-        "--known-hosts",
-        str(known),
-        "--remote-docker",
-        f"docker -H {engine.socket}",
-        *extra,
-        timeout=300,
-    )
+def hosts(sshd, folder, known_hosts=None, **extra):
+    known = known_hosts or sshd.write_known_hosts(folder / "known_hosts")
+    return write_hosts(folder / "hosts.toml", "shipbox", image=SMALL, **ssh_table(sshd, known, **extra))
+
+
+def ship(hosts_file, *extra: str) -> subprocess.CompletedProcess:
+    return run_ops("ship-image", "--host", "shipbox", "--hosts-file", str(hosts_file), *extra, timeout=300)
 
 
 def remote_id(engine) -> str | None:
@@ -64,61 +54,57 @@ def remote_id(engine) -> str | None:
     return res.stdout.strip() if res.returncode == 0 else None
 
 
-def test_ship_sends_then_skips(small_image, second_engine, sshd):
+def test_ship_sends_then_skips(small_image, second_engine, sshd, tmp_path):
     """The first ship loads the image on the host with the same id; the second finds it there and sends nothing."""
+    f = hosts(sshd, tmp_path)
     assert remote_id(second_engine) is None
-    dry = ship_cli(sshd, second_engine, "--dry-run")
-    assert dry.returncode == 0, dry.stdout
+    dry = ship(f, "--dry-run")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
     assert "has no such image" in dry.stdout and remote_id(second_engine) is None
-    first = ship_cli(sshd, second_engine)
-    assert first.returncode == 0, first.stdout
-    assert "Loaded image" in first.stdout and "host now has" in first.stdout
+    first = ship(f)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "Loaded image" in first.stdout and "shipbox now has" in first.stdout
     assert remote_id(second_engine) == small_image.id
-    second = ship_cli(sshd, second_engine)
-    assert second.returncode == 0, second.stdout
+    second = ship(f)
+    assert second.returncode == 0, second.stdout + second.stderr
     assert "nothing to send" in second.stdout and "Loaded image" not in second.stdout
 
 
-def test_ship_refuses_unknown_host_key(small_image, second_engine, sshd, tmp_path):
-    """A host whose key is not in known_hosts is refused before anything is sent."""
+def test_ship_takes_another_image_by_flag(small_image, second_engine, sshd, tmp_path):
+    """--image names a local image other than the hosts file's; one that does not exist is a one-line error."""
+    f = hosts(sshd, tmp_path)
+    res = ship(f, "--image", f"eagle-ops-ship-test:absent-{RUN_ID}")
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert f"no local image eagle-ops-ship-test:absent-{RUN_ID}: build it first" in res.stderr
+
+
+def test_ship_refuses_unknown_host_key(small_image, sshd, tmp_path):
+    """A host whose key is not in known_hosts is refused before anything is sent, with its SHA256 fingerprint."""
     empty = tmp_path / "known_hosts"
     empty.write_text("")
-    res = ship_cli(sshd, second_engine, known_hosts=empty)
-    assert res.returncode == 1
-    assert "not found in known_hosts" in res.stdout
+    res = ship(hosts(sshd, tmp_path, known_hosts=empty))
+    assert res.returncode != 0
+    assert "is unknown" in res.stderr and "SHA256:" in res.stderr and "--accept-new-host-key" in res.stderr
 
 
-def test_ship_reports_a_failing_remote_docker(small_image, second_engine, sshd):
-    """A docker command that cannot run on the host is a one-line error naming the command."""
-    known = sshd.write_known_hosts(sshd.root / "known_hosts")
-    res = sh(
-        sys.executable,
-        "docker/ship_image.py",
-        f"{sshd.user}@127.0.0.1",
-        SMALL,
-        "--port",
-        str(sshd.port),
-        "--identity",
-        str(sshd.user_key),
-        "--known-hosts",
-        str(known),
-        "--remote-docker",
-        "docker -H unix:///nonexistent.sock",
-        timeout=300,
-    )
-    assert res.returncode == 1
-    assert "error: `docker -H unix:///nonexistent.sock image inspect" in res.stdout
+def test_ship_reports_a_failing_remote_docker(small_image, tmp_path):
+    """A docker that cannot run on the host is a one-line error naming the command."""
+    broken = start_sshd(tmp_path / "sshd", env={"DOCKER_HOST": "unix:///nonexistent.sock"})
+    try:
+        res = ship(hosts(broken, tmp_path))
+    finally:
+        broken.stop()
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "error: `docker image inspect --format '{{.Id}}' eagle-ops-ship-test:" in res.stderr
+    assert res.stderr.count("\n") == 1
 
 
-def test_ship_plan_quotes_remote_words():
-    """Every word of the remote commands is shell-quoted (an image name cannot inject a command)."""
-    plan = ship_image.ShipPlan("img;rm -rf /", "sha256:a", None, ("sudo", "docker"))
-    assert (
-        ship_image.remote_command(plan.inspect_argv)
-        == "sudo docker image inspect --format '{{.Id}}' 'img;rm -rf /'"
-    )
-    assert ship_image.remote_command(plan.load_argv) == "sudo docker load"
-    assert plan.needed and not ship_image.ShipPlan("i", "sha256:a", "sha256:a", ("docker",)).needed
+def test_image_names_are_quoted_on_the_host():
+    """Every word of the remote inspect command is shell-quoted (an image name cannot inject a command)."""
+    from ops.ship import ShipPlan, inspect_command
+
+    assert inspect_command("img;rm -rf /") == "docker image inspect --format '{{.Id}}' 'img;rm -rf /'"
+    assert ShipPlan("i", "sha256:a", None).needed and not ShipPlan("i", "sha256:a", "sha256:a").needed
 
 
 def test_make_ship_image_needs_host():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ops_helpers import run_ops, ssh_table, write_hosts
-from ops.connection import RemoteRunner
+from ops.connection import LocalRunner, RemoteRunner
 from ops.errors import ConnectError
 from ops.hosts import HostConfig
 from ops_sshd import keygen
@@ -110,3 +110,19 @@ def test_ssh_config_is_honoured(sshd, tmp_path):
     res = run_ops("gpu-status", "--host", "gpu-alias", "--json", env={"HOME": str(home)})
     assert res.returncode == 0, res.stderr
     assert sshd.connections() - before == 1
+
+
+def test_local_feed_streams_bytes_and_stops_when_the_command_exits():
+    """feed() is the command's stdin, chunk by chunk, counted; a command that exits early stops the feed
+    (docker load giving up) instead of blocking on a full pipe."""
+    seen = []
+    res = LocalRunner().feed("wc -c", (b"x" * 1000 for _ in range(5)), seen.append)
+    assert res.ok and res.stdout.strip() == "5000" and seen == [1000] * 5
+
+    def endless():
+        while True:
+            yield b"y" * 65536
+
+    early = LocalRunner().feed("head -c 10 >/dev/null; exit 3", endless(), lambda _n: None)
+    assert early.exit_code == 3
+
