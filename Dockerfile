@@ -130,6 +130,10 @@ ARG LOCK
 ARG GIT_REVISION=unknown
 # pipeline/provenance.py records it in every output (the image holds no .git to ask)
 ENV EAGLE_OPS_COMMIT=${GIT_REVISION}
+# The oldest NVIDIA driver (major) the GPU code runs on: vLLM 0.32's PyPI wheel and torch 2.13 are CUDA 13.0
+# builds, which need >= 580 (docs/image.md). ops' host preflight compares it with the host's driver before
+# anything is stopped. Empty = no requirement (CI's CPU image).
+ARG MIN_DRIVER=580
 LABEL org.opencontainers.image.title="eagle-ops" \
       org.opencontainers.image.description="EAGLE-3 draft-model pipeline: vLLM 0.32.0, speculators 0.9.0, patched" \
       org.opencontainers.image.revision="${GIT_REVISION}" \
@@ -138,5 +142,6 @@ LABEL org.opencontainers.image.title="eagle-ops" \
       eagle-ops.lock.sha256="${LOCK_SHA256}" \
       eagle-ops.patches.sha256="${PATCHES_SHA256}" \
       eagle-ops.vllm-wheel.url="${VLLM_WHEEL_URL}" \
-      eagle-ops.vllm-wheel.sha256="${VLLM_WHEEL_SHA256}"
+      eagle-ops.vllm-wheel.sha256="${VLLM_WHEEL_SHA256}" \
+      eagle-ops.min-driver="${MIN_DRIVER}"
 CMD ["python", "-m", "pipeline", "--help"]

@@ -25,7 +25,7 @@ TORCH_CPU := $(shell sed -n 's/^\(torch==[^ ]*+cpu\).*/\1/p' requirements/image-
 IMAGE_CI ?= eagle-ops:ci
 IMAGE_CI_BASE ?= eagle-ops-image-ci-base:bookworm-4
 IMAGE_CI_ARGS = --build-arg BASE_IMAGE=$(IMAGE_CI_BASE) --build-arg PYTHON_BASE=$(IMAGE_CI_BASE) \
-  --build-arg OFFLINE=1 --build-arg KERNEL_CHECK= --build-arg CUDA_ARCHS= \
+  --build-arg OFFLINE=1 --build-arg KERNEL_CHECK= --build-arg CUDA_ARCHS= --build-arg MIN_DRIVER= \
   --build-arg SELFCHECK_IMPORTS="torch transformers vllm speculators pynvml pipeline"
 
 .PHONY: image image-check ship-image image-lock image-wheelhouse image-ci image-lint

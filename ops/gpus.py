@@ -86,6 +86,7 @@ class GpuState:
     server: ServerFacts
     ancestry: tuple[int, ...]
     parents: tuple[Proc, ...] = ()  # the holders' parent processes (to name a supervisor), never targets
+    driver: str | None = None  # NVIDIA driver version as NVML reports it ("580.65.06")
 
     def by_class(self, klass: str) -> list[Holder]:
         return [h for h in self.holders if h.klass == klass]
@@ -159,7 +160,8 @@ def parse_probe(reply: dict, host: HostConfig) -> GpuState:
     return GpuState(host=host.name, hostname=reply["hostname"], gpus=gpus, holders=tuple(holders),
                     device_files=tuple(reply["fuser"]["files"]), gpu_error=gpu.get("error"),
                     fuser_error=reply["fuser"].get("error"), server=server, ancestry=tuple(reply["ancestry"]),
-                    parents=tuple(_proc(d) for _, d in sorted(reply.get("parents", {}).items())))
+                    parents=tuple(_proc(d) for _, d in sorted(reply.get("parents", {}).items())),
+                    driver=gpu.get("driver"))
 
 
 def probe(runner: Runner, host: HostConfig) -> GpuState:

@@ -190,7 +190,7 @@ def table_facts(path: str) -> dict:
                      "memory_total_mib": int(gpu.get("memory_total_mib", 81920)), "memory_used_mib": used,
                      "memory_api": "table", "memory_used_v1_mib": used, "util_gpu": gpu.get("util_gpu", 0),
                      "processes": [{"pid": int(p["pid"]), "used_mib": p.get("used_mib")} for p in procs]})
-    return {"ok": True, "error": None, "driver": "table", "gpus": gpus}
+    return {"ok": True, "error": None, "driver": str(table.get("driver", "table")), "gpus": gpus}
 
 
 def pidfile_group(path: str) -> dict:

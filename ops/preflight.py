@@ -28,19 +28,30 @@ class CheckResult:
     detail: str
 
 
-def docker_checks(runner: Runner, host: HostConfig, run_id: str) -> tuple[list[CheckResult], str | None]:
-    """docker present and answering, image present (its id and digest): one `docker image inspect`;
-    no other stage running and the run id unused: one `docker ps`."""
-    res = runner.run(shlex.join(["docker", "image", "inspect", "--format", "{{.Id}} {{json .RepoDigests}}", host.image]))
+@dataclass(frozen=True)
+class ImageFacts:
+    digest: str | None = None  # repo digests, else the image id; None: no such image on the host
+    min_driver: str | None = None  # the image's eagle-ops.min-driver label (NVIDIA driver major); None: none
+
+
+MIN_DRIVER_LABEL = "eagle-ops.min-driver"  # set by the Dockerfile (ARG MIN_DRIVER)
+
+
+def docker_checks(runner: Runner, host: HostConfig, run_id: str) -> tuple[list[CheckResult], ImageFacts]:
+    """docker present and answering, image present (its id, digest and driver requirement): one
+    `docker image inspect`; no other stage running and the run id unused: one `docker ps`."""
+    fmt = "{{.Id}} {{json .RepoDigests}} {{json .Config.Labels}}"
+    res = runner.run(shlex.join(["docker", "image", "inspect", "--format", fmt, host.image]))
     if res.exit_code == 127 or "command not found" in res.stderr:
-        return [CheckResult("docker", FAIL, f"docker is not installed on {host.name}")], None
+        return [CheckResult("docker", FAIL, f"docker is not installed on {host.name}")], ImageFacts()
     if not res.ok and "No such image" not in res.stderr:
-        return [CheckResult("docker", FAIL, f"docker daemon not reachable: {_last(res.stderr)}")], None
+        return [CheckResult("docker", FAIL, f"docker daemon not reachable: {_last(res.stderr)}")], ImageFacts()
     out = [CheckResult("docker", OK, "answers")]
-    digest = None
+    image = ImageFacts()
     if res.ok:
-        image_id, _, digests = res.stdout.strip().partition(" ")
+        image_id, digests, labels = (res.stdout.strip().split(" ", 2) + ["", ""])[:3]
         digest = ",".join(json.loads(digests or "[]") or []) or image_id
+        image = ImageFacts(digest, (json.loads(labels or "null") or {}).get(MIN_DRIVER_LABEL) or None)
         out.append(CheckResult("image", OK, f"{host.image} {digest}"))
     else:
         out.append(CheckResult("image", FAIL, f"image {host.image} is not on {host.name}; build or ship it "
@@ -54,7 +65,7 @@ def docker_checks(runner: Runner, host: HostConfig, run_id: str) -> tuple[list[C
     out.append(CheckResult("run-id", FAIL if used else OK,
                            f"container {used[0]} of run {run_id} exists; `attach {run_id}` or choose another "
                            "--run-id" if used else f"{run_id} unused"))
-    return out, digest
+    return out, image
 
 
 def _last(text: str) -> str:
@@ -68,6 +79,23 @@ def gpu_check(state: GpuState) -> CheckResult:
     if not state.gpus:
         return CheckResult("gpus", FAIL, "no GPU found")
     return CheckResult("gpus", OK, f"{len(state.gpus)} x {state.gpus[0].name}")
+
+
+def driver_check(state: GpuState, min_driver: str | None) -> CheckResult:
+    """The host's NVIDIA driver against the image's requirement: vLLM 0.32's and torch 2.13's CUDA 13.0
+    builds do not start on an older driver (docs/image.md), and finding that out takes a model load."""
+    if not min_driver:
+        return CheckResult("driver", OK, f"{state.driver or 'unknown'}; the image states no requirement")
+    have = state.driver or ""
+    major = int(have.split(".")[0]) if have.split(".")[0].isdigit() else None
+    if major is None:
+        return CheckResult("driver", WARN, f"driver version unknown ({have or 'not reported'}); the image needs "
+                                           f">= {min_driver}")
+    if major < int(min_driver):
+        return CheckResult("driver", FAIL, f"NVIDIA driver {have} on {state.host} is older than the image needs "
+                                           f"(>= {min_driver}: its vLLM and torch are CUDA 13.0 builds); upgrade "
+                                           "the host's driver (docs/image.md, \"Which vLLM wheel\")")
+    return CheckResult("driver", OK, f"{have} >= {min_driver}")
 
 
 def _meta_and_config(host: HostConfig) -> tuple[str, str]:

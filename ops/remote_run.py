@@ -29,7 +29,7 @@ from ops.hosts import HostConfig
 from ops.connection import Runner
 from ops.interrupts import Interrupts
 from ops.lock import host_lock, refuse_duplicate_run, refuse_restoring_beside_stages
-from ops.preflight import (CheckResult, docker_checks, failed, gpu_check, path_checks, paths_request, secrets_check,
+from ops.preflight import (CheckResult, docker_checks, driver_check, failed, gpu_check, path_checks, paths_request, secrets_check,
                            user_check)
 from ops.runstate import RunState, run_dir, write_json
 from ops.secret_env import RedactingWriter, redact
@@ -60,15 +60,15 @@ def preflight(runner: Runner, host: HostConfig,
               plan: StagePlan) -> tuple[list[CheckResult], str | None, GpuState, StagePlan]:
     """The checks, the image digest, the GPU probe, and the plan with its user resolved (stage_user auto:
     the data root's owner)."""
-    checks, digest = docker_checks(runner, host, plan.run_id)
+    checks, image = docker_checks(runner, host, plan.run_id)
     state, facts = probe_with_paths(runner, host, paths_request(host, plan))
-    checks.append(gpu_check(state))
+    checks += [gpu_check(state), driver_check(state, image.min_driver)]
     checks += path_checks(host, plan, facts)
     root = facts["paths"][host.data_root]
     if root.get("exists"):
-        plan = resolve_user(plan, root["uid"], root["gid"])
+        plan = resolve_user(host, plan, root["uid"], root["gid"])
     checks += [user_check(host, plan, facts), secrets_check(host, plan)]
-    return checks, digest, state, plan
+    return checks, image.digest, state, plan
 
 
 def start(runner: Runner, plan: StagePlan, environ: Mapping[str, str] = os.environ) -> str:
@@ -158,7 +158,7 @@ class _Run:
             p, inside = stage_preflight(r, h, p, self.before, out.local_dir)
             report.print_checks(self.console, inside, title="preflight in the image")
             out.checks += inside
-        p = with_image_digest(p, h.image, digest)  # last: the in-image preflight re-renders the stage argv
+        p = with_image_digest(h, p, digest)
         self.plan = p
         self.record = {"run_id": p.run_id, "host": h.name, "stage": p.stage, "image": h.image,
                        "image_digest": digest, "docker_run": list(p.docker_run), "host_output": p.host_output,

@@ -9,7 +9,6 @@ interpolated into a shell string unquoted.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import secrets
 import shlex
@@ -56,6 +55,8 @@ class StagePlan:
     extra_args: tuple[str, ...] = ()  # the operator's arguments after `--` (multi-host: with the shard flags)
     layout: Layout | None = None  # resolved parallel layout (layout stages); None: not yet resolved
     preflight_run: tuple[str, ...] = ()  # `docker run --rm` of the stage's preflight (preflight_script)
+    user: str = AUTO_USER  # the container's --user: "UID:GID", or AUTO_USER until the probe knows the owner
+    image_digest: str | None = None  # told to the stage container (IMAGE_DIGEST_ENV) once the preflight knows it
 
 
 def host_path(host: HostConfig, rel: str) -> str:
@@ -70,14 +71,18 @@ def _mount(src: str, dst: str, readonly: bool = False) -> str:
     return buf.getvalue()
 
 
-def privilege_args(host: HostConfig) -> list[str]:
+def default_user(host: HostConfig) -> str:
+    """The hosts file's stage_user as docker's --user: "root" is 0:0, "auto" waits for the probe."""
+    return {"auto": AUTO_USER, "root": "0:0"}.get(host.stage_user, host.stage_user)
+
+
+def privilege_args(host: HostConfig, user: str | None = None) -> list[str]:
     """Least privilege the GPU stack allows (docs/ops.md, "Stage container privileges"): no capability,
     no privilege gain through setuid files, a process/thread cap, read-only root file system with a
     private /tmp, a non-root user when the data root's owner is one, a private IPC namespace with a
     sized /dev/shm (NCCL and vLLM's message queues need shared memory, not the host's IPC namespace).
     GPUs come only through --gpus (device requests); never --privileged."""
-    user = {"auto": AUTO_USER, "root": "0:0"}.get(host.stage_user, host.stage_user)
-    argv = ["--user", user, "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+    argv = ["--user", user or default_user(host), "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
     if host.stage_pids_limit:
         argv += ["--pids-limit", str(host.stage_pids_limit)]
     if host.stage_read_only:
@@ -104,10 +109,10 @@ def stage_mounts(host: HostConfig, spec: StageSpec) -> list[tuple[str, str, bool
     return mounts
 
 
-def _container_args(host: HostConfig, spec: StageSpec, run_id: str, env_file: str | None = None) -> list[str]:
+def _container_args(host: HostConfig, spec: StageSpec, run_id: str, user: str, env_file: str | None = None) -> list[str]:
     """Everything of `docker run` the stage and its preflight share: privileges, environment, mounts, GPUs
     (the stage alone also gets the secrets' env file)."""
-    argv = privilege_args(host)
+    argv = privilege_args(host, user)
     mounts = stage_mounts(host, spec)
     for src, dst, ro in mounts[:2]:
         argv += ["--mount", _mount(src, dst, ro)]
@@ -154,11 +159,14 @@ def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
 
 def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[str, ...] = (),
                resume: bool = False, secret_names: tuple[str, ...] = (), env_token: str | None = None,
-               layout: Layout | None = None, env_dir: str | None = None) -> StagePlan:
+               layout: Layout | None = None, env_dir: str | None = None, user: str | None = None,
+               image_digest: str | None = None) -> StagePlan:
     """`secret_names`: variables (set on the operator's machine) that reach the container through the env
     file; `env_token` names its directory (random by default; `env_dir` keeps an earlier plan's).
     `layout`: the resolved parallel layout of a layout stage (ops.layout.resolve); without it the
-    stage's argv carries no layout flags yet (a dry run shows what auto becomes)."""
+    stage's argv carries no layout flags yet (a dry run shows what auto becomes). `user` (default: the
+    hosts file's) and `image_digest` are fields the preflight fills in (replan); the argv is rendered
+    from the fields, never edited."""
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
     spec = STAGES[stage]
@@ -175,11 +183,14 @@ def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[s
     else:
         env_dir = None
     env_file = f"{env_dir}/{secret_env.ENV_FILE}" if env_dir else None
+    user = user or default_user(host)
+    digest_env = ("--env", f"{IMAGE_DIGEST_ENV}={image_digest}") if image_digest else ()
     argv = ("docker", "run", "--detach", "--name", name,
             "--label", f"{LABEL_RUN}={run_id}", "--label", f"{LABEL_STAGE}={stage}",
             "--label", f"{LABEL_OUT}={host_path(host, spec.output)}", "--label", f"{LABEL_HOST}={host.name}",
-            *_container_args(host, spec, run_id, env_file), "--entrypoint", "/bin/sh", host.image, "-c", script)
-    common = _container_args(host, spec, run_id)
+            *_container_args(host, spec, run_id, user, env_file), "--entrypoint", "/bin/sh", *digest_env, host.image,
+            "-c", script)
+    common = _container_args(host, spec, run_id, user)
     # the preflight: the same user, mounts, environment and GPUs, removed when it exits, never counted as a
     # stage container (no run-id label), no secrets (it reads local files only)
     preflight_run = ("docker", "run", "--rm", "--name", f"{name}-preflight", "--label", f"{LABEL_PREFLIGHT}={run_id}",
@@ -188,43 +199,33 @@ def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[s
                      host_inputs=tuple(host_path(host, p) for p in spec.inputs), host_output=host_path(host, spec.output),
                      stage_argv=stage_argv, verify_argv=verify_argv, docker_run=argv, resume=resume,
                      secret_names=tuple(secret_names), env_dir=env_dir, extra_args=extra_args,
-                     layout=layout if spec.layout else None, preflight_run=preflight_run)
+                     layout=layout if spec.layout else None, preflight_run=preflight_run, user=user,
+                     image_digest=image_digest)
+
+
+def replan(host: HostConfig, plan: StagePlan, **fields) -> StagePlan:
+    """The same plan (run id, arguments, secrets, env directory, layout, user, digest) with ``fields``
+    changed, rendered again from its fields."""
+    keep = dict(run_id=plan.run_id, extra_args=plan.extra_args, resume=plan.resume, secret_names=plan.secret_names,
+                layout=plan.layout, env_dir=plan.env_dir, user=plan.user, image_digest=plan.image_digest)
+    return plan_stage(host, plan.stage, **{**keep, **fields})
 
 
 def with_layout(host: HostConfig, plan: StagePlan, layout: Layout) -> StagePlan:
-    """The same plan (run id, arguments, secrets, env directory, resolved user) with the layout's flags."""
-    new = plan_stage(host, plan.stage, run_id=plan.run_id, extra_args=plan.extra_args, resume=plan.resume,
-                     secret_names=plan.secret_names, layout=layout, env_dir=plan.env_dir)
-    user = plan.docker_run[plan.docker_run.index("--user") + 1]
-    if user != AUTO_USER and ":" in user:
-        new = resolve_user(new, *(int(x) for x in user.split(":")))
-    return new
+    """The same plan with the layout's flags."""
+    return replan(host, plan, layout=layout)
 
 
-def resolve_user(plan: StagePlan, uid: int, gid: int) -> StagePlan:
+def resolve_user(host: HostConfig, plan: StagePlan, uid: int, gid: int) -> StagePlan:
     """stage_user "auto": the container runs as the data root's owner (found by the preflight probe), so
-    what the stage writes belongs to whoever owns the data."""
-    def resolved(argv: tuple[str, ...]) -> tuple[str, ...]:
-        out = list(argv)
-        i = out.index("--user") + 1
-        if out[i] == AUTO_USER:
-            out[i] = f"{uid}:{gid}"
-        return tuple(out)
-
-    if plan.docker_run[plan.docker_run.index("--user") + 1] != AUTO_USER:
-        return plan
-    return dataclasses.replace(plan, docker_run=resolved(plan.docker_run), preflight_run=resolved(plan.preflight_run))
+    what the stage writes belongs to whoever owns the data. An explicit user stays."""
+    return replan(host, plan, user=f"{uid}:{gid}") if plan.user == AUTO_USER else plan
 
 
-def with_image_digest(plan: StagePlan, image: str, digest: str | None) -> StagePlan:
+def with_image_digest(host: HostConfig, plan: StagePlan, digest: str | None) -> StagePlan:
     """The stage container is told the digest of the image it runs in (``IMAGE_DIGEST_ENV``), which the
     pipeline records in every output's provenance; nothing changes when the digest is unknown."""
-    if not digest or image not in plan.docker_run:
-        return plan
-    argv = list(plan.docker_run)
-    i = argv.index(image)
-    argv[i:i] = ["--env", f"{IMAGE_DIGEST_ENV}={digest}"]
-    return dataclasses.replace(plan, docker_run=tuple(argv))
+    return replan(host, plan, image_digest=digest) if digest else plan
 
 
 def logs_argv(container: str) -> tuple[str, ...]:

@@ -86,6 +86,7 @@ def test_labels_describe_the_build(ci_image, docker_client):
     assert labels["eagle-ops.lock.sha256"] == imageinfo.file_sha256(REPO / CI_LOCK)
     assert labels["eagle-ops.patches.sha256"] == imageinfo.patches_sha256(REPO / "patches")
     assert labels["eagle-ops.lock.file"] == CI_LOCK
+    assert labels["eagle-ops.min-driver"] == ""  # the CPU image needs no driver; the GPU default is 580
     assert labels["org.opencontainers.image.base.name"] == CI_BASE
     # the commit the build was made from: this checkout's HEAD or an ancestor (others may commit meanwhile)
     revision = labels["org.opencontainers.image.revision"].removesuffix("-dirty")

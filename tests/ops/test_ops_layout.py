@@ -84,7 +84,7 @@ def test_preflight_script_carries_the_stage_argv_exactly():
 def test_relayout_keeps_user_secrets_and_env_dir():
     """Filling in the layout after the probe changes the flags only: same run id, user, env file."""
     host = HostConfig(name="h", host="h")
-    plan = resolve_user(plan_stage(host, "extract", run_id="r", secret_names=("HF_TOKEN",)), 1000, 100)
+    plan = resolve_user(host, plan_stage(host, "extract", run_id="r", secret_names=("HF_TOKEN",)), 1000, 100)
     again = with_layout(host, plan, Layout("hf", 1, 2))
     assert "--data-parallel" in again.stage_argv and again.env_dir == plan.env_dir
     for argv in (again.docker_run, again.preflight_run):

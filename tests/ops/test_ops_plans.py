@@ -49,11 +49,13 @@ def test_privilege_options_and_user_resolution():
     argv = plan.docker_run
     assert argv[argv.index("--user") + 1] == "0:0" and "--read-only" not in argv and "--pids-limit" not in argv
     assert argv[argv.index("--ipc") + 1] == "host" and "--shm-size" not in argv
-    assert resolve_user(plan, 1000, 1000) == plan
-    auto = resolve_user(plan_stage(host(), "verify", run_id="r6"), 1000, 100)
-    assert auto.docker_run[auto.docker_run.index("--user") + 1] == "1000:100"
+    assert resolve_user(host(), plan, 1000, 1000) == plan
+    auto = resolve_user(host(), plan_stage(host(), "verify", run_id="r6"), 1000, 100)
+    assert auto.docker_run[auto.docker_run.index("--user") + 1] == "1000:100" and auto.user == "1000:100"
+    assert auto.preflight_run[auto.preflight_run.index("--user") + 1] == "1000:100"
     fixed = plan_stage(host(stage_user="4242:7"), "verify", run_id="r7")
-    assert resolve_user(fixed, 0, 0).docker_run == fixed.docker_run and "4242:7" in fixed.docker_run
+    assert resolve_user(host(stage_user="4242:7"), fixed, 0, 0).docker_run == fixed.docker_run
+    assert "4242:7" in fixed.docker_run
 
 
 def test_secrets_travel_as_names_and_an_env_file_only():
@@ -163,3 +165,44 @@ def test_disk_check_follows_dtype_and_host_share():
     assert _disk_check(meta, config, bf16).status != _disk_check(meta, config, bf16, ("--dtype", "float32")).status
     half = _disk_check(meta, config, bf16 // 2, ("--dtype=bfloat16", "--world-size", "2", "--rank", "1"))
     assert half.status == _disk_check(meta, config, bf16).status and "/ 2 hosts" in half.detail
+
+
+def _state(driver):
+    from ops.gpus import GpuState, ServerFacts
+
+    return GpuState(host="box", hostname="box", gpus=(), holders=(), device_files=(), gpu_error=None, fuser_error=None,
+                    server=ServerFacts("none"), ancestry=(), driver=driver)
+
+
+@pytest.mark.parametrize(("driver", "need", "status"), [
+    ("580.65.06", "580", "ok"), ("590.1", "580", "ok"), ("570.86.15", "580", "fail"), ("table", "580", "warn"),
+    (None, "580", "warn"), ("570.86.15", None, "ok")])
+def test_driver_check_against_the_image_requirement(driver, need, status):
+    """The host driver's major version against the image's eagle-ops.min-driver label: older fails naming
+    both, unknown warns, an image without the label requires nothing."""
+    from ops.preflight import driver_check
+
+    res = driver_check(_state(driver), need)
+    assert res.status == status, res
+    if status == "fail":
+        assert driver in res.detail and ">= 580" in res.detail
+
+
+def test_plan_fields_render_the_argv_and_survive_a_replan():
+    """User and image digest are plan fields: the digest reaches the stage container (not its preflight),
+    a later layout keeps both, and an unknown digest changes nothing."""
+    from contract.env import IMAGE_DIGEST_ENV
+    from ops.layout import Layout
+    from ops.stage import with_image_digest, with_layout
+
+    h = host()
+    plan = resolve_user(h, plan_stage(h, "extract", run_id="r8"), 1000, 100)
+    assert with_image_digest(h, plan, None) == plan
+    digest = "repo/img@sha256:" + "ab" * 32
+    stamped = with_image_digest(h, plan, digest)
+    env = f"{IMAGE_DIGEST_ENV}={digest}"
+    assert stamped.image_digest == digest and env in stamped.docker_run and env not in stamped.preflight_run
+    assert stamped.docker_run[stamped.docker_run.index(env) + 1] == h.image
+    again = with_layout(h, stamped, Layout("hf", 1, 2))
+    assert env in again.docker_run and again.user == "1000:100" and "--data-parallel" in again.stage_argv
+    assert again.docker_run[again.docker_run.index("--user") + 1] == "1000:100"

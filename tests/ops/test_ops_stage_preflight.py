@@ -71,7 +71,7 @@ def scene(tmp_path_factory, dk, sshd):
     def hosts(label: str, **keys) -> Path:
         return write_hosts(tmp / f"{label}.toml", "pfbox", **{**base, **keys})
 
-    yield dict(tmp=tmp, good=good, model=model, server=server, hosts=hosts, image=img)
+    yield dict(tmp=tmp, good=good, model=model, server=server, hosts=hosts, image=img, table=table)
     remove_test_containers(dk, [name])
 
 
@@ -164,3 +164,20 @@ def test_vllm_without_a_patch_set_is_refused(scene, dk):
     run = json.loads((scene["tmp"] / "runs" / "pfbox" / "pf-vllm" / "run.json").read_text())
     assert run["layout"] == {"backend": "vllm", "tensor_parallel_size": 1, "data_parallel": 1}
     assert f"vLLM {STANDIN_VLLM}" in res.stdout
+
+
+def test_host_driver_older_than_the_image_needs_is_refused(scene, dk):
+    """An image labelled eagle-ops.min-driver=580 (vLLM 0.32's CUDA 13.0 build) on a host whose NVIDIA
+    driver is 570: the host preflight names `driver` and both versions, exit 4, server untouched."""
+    from ops.preflight import MIN_DRIVER_LABEL
+
+    tag = f"{scene['image'].split(':')[0]}-driver580:{scene['image'].split(':')[1]}"
+    dk.images.build(fileobj=io.BytesIO(f"FROM {scene['image']}\n".encode()), tag=tag, pull=False, rm=True,
+                    labels={TEST_LABEL: "1", MIN_DRIVER_LABEL: "580"})
+    table = json.loads(Path(scene["table"]).read_text())
+    old = scene["tmp"] / "gpus-driver570.json"
+    old.write_text(json.dumps({**table, "driver": "570.86.15"}))
+    hosts = scene["hosts"]("driver", data_root=str(data_root(scene, "driver")), image=tag, gpu_source=f"table:{old}")
+    res, _ = refused(scene, hosts, "--run-id", "pf-driver")
+    assert "error: preflight failed: driver: NVIDIA driver 570.86.15 on pfbox is older than the image needs (>= 580" in res.stderr
+
