@@ -351,10 +351,12 @@ def _open_target(cfg: VerifyConfig, dc: formats.DataConfig):
     GPU): what the spot re-computation runs and the alignment check takes the target's argmax from."""
     from pipeline.backends.base import BackendOptions, resolve_device
     from pipeline.backends.hf import HFBackend
-    from pipeline.modeldir import read_model_dir
+    from pipeline.modeldir import check_checkpoint, read_model_dir
 
+    model = read_model_dir(cfg.model)
+    check_checkpoint(model)  # config vs checkpoint, as extract checks it: a model that is not what it claims
     dtype = dc.dtype if resolve_device("auto").type == "cuda" else "float32"
-    return HFBackend(BackendOptions(model=read_model_dir(cfg.model), layer_ids=tuple(dc.layer_ids), dtype=dtype,
+    return HFBackend(BackendOptions(model=model, layer_ids=tuple(dc.layer_ids), dtype=dtype,
                                     seq_length=dc.seq_length, trust_remote_code=cfg.trust_remote_code))
 
 
@@ -493,8 +495,8 @@ def _alignment_checks(cfg: VerifyConfig, dc: formats.DataConfig, good: list[int]
     if cfg.verifier:
         verifier = load_verifier(cfg.verifier)
     else:  # no verifier dir: take the final norm and lm_head from the model itself
-        from pipeline.modeldir import read_model_dir
-        from pipeline.weights import read_tensors, resolve_names, weight_map
+        from pipeline.modeldir import read_model_dir, resolve_names
+        from pipeline.weights import read_tensors, weight_map
 
         md = read_model_dir(cfg.model)
         wmap = weight_map(cfg.model)
