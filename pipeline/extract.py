@@ -1,7 +1,7 @@
 """The ``extract`` stage: prepared samples in, one ``data_{i}.pt`` of captured hidden states per sample out.
 
 Owns the extraction loop shared by every backend: the batch plan (length-bucketed, deterministic),
-resume (skip batches whose files all exist; a batch is always recomputed whole, so a resumed run writes
+resume (skip batches whose files all exist and belong to this run; a batch is always recomputed whole, so a resumed run writes
 the same bytes as an uninterrupted one), the background writer, the progress bar, and the output
 directory's bookkeeping (data_config.json, sample_lengths.json, summary.json). How states are computed
 is the backend's business (pipeline/backends/).
@@ -226,8 +226,16 @@ def _expected_config(cfg: ExtractConfig, model, layer_ids, num_samples, seq_leng
     )
 
 
-def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig) -> set[int]:
-    """Apply the --resume/--overwrite policy; return the sample indices already complete."""
+def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig, prepared: formats.PreparedSamples | None = None,
+                       owned: set[int] | None = None) -> set[int]:
+    """Apply the --resume/--overwrite policy; return the sample indices already complete.
+
+    --resume continues a run only if its data_config.json is this run's and each existing file it would skip
+    (those of ``owned``, this host's samples; default all) belongs to this run (``verify.foreign_files``: the
+    file mapped, not read: its input_ids and loss_mask against prepared row i, its states' count, shapes and
+    dtype against this run's config; its size, and its bytes only if it changed after the set's checksum
+    records, against them). Either refusal is one line, before anything in --out changes. --resume --repair
+    instead reads every byte of every file (``verify.damaged_files``) and regenerates the ones that fail."""
     out = cfg.out
     refuse_overlap(out, {"--prepared": cfg.prepared, "--model": cfg.model})
     existing = formats.existing_data_indices(out)
@@ -240,13 +248,6 @@ def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig) -> set[
         raise StageError(f"output {out} exists and is not a directory: choose another --out")
     if (existing or has_config or (out.is_dir() and any(out.iterdir()))) and not (cfg.resume or cfg.overwrite):
         raise StageError(f"output dir {out} is not empty: pass --resume to continue it or --overwrite to replace it")
-    if cfg.overwrite and out.is_dir():
-        shutil.rmtree(out)
-        existing, has_config = [], False
-    out.mkdir(parents=True, exist_ok=True)
-    remove_partials(out)
-    for stale in out.glob(VLLM_SCRATCH_GLOB):  # the vllm backend's files of a run that was killed
-        shutil.rmtree(stale, ignore_errors=True)
     if cfg.resume and has_config:
         found = formats.read_data_config(out)
         keys = ("model", "layer_ids", "hidden_size", "dtype", "num_samples", "seq_length", "prepared")
@@ -258,17 +259,42 @@ def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig) -> set[
                 f"{getattr(expected, k)!r}; use --overwrite or another --out"
             )
         expected.provenance_history = [*found.provenance_history, *([found.provenance] if found.provenance else [])]
+    kept = [i for i in existing if i < expected.num_samples and (owned is None or i in owned)]
+    if prepared is None and kept and cfg.resume:
+        prepared = formats.read_prepared(cfg.prepared)[0]
+    if cfg.resume and not cfg.repair and kept:
+        refuse_foreign_files(out, kept, expected, prepared)
+    if cfg.overwrite and out.is_dir():
+        shutil.rmtree(out)
+        existing, has_config = [], False
+    out.mkdir(parents=True, exist_ok=True)
+    remove_partials(out)
+    for stale in out.glob(VLLM_SCRATCH_GLOB):  # the vllm backend's files of a run that was killed
+        shutil.rmtree(stale, ignore_errors=True)
     formats.write_data_config(out, expected)
     if cfg.repair:
         from pipeline.verify import damaged_files
 
-        prepared = formats.read_prepared(cfg.prepared)[0]
-        bad = damaged_files(out, [i for i in existing if i < expected.num_samples], expected, prepared)
+        bad = damaged_files(out, kept, expected, prepared)
         for i, reason in sorted(bad.items()):
             click.echo(f"repair: data_{i}.pt will be regenerated ({reason})", err=True)
             formats.data_file(out, i).unlink()
         existing = [i for i in existing if i not in bad]
     return set(existing)
+
+
+def refuse_foreign_files(out: Path, indices: list[int], expected: formats.DataConfig, prepared) -> None:
+    """One line naming the first of ``indices`` that is not this run's file (and how many more there are)."""
+    from pipeline.verify import foreign_files
+
+    foreign = foreign_files(out, indices, expected, prepared)
+    if foreign:
+        first = min(foreign)
+        more = f" (and {len(foreign) - 1} more files)" if len(foreign) > 1 else ""
+        raise StageError(
+            f"cannot --resume {out}: {formats.data_file(out, first).name} is not this run's file ({foreign[first]}){more}: "
+            "pass --repair with --resume to regenerate such files, or --overwrite to start over"
+        )
 
 
 def _progress(enabled: bool):
@@ -428,12 +454,12 @@ def run(cfg: ExtractConfig) -> dict:
     dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device)) if cfg.backend == "hf" else resolve_dtype(
         "bfloat16" if cfg.dtype == "auto" else cfg.dtype, torch.device("cpu"))
     expected = _expected_config(cfg, model, layer_ids, n, meta.seq_length, dtype)
-    if cfg.local_rank is None:
-        done = prepare_output_dir(cfg, expected)
-    else:  # a worker: the launcher applied the output policy; it only re-reads what exists
-        done = set(formats.existing_data_indices(cfg.out))
     plan = plan_shard(lengths, cfg.world_size, cfg.rank, cfg.max_batch_tokens, cfg.max_batch_size)
     owned = {i for b in plan for i in b.indices}
+    if cfg.local_rank is None:
+        done = prepare_output_dir(cfg, expected, prepared, owned)
+    else:  # a worker: the launcher applied the output policy; it only re-reads what exists
+        done = set(formats.existing_data_indices(cfg.out))
     done &= owned
     if cfg.local_rank is not None:
         # deal the whole plan, not the pending part: workers list the directory at different moments

@@ -2,7 +2,8 @@
 
 Owns the resolution of wrapper models (vision-language wrappers such as Kimi-K2.5 keep the decoder's
 config under ``text_config``) and the checks that a directory is a usable target model, its config
-consistent with its checkpoint (every layer claimed has weights; none is left unused).
+consistent with its checkpoint (every layer claimed has weights; none is left unused; a tied config has no
+different lm_head), and the names of the tensors the verifier is made of (embed_tokens, final norm, lm_head).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import StageError
-from pipeline.readers import INDEX, read_model_config, read_weight_map
+from pipeline.readers import INDEX, read_model_config, read_shard_tensors, read_weight_map
 
 
 @dataclass(frozen=True)
@@ -76,16 +77,75 @@ def decoder_layers_in(names: list[str]) -> tuple[str, set[int]]:
     return prefix, found[prefix]
 
 
-def check_checkpoint(model: ModelDir, names: list[str] | None = None) -> None:
-    """Config vs checkpoint, before any model runs: every decoder layer config.json claims has weights, and
-    no decoder layer's weights would be left unused (multi-token-prediction layers that the config declares
-    with ``num_nextn_predict_layers`` aside). A mismatch would run randomly initialised layers, or a
-    different model than the checkpoint holds. ``names`` default to the safetensors checkpoint's (its
-    index or header: no tensor is read); a directory without safetensors is not checked."""
-    if names is None:
+@dataclass(frozen=True)
+class VerifierNames:
+    """Checkpoint tensor names of the three verifier tensors."""
+
+    embed_tokens: str
+    norm: str
+    lm_head: str
+    tied: bool
+
+
+def _embed_and_head(names: list[str]) -> tuple[str | None, str | None]:
+    """The top-level embed_tokens and lm_head names (MTP and vision-tower copies ignored), None where absent."""
+    top = [n for n in names if ".layers." not in n and "vision" not in n and "mm_projector" not in n]
+
+    def first(suffix: str) -> str | None:
+        return min((n for n in top if n.endswith(suffix)), key=lambda n: (len(n), n), default=None)
+
+    return first("embed_tokens.weight"), first("lm_head.weight")
+
+
+def resolve_names(names: list[str], tie_word_embeddings: bool) -> VerifierNames:
+    """Pick the top-level embed/norm/lm_head names; MTP and vision-tower copies are ignored."""
+    embed, head = _embed_and_head(names)
+    if embed is None:
+        raise StageError("no embed_tokens.weight in the checkpoint outside decoder layers: unsupported model layout")
+    prefix = embed[: -len("embed_tokens.weight")]
+    norm = prefix + "norm.weight"
+    if norm not in names:
+        raise StageError(f"final norm {norm!r} not found next to {embed!r} in the checkpoint")
+    if head is not None:
+        return VerifierNames(embed, norm, head, tied=False)
+    if tie_word_embeddings:
+        return VerifierNames(embed, norm, embed, tied=True)
+    raise StageError("no lm_head.weight in the checkpoint and tie_word_embeddings is false: cannot build the verifier")
+
+
+def check_tied(embed_name: str, head_name: str, src: dict) -> None:
+    """With ``tie_word_embeddings: true`` the target computes logits with its embedding, whatever lm_head the
+    checkpoint also holds: a different lm_head would give a verifier (and states) that are not the target's."""
+    import torch
+
+    embed, head = src[embed_name], src[head_name]
+    if embed.shape != head.shape or not torch.equal(embed, head):
+        raise StageError(
+            f"config.json says tie_word_embeddings: true, but the checkpoint's {head_name} differs from "
+            f"{embed_name}: the target computes with the embedding; fix tie_word_embeddings or the checkpoint"
+        )
+
+
+def check_checkpoint(model: ModelDir, wmap: dict[str, str] | None = None) -> None:
+    """Config vs checkpoint, before any model runs: every decoder layer config.json claims has weights, no
+    decoder layer's weights would be left unused (multi-token-prediction layers that the config declares
+    with ``num_nextn_predict_layers`` aside), and a config that ties the embeddings has no lm_head that
+    differs from them. A mismatch would run randomly initialised layers, a different model than the
+    checkpoint holds, or a head the target never computes with. ``wmap`` (tensor name -> shard) defaults to
+    the safetensors checkpoint's index or header; tensors are read only for a tied config whose checkpoint
+    also holds an lm_head (the two are compared whole); a directory without safetensors is not checked."""
+    if wmap is None:
         if not ((model.path / INDEX).is_file() or (model.path / "model.safetensors").is_file()):
             return
-        names = list(read_weight_map(model.path))
+        wmap = read_weight_map(model.path)
+    names = list(wmap)
+    _check_layers(model, names)
+    embed, head = _embed_and_head(names)
+    if model.tie_word_embeddings and embed is not None and head is not None:
+        check_tied(embed, head, read_shard_tensors(model.path, wmap, [embed, head]))
+
+
+def _check_layers(model: ModelDir, names: list[str]) -> None:
     prefix, present = decoder_layers_in(names)
     text = model.raw.get("text_config") or model.raw
     mtp = text.get("num_nextn_predict_layers") or 0

@@ -19,6 +19,10 @@ Output directory::
     summary.json             train figures + eval.json
     loss.png, acceptance.png
 
+The output follows pipeline/outdir.py's policy: an --out that is, contains or lies inside an input (the
+hidden states, the verifier, the target model, the prepared dir) is refused before anything is deleted, and
+rank 0 holds the output's lock while the run writes it, so that a second train into it is refused.
+
 Data parallel: started by ``torchrun --nproc-per-node N -m pipeline train ...`` each process trains on its
 shard through speculators' DDP setup (one GPU per process); rank 0 writes everything else. The draft architecture and its
 config live in pipeline/draft.py.
@@ -45,6 +49,7 @@ from pipeline.atomic import write_json
 from pipeline.draft import TargetFacts, read_target_facts
 from pipeline.errors import StageError
 from pipeline.layers import NUM_CAPTURED, to_vllm_aux_ids, validate_layer_ids
+from pipeline.outdir import output_lock, refuse_overlap
 from pipeline.train_data import seed_everything
 from pipeline.train_files import (CHECKPOINTS, DRAFT, EVAL, METRICS, SUMMARY, TRAIN_CONFIG, VERIFIER_VIEW,  # noqa: F401
                                   last_metrics, read_metrics)
@@ -556,6 +561,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     rt = setup_runtime(cfg.device)
     if rt.device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls: the draft trains in fp32 parameters
+    held = contextlib.ExitStack()  # the output's lock, held by rank 0 until the run ends
     try:
         inputs = check_inputs(cfg)
         attention = draft_mod.choose_attention(rt.device, cfg.attention)
@@ -563,6 +569,10 @@ def run(cfg: TrainConfig, log=print) -> dict:
             raise StageError(f"--max-len {cfg.max_len} must be a multiple of {FLEX_BLOCK} with flex attention (speculators' block mask)")
         if len(inputs.eval_files) < rt.world_size:
             raise StageError(f"{len(inputs.eval_files)} held-out samples for {rt.world_size} processes: raise --eval-fraction")
+        refuse_overlap(Path(cfg.out), {"--data": cfg.data, "--verifier": cfg.verifier, "--model": inputs.model_dir,
+                                       "--prepared": _resolve_prepared(cfg, inputs.data_config)})
+        if rt.is_main:  # for the whole torchrun job: the other ranks are its processes, not other writers
+            held.enter_context(output_lock(cfg.out))
         _prepare_out(cfg, rt)
         out = Path(cfg.out)
         view = out / VERIFIER_VIEW
@@ -654,6 +664,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             plots.draw_all(out)
         return summary
     finally:
+        held.close()
         if rt.distributed:
             from speculators.train.distributed import maybe_destroy_distributed
 

@@ -173,8 +173,10 @@ def _checksum_finding(name: str, digest: formats.FileDigest | None, ctx: SetCont
     return fail("checksum", f"{what}; {digest.bytes} bytes, sha256 {digest.sha256[:12]}, recorded {want.sha256[:12]}", name)
 
 
-def _check_file(directory: Path, i: int, ctx: SetContext, load) -> tuple[list[CheckResult], list | None]:
-    """The findings of one file, and its layer signatures (None where the file is not a readable sample)."""
+def _check_file(directory: Path, i: int, ctx: SetContext, load, judge=None) -> tuple[list[CheckResult], list | None]:
+    """The findings of one file, and its layer signatures (None where the file is not a readable sample).
+    ``load(path)`` gives the sample and its digest (None: not hashed); ``judge`` its findings
+    (default ``_sample_findings``, every per-file check)."""
     name = f"data_{i}.pt"
     try:
         d, digest = load(directory / name)
@@ -185,34 +187,19 @@ def _check_file(directory: Path, i: int, ctx: SetContext, load) -> tuple[list[Ch
             digest = None
         found = [fail("loadable", f"cannot load: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", name)]
         return [c for c in [_checksum_finding(name, digest, ctx, True)] if c] + found, None
-    out, stats = _sample_findings(name, i, d, ctx)
+    out, stats = (judge or _sample_findings)(name, i, d, ctx)
     checksum = _checksum_finding(name, digest, ctx, any(c.name in STRUCTURAL for c in out))
     return ([checksum] if checksum else []) + out, stats
 
 
 def _sample_findings(name: str, i: int, d, ctx: SetContext) -> tuple[list[CheckResult], list | None]:
-    dc, ref = ctx.dc, ctx.reference
-    out: list[CheckResult] = []
-    if not isinstance(d, dict) or set(d) != set(formats.DATA_KEYS):
-        return [fail("keys", f"keys {sorted(d) if isinstance(d, dict) else type(d).__name__}, expected {list(formats.DATA_KEYS)}", name)], None
-    ids, mask, hs = d["input_ids"], d["loss_mask"], d["hidden_states"]
-    t = int(ids.shape[0]) if ids.ndim == 1 else -1
-    if ids.dtype != torch.int64 or ids.ndim != 1 or mask.dtype != torch.int64 or tuple(mask.shape) != (t,):
-        out.append(fail("ids_mask", f"input_ids {ids.dtype}{tuple(ids.shape)}, loss_mask {mask.dtype}{tuple(mask.shape)}; expected int64[T] both", name))
-        return out, None
-    if not isinstance(hs, list) or len(hs) != len(dc.layer_ids):
-        detail = f"{len(hs) if isinstance(hs, list) else type(hs).__name__} hidden-state tensors, expected {len(dc.layer_ids)}"
-        if ref is not None and isinstance(hs, list) and 0 < len(hs) < len(dc.layer_ids) and all(
-                tuple(h.shape) == (t, dc.hidden_size) for h in hs):
-            detail += ": " + layer_profile.dropped_problem([layer_profile.layer_stats(h) for h in hs], ref)
-        out.append(fail("layers", detail, name))
-        return out, None
-    want_dtype = getattr(torch, dc.dtype)
-    for j, h in enumerate(hs):
-        if tuple(h.shape) != (t, dc.hidden_size) or h.dtype != want_dtype:
-            out.append(fail("shape_dtype", f"hidden_states[{j}] is {str(h.dtype).removeprefix('torch.')}{list(h.shape)}, expected {dc.dtype}[{t}, {dc.hidden_size}]", name))
+    """Every per-file check of a loaded sample: its form, its values (NaN/Inf, layer order and scale, each
+    state read whole), its identity; and its layer signatures."""
+    out, t = _form_findings(name, d, ctx)
     if out:
         return out, None
+    dc, ref = ctx.dc, ctx.reference
+    hs = d["hidden_states"]
     bad = [_nonfinite(h) for h in hs]
     stats = None
     if any(bad):
@@ -225,16 +212,51 @@ def _sample_findings(name: str, i: int, d, ctx: SetContext) -> tuple[list[CheckR
                 out.append(fail("layer_order", problem, name))
             if problem := layer_profile.scale_problem(stats, ref):
                 out.append(fail("layer_scale", problem, name))
+    return out + _identity_findings(name, i, d, t, ctx), stats
+
+
+def _form_findings(name: str, d, ctx: SetContext) -> tuple[list[CheckResult], int]:
+    """Whether a loaded file has a sample's form in this set: keys, ids/mask dtypes, layer count, each state's
+    shape and dtype (tensor metadata only: no state is read unless the layer count is off); and its T."""
+    dc, ref = ctx.dc, ctx.reference
+    if not isinstance(d, dict) or set(d) != set(formats.DATA_KEYS):
+        return [fail("keys", f"keys {sorted(d) if isinstance(d, dict) else type(d).__name__}, expected {list(formats.DATA_KEYS)}", name)], -1
+    ids, mask, hs = d["input_ids"], d["loss_mask"], d["hidden_states"]
+    t = int(ids.shape[0]) if ids.ndim == 1 else -1
+    if ids.dtype != torch.int64 or ids.ndim != 1 or mask.dtype != torch.int64 or tuple(mask.shape) != (t,):
+        return [fail("ids_mask", f"input_ids {ids.dtype}{tuple(ids.shape)}, loss_mask {mask.dtype}{tuple(mask.shape)}; expected int64[T] both", name)], t
+    if not isinstance(hs, list) or len(hs) != len(dc.layer_ids):
+        detail = f"{len(hs) if isinstance(hs, list) else type(hs).__name__} hidden-state tensors, expected {len(dc.layer_ids)}"
+        if ref is not None and isinstance(hs, list) and 0 < len(hs) < len(dc.layer_ids) and all(
+                tuple(h.shape) == (t, dc.hidden_size) for h in hs):
+            detail += ": " + layer_profile.dropped_problem([layer_profile.layer_stats(h) for h in hs], ref)
+        return [fail("layers", detail, name)], t
+    want_dtype = getattr(torch, dc.dtype)
+    return [fail("shape_dtype", f"hidden_states[{j}] is {str(h.dtype).removeprefix('torch.')}{list(h.shape)}, expected {dc.dtype}[{t}, {dc.hidden_size}]", name)
+            for j, h in enumerate(hs) if tuple(h.shape) != (t, dc.hidden_size) or h.dtype != want_dtype], t
+
+
+def _identity_findings(name: str, i: int, d: dict, t: int, ctx: SetContext) -> list[CheckResult]:
+    """Whether a sample of the right form is sample ``i`` of this set: its length, and its input_ids and loss_mask
+    against the prepared row (only those two small tensors are read)."""
+    dc, out = ctx.dc, []
     if t > dc.seq_length - 1 or t < 1:
         out.append(fail("length", f"T = {t} outside 1..seq_length-1 = {dc.seq_length - 1}", name))
     if ctx.lengths and ctx.lengths.get(i) != t:
         out.append(fail("sample_lengths", f"T = {t} but sample_lengths.json says {ctx.lengths.get(i)}", name))
     prepared = ctx.prepared
     if prepared is not None and i < len(prepared):
+        ids, mask = d["input_ids"], d["loss_mask"]
         same = np.array_equal(ids.numpy(), prepared.ids(i).astype(np.int64)) and np.array_equal(mask.numpy(), prepared.mask(i).astype(np.int64))
         if not same:
-            out.append(fail("prepared_match", "input_ids/loss_mask differ from the prepared row", name))
-    return out, stats
+            out.append(fail("prepared_match", f"input_ids/loss_mask differ from prepared row {i}", name))
+    return out
+
+
+def _ownership_findings(name: str, i: int, d, ctx: SetContext) -> tuple[list[CheckResult], None]:
+    """The checks that need no state's values: whether the file is sample ``i`` of this run's form."""
+    out, t = _form_findings(name, d, ctx)
+    return out or _identity_findings(name, i, d, t, ctx), None
 
 
 def _nonfinite(h: torch.Tensor) -> int:
@@ -321,6 +343,38 @@ def damaged_files(directory: Path, indices: list[int], dc: formats.DataConfig, p
     return {i: f"{cs[0].name}: {cs[0].detail}" for i, cs in results if cs}
 
 
+def foreign_files(directory: Path, indices: list[int], dc: formats.DataConfig, prepared, workers: int = 0) -> dict[int, str]:
+    """Files among ``indices`` that are not this run's sample i, with their reasons: what ``extract --resume``
+    refuses to skip. Cheap, unlike ``damaged_files``: each file is mapped, not read (its zip directory and
+    pickle, then input_ids and loss_mask, compared with prepared row i; the states' count, shapes and dtypes
+    come from the pickle), and stat'ed; only a file whose size differs from the one the set's checksum
+    index records, or that was modified after the newest checksum record, is hashed and compared with it.
+    Not seen: a file of the right form and tokens, copied in with its old mtime kept, holding other states
+    (``--repair`` reads every byte)."""
+    recorded = formats.read_checksums(directory)
+    records = [*directory.glob(formats.CHECKSUM_INDEX_GLOB), *directory.glob(formats.CHECKSUM_JOURNAL_GLOB)]
+    recorded_at = max((p.stat().st_mtime_ns for p in records), default=0)
+    ctx = SetContext(dc, {}, prepared, recorded)
+
+    def load(path: Path) -> tuple[dict, formats.FileDigest | None]:
+        d = formats.read_sample(path, mmap=True)
+        st, want = path.stat(), recorded.get(path.name)
+        changed = want is not None and (st.st_size != want.bytes or st.st_mtime_ns > recorded_at)
+        return d, formats.file_digest(path) if changed else None
+
+    with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
+        results = list(pool.map(lambda i: (i, _check_file(directory, i, ctx, load, _ownership_findings)[0]), indices))
+    return {i: _reasons(cs) for i, cs in results if cs}
+
+
+def _reasons(findings: list[CheckResult]) -> str:
+    """The first finding of each check, in order: ``check: detail; ...``."""
+    first: dict[str, CheckResult] = {}
+    for c in findings:
+        first.setdefault(c.name, c)
+    return "; ".join(f"{c.name}: {c.detail}" for c in first.values())
+
+
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The final norm as transformers' RMSNorm computes it (fp32 statistics, result in the states' dtype)."""
     x = h.to(torch.float32)
@@ -352,10 +406,12 @@ def _open_target(cfg: VerifyConfig, dc: formats.DataConfig):
     GPU): what the spot re-computation runs and the alignment check takes the target's argmax from."""
     from pipeline.backends.base import BackendOptions, resolve_device
     from pipeline.backends.hf import HFBackend
-    from pipeline.modeldir import read_model_dir
+    from pipeline.modeldir import check_checkpoint, read_model_dir
 
+    model = read_model_dir(cfg.model)
+    check_checkpoint(model)  # config vs checkpoint, as extract checks it: a model that is not what it claims
     dtype = dc.dtype if resolve_device("auto").type == "cuda" else "float32"
-    return HFBackend(BackendOptions(model=read_model_dir(cfg.model), layer_ids=tuple(dc.layer_ids), dtype=dtype,
+    return HFBackend(BackendOptions(model=model, layer_ids=tuple(dc.layer_ids), dtype=dtype,
                                     seq_length=dc.seq_length, trust_remote_code=cfg.trust_remote_code))
 
 
@@ -494,8 +550,8 @@ def _alignment_checks(cfg: VerifyConfig, dc: formats.DataConfig, good: list[int]
     if cfg.verifier:
         verifier = load_verifier(cfg.verifier)
     else:  # no verifier dir: take the final norm and lm_head from the model itself
-        from pipeline.modeldir import read_model_dir
-        from pipeline.weights import read_tensors, resolve_names, weight_map
+        from pipeline.modeldir import read_model_dir, resolve_names
+        from pipeline.weights import read_tensors, weight_map
 
         md = read_model_dir(cfg.model)
         wmap = weight_map(cfg.model)

@@ -1,21 +1,20 @@
 """The ``weights`` stage: the verifier's embed_tokens, final norm and lm_head, and nothing else.
 
 Owns locating those three tensors in a safetensors checkpoint (through the shard index, opened lazily
-with ``safe_open``: a 1T-parameter checkpoint costs three tensor reads), resolving their names for plain
-causal LMs and for wrappers (``language_model.`` prefixes), tied embeddings, and writing
+with ``safe_open``: a 1T-parameter checkpoint costs three tensor reads) by the names pipeline/modeldir.py
+resolves for plain causal LMs, wrappers (``language_model.`` prefixes) and tied embeddings, and writing
 ``verifier.safetensors`` (keys below) plus ``verifier.json`` (source names, shapes, dtype, source dir).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from pipeline.atomic import write_json
 from pipeline.errors import StageError
-from pipeline.modeldir import check_checkpoint, read_model_dir
+from pipeline.modeldir import check_checkpoint, read_model_dir, resolve_names
 from pipeline.outdir import refuse_overlap, staged_dir
 from pipeline.readers import read_safetensors, read_shard_tensors, read_weight_map
 
@@ -24,51 +23,9 @@ VERIFIER_META = "verifier.json"
 KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 
 
-@dataclass(frozen=True)
-class VerifierNames:
-    """Checkpoint tensor names of the three verifier tensors."""
-
-    embed_tokens: str
-    norm: str
-    lm_head: str
-    tied: bool
-
-
 def weight_map(model_dir: Path) -> dict[str, str]:
     """Tensor name -> shard file name, from the index or from a single model.safetensors."""
     return read_weight_map(model_dir)
-
-
-def resolve_names(names: list[str], tie_word_embeddings: bool) -> VerifierNames:
-    """Pick the top-level embed/norm/lm_head names; MTP and vision-tower copies are ignored."""
-    top = [n for n in names if ".layers." not in n and "vision" not in n and "mm_projector" not in n]
-    embeds = sorted((n for n in top if n.endswith("embed_tokens.weight")), key=lambda n: (len(n), n))
-    if not embeds:
-        raise StageError("no embed_tokens.weight in the checkpoint outside decoder layers: unsupported model layout")
-    embed = embeds[0]
-    prefix = embed[: -len("embed_tokens.weight")]
-    norm = prefix + "norm.weight"
-    if norm not in names:
-        raise StageError(f"final norm {norm!r} not found next to {embed!r} in the checkpoint")
-    heads = sorted((n for n in top if n.endswith("lm_head.weight")), key=lambda n: (len(n), n))
-    if heads:
-        return VerifierNames(embed, norm, heads[0], tied=False)
-    if tie_word_embeddings:
-        return VerifierNames(embed, norm, embed, tied=True)
-    raise StageError("no lm_head.weight in the checkpoint and tie_word_embeddings is false: cannot build the verifier")
-
-
-def check_tied(tie_word_embeddings: bool, names: VerifierNames, src: dict) -> None:
-    """With ``tie_word_embeddings: true`` the target computes logits with its embedding, whatever lm_head the
-    checkpoint also holds: a different lm_head would give a verifier that is not the target's."""
-    import torch
-
-    embed, head = src[names.embed_tokens], src[names.lm_head]
-    if tie_word_embeddings and not names.tied and (embed.shape != head.shape or not torch.equal(embed, head)):
-        raise StageError(
-            f"config.json says tie_word_embeddings: true, but the checkpoint's {names.lm_head} differs from "
-            f"{names.embed_tokens}: the target computes with the embedding; fix tie_word_embeddings or the checkpoint"
-        )
 
 
 def read_tensors(model_dir: Path, wmap: dict[str, str], names: list[str]) -> dict:
@@ -79,10 +36,9 @@ def run(model_dir: Path, out: Path, overwrite: bool = False) -> dict:
     refuse_overlap(out, {"--model": model_dir})
     model = read_model_dir(model_dir)
     wmap = weight_map(model_dir)
-    check_checkpoint(model, list(wmap))
+    check_checkpoint(model, wmap)  # layers, and a tied config's lm_head
     names = resolve_names(sorted(wmap), model.tie_word_embeddings)
     src = read_tensors(model_dir, wmap, sorted({names.embed_tokens, names.norm, names.lm_head}))
-    check_tied(model.tie_word_embeddings, names, src)
     tensors = {
         "embed_tokens.weight": src[names.embed_tokens].contiguous(),
         "norm.weight": src[names.norm].contiguous(),

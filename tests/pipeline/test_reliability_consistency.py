@@ -4,6 +4,7 @@ lm_head), and numbers refused at the boundary with their allowed range (zero, ne
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -60,19 +61,38 @@ def _with_lm_head(tmp_path, tiny_llama, same: bool):
     return model
 
 
-def test_tied_config_with_a_different_lm_head_is_refused(tmp_path, monkeypatch, capsys, tiny_llama):
-    """tie_word_embeddings: true plus a distinct lm_head.weight would give a verifier the target never computes."""
+TIED_ARGS = {"weights": [], "extract": ["--limit", "2", "--no-verify", "--no-progress"]}
+
+
+@pytest.mark.parametrize("stage", sorted(TIED_ARGS))
+def test_tied_config_with_a_different_lm_head_is_refused(tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, stage):
+    """tie_word_embeddings: true plus a distinct lm_head.weight would give a verifier the target never computes
+    (weights), or capture states of a target that is not the checkpoint's (extract): refused before the model runs."""
     model = _with_lm_head(tmp_path, tiny_llama, same=False)
-    refused(cli(monkeypatch, capsys, "weights", "--model", model, "--out", tmp_path / "v"),
+    extra = ["--prepared", prepared_llama] if stage == "extract" else []
+    refused(cli(monkeypatch, capsys, stage, "--model", model, "--out", tmp_path / "v", *extra, *TIED_ARGS[stage]),
             "tie_word_embeddings: true", "differs from model.embed_tokens.weight")
     assert not (tmp_path / "v").exists()
 
 
-def test_tied_config_with_an_equal_lm_head_is_accepted(tmp_path, monkeypatch, capsys, tiny_llama):
+@pytest.mark.parametrize("stage", sorted(TIED_ARGS))
+def test_tied_config_with_an_equal_lm_head_is_accepted(tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, stage):
     """A tied checkpoint that also saved its lm_head (the same values) is what the target computes: accepted."""
     model = _with_lm_head(tmp_path, tiny_llama, same=True)
-    rc, err = cli(monkeypatch, capsys, "weights", "--model", model, "--out", tmp_path / "v")
+    extra = ["--prepared", prepared_llama] if stage == "extract" else []
+    rc, err = cli(monkeypatch, capsys, stage, "--model", model, "--out", tmp_path / "v", *extra, *TIED_ARGS[stage])
     assert rc == 0, err
+
+
+def test_verify_with_a_tied_model_holding_a_different_lm_head_fails_naming_it(
+        tmp_path, monkeypatch, capsys, tiny_llama, extracted_llama):
+    """verify --model runs the config-vs-checkpoint check before it loads the target: a failed check naming the
+    tied lm_head (exit 3), not an alignment figure computed with a head the target never uses."""
+    model = _with_lm_head(tmp_path, tiny_llama, same=False)
+    states = tmp_path / "states"
+    shutil.copytree(extracted_llama, states)
+    refused(cli(monkeypatch, capsys, "verify", states, "--model", model, "--recompute-samples", "1"),
+            "recompute", "tie_word_embeddings: true", code=3)
 
 
 NUMBERS = {

@@ -148,3 +148,47 @@ def test_output_checks_run_in_a_real_process(tmp_path, tiny_llama):
                           env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "destroy an input" in proc.stderr, proc.stderr
     assert _tree(model) == before
+
+
+def _train_args(inputs, out, *flags):
+    return ["train", "--data", inputs.data, "--verifier", inputs.verifier, "--prepared", inputs.prepared, "--model",
+            inputs.model, "--out", out, "--device", "cpu", "--epochs", "1", "--max-len", "128", "--num-workers", "0",
+            "--no-eval", "--no-plots", *flags]
+
+
+TRAIN_OVERLAPS = {
+    # case: (which input, how, flags)
+    "train-out-is-data": ("data", "is", ["--overwrite"]),
+    "train-out-is-verifier": ("verifier", "is", ["--overwrite"]),
+    "train-out-is-model": ("model", "is", ["--resume"]),
+    "train-out-is-prepared": ("prepared", "is", ["--overwrite"]),
+    "train-out-contains-data": ("data", "contains", ["--overwrite"]),
+    "train-out-inside-verifier": ("verifier", "inside", []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRAIN_OVERLAPS))
+def test_train_output_overlapping_an_input_is_refused(tmp_path, monkeypatch, capsys, case):
+    """train --out equal to, containing or inside its hidden states, verifier, model or prepared dir: one line
+    naming the input, exit 2, before anything is deleted or written; every input's tree unchanged."""
+    from tests.train.conftest import write_inputs
+
+    inputs = write_inputs(tmp_path / "inputs", samples=8)
+    victim, how, flags = TRAIN_OVERLAPS[case]
+    target = getattr(inputs, victim)
+    out = {"is": target, "contains": target.parent, "inside": target / "sub"}[how]
+    before = _tree(tmp_path / "inputs")
+    refused(cli(monkeypatch, capsys, *_train_args(inputs, out, *flags)), "writing there would destroy an input",
+            f"--{victim}")
+    assert _tree(tmp_path / "inputs") == before
+
+
+def test_second_train_into_one_output_is_refused_naming_the_holder(holder, tmp_path, monkeypatch, capsys):
+    """While another process holds the output's lock, train into it is refused naming the holder; nothing written."""
+    from tests.train.conftest import write_inputs
+
+    out, proc = holder
+    inputs = write_inputs(tmp_path / "inputs", samples=8)
+    refused(cli(monkeypatch, capsys, *_train_args(inputs, out)), f"is being written by pid {proc.pid}",
+            "wait for it to finish")
+    assert not out.exists()
