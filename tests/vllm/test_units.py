@@ -121,15 +121,24 @@ def test_cpu_environment_never_overrides_the_operator(monkeypatch):
     assert "VLLM_CPU_OMP_THREADS_BIND" not in backend.cpu_environment(2)
 
 
-def test_checkpoint_layer_names():
-    """Decoder layer indices come from plain and wrapper names; MTP layers are not decoder layers."""
-    from pipeline.preflight import checkpoint_layers
+def test_checkpoint_layers_against_the_config(tmp_path):
+    """The layer rule preflight and the stages share (modeldir.check_layers): wrapper names count, a
+    DeepSeek MTP layer declared by num_nextn_predict_layers is no stray layer, an undeclared one is."""
+    import json
 
-    names = dict.fromkeys([
-        "model.layers.0.mlp.up_proj.weight", "model.layers.11.self_attn.q_proj.weight",
-        "language_model.model.layers.3.input_layernorm.weight", "model.mtp.layers.0.weight", "lm_head.weight",
-    ], "f")
-    assert checkpoint_layers(names) == {0, 3, 11}
+    from pipeline.errors import StageError
+    from pipeline.modeldir import check_layers, read_model_dir
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 2,
+        "hidden_size": 8, "vocab_size": 16, "num_nextn_predict_layers": 1}))
+    model = read_model_dir(tmp_path)
+    names = [f"model.layers.{i}.mlp.up_proj.weight" for i in (0, 1, 2)] + ["model.embed_tokens.weight", "lm_head.weight"]
+    check_layers(model, names)  # layer 2 is the declared MTP layer
+    with pytest.raises(StageError, match="leaves unused"):
+        check_layers(model, [*names, "model.layers.3.mlp.up_proj.weight"])
+    with pytest.raises(StageError, match="claims 2 decoder layers"):
+        check_layers(model, ["model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"])
 
 
 def test_cuda_usable_names_a_driver_older_than_torchs_cuda(monkeypatch):
