@@ -1,4 +1,4 @@
-"""Calling the host agent (ops/hostagent.py) over a Runner.
+"""Calling the host agent (ops/host/agent.py) over a Runner.
 
 Owns the bootstrap: one command, `python3 -c BOOTSTRAP`, whose stdin carries the agent's source, the
 compressed nvidia-ml-py binding when NVML is needed, and the request. Requests travel on stdin, never in
@@ -34,7 +34,7 @@ BOOTSTRAP = (
 
 @functools.cache
 def _agent_source() -> str:
-    return (Path(__file__).with_name("hostagent.py")).read_text()
+    return (Path(__file__).parent / "host" / "agent.py").read_text()
 
 
 @functools.cache

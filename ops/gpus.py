@@ -2,7 +2,7 @@
 
 Owns turning the host agent's probe reply into typed facts (GPUs, compute processes, device-file
 holders), classifying every holder as protected / server / orphan, and the clean check (per GPU: no
-compute process and used memory under the threshold). Pure: the probe itself runs in ops.hostagent,
+compute process and used memory under the threshold). Pure: the probe itself runs in ops/host/agent.py,
 the killing in ops.clean.
 """
 
@@ -169,7 +169,7 @@ def probe(runner: Runner, host: HostConfig) -> GpuState:
 
 
 def probe_with_paths(runner: Runner, host: HostConfig, paths: dict) -> tuple[GpuState, dict]:
-    """The GPU probe plus facts about host paths (see hostagent.paths), in one round trip."""
+    """The GPU probe plus facts about host paths (see ops/host/agent.py paths), in one round trip."""
     reply = call(runner, host, {**probe_request(host), "paths": paths})
     return parse_probe(reply, host), reply["path_facts"]
 

@@ -1,7 +1,7 @@
 """The host lock: one changing ops command at a time per GPU host, and no stage run twice.
 
 Owns taking and releasing the lock ON THE HOST: an flock on the host's `lock_file`, held by a keeper
-process (ops/hostlock.py) that ops starts over its own connection and that lives exactly as long as
+process (ops/host/lock.py) that ops starts over its own connection and that lives exactly as long as
 the ops command (released on exit, error, Ctrl-C, a dropped SSH connection, or a heartbeat missing for
 `timeouts.lock_expire` seconds); the holder record a refused operator is shown (who, which command and
 run, since when) and the advice that goes with it; and the stage checks that run under the lock (a
@@ -29,12 +29,12 @@ from ops.errors import EXIT_BUSY, OpsError
 from ops.hosts import HostConfig
 from ops.interrupts import pause_point
 from ops.gpus import GpuState
-from ops.stage import stage_ids_argv, stage_outputs_argv
+from ops.inventory import stage_containers
 
 
 @functools.cache
 def keeper_source() -> str:
-    return Path(__file__).with_name("hostlock.py").read_text()
+    return (Path(__file__).parent / "host" / "lock.py").read_text()
 
 
 def keeper_command(host: HostConfig) -> str:
@@ -129,27 +129,21 @@ def refuse_duplicate_run(runner: Runner, host: HostConfig, output: str) -> None:
     """Raise (EXIT_BUSY) when a stage container of `output` exists on the host, running or finished but
     not collected (an SSH drop leaves it so): it is to be attached, not run a second time. Without docker
     there is nothing to check (preflight reports docker itself)."""
-    res = runner.run(shlex.join(stage_outputs_argv()))
-    for line in res.stdout.splitlines() if res.ok else ():
-        parts = line.split("\t")
-        if len(parts) == 4 and parts[3] == output:
-            name, state, run_id, _ = parts
-            what = "being written by" if state == "running" else f"the output of the uncollected ({state})"
-            raise OpsError(f"{output} on {host.name} is {what} run {run_id} (container {name}); "
-                           f"`attach {run_id}` to follow and collect it", exit_code=EXIT_BUSY)
+    for c in stage_containers(runner) or ():
+        if c.output == output:
+            what = "being written by" if c.running else f"the output of the uncollected ({c.state})"
+            raise OpsError(f"{output} on {host.name} is {what} run {c.run_id} (container {c.name}); "
+                           f"`attach {c.run_id}` to follow and collect it", exit_code=EXIT_BUSY)
 
 
 def refuse_restoring_beside_stages(runner: Runner, host: HostConfig) -> None:
     """Raise (EXIT_BUSY) when a stage container runs on the host (a detached run, or one whose ops process
     vanished): the server would start on the GPUs the stage holds, and one of them would run out of
     memory hours in. One `docker ps`."""
-    res = runner.run(shlex.join(stage_ids_argv()))
-    for line in res.stdout.splitlines() if res.ok else ():
-        parts = line.split("\t")
-        if len(parts) == 3:
-            _, run_id, name = parts
-            raise OpsError(f"stage run {run_id} (container {name}) is running on {host.name}; the server would "
-                           f"start beside it: `attach {run_id} --restore-server` brings it back once the stage "
+    for c in stage_containers(runner) or ():
+        if c.running:
+            raise OpsError(f"stage run {c.run_id} (container {c.name}) is running on {host.name}; the server would "
+                           f"start beside it: `attach {c.run_id} --restore-server` brings it back once the stage "
                            f"ends; nothing was started", exit_code=EXIT_BUSY)
 
 
@@ -160,11 +154,8 @@ def refuse_killing_stages(runner: Runner, host: HostConfig, state: GpuState) -> 
     in_containers = {h.proc.container_id for h in state.holders if h.proc.container_id}
     if not in_containers:
         return
-    res = runner.run(shlex.join(stage_ids_argv()))
-    for line in res.stdout.splitlines() if res.ok else ():
-        parts = line.split("\t")
-        if len(parts) == 3 and parts[0] in in_containers:
-            _, run_id, name = parts
-            raise OpsError(f"stage run {run_id} (container {name}) holds GPUs on {host.name}; `attach {run_id}` "
-                           f"to follow it, or `docker stop {name}` first; nothing was stopped or signalled",
+    for c in stage_containers(runner) or ():
+        if c.running and c.id in in_containers:
+            raise OpsError(f"stage run {c.run_id} (container {c.name}) holds GPUs on {host.name}; `attach {c.run_id}` "
+                           f"to follow it, or `docker stop {c.name}` first; nothing was stopped or signalled",
                            exit_code=EXIT_BUSY)

@@ -16,7 +16,8 @@ from ops.connection import Runner
 from ops.gpus import GpuState
 from ops.hosts import HostConfig
 from ops.layout import flag_value
-from ops.stage import StagePlan, host_path, stage_containers_argv
+from ops.inventory import stage_containers
+from ops.stage import StagePlan, host_path
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -56,10 +57,9 @@ def docker_checks(runner: Runner, host: HostConfig, run_id: str) -> tuple[list[C
     else:
         out.append(CheckResult("image", FAIL, f"image {host.image} is not on {host.name}; build or ship it "
                                               f"(make ship-image HOST={host.name})"))
-    res = runner.run(shlex.join(stage_containers_argv()))
-    rows = [line.split("\t") for line in res.stdout.splitlines() if line.count("\t") == 2]
-    busy = [name for name, state, _ in rows if state == "running"]
-    used = [name for name, _, rid in rows if rid == run_id]
+    found = stage_containers(runner) or []
+    busy = [c.name for c in found if c.running]
+    used = [c.name for c in found if c.run_id == run_id]
     out.append(CheckResult("busy", FAIL if busy else OK,
                            f"stage container(s) running: {', '.join(busy)}; attach or wait" if busy else "no stage running"))
     out.append(CheckResult("run-id", FAIL if used else OK,

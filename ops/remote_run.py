@@ -34,7 +34,8 @@ from ops.preflight import (CheckResult, docker_checks, driver_check, failed, gpu
 from ops.runstate import RunState, run_dir, write_json
 from ops.secret_env import RedactingWriter, redact
 from ops.stagecheck import stage_preflight
-from ops.stage import StagePlan, abort_argvs, find_argv, finish_argvs, logs_argv, resolve_user, with_image_digest
+from ops.inventory import stage_containers
+from ops.stage import StagePlan, abort_argvs, finish_argvs, logs_argv, resolve_user, with_image_digest
 
 
 @dataclass
@@ -285,12 +286,11 @@ def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: 
 
 def attach(runner: Runner, host: HostConfig, run_id: str, *, runs_root: Path, console: Console,
            restore_server: bool = False, wait: float = 0.0) -> RunOutcome:
-    res = runner.run(shlex.join(find_argv(run_id)))
-    rows = [line.split("\t") for line in res.stdout.splitlines() if line.strip()]
-    if not res.ok or not rows:
+    found = stage_containers(runner, run_id)
+    if not found:
         raise OpsError(f"no stage container for run id {run_id} on {host.name}; a finished run's files are in "
                        f"{runs_root / host.name / run_id}")
-    name, cstate, stage, output = rows[0]
+    name, cstate, stage, output = found[0].name, found[0].state, found[0].stage, found[0].output
     out = RunOutcome(run_id, local_run_dir(runs_root, host, run_id))
     state = RunState.reopen(out.local_dir / "state.json", None, run_id=run_id, host=host.name, stage=stage)
     try:

@@ -240,33 +240,8 @@ def finish_argvs(container: str) -> tuple[tuple[str, ...], ...]:
             ("docker", "rm", "--volumes", container))
 
 
-def find_argv(run_id: str) -> tuple[str, ...]:
-    fmt = "{{.Names}}\t{{.State}}\t{{.Label \"" + LABEL_STAGE + "\"}}\t{{.Label \"" + LABEL_OUT + "\"}}"
-    return ("docker", "ps", "--all", "--filter", f"label={LABEL_RUN}={run_id}", "--format", fmt)
-
-
-def stage_outputs_argv() -> tuple[str, ...]:
-    """Every stage container on the host (running or not): name, state, run id, output folder."""
-    return ("docker", "ps", "--all", "--filter", f"label={LABEL_RUN}", "--format",
-            "{{.Names}}\t{{.State}}\t{{.Label \"" + LABEL_RUN + "\"}}\t{{.Label \"" + LABEL_OUT + "\"}}")
-
-
-def stage_ids_argv() -> tuple[str, ...]:
-    """Running stage containers: full id, run id, name."""
-    return ("docker", "ps", "--no-trunc", "--filter", f"label={LABEL_RUN}", "--format",
-            "{{.ID}}\t{{.Label \"" + LABEL_RUN + "\"}}\t{{.Names}}")
-
-
 def abort_argvs(container: str, stop_seconds: float) -> tuple[tuple[str, ...], ...]:
     """After Ctrl-C: stop the stage gracefully, keep its whole log (`docker logs` output), remove it; run
     as `stop && logs; rm`."""
     return (("docker", "stop", "--time", str(int(stop_seconds)), container), ("docker", "logs", container),
             ("docker", "rm", "--force", "--volumes", container))
-
-
-def stage_containers_argv() -> tuple[str, ...]:
-    """Every stage container on the host (running or not): name, state, run id."""
-    return ("docker", "ps", "--all", "--filter", f"label={LABEL_RUN}", "--format",
-            "{{.Names}}\t{{.State}}\t{{.Label \"" + LABEL_RUN + "\"}}")
-
-

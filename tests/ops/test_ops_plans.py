@@ -206,3 +206,17 @@ def test_plan_fields_render_the_argv_and_survive_a_replan():
     again = with_layout(h, stamped, Layout("hf", 1, 2))
     assert env in again.docker_run and again.user == "1000:100" and "--data-parallel" in again.stage_argv
     assert again.docker_run[again.docker_run.index("--user") + 1] == "1000:100"
+
+
+def test_one_inventory_of_stage_containers():
+    """One `docker ps` lists every stage container (all states, full ids) with the labels ops reads; a run id
+    narrows it; lines of another shape are skipped."""
+    from ops.inventory import inventory_argv, parse_inventory
+
+    argv = inventory_argv()
+    assert argv[:4] == ("docker", "ps", "--all", "--no-trunc") and "label=eagle-ops.run-id" in argv
+    assert "label=eagle-ops.run-id=r9" in inventory_argv("r9")
+    line = "\t".join(["f" * 64, "eagle-r9", "running", "r9", "extract", "/data/eagle/hidden_states", "box"])
+    found = parse_inventory(f"{line}\nnot a container line\n")
+    assert len(found) == 1 and found[0].running and found[0].output == "/data/eagle/hidden_states"
+    assert found[0].id == "f" * 64 and found[0].run_id == "r9" and found[0].stage == "extract"
