@@ -6,7 +6,9 @@ Owns everything the demo and the tests need to run the pipeline without download
   several turns, non-ASCII text), in both OpenAI ``messages`` and ShareGPT ``conversations`` form;
 * ``train_tokenizer``: a byte-level BPE tokenizer trained with ``tokenizers`` on that text, with a
   Llama-3-style chat template;
-* ``build_tiny_model``: a random Llama or DeepseekV3 (MLA + MoE, the Kimi-K2.5 family) saved with
+* ``build_tiny_model``: a random Llama, DeepseekV3 (MLA + MoE, the Kimi-K2.5 family) or Kimi-K2.5
+  (a vision-language wrapper: that DeepseekV3 as ``text_config`` and weights under ``language_model.``,
+  a tiny vision tower, the media tokens and the image processor file vLLM reads) saved with
   ``save_pretrained`` next to the tokenizer, shaped so that vLLM on the CPU loads it too
   (head_dim 64; DeepseekV3 with ``topk_method: noaux_tc``).
 
@@ -31,7 +33,18 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 VOCAB_SIZE = 1024
-KINDS = ("llama", "deepseek_v3")
+KINDS = ("llama", "deepseek_v3", "kimi_k25")
+# Kimi-K2.5's media tokens (its tokenizer's names; vLLM reads <|media_pad|> from the tokenizer)
+KIMI_MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
+                     "<|kimi_k25_video_placeholder|>"]
+# preprocessor_config.json as Kimi-K2.5 ships it (the media_proc_cfg vLLM's image processor reads)
+KIMI_MEDIA_PROC_CFG = {
+    "in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512,
+    "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None, "sample_fps": 2.0,
+    "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff",
+    "config_type": "media_proc",
+}
 
 _SYSTEM = [
     "You are a helpful assistant.",
@@ -157,10 +170,50 @@ def _deepseek_config(vocab_size: int, **overrides):
     return config
 
 
+def _kimi_k25_config(vocab_size: int, media_ids: dict[str, int], **overrides):
+    """Kimi-K2.5's layout: the tiny DeepseekV3 as ``text_config``, a one-block vision tower; untied
+    embeddings as the real checkpoint."""
+    from transformers import Kimi_K25Config
+
+    text = _deepseek_config(vocab_size, **overrides).to_dict()
+    vision = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=2,
+                  num_hidden_layers=1, hidden_size=64, intermediate_size=128, merge_kernel_size=[2, 2])
+    return Kimi_K25Config(
+        text_config=text, vision_config=vision, projection_hidden_size=64, tie_word_embeddings=False,
+        image_token_id=media_ids["<|media_pad|>"], video_token_id=media_ids["<|kimi_k25_video_placeholder|>"],
+        vision_start_token_id=media_ids["<|media_begin|>"], vision_end_token_id=media_ids["<|media_end|>"],
+        bos_token_id=1, eos_token_id=5, pad_token_id=0, dtype="bfloat16",
+    )
+
+
+# transformers 5.19 saves Kimi-K2.5 by reversing its load-time renames, and three come back wrong: its
+# vision rule "blocks" -> "layers" turns the decoder's layers into "blocks", and two prefixes keep the
+# wrong parent. Renamed to the names of the released checkpoint (the ones vLLM loads; transformers maps
+# them back on load).
+_KIMI_CHECKPOINT_NAMES = (
+    ("language_model.model.blocks.", "language_model.model.layers."),
+    ("model.mm_projector.", "mm_projector."),
+    ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
+)
+
+
+def _rename_to_kimi_checkpoint(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    renamed = {}
+    for name, tensor in tensors.items():
+        for old, new in _KIMI_CHECKPOINT_NAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        renamed[name] = tensor
+    save_file(renamed, path, metadata={"format": "pt"})
+
+
 def build_tiny_model(kind: str, out_dir: Path, *, seed: int = 0, **overrides) -> Path:
     """Save a random-weight ``kind`` model (bf16 safetensors) with the demo tokenizer into ``out_dir``."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if kind not in KINDS:
         raise ValueError(f"unknown tiny model kind {kind!r}: choose one of {', '.join(KINDS)}")
@@ -169,23 +222,41 @@ def build_tiny_model(kind: str, out_dir: Path, *, seed: int = 0, **overrides) ->
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     tokenizer = train_tokenizer(staging, seed=seed)
+    if kind == "kimi_k25":
+        tokenizer.add_special_tokens({"additional_special_tokens": KIMI_MEDIA_TOKENS})
+        tokenizer.save_pretrained(staging)
     vocab_size = overrides.pop("vocab_size", max(VOCAB_SIZE, len(tokenizer)))
-    config = (_llama_config if kind == "llama" else _deepseek_config)(vocab_size, **overrides)
+    if kind == "kimi_k25":
+        media_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in KIMI_MEDIA_TOKENS}
+        config = _kimi_k25_config(vocab_size, media_ids, **overrides)
+    else:
+        config = (_llama_config if kind == "llama" else _deepseek_config)(vocab_size, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    auto = AutoModelForImageTextToText if kind == "kimi_k25" else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # norms of ones are idempotent; real checkpoints' are not, and checks must see that
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.5 * torch.randn_like(param, dtype=torch.float32))
-    if kind == "deepseek_v3":  # a non-zero routing bias so that the noaux_tc path is exercised
-        for layer in model.model.layers[config.first_k_dense_replace :]:
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(config.n_routed_experts) * 0.01)
+    if kind in ("deepseek_v3", "kimi_k25"):  # a non-zero routing bias so that the noaux_tc path is exercised
+        text_config = config.text_config if kind == "kimi_k25" else config
+        decoder = model.model.language_model if kind == "kimi_k25" else model.model
+        for layer in decoder.layers[text_config.first_k_dense_replace :]:
+            with torch.no_grad():
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(text_config.n_routed_experts) * 0.01)
     model.save_pretrained(staging, safe_serialization=True)
+    if kind == "kimi_k25":
+        _rename_to_kimi_checkpoint(staging / "model.safetensors")
     cfg_path = staging / "config.json"
     raw = json.loads(cfg_path.read_text())
-    if kind == "deepseek_v3":  # what transformers hard-codes, spelled out for vLLM (which defaults to softmax)
-        raw["topk_method"] = "noaux_tc"
-        raw["scoring_func"] = "sigmoid"
+    text = raw["text_config"] if kind == "kimi_k25" else raw
+    if kind in ("deepseek_v3", "kimi_k25"):  # what transformers hard-codes, spelled out for vLLM (softmax by default)
+        text["topk_method"] = "noaux_tc"
+        text["scoring_func"] = "sigmoid"
+    if kind == "kimi_k25":  # the real checkpoint's class name, the one vLLM registers
+        raw["architectures"] = ["KimiK25ForConditionalGeneration"]
+        processor = {"image_processor_type": "KimiK25VisionProcessor", "media_proc_cfg": KIMI_MEDIA_PROC_CFG}
+        (staging / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     cfg_path.write_text(json.dumps(raw, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)

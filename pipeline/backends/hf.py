@@ -71,14 +71,23 @@ def find_decoder(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.Modul
 
 
 def load_causal_lm(options: BackendOptions, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    """The target with transformers: a causal LM, or for a wrapper whose config transformers has no causal-LM
+    class for (Kimi-K2.5: ``Kimi_K25Config``) its image-text-to-text class, whose decoder sits under
+    ``language_model`` (``find_decoder`` finds it; the vision tower is loaded and never run)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            options.model.path, dtype=dtype, trust_remote_code=options.trust_remote_code, low_cpu_mem_usage=True
-        )
-    except (OSError, ValueError, KeyError) as exc:
-        raise StageError(f"cannot load {options.model.path} with transformers: {str(exc).splitlines()[0]}") from None
+    auto_classes = [AutoModelForCausalLM] + ([AutoModelForImageTextToText] if options.model.is_wrapper else [])
+    for i, auto in enumerate(auto_classes):
+        try:
+            model = auto.from_pretrained(
+                options.model.path, dtype=dtype, trust_remote_code=options.trust_remote_code, low_cpu_mem_usage=True
+            )
+            break
+        except (OSError, ValueError, KeyError) as exc:
+            unregistered = isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc)
+            if unregistered and i + 1 < len(auto_classes):
+                continue
+            raise StageError(f"cannot load {options.model.path} with transformers: {str(exc).splitlines()[0]}") from None
     return model.to(device).eval()
 
 

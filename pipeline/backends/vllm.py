@@ -132,6 +132,10 @@ def engine_arguments(options: BackendOptions, tensor_parallel_size: int, storage
         enforce_eager=options.enforce_eager,
     )
     args.update(FORCED_SETTINGS)
+    if options.model.is_wrapper:
+        # a vision-language wrapper (Kimi-K2.5) reads text only here: no vision tower built or loaded (its
+        # memory stays free), no image profiling; vLLM ignores the flag for a model that is not multimodal
+        args["language_model_only"] = True
     return args
 
 
