@@ -100,7 +100,7 @@ def test_engine_arguments_force_extraction_settings_and_map_layer_ids(tmp_path):
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.vllm import engine_arguments
 
-    options = BackendOptions(model=SimpleNamespace(path=Path("/m")), layer_ids=(2, 16, 29, 31), seq_length=4096,
+    options = BackendOptions(model=SimpleNamespace(path=Path("/m"), is_wrapper=False), layer_ids=(2, 16, 29, 31), seq_length=4096,
                              max_batch_tokens=1024)
     args = engine_arguments(options, 8, tmp_path)
     assert args["speculative_config"] == {
