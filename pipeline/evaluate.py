@@ -11,9 +11,14 @@ Reported per draft (and per baseline): ``per_position[j]`` = share of positions 
 were all accepted, ``conditional[j]`` = the same given the first j were, and ``acceptance_length``
 = 1 + sum(per_position) (vLLM's "mean acceptance length": accepted drafts plus the target's bonus token).
 
-Baselines, none of which looks at the context: ``untrained_draft`` (the same architecture at its seeded
-initialisation), ``unigram_target`` (always propose the token the target emits most often on training
-samples) and ``most_frequent_token`` (the most frequent assistant token of token_freq.pt).
+Baselines: ``untrained_draft`` (the same architecture at its seeded initialisation), ``unigram_target``
+(always propose the token the target emits most often on training samples), ``most_frequent_token`` (the
+most frequent assistant token of token_freq.pt), none of which looks at the context, and ``ngram_context``,
+which does: vLLM's own ``method: ngram`` speculation (prompt lookup) on the tokens seen so far, the longest
+suffix of 1..4 tokens that occurred before, its earliest occurrence, the k tokens that followed it there
+(vllm/v1/spec_decode/ngram_proposer.py's rule; lengths 1..4 is the most generous offline setting, since a
+proposal can only add accepted tokens). A draft that does not beat it buys nothing over what vLLM does
+without a draft, which text that repeats itself (code, quoted context) makes a real risk.
 It does not train or write checkpoints.
 """
 
@@ -113,7 +118,9 @@ class HeldOut:
         from speculators.models.eagle3.data import shift_batch
 
         for i in range(len(self.dataset)):
-            item = {k: v.to(self.device) for k, v in shift_batch(self.dataset[i]).items()}
+            sample = self.dataset[i]
+            item = {k: v.to(self.device) for k, v in shift_batch(sample).items()}
+            item["context_ids"] = sample["input_ids"]  # unshifted: at shifted index i the context is [: i + 2]
             item["greedy"] = greedy_tokens(item["verifier_last_hidden_states"], self.norm, self.lm_head, self.eps)
             yield item
 
@@ -164,6 +171,50 @@ def constant(token: int, k: int):
     return propose
 
 
+NGRAM_MIN, NGRAM_MAX = 1, 4
+
+
+def ngram_continuations(tokens: list[int], k: int, n_min: int = NGRAM_MIN, n_max: int = NGRAM_MAX) -> list[list[int]]:
+    """Prompt lookup at every context length: entry L - 1 holds what vLLM's ngram proposer gives ``tokens[:L]``.
+
+    For each prefix the longest suffix of n_min..n_max tokens that also occurs earlier (its occurrence
+    ending before the prefix does), taken at its earliest occurrence; the proposal is the up to k tokens
+    that followed it, never past the prefix's end; [] when nothing matches. One pass, O(len x n_max).
+    """
+    first_end: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]  # n-gram -> end of its first occurrence
+    out: list[list[int]] = []
+    for length in range(1, len(tokens) + 1):
+        end = length - 1  # occurrences ending here are strictly before the suffix and have a continuation
+        for n in range(1, n_max + 1):
+            if end - n >= 0:
+                first_end[n].setdefault(tuple(tokens[end - n:end]), end)
+        proposal: list[int] = []
+        for n in range(min(n_max, length), n_min - 1, -1):
+            e = first_end[n].get(tuple(tokens[length - n:length]))
+            if e is not None:
+                proposal = tokens[e:min(e + k, length)]
+                break
+        out.append(proposal)
+    return out
+
+
+def ngram_context(k: int):
+    """The ``ngram_context`` baseline: prompt lookup on the tokens known at each position (see ngram_continuations)."""
+
+    def propose(item: dict) -> torch.Tensor:
+        context = item["context_ids"].tolist()
+        t = item["input_ids"].shape[0]
+        out = torch.full((k, t), -1, dtype=torch.long)  # -1 never equals a greedy token: no proposal
+        continuations = ngram_continuations(context, k)
+        for i in range(t):  # shifted index i knows context[: i + 2] and proposes context positions i + 2 ...
+            prop = continuations[i + 1] if i + 1 < len(continuations) else []
+            if prop:
+                out[: len(prop), i] = torch.tensor(prop)
+        return out.to(item["input_ids"].device)
+
+    return propose
+
+
 def draft_vocab_coverage(samples: HeldOut, t2d: torch.Tensor, k: int) -> float:
     hit = total = 0
     for item in samples:
@@ -197,6 +248,7 @@ def evaluate_run(cfg: EvalConfig, inputs) -> dict:
         "draft": lambda item: draft_proposals(trained, item, k, d2t),
         "untrained_draft": lambda item: draft_proposals(untrained, item, k, d2t),
         "unigram_target": constant(unigram, k),
+        "ngram_context": ngram_context(k),
     }
     if inputs.token_freq:
         frequent = max(inputs.token_freq.items(), key=lambda kv: (kv[1], -kv[0]))[0]

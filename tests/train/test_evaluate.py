@@ -57,3 +57,34 @@ def test_greedy_tokens_use_final_norm_then_lm_head():
     lm_head = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     assert greedy_tokens(h, torch.tensor([1.0, 1.0]), lm_head, 1e-6).tolist() == [1]
     assert greedy_tokens(h, torch.tensor([5.0, 1.0]), lm_head, 1e-6).tolist() == [0]
+
+
+def test_ngram_continuations_take_the_longest_earliest_match_and_stop_at_the_prefix_end():
+    """Prompt lookup: the longest earlier suffix match wins, at its first occurrence, cut at the known tokens."""
+    from pipeline.evaluate import ngram_continuations
+
+    toks = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]
+    got = ngram_continuations(toks, 3)
+    assert got[0] == []  # one token: nothing before it
+    assert got[4] == [2, 3, 9]  # prefix ends with 1: its first occurrence (index 0) is followed by 2, 3, 9
+    assert got[6] == [9, 1, 2]  # suffix 1,2,3 (length 3) first seen at 0..2, then 9, 1, 2
+    assert got[10] == [9, 1, 2]  # 1,2,3 seen twice: the earliest occurrence's continuation
+    assert ngram_continuations([5, 5], 3)[1] == [5]  # the continuation never runs past the prefix
+    assert ngram_continuations([1, 2, 3, 4, 7, 2, 3, 4], 2, n_min=4)[7] == []  # 2,3,4 is too short for n_min 4
+
+
+def test_ngram_baseline_proposes_from_the_context_in_the_shifted_alignment():
+    """At shifted index i the baseline knows the unshifted ids [: i + 2] and proposes what followed their match."""
+    from pipeline.evaluate import ngram_context
+
+    context = torch.tensor([4, 5, 6, 4, 5, 6, 4])
+    item = {"context_ids": context, "input_ids": context[1:]}
+    out = ngram_context(2)(item)
+    assert out.shape == (2, 6)
+    assert out[:, 0].tolist() == [-1, -1]  # knows [4, 5]: no earlier match
+    assert out[:, 2].tolist() == [5, 6]  # knows [4, 5, 6, 4]: 4 was followed by 5, 6
+    greedy = context[2:].clone()  # a target that repeats its context, then leaves it (9)
+    greedy = torch.cat([greedy, torch.tensor([9])])
+    t = Tally(2)
+    t.add(correct_matrix(out, greedy, torch.arange(2, 5)))
+    assert t.result()["per_position"] == pytest.approx([1.0, 2 / 3])

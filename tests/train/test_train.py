@@ -57,7 +57,7 @@ def test_trained_draft_beats_trivial_baselines(trained):
     ev = summary["eval"]
     assert ev["beats_baseline"], ev
     assert ev["draft"]["acceptance_length"] > 1.2
-    assert set(ev["baselines"]) == {"untrained_draft", "unigram_target", "most_frequent_token"}
+    assert set(ev["baselines"]) == {"untrained_draft", "unigram_target", "most_frequent_token", "ngram_context"}
     assert json.loads((cfg.out / "eval.json").read_text()) == json.loads(json.dumps(ev))
 
 

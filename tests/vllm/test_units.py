@@ -153,3 +153,22 @@ def test_cuda_usable_names_a_driver_older_than_torchs_cuda(monkeypatch):
     assert result.failed and "8 GPU(s) listed by NVML" in result.detail and "driver >= 580" in result.detail
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert not cuda_usable(8).failed
+
+
+@pytest.mark.vllm
+def test_ngram_baseline_is_vllms_own_prompt_lookup():
+    """The offline ngram_context baseline proposes exactly what vLLM's ngram proposer would, on random token runs."""
+    import random
+
+    import numpy as np
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as vllm_lookup
+
+    from pipeline.evaluate import NGRAM_MAX, NGRAM_MIN, ngram_continuations
+
+    rng = random.Random(0)
+    for _ in range(200):
+        toks = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        ours = ngram_continuations(toks, 3)
+        for length in range(1, len(toks) + 1):
+            ref = vllm_lookup(np.array(toks[:length], dtype=np.int32), NGRAM_MIN, NGRAM_MAX, 1 << 20, 3).tolist()
+            assert ours[length - 1] == ref, (toks[:length], ref, ours[length - 1])
