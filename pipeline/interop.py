@@ -241,6 +241,9 @@ def import_speculators(data: Path, out: Path, *, model: Path | None = None, laye
         meta = formats.PreparedMetadata(**record["prepared_metadata"])
     else:
         target = read_model_dir(model)
+        if layer_ids[-1:] != [target.num_layers] or min(layer_ids) < 1:
+            raise StageError(f"--layer-ids {','.join(map(str, layer_ids))}: vLLM's ids run 1..{target.num_layers} and "
+                             f"end with the final state, {target.num_layers}, for this {target.num_layers}-layer target")
         ours = validate_layer_ids([k - 1 for k in layer_ids], target.num_layers)
         dc = formats.DataConfig(model=str(Path(model).resolve()), layer_ids=ours, num_layers=target.num_layers,
                                 hidden_size=target.hidden_size, dtype="", num_samples=n, seq_length=0, prepared="",
@@ -266,6 +269,8 @@ def import_speculators(data: Path, out: Path, *, model: Path | None = None, laye
                                  f"(keys {sorted(hs)}, shape {tuple(states.shape) if states is not None else None})")
             if not np.array_equal(tokens.numpy().astype(np.int64), ids) or len(mask) != len(ids):
                 raise StageError(f"{path} does not hold dataset row {i} of {data} (other token ids): re-extract it")
+            if states.shape[0] != len(ids):
+                raise StageError(f"{path} has states for {states.shape[0]} tokens, its row {i} has {len(ids)}: re-extract it")
             layers = [states[:, j].clone(memory_format=torch.contiguous_format) for j in range(NUM_CAPTURED)]
             digest = formats.write_sample(formats.data_file(states_dir, i), torch.from_numpy(ids), layers,
                                           torch.from_numpy(mask))

@@ -166,9 +166,9 @@ def _one_line_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> None:
         assert needle in lines[0], lines[0]
 
 
-def test_bad_inputs_get_one_line_and_exit_2(ours, exported, tmp_path):
-    """Missing dirs, a sample count that does not match, a non-empty --out, a missing or foreign hs file and
-    a foreign set without its layer ids are each refused in one line, exit 2, and --out stays untouched."""
+def test_bad_inputs_get_one_line_and_exit_2(ours, exported, tiny_llama, tmp_path):
+    """Missing dirs, a sample count that does not match, a non-empty --out, a missing, foreign or torn hs file,
+    a foreign set without (or with wrong) layer ids are each refused in one line, exit 2, and --out stays untouched."""
     prep, data = ours / "prepared", ours / "hidden_states"
     _one_line_exit_2(run_pipeline("export-speculators", "--prepared", tmp_path / "nope", "--data", data,
                                   "--out", tmp_path / "o1"), "nope", "not a directory")
@@ -180,6 +180,11 @@ def test_bad_inputs_get_one_line_and_exit_2(ours, exported, tmp_path):
     _one_line_exit_2(run_pipeline("export-speculators", "--prepared", prep, "--data", short, "--out", tmp_path / "o3"),
                      "data_3.pt", "24 prepared samples")
     assert not (tmp_path / "o3").exists()
+    moved = tmp_path / "moved"
+    shutil.copytree(data, moved)
+    shutil.copyfile(formats.data_file(moved, 4), formats.data_file(moved, 3))
+    _one_line_exit_2(run_pipeline("export-speculators", "--prepared", prep, "--data", moved, "--out", tmp_path / "o9"),
+                     "data_3.pt", "prepared sample 3")
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
@@ -203,3 +208,12 @@ def test_bad_inputs_get_one_line_and_exit_2(ours, exported, tmp_path):
     (foreign / interop.RECORD).unlink()
     _one_line_exit_2(run_pipeline("import-speculators", "--data", foreign, "--out", tmp_path / "o6"),
                      "--layer-ids")
+    _one_line_exit_2(run_pipeline("import-speculators", "--data", foreign, "--out", tmp_path / "o7", "--model",
+                                  tiny_llama, "--layer-ids", "2,4,5,7"), "end with the final state, 8")
+    torn = tmp_path / "torn"
+    shutil.copytree(exported, torn)
+    path = interop.hs_file(torn / "hidden_states", 4)
+    path.write_bytes(path.read_bytes()[:100])
+    _one_line_exit_2(run_pipeline("import-speculators", "--data", torn, "--out", tmp_path / "o8"),
+                     "hs_4.safetensors", "unreadable")
+    assert not any((tmp_path / f"o{k}").exists() for k in range(1, 10))
