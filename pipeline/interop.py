@@ -94,13 +94,21 @@ def _arrow_table(ids: list[np.ndarray], masks: list[np.ndarray]):
         lengths = np.array([len(x) for x in part_ids], dtype=np.int64)
         offsets = np.zeros(len(part_ids) + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])
-        flat = (lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64))
         batches.append(pa.record_batch({
-            "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat(part_ids))),
-            "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat(part_masks))),
+            "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(_flat_int64(part_ids))),
+            "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(_flat_int64(part_masks))),
             "seq_len": pa.array(lengths),
         }))
     return pa.Table.from_batches(batches)
+
+
+def _flat_int64(rows: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def _save_dataset(table, out: Path) -> None:
@@ -156,7 +164,7 @@ def _read_data_file(path: Path) -> dict:
     try:
         sample = formats.read_sample(path)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is one line naming it
-        raise StageError(f"{path} is unreadable ({type(exc).__name__}: {exc}); run `pipeline verify` on its set") from None
+        raise StageError(f"{path} is unreadable ({_first_line(exc)}); run `pipeline verify` on its set") from None
     if len(sample.get("hidden_states", ())) != NUM_CAPTURED:
         raise StageError(f"{path} does not hold {NUM_CAPTURED} captured layers: run `pipeline verify` on its set")
     return sample
@@ -172,20 +180,20 @@ def _read_record(data: Path) -> dict | None:
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise StageError(f"{path} is unreadable ({exc}): delete it and pass --model and --layer-ids") from None
-    if record.get("schema") != RECORD_SCHEMA or record.get("version") != RECORD_VERSION:
+        raise StageError(f"{path} is unreadable ({_first_line(exc)}): delete it and pass --model and --layer-ids") from None
+    if not isinstance(record, dict) or record.get("schema") != RECORD_SCHEMA or record.get("version") != RECORD_VERSION:
         raise StageError(f"{path} is not a version-{RECORD_VERSION} {RECORD_SCHEMA} record")
     return record
 
 
 def _load_dataset(data: Path):
-    from datasets import load_from_disk
+    import datasets
 
+    datasets.disable_progress_bars()  # stderr is a stage's one-line error
     try:
-        dataset = load_from_disk(str(data))
+        dataset = datasets.load_from_disk(str(data))
     except (OSError, ValueError) as exc:
-        raise StageError(f"{data} is not a dataset written by `speculators prepare-data` "
-                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise StageError(f"{data} is not a dataset written by `speculators prepare-data` ({_first_line(exc)})") from None
     missing = [c for c in ("input_ids", "loss_mask") if c not in dataset.column_names]
     if missing:
         raise StageError(f"{data}: dataset has no {', '.join(missing)} column (columns: {', '.join(dataset.column_names)})")
@@ -260,7 +268,7 @@ def import_speculators(data: Path, out: Path, *, model: Path | None = None, laye
             try:
                 hs = load_file(str(path))
             except (OSError, SafetensorError) as exc:
-                raise StageError(f"{path} is unreadable ({exc}): re-extract it") from None
+                raise StageError(f"{path} is unreadable ({_first_line(exc)}): re-extract it") from None
             row = dataset[i]
             ids, mask = np.asarray(row["input_ids"], dtype=np.int64), np.asarray(row["loss_mask"], dtype=np.int64)
             states, tokens = hs.get("hidden_states"), hs.get("token_ids")
