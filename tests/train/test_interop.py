@@ -26,15 +26,16 @@ DRAFT_VOCAB = 64
 
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory, tiny_llama, conversations) -> Path:
-    """Our prepare -> extract -> weights on the tiny Llama, 24 samples, a reduced draft vocab."""
+    """Our prepare -> extract (bf16, as on a GPU) -> weights on the tiny Llama, 24 samples, a reduced draft vocab."""
     from pipeline import extract, prepare, weights
 
     root = tmp_path_factory.mktemp("interop")
     prepare.run(prepare.PrepareConfig(data=conversations, model=tiny_llama, out=root / "prepared", seq_length=128,
                                       draft_vocab_size=DRAFT_VOCAB, max_samples=24))
     extract.run(extract.ExtractConfig(prepared=root / "prepared", model=tiny_llama, out=root / "hidden_states",
-                                      device="cpu", verify=False, progress=False))
+                                      device="cpu", dtype="bfloat16", verify=False, progress=False))
     weights.run(tiny_llama, root / "verifier")
+    assert formats.read_data_config(root / "hidden_states").dtype == "bfloat16"
     return root
 
 
