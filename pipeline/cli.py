@@ -30,6 +30,8 @@ COMMANDS = {
     "train": "pipeline.train_cli:command",
     "demo-assets": "pipeline.demo:assets_command",
     "check-args": "pipeline.argcheck:command",
+    "export-speculators": "pipeline.interop:export_command",
+    "import-speculators": "pipeline.interop:import_command",
 }
 
 

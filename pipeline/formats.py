@@ -1,4 +1,4 @@
-"""The on-disk contract between stages (DESIGN.md section 4), compatible with speculators' loaders.
+"""The on-disk contract between stages (DESIGN.md section 4); pipeline/interop.py converts it to speculators'.
 
 Owns every file name and layout that one stage writes and another reads:
 
@@ -20,6 +20,13 @@ hidden-states dir (``extract``)::
     checksums.json        {"schema": "eagle-ops.checksums", "version": 1, "algorithm": "sha256",
                            "files": {"data_0.pt": {"sha256": HEX, "bytes": N}, ...}}
     checksums.HOST.PID.journal  one {"file", "sha256", "bytes"} JSON line per file a running extract wrote
+
+Why ``data_{i}.pt`` and not vLLM's ``hs_{i}.safetensors`` (what speculators 0.9's own ``speculators train``
+reads, next to an Arrow dataset holding the loss masks): each data file carries its own ids and loss mask,
+which ``extract --resume``, ``verify`` (``prepared_match``) and our train rely on without a second source;
+size is the same to 0.03% and checksums work the same for both. The speculators contract is reached losslessly
+through pipeline/interop.py (``export-speculators``; ``import-speculators`` for vLLM-native sets), whose
+files are exactly vLLM's; docs/train.md has the contract, the converter's guarantees and when to switch.
 
 Checksums: each data file's sha256 is computed by ``write_sample`` from the bytes as they are written (no
 second read) and appended to the writing process's journal once the file has its final name, so that an
