@@ -5,7 +5,8 @@ Owns the bridge between the on-disk contract of ``pipeline extract`` and specula
 draft's input, the last captured layer as the verifier's last hidden state, the loss mask), and the loader
 that packs samples with speculators' ``MultipackDistributedBatchSamplerV2`` and ``CollateFn`` after its
 EAGLE-3 ``shift_batch`` (token t+1 against the states of token t). speculators 0.9's own dataset reads
-``hs_{i}.safetensors`` + an Arrow dataset instead; moving our files to that contract is issue #17 item 2.
+``hs_{i}.safetensors`` + an Arrow dataset instead; pipeline/interop.py converts between the two, losslessly
+(``pipeline export-speculators`` / ``import-speculators``; docs/train.md says why data_{i}.pt stays).
 """
 
 from __future__ import annotations
