@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= demo
+# Every test run ends with its 25 slowest tests: CI's log then says where its minutes went.
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: env demo test test-fast help
 help:
