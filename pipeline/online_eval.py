@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,22 @@ def _serve_once(cfg: OnlineConfig, prompts: list[list[int]], with_draft: bool) -
     return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "counters": counters}
 
 
+_ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
+_WRAPPERS = ("root cause", "stack trace", "EngineDeadError", "Engine core initialization failed")
+
+
+def root_cause(output: str) -> str:
+    """The line of a failed vLLM run that says why: the first ``SomeError: message`` that is not one of
+    vLLM's wrappers pointing back at it ("see root cause above", EngineDeadError), without the log
+    prefix; else the last line naming an error; else the last line."""
+    lines = output.strip().splitlines() or ["no output"]
+    found = [m for ln in lines if (m := _ERROR_LINE.search(ln))]
+    cause = next((m for m in found if not any(w in m.group(0) for w in _WRAPPERS)), None)
+    if cause is not None:
+        return cause.group(0)
+    return found[-1].group(0) if found else lines[-1]
+
+
 def _child(cfg: OnlineConfig, prompts: list[list[int]], with_draft: bool, out: Path) -> dict:
     """One vLLM run in a fresh process; its result comes back through a JSON file."""
     request = out.with_suffix(".request.json")
@@ -114,10 +131,8 @@ def _child(cfg: OnlineConfig, prompts: list[list[int]], with_draft: bool, out: P
     with contextlib.suppress(ProcessLookupError):  # an engine process left after a normal exit
         os.killpg(proc.pid, signal.SIGKILL)
     if proc.returncode != 0 or not out.is_file():
-        lines = (stderr or stdout).strip().splitlines() or ["no output"]
-        tail = [next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])]
         what = "target + draft" if with_draft else "target alone"
-        raise StageError(f"vLLM failed serving the {what} (exit {proc.returncode}): {tail[0][:400]}")
+        raise StageError(f"vLLM failed serving the {what} (exit {proc.returncode}): {root_cause(stderr or stdout)[:400]}")
     return json.loads(out.read_text())
 
 
