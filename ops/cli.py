@@ -198,14 +198,16 @@ def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dr
     from ops.secret_env import available, env_file_text
     from ops.layout import known
     from ops.stage import new_run_id, plan_stage
+    from ops.stageargs import parse
 
     if detach and restore_server:
         raise errors.ConfigError("--restore-server with --detach would start the server beside the running stage; "
                                  "pass --restore-server to `attach` instead")
     names = available(host.secrets, os.environ)
     env_file_text(names, os.environ)  # a value docker cannot take fails now, before anything is stopped
-    plan = plan_stage(host, stage, run_id=run_id or new_run_id(stage), extra_args=tuple(extra), resume=resume,
-                      secret_names=names, layout=known(host.layout, tuple(extra)))
+    args = parse(extra)
+    plan = plan_stage(host, stage, run_id=run_id or new_run_id(stage), extra_args=args, resume=resume,
+                      secret_names=names, layout=known(host.layout, args))
     if dry_run:
         print_stage_plan(console, host, plan)
         return

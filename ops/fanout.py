@@ -34,6 +34,7 @@ from ops.remote_run import remote_run
 from ops.runstate import run_dir, write_json
 from ops.secret_env import available, env_file_text
 from ops.stage import StagePlan, new_run_id, plan_stage
+from ops.stageargs import parse
 
 SHARDED = ("extract", "verify")  # stages whose pipeline command takes --world-size/--rank
 KIND = "fanout"  # runs/<run-id>/summary.json of a multi-host run says so
@@ -95,10 +96,6 @@ def split_hosts(spec: str) -> list[str]:
     return names
 
 
-def shard_args(world_size: int, rank: int) -> tuple[str, ...]:
-    return ("--world-size", str(world_size), "--rank", str(rank))
-
-
 def shard_complete(summary: dict | None, world_size: int, rank: int) -> bool:
     """True when a host's fetched summary says its shard verified complete: checks ok, the summary is of
     this very shard, no file missing, and as many files as the shard owns."""
@@ -130,6 +127,7 @@ def plan_fanout(hosts: list[HostConfig], stage: str, *, run_id: str | None, extr
     own = [a for a in extra if a.split("=", 1)[0] in OWN_FLAGS]
     if own:
         raise ConfigError(f"{own[0]} is set per host by the multi-host run; drop it from the stage arguments")
+    args = parse(extra)
     run_id = run_id or (previous or {}).get("run_id") or new_run_id(stage)
     n = len(hosts)
     done: dict[str, dict] = {}
@@ -141,9 +139,8 @@ def plan_fanout(hosts: list[HostConfig], stage: str, *, run_id: str | None, extr
         again = previous is not None or resume  # an earlier attempt may have left part of this shard
         names = available(host.secrets, environ or {})
         env_file_text(names, environ or {})  # a value docker cannot take fails now, before any host is touched
-        plan = plan_stage(host, stage, run_id=run_id, extra_args=(*extra, *shard_args(n, rank)), resume=again,
-                          layout=known(host.layout, extra),
-                          secret_names=names)
+        plan = plan_stage(host, stage, run_id=run_id, extra_args=args, shard=(n, rank), resume=again,
+                          layout=known(host.layout, args), secret_names=names)
         skip = None
         if host.name in done:
             skip = f"shard {rank}/{n} verified complete in an earlier attempt ({done[host.name].get('files')} files)"
