@@ -172,9 +172,9 @@ def stop_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
 @wait_option
 def restore_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
     """Bring the inference server back by the host's strategy (no-op when it already runs)."""
-    from ops.remote_run import guarded_restore
+    from ops.restore import restore
 
-    done = guarded_restore(runner, host, "restore-server", wait=lock_wait, console=notes)
+    done = restore(runner, host, command="restore-server", wait=lock_wait, console=notes)
     console.print("\n".join(done) if done else f"server {host.server}: already running or strategy none")
 
 

@@ -21,14 +21,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ops import report, secret_env, server
+from ops import report, restore, secret_env
 from ops.clean import CLEAN, VERDICT_EXIT, CleanReport, gpu_clean
 from ops.errors import EXIT_PREFLIGHT, OpsError, RemoteCommandError
-from ops.gpus import GpuState, ServerFacts, probe, probe_with_paths
+from ops.gpus import GpuState, probe_with_paths
 from ops.hosts import HostConfig
 from ops.connection import Runner
 from ops.interrupts import Interrupts
-from ops.lock import host_lock, refuse_duplicate_run, refuse_restoring_beside_stages
+from ops.lock import host_lock, refuse_duplicate_run
 from ops.request import RunRequest
 from ops.preflight import (CheckResult, docker_checks, driver_check, failed, gpu_check, path_checks, paths_request, secrets_check,
                            user_check)
@@ -210,11 +210,10 @@ class _Run:
         if self.restore_done:
             return
         self.restore_done = True
-        if not self.stop_began or self.before is None or not self.before.server.running:
+        if not self.stop_began or self.before is None:
             return
-        facts = dataclasses.replace(self.before.server, running_container_ids=(), members=())
         try:
-            self.out.restored = restore_unless_a_stage_runs(self.runner, self.host, facts)
+            self.out.restored = restore.restore(self.runner, self.host, stopped=self.before.server)
         except OpsError as exc:
             self.out.restore_error = exc
             self.console.print(f"[red]restoring the server failed:[/] {exc}")
@@ -229,22 +228,6 @@ class _Run:
             return
         self.console.print(f"interrupted: stopping container {name}")
         self.state.note(container_removed=abort(self.runner, self.host, name, self.out.local_dir))
-
-
-def guarded_restore(runner: Runner, host: HostConfig, command: str, *, run_id: str | None = None, wait: float = 0.0,
-                    console: Console | None = None) -> list[str]:
-    """restore-server and attach's restore: under the host lock (no other ops command is stopping the
-    server or freeing the GPUs meanwhile), and never while a stage container runs."""
-    with host_lock(runner, host, command, run_id=run_id, wait=wait, console=console):
-        return restore_unless_a_stage_runs(runner, host, probe(runner, host).server)
-
-
-def restore_unless_a_stage_runs(runner: Runner, host: HostConfig, facts: ServerFacts) -> list[str]:
-    """server.restore, refused (EXIT_BUSY) while a stage container runs on the host. A server already up,
-    or strategy none, needs no refusal: nothing would start."""
-    if server.plan_restore(host, facts):
-        refuse_restoring_beside_stages(runner, host)
-    return server.restore(runner, host, facts)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -306,9 +289,8 @@ def attach(runner: Runner, host: HostConfig, request: RunRequest, *, console: Co
         if request.restore_server:
             state.step("restore")
             try:
-                out.restored = guarded_restore(runner, host, "attach --restore-server", run_id=run_id,
-                                               wait=request.lock_wait,
-                                               console=console)
+                out.restored = restore.restore(runner, host, command="attach --restore-server", run_id=run_id,
+                                               wait=request.lock_wait, console=console)
             except OpsError as exc:
                 out.restore_error = exc
             for line in out.restored:
