@@ -11,6 +11,8 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 from rich.console import Console
@@ -18,61 +20,63 @@ from rich.console import Console
 from ops import errors
 from ops.connection import Runner, connect
 from ops.hosts import HostConfig, check_seconds, resolve_host
+from ops.request import RunRequest
 from ops.secret_env import redact
 
 console = Console(highlight=False, soft_wrap=True)
 notes = Console(stderr=True, highlight=False, soft_wrap=True)  # progress notes that must not mix with --json
 
 
+def _host_choice(fn):
+    """--host, --hosts-file, --accept-new-host-key, passed on as host_spec, hosts_file, accept_new_host_key."""
+    fn = click.option("--accept-new-host-key", is_flag=True, help="trust and record an unknown SSH host key")(fn)
+    fn = click.option("--hosts-file", type=click.Path(dir_okay=False), default=None,
+                      help="hosts TOML (default: $EAGLE_OPS_HOSTS, ./hosts.toml, ~/.config/eagle-ops/hosts.toml)")(fn)
+    return click.option("--host", "host_spec", required=True, metavar="NAME|user@host[:port]|local",
+                        help="a name from the hosts file, user@host[:port], or `local` (this machine, no SSH)")(fn)
+
+
+@contextmanager
+def _connected(host: HostConfig, accept_new_host_key: bool) -> Iterator[Runner]:
+    """The command's one connection to the host, closed (and its trace written) when the command ends."""
+    runner = connect(host, accept_new_host_key=accept_new_host_key)
+    try:
+        yield runner
+    finally:
+        runner.close()
+        _write_trace(runner)
+
+
 def host_options(fn):
-    @click.option("--host", "host_spec", required=True, metavar="NAME|user@host[:port]|local",
-                  help="a name from the hosts file, user@host[:port], or `local` (this machine, no SSH)")
-    @click.option("--hosts-file", type=click.Path(dir_okay=False), default=None,
-                  help="hosts TOML (default: $EAGLE_OPS_HOSTS, ./hosts.toml, ~/.config/eagle-ops/hosts.toml)")
-    @click.option("--accept-new-host-key", is_flag=True, help="trust and record an unknown SSH host key")
+    """A one-host command: the host resolved and connected, passed as host and runner."""
+    @_host_choice
     @functools.wraps(fn)
     def wrapper(host_spec, hosts_file, accept_new_host_key, **kw):
-        if "," in host_spec and fn.__name__ in _FANS_OUT:  # several hosts: one shard each (ops.fanout)
-            return _fan_out(host_spec, hosts_file, accept_new_host_key, kw.pop("stage", "extract"), **kw)
         host = resolve_host(host_spec, hosts_file)
-        runner = connect(host, accept_new_host_key=accept_new_host_key)
-        try:
+        with _connected(host, accept_new_host_key) as runner:
             return fn(host=host, runner=runner, **kw)
-        finally:
-            runner.close()
-            _write_trace(runner)
 
     return wrapper
 
 
-_FANS_OUT = ("remote_extract", "remote_run_cmd")
-
-
-def _fan_out(spec, hosts_file, accept_new_host_key, stage, run_id, resume, restore_server, runs_dir, dry_run, extra,
-             detach, lock_wait) -> None:
-    from pathlib import Path
-
+def _fan_out(request: RunRequest) -> None:
+    """Several hosts, one shard each (ops.fanout)."""
     from ops import fanout
     from ops.report import print_fanout, print_stage_plan
 
-    if detach:
-        raise errors.ConfigError("--detach runs one host; a multi-host run follows every host to merge the shards")
-    names = fanout.split_hosts(spec)
-    hosts = [resolve_host(n, hosts_file) for n in names]
-    previous = fanout.find_previous(Path(runs_dir), run_id, stage, [h.name for h in hosts]) if (
-        run_id or resume) else None
-    plan = fanout.plan_fanout(hosts, stage, run_id=run_id, extra=extra, resume=resume, previous=previous,
-                              environ=os.environ)
-    if dry_run:
+    hosts = [resolve_host(n, request.hosts_file) for n in request.hosts]
+    previous = fanout.find_previous(request.runs_dir, request.run_id, request.stage, [h.name for h in hosts]) if (
+        request.run_id or request.resume) else None
+    plan = fanout.plan_fanout(hosts, request.stage, run_id=request.run_id, extra=request.args,
+                              resume=request.resume, previous=previous, environ=os.environ)
+    if request.dry_run:
         for job in plan.jobs:
             console.print(f"rank {job.rank}/{plan.world_size} {job.host.name}" + (f": skipped: {job.skip}" if job.skip else ""))
             if not job.skip:
                 print_stage_plan(console, job.host, job.plan)
         return
-    merged, interrupted = fanout.run_fanout(plan, connect=connect, runs_dir=Path(runs_dir), console=console,
-                                            restore_server=restore_server, accept_new_host_key=accept_new_host_key,
-                                            wait=lock_wait)
-    print_fanout(console, merged, Path(runs_dir) / plan.run_id)
+    merged, interrupted = fanout.run_fanout(plan, request, connect=connect, console=console)
+    print_fanout(console, merged, request.runs_dir / plan.run_id)
     code = fanout.exit_code(merged, interrupted)
     if code:
         sys.exit(code)
@@ -168,9 +172,9 @@ def stop_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
 @wait_option
 def restore_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
     """Bring the inference server back by the host's strategy (no-op when it already runs)."""
-    from ops.remote_run import guarded_restore
+    from ops.restore import restore
 
-    done = guarded_restore(runner, host, "restore-server", wait=lock_wait, console=notes)
+    done = restore(runner, host, command="restore-server", wait=lock_wait, console=notes)
     console.print("\n".join(done) if done else f"server {host.server}: already running or strategy none")
 
 
@@ -190,27 +194,24 @@ def _stage_options(fn):
     return wrapper
 
 
-def _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra, detach, lock_wait):
-    from pathlib import Path
-
+def _run_stage(request: RunRequest) -> None:
+    """One host: plan, then run it (or print it with --dry-run)."""
+    from ops.layout import known
     from ops.remote_run import remote_run
     from ops.report import print_stage_plan
     from ops.secret_env import available, env_file_text
-    from ops.layout import known
     from ops.stage import new_run_id, plan_stage
 
-    if detach and restore_server:
-        raise errors.ConfigError("--restore-server with --detach would start the server beside the running stage; "
-                                 "pass --restore-server to `attach` instead")
+    host = resolve_host(request.host, request.hosts_file)
     names = available(host.secrets, os.environ)
     env_file_text(names, os.environ)  # a value docker cannot take fails now, before anything is stopped
-    plan = plan_stage(host, stage, run_id=run_id or new_run_id(stage), extra_args=tuple(extra), resume=resume,
-                      secret_names=names, layout=known(host.layout, tuple(extra)))
-    if dry_run:
+    plan = plan_stage(host, request.stage, run_id=request.run_id or new_run_id(request.stage), extra_args=request.args,
+                      resume=request.resume, secret_names=names, layout=known(host.layout, request.args))
+    if request.dry_run:
         print_stage_plan(console, host, plan)
         return
-    out = remote_run(runner, host, plan, runs_root=Path(runs_dir), restore_server=restore_server, console=console,
-                     wait=lock_wait, detach=detach)
+    with _connected(host, request.accept_new_host_key) as runner:
+        out = remote_run(runner, host, plan, request, console=console)
     if not out.detached:
         _finish(out)
 
@@ -228,40 +229,49 @@ def _finish(out) -> None:
 
 @main.command("remote-run", context_settings={"ignore_unknown_options": True})
 @click.argument("stage", type=click.Choice(["prepare", "extract", "weights", "train", "verify"]))
-@host_options
+@_host_choice
 @_stage_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def remote_run_cmd(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra, detach,
-                   lock_wait) -> None:
+def remote_run_cmd(**options) -> None:
     """Preflight, gpu-clean, run `pipeline STAGE` in the image on the host, fetch summary and logs.
-    Arguments after `--` go to the stage command."""
-    _run_stage(host, runner, stage, run_id, resume, restore_server, runs_dir, dry_run, extra, detach, lock_wait)
+    Arguments after `--` go to the stage command. Several hosts (`--host a,b`): one shard each."""
+    request = RunRequest.from_options(**options)
+    if request.multi_host:
+        _fan_out(request)
+    else:
+        _run_stage(request)
 
 
 @main.command("remote-extract", context_settings={"ignore_unknown_options": True})
-@host_options
+@_host_choice
 @_stage_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def remote_extract(host, runner, run_id, resume, restore_server, runs_dir, dry_run, extra, detach, lock_wait) -> None:
+def remote_extract(**options) -> None:
     """remote-run extract: hidden states of the prepared samples, verified, summary fetched."""
-    _run_stage(host, runner, "extract", run_id, resume, restore_server, runs_dir, dry_run, extra, detach, lock_wait)
+    request = RunRequest.from_options(stage="extract", **options)
+    if request.multi_host:
+        _fan_out(request)
+    else:
+        _run_stage(request)
 
 
 @main.command("attach")
 @click.argument("run_id")
-@host_options
+@_host_choice
 @click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True)
 @click.option("--restore-server", is_flag=True, help="bring the server back once the stage has finished")
 @wait_option
-def attach_cmd(host, runner, run_id, runs_dir, restore_server, lock_wait) -> None:
+def attach_cmd(**options) -> None:
     """Follow a stage container again (after an SSH drop or --detach), then fetch its summary and logs."""
-    from pathlib import Path
-
     from ops.remote_run import attach
     from ops.stage import check_run_id
 
-    _finish(attach(runner, host, check_run_id(run_id), runs_root=Path(runs_dir), console=console,
-                   restore_server=restore_server, wait=lock_wait))
+    request = RunRequest.from_options(**options)
+    check_run_id(request.run_id)
+    host = resolve_host(request.host, request.hosts_file)
+    with _connected(host, request.accept_new_host_key) as runner:
+        out = attach(runner, host, request, console=console)
+    _finish(out)
 
 
 @main.command("ship-image")

@@ -31,9 +31,11 @@ from ops.hosts import HostConfig
 from ops.interrupts import interrupt_thread
 from ops.layout import known
 from ops.remote_run import remote_run
+from ops.request import RunRequest
 from ops.runstate import run_dir, write_json
 from ops.secret_env import available, env_file_text
 from ops.stage import StagePlan, new_run_id, plan_stage
+from ops.stageargs import StageArgs, parse
 
 SHARDED = ("extract", "verify")  # stages whose pipeline command takes --world-size/--rank
 KIND = "fanout"  # runs/<run-id>/summary.json of a multi-host run says so
@@ -84,21 +86,6 @@ class HostResult:
 # ---------------------------------------------------------------- planning (pure)
 
 
-def split_hosts(spec: str) -> list[str]:
-    """`a,b,c` -> names; empty items and repeats are refused (the rank order must be unambiguous)."""
-    names = [s.strip() for s in spec.split(",")]
-    if any(not n for n in names):
-        raise ConfigError(f"host list {spec!r} has an empty item; write HOST=a,b,c")
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ConfigError(f"host list {spec!r} names {', '.join(dupes)} twice; each host takes one shard")
-    return names
-
-
-def shard_args(world_size: int, rank: int) -> tuple[str, ...]:
-    return ("--world-size", str(world_size), "--rank", str(rank))
-
-
 def shard_complete(summary: dict | None, world_size: int, rank: int) -> bool:
     """True when a host's fetched summary says its shard verified complete: checks ok, the summary is of
     this very shard, no file missing, and as many files as the shard owns."""
@@ -113,13 +100,14 @@ def shard_complete(summary: dict | None, world_size: int, rank: int) -> bool:
     return stats.get("files") == len(shard(samples, rank, world_size))
 
 
-def plan_fanout(hosts: list[HostConfig], stage: str, *, run_id: str | None, extra: Iterable[str] = (),
+def plan_fanout(hosts: list[HostConfig], stage: str, *, run_id: str | None, extra: Iterable[str] | StageArgs = (),
                 resume: bool = False, previous: dict | None = None,
                 environ: Mapping[str, str] | None = None) -> FanoutPlan:
     """Host i gets `--world-size N --rank i`; an earlier record of the same run id must have been made
     with the same hosts, stage and arguments; its complete shards are skipped, the others resume.
     `environ`: the operator's environment, for the secrets each host's `secrets` list names."""
-    extra = tuple(extra)
+    args = extra if isinstance(extra, StageArgs) else parse(extra)
+    extra = args.argv
     if stage not in SHARDED:
         raise ConfigError(f"stage {stage} cannot be split over hosts (only {', '.join(SHARDED)}); "
                           "run it with one --host")
@@ -141,9 +129,8 @@ def plan_fanout(hosts: list[HostConfig], stage: str, *, run_id: str | None, extr
         again = previous is not None or resume  # an earlier attempt may have left part of this shard
         names = available(host.secrets, environ or {})
         env_file_text(names, environ or {})  # a value docker cannot take fails now, before any host is touched
-        plan = plan_stage(host, stage, run_id=run_id, extra_args=(*extra, *shard_args(n, rank)), resume=again,
-                          layout=known(host.layout, extra),
-                          secret_names=names)
+        plan = plan_stage(host, stage, run_id=run_id, extra_args=args, shard=(n, rank), resume=again,
+                          layout=known(host.layout, args), secret_names=names)
         skip = None
         if host.name in done:
             skip = f"shard {rank}/{n} verified complete in an earlier attempt ({done[host.name].get('files')} files)"
@@ -281,18 +268,16 @@ def host_console(name: str, width: int, sink, lock: threading.Lock) -> Console:
                    width=max(40, width - len(prefix)))
 
 
-def run_host(job: HostJob, *, connect: Callable, local_dir: Path, restore_server: bool, console: Console,
-             accept_new_host_key: bool = False, wait: float = 0.0) -> HostResult:
+def run_host(job: HostJob, request: RunRequest, *, connect: Callable, local_dir: Path, console: Console) -> HostResult:
     """The ordinary one-host flow (preflight, gpu-clean, stage, summary, restore) on this host's own
     connection; every failure, expected or not, becomes the host's row."""
     start = time.monotonic()
     result = HostResult(job.host.name, job.rank, FAILED)
     (local_dir / SUMMARY).unlink(missing_ok=True)  # an earlier attempt's summary must not pass for this one's
     try:
-        runner = connect(job.host, accept_new_host_key=accept_new_host_key)
+        runner = connect(job.host, accept_new_host_key=request.accept_new_host_key)
         try:
-            out = remote_run(runner, job.host, job.plan, runs_root=local_dir.parent, local_dir=local_dir,
-                             restore_server=restore_server, console=console, wait=wait)
+            out = remote_run(runner, job.host, job.plan, request, console=console, local_dir=local_dir)
         finally:
             runner.close()
         result.exit_code, result.summary = out.exit_code, out.summary
@@ -341,11 +326,11 @@ def _wait(done: list[threading.Event]) -> None:
             pass
 
 
-def run_fanout(plan: FanoutPlan, *, connect: Callable, runs_dir: Path, restore_server: bool, console: Console,
-               accept_new_host_key: bool = False, wait: float = 0.0) -> tuple[dict, bool]:
-    """Every host at once, one thread and one connection each; writes runs/<run-id>/summary.json after
-    all hosts finished. Returns the merged record and whether the operator pressed Ctrl-C."""
-    root = run_dir(runs_dir, plan.run_id)
+def run_fanout(plan: FanoutPlan, request: RunRequest, *, connect: Callable, console: Console) -> tuple[dict, bool]:
+    """Every host at once, one thread and one connection each (the request's --restore-server, --wait and
+    host-key choice for each); writes runs/<run-id>/summary.json after all hosts finished. Returns the
+    merged record and whether the operator pressed Ctrl-C."""
+    root = run_dir(request.runs_dir, plan.run_id)
     root.mkdir(parents=True, exist_ok=True)
     lock, record_lock = threading.Lock(), threading.Lock()
     results: dict[str, HostResult] = {}
@@ -374,9 +359,8 @@ def run_fanout(plan: FanoutPlan, *, connect: Callable, runs_dir: Path, restore_s
 
         def work(job=job, hc=hc, done=done) -> None:
             try:
-                results[job.host.name] = run_host(job, connect=connect, local_dir=root / job.host.name,
-                                                  restore_server=restore_server, console=hc,
-                                                  accept_new_host_key=accept_new_host_key, wait=wait)
+                results[job.host.name] = run_host(job, request, connect=connect, local_dir=root / job.host.name,
+                                                  console=hc)
                 hc.file.close()
                 record()
             finally:

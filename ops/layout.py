@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ops.errors import ConfigError
+from ops.stageargs import StageArgs
 
 AUTO = "auto"
 BACKENDS = ("vllm", "hf")
@@ -32,27 +33,6 @@ class Layout:
         return self.backend != AUTO and self.tensor_parallel_size > 0 and self.data_parallel > 0
 
 
-def flag_value(argv: tuple[str, ...] | list[str], flag: str) -> str | None:
-    """The value of `--flag V` or `--flag=V` in argv (the last one wins, as in click)."""
-    value = None
-    for i, word in enumerate(argv):
-        if word == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif word.startswith(flag + "="):
-            value = word.split("=", 1)[1]
-    return value
-
-
-def _int_flag(extra: tuple[str, ...], flag: str) -> int | None:
-    value = flag_value(extra, flag)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{flag} {value!r} after `--` must be a whole number") from None
-
-
 def visible_gpus(docker_gpus: str, host_gpus: int) -> int:
     """GPUs the stage container gets from `docker run --gpus VALUE`: all of them, a count, or a device list."""
     value = docker_gpus.strip()
@@ -63,21 +43,21 @@ def visible_gpus(docker_gpus: str, host_gpus: int) -> int:
     return host_gpus
 
 
-def needs_image_probe(configured: Layout, extra: tuple[str, ...]) -> bool:
+def needs_image_probe(configured: Layout, args: StageArgs = StageArgs()) -> bool:
     """Whether resolving takes a look into the image (backend auto and not given after `--`)."""
-    return configured.backend == AUTO and flag_value(extra, "--backend") is None
+    return configured.backend == AUTO and args.backend is None
 
 
-def resolve(configured: Layout, *, gpus: int, image_has_vllm: bool | None, extra: tuple[str, ...] = ()) -> Layout:
+def resolve(configured: Layout, *, gpus: int, image_has_vllm: bool | None, args: StageArgs = StageArgs()) -> Layout:
     """The concrete layout for a host with `gpus` GPUs visible to the stage. ConfigError for one that
     cannot run: more GPUs asked for than there are, data parallelism with vLLM."""
-    backend = flag_value(extra, "--backend") or configured.backend
+    backend = args.backend or configured.backend
     if backend == AUTO:
         backend = "vllm" if image_has_vllm else "hf"
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")
-    tp = _int_flag(extra, "--tensor-parallel-size") or configured.tensor_parallel_size
-    dp = _int_flag(extra, "--data-parallel") or configured.data_parallel
+    tp = args.tensor_parallel_size or configured.tensor_parallel_size
+    dp = args.data_parallel or configured.data_parallel
     have = max(gpus, 1)  # no GPU (a CPU rehearsal): one device's worth
     if backend == "vllm":
         if dp > 1:
@@ -92,27 +72,28 @@ def resolve(configured: Layout, *, gpus: int, image_has_vllm: bool | None, extra
     return Layout(backend, tp, dp)
 
 
-def known(configured: Layout, extra: tuple[str, ...] = ()) -> Layout | None:
+def known(configured: Layout, args: StageArgs = StageArgs()) -> Layout | None:
     """The layout when nothing of it depends on the host (a dry run can show the exact argv), else None."""
-    backend = flag_value(extra, "--backend") or configured.backend
-    size = "--tensor-parallel-size" if backend == "vllm" else "--data-parallel"
-    given = _int_flag(extra, size) or (configured.tensor_parallel_size if backend == "vllm" else configured.data_parallel)
+    backend = args.backend or configured.backend
+    if backend == "vllm":
+        given = args.tensor_parallel_size or configured.tensor_parallel_size
+    else:
+        given = args.data_parallel or configured.data_parallel
     if backend not in BACKENDS or not given:
         return None
-    return resolve(configured, gpus=given, image_has_vllm=backend == "vllm", extra=extra)
+    return resolve(configured, gpus=given, image_has_vllm=backend == "vllm", args=args)
 
 
-def stage_flags(layout: Layout, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """`pipeline extract` flags for a resolved layout, leaving out those the operator gave after `--`."""
-    flags = {"--backend": layout.backend}
-    if layout.backend == "vllm":
-        flags["--tensor-parallel-size"] = str(layout.tensor_parallel_size)
-    else:
-        flags["--data-parallel"] = str(layout.data_parallel)
+def stage_flags(layout: Layout, args: StageArgs = StageArgs()) -> tuple[str, ...]:
+    """`pipeline extract` flags for a resolved layout, leaving out those the operator gave after `--` (their
+    words stay in args.argv, which the stage gets as given)."""
     out: list[str] = []
-    for flag, value in flags.items():
-        if flag_value(extra, flag) is None:
-            out += [flag, value]
+    if args.backend is None:
+        out += ["--backend", layout.backend]
+    if layout.backend == "vllm" and args.tensor_parallel_size is None:
+        out += ["--tensor-parallel-size", str(layout.tensor_parallel_size)]
+    if layout.backend != "vllm" and args.data_parallel is None:
+        out += ["--data-parallel", str(layout.data_parallel)]
     return tuple(out)
 
 

@@ -136,17 +136,6 @@ def refuse_duplicate_run(runner: Runner, host: HostConfig, output: str) -> None:
                            f"`attach {c.run_id}` to follow and collect it", exit_code=EXIT_BUSY)
 
 
-def refuse_restoring_beside_stages(runner: Runner, host: HostConfig) -> None:
-    """Raise (EXIT_BUSY) when a stage container runs on the host (a detached run, or one whose ops process
-    vanished): the server would start on the GPUs the stage holds, and one of them would run out of
-    memory hours in. One `docker ps`."""
-    for c in stage_containers(runner) or ():
-        if c.running:
-            raise OpsError(f"stage run {c.run_id} (container {c.name}) is running on {host.name}; the server would "
-                           f"start beside it: `attach {c.run_id} --restore-server` brings it back once the stage "
-                           f"ends; nothing was started", exit_code=EXIT_BUSY)
-
-
 def refuse_killing_stages(runner: Runner, host: HostConfig, state: GpuState) -> None:
     """Raise (EXIT_BUSY) when a GPU holder runs in a stage container (a detached run, or one whose ops
     process vanished): gpu-clean would kill it as an orphan. One `docker ps`, only when some holder runs

@@ -15,7 +15,6 @@ from contract import sizes
 from ops.connection import Runner
 from ops.gpus import GpuState
 from ops.hosts import HostConfig
-from ops.layout import flag_value
 from ops.inventory import stage_containers
 from ops.stage import StagePlan, host_path
 
@@ -130,11 +129,11 @@ def path_checks(host: HostConfig, plan: StagePlan, facts: dict) -> list[CheckRes
             out.append(CheckResult("output", OK, f"{plan.host_output} {'resumed' if o.get('entries') else 'empty'}"))
     if plan.stage == "extract":
         out.append(_disk_check(facts["json"].get(meta), facts["json"].get(config), facts["free"][plan.host_output],
-                               plan.stage_argv))
+                               plan.dtype, plan.world_size))
     return out
 
 
-def _disk_check(meta: dict | None, config: dict | None, free: int, stage_argv: tuple[str, ...] = ()) -> CheckResult:
+def _disk_check(meta: dict | None, config: dict | None, free: int, dtype: str | None = None, world: int = 1) -> CheckResult:
     if not meta or not config:
         return CheckResult("disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no metadata or config)")
     hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
@@ -142,11 +141,6 @@ def _disk_check(meta: dict | None, config: dict | None, free: int, stage_argv: t
     if not hidden or not tokens:
         return CheckResult("disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no hidden_size/num_tokens)")
     # float32 only when asked for (auto is bf16 on a GPU); a host of --world-size N writes about 1/N
-    dtype = flag_value(stage_argv, "--dtype")
-    try:
-        world = max(1, int(flag_value(stage_argv, "--world-size") or 1))
-    except ValueError:
-        world = 1
     need = sizes.hidden_states_bytes(int(tokens), int(meta.get("num_samples") or 0), int(hidden), dtype, world)
     ok = free >= need
     share = f" / {world} hosts" if world > 1 else ""

@@ -21,14 +21,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ops import report, secret_env, server
+from ops import report, restore, secret_env
 from ops.clean import CLEAN, VERDICT_EXIT, CleanReport, gpu_clean
 from ops.errors import EXIT_PREFLIGHT, OpsError, RemoteCommandError
-from ops.gpus import GpuState, ServerFacts, probe, probe_with_paths
+from ops.gpus import GpuState, probe_with_paths
 from ops.hosts import HostConfig
 from ops.connection import Runner
 from ops.interrupts import Interrupts
-from ops.lock import host_lock, refuse_duplicate_run, refuse_restoring_beside_stages
+from ops.lock import host_lock, refuse_duplicate_run
+from ops.request import RunRequest
 from ops.preflight import (CheckResult, docker_checks, driver_check, failed, gpu_check, path_checks, paths_request, secrets_check,
                            user_check)
 from ops.runstate import RunState, run_dir, write_json
@@ -209,11 +210,10 @@ class _Run:
         if self.restore_done:
             return
         self.restore_done = True
-        if not self.stop_began or self.before is None or not self.before.server.running:
+        if not self.stop_began or self.before is None:
             return
-        facts = dataclasses.replace(self.before.server, running_container_ids=(), members=())
         try:
-            self.out.restored = restore_unless_a_stage_runs(self.runner, self.host, facts)
+            self.out.restored = restore.restore(self.runner, self.host, stopped=self.before.server)
         except OpsError as exc:
             self.out.restore_error = exc
             self.console.print(f"[red]restoring the server failed:[/] {exc}")
@@ -230,40 +230,25 @@ class _Run:
         self.state.note(container_removed=abort(self.runner, self.host, name, self.out.local_dir))
 
 
-def guarded_restore(runner: Runner, host: HostConfig, command: str, *, run_id: str | None = None, wait: float = 0.0,
-                    console: Console | None = None) -> list[str]:
-    """restore-server and attach's restore: under the host lock (no other ops command is stopping the
-    server or freeing the GPUs meanwhile), and never while a stage container runs."""
-    with host_lock(runner, host, command, run_id=run_id, wait=wait, console=console):
-        return restore_unless_a_stage_runs(runner, host, probe(runner, host).server)
-
-
-def restore_unless_a_stage_runs(runner: Runner, host: HostConfig, facts: ServerFacts) -> list[str]:
-    """server.restore, refused (EXIT_BUSY) while a stage container runs on the host. A server already up,
-    or strategy none, needs no refusal: nothing would start."""
-    if server.plan_restore(host, facts):
-        refuse_restoring_beside_stages(runner, host)
-    return server.restore(runner, host, facts)
-
-
 def _one_line(exc: BaseException) -> str:
     return redact(str(exc) if isinstance(exc, OpsError) else f"{type(exc).__name__}: {exc}")
 
 
-def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: Path, restore_server: bool,
-               console: Console, wait: float = 0.0, detach: bool = False, local_dir: Path | None = None) -> RunOutcome:
-    """local_dir: where the run's files land (default runs_root/<host>/<run-id>; a multi-host run passes
-    runs/<run-id>/<host>)."""
+def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, request: RunRequest, *, console: Console,
+               local_dir: Path | None = None) -> RunOutcome:
+    """The request's --restore-server, --detach and --wait shape the run; local_dir: where the run's files
+    land (default request.runs_dir/<host>/<run-id>; a multi-host run passes runs/<run-id>/<host>)."""
+    restore_server, detach = request.restore_server, request.detach
     if local_dir is not None:
         local_dir.mkdir(parents=True, exist_ok=True)
-    out = RunOutcome(plan.run_id, local_dir or local_run_dir(runs_root, host, plan.run_id))
+    out = RunOutcome(plan.run_id, local_dir or local_run_dir(request.runs_dir, host, plan.run_id))
     console.print(f"run id [bold]{plan.run_id}[/] on {host.name}; local folder {out.local_dir}")
     with Interrupts(console) as interrupts, ExitStack() as held:
         state = RunState(out.local_dir / "state.json", interrupts, run_id=plan.run_id, host=host.name,
                          stage=plan.stage, restore_server=restore_server, detach=detach)
         run = _Run(runner, host, plan, out, state, interrupts, console)
         try:
-            run.steps(held, wait=wait, detach=detach, restore_server=restore_server)
+            run.steps(held, wait=request.lock_wait, detach=detach, restore_server=restore_server)
         except KeyboardInterrupt:
             state.end("interrupted", "interrupted by Ctrl-C (SIGINT)")
             run.abandon()
@@ -284,8 +269,9 @@ def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, *, runs_root: 
     return out
 
 
-def attach(runner: Runner, host: HostConfig, run_id: str, *, runs_root: Path, console: Console,
-           restore_server: bool = False, wait: float = 0.0) -> RunOutcome:
+def attach(runner: Runner, host: HostConfig, request: RunRequest, *, console: Console) -> RunOutcome:
+    """The request's run id, its runs folder, and --restore-server (under the host lock, --wait)."""
+    run_id, runs_root = request.run_id, request.runs_dir
     found = stage_containers(runner, run_id)
     if not found:
         raise OpsError(f"no stage container for run id {run_id} on {host.name}; a finished run's files are in "
@@ -300,11 +286,11 @@ def attach(runner: Runner, host: HostConfig, run_id: str, *, runs_root: Path, co
         follow(runner, name, out.local_dir, console)
         state.step("fetch")
         out.exit_code, out.summary = fetch(runner, name, output, out.local_dir)
-        if restore_server:
+        if request.restore_server:
             state.step("restore")
             try:
-                out.restored = guarded_restore(runner, host, "attach --restore-server", run_id=run_id, wait=wait,
-                                               console=console)
+                out.restored = restore.restore(runner, host, command="attach --restore-server", run_id=run_id,
+                                               wait=request.lock_wait, console=console)
             except OpsError as exc:
                 out.restore_error = exc
             for line in out.restored:

@@ -20,7 +20,8 @@ from contract.stages import CACHE, DATA, MODEL, STAGES, StageSpec
 from ops import secret_env
 from ops.errors import ConfigError
 from ops.hosts import HostConfig, check_label
-from ops.layout import Layout, flag_value, stage_flags
+from ops.layout import Layout, stage_flags
+from ops.stageargs import StageArgs, last_values, parse
 
 LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST = "eagle-ops.run-id", "eagle-ops.stage", "eagle-ops.output", "eagle-ops.host"
 LABEL_PREFLIGHT = "eagle-ops.preflight"  # a stage's preflight container (not a stage container: no run-id label)
@@ -28,6 +29,7 @@ AUTO_USER = "auto"  # placeholder until preflight knows the data root's owner (r
 
 
 PREFLIGHT_FLAGS = ("--model", "--prepared", "--out", "--backend", "--layer-ids", "--tensor-parallel-size", "--dtype")
+Shard = tuple[int, int]  # (world size, rank) of one host of a multi-host run
 
 
 def new_run_id(stage: str) -> str:
@@ -52,11 +54,27 @@ class StagePlan:
     resume: bool
     secret_names: tuple[str, ...] = ()  # variables passed through the env file (names only; never values)
     env_dir: str | None = None  # host directory of the env file while `docker run` reads it
-    extra_args: tuple[str, ...] = ()  # the operator's arguments after `--` (multi-host: with the shard flags)
+    args: StageArgs = StageArgs()  # the operator's arguments after `--`, read once (ops.stageargs.parse)
+    shard: Shard | None = None  # multi-host: this host's (world size, rank), rendered after the operator's words
     layout: Layout | None = None  # resolved parallel layout (layout stages); None: not yet resolved
     preflight_run: tuple[str, ...] = ()  # `docker run --rm` of the stage's preflight (preflight_script)
     user: str = AUTO_USER  # the container's --user: "UID:GID", or AUTO_USER until the probe knows the owner
     image_digest: str | None = None  # told to the stage container (IMAGE_DIGEST_ENV) once the preflight knows it
+
+    @property
+    def extra_args(self) -> tuple[str, ...]:
+        """The operator's words after `--`, as given (without a multi-host run's shard flags)."""
+        return self.args.argv
+
+    @property
+    def dtype(self) -> str | None:
+        """The stored states' --dtype as the operator gave it (None: the stage's auto)."""
+        return self.args.dtype
+
+    @property
+    def world_size(self) -> int:
+        """Hosts sharing this stage: the multi-host run's, else the operator's --world-size, else 1."""
+        return self.shard[0] if self.shard else max(1, self.args.world_size or 1)
 
 
 def host_path(host: HostConfig, rel: str) -> str:
@@ -141,10 +159,10 @@ def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
     if spec.preflight in ("model", "extract"):
         pf = ["python", "-m", "pipeline", "preflight"]
         flags = PREFLIGHT_FLAGS if spec.preflight == "extract" else ("--model",)
+        values = last_values(args, flags, where="in the stage's arguments")
         for flag in flags:
-            value = flag_value(args, flag)
-            if value is not None:
-                pf += [flag, value]
+            if flag in values:
+                pf += [flag, values[flag]]
         if spec.preflight == "model":
             pf += ["--backend", "hf"]  # prepare loads no model: its tokenizer and config matter, not vLLM
         if "--trust-remote-code" in args:
@@ -157,11 +175,12 @@ def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
     return f"{shlex.join(cmds[0])} & a=$!; {shlex.join(cmds[1])}; b=$?; wait $a; a=$?; [ $a -eq 0 ] && [ $b -eq 0 ]"
 
 
-def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[str, ...] = (),
-               resume: bool = False, secret_names: tuple[str, ...] = (), env_token: str | None = None,
+def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[str, ...] | StageArgs = (),
+               shard: Shard | None = None, resume: bool = False, secret_names: tuple[str, ...] = (), env_token: str | None = None,
                layout: Layout | None = None, env_dir: str | None = None, user: str | None = None,
                image_digest: str | None = None) -> StagePlan:
-    """`secret_names`: variables (set on the operator's machine) that reach the container through the env
+    """`extra_args`: the operator's words after `--` (read here, once, unless already a StageArgs); `shard`:
+    a multi-host run's (world size, rank). `secret_names`: variables (set on the operator's machine) that reach the container through the env
     file; `env_token` names its directory (random by default; `env_dir` keeps an earlier plan's).
     `layout`: the resolved parallel layout of a layout stage (ops.layout.resolve); without it the
     stage's argv carries no layout flags yet (a dry run shows what auto becomes). `user` (default: the
@@ -171,10 +190,11 @@ def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[s
         raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
     spec = STAGES[stage]
     check_run_id(run_id)
-    extra_args = tuple(extra_args)
-    flags = stage_flags(layout, extra_args) if spec.layout and layout is not None else ()
+    args = extra_args if isinstance(extra_args, StageArgs) else parse(extra_args)
+    flags = stage_flags(layout, args) if spec.layout and layout is not None else ()
+    shard_flags = ("--world-size", str(shard[0]), "--rank", str(shard[1])) if shard else ()
     stage_argv = ("python", "-m", "pipeline", stage, *spec.args, *flags, *(("--resume",) if resume and stage in (
-        "extract", "train") else ()), *extra_args)
+        "extract", "train") else ()), *args.argv, *shard_flags)
     verify_argv = ("python", "-m", "pipeline", "verify", f"{DATA}/{spec.output}") if spec.verify_after else None
     script = shlex.join(stage_argv) + (f" && {shlex.join(verify_argv)}" if verify_argv else "")
     name = f"eagle-{run_id}"
@@ -198,7 +218,7 @@ def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[s
     return StagePlan(run_id=run_id, stage=stage, container=name, image=host.image,
                      host_inputs=tuple(host_path(host, p) for p in spec.inputs), host_output=host_path(host, spec.output),
                      stage_argv=stage_argv, verify_argv=verify_argv, docker_run=argv, resume=resume,
-                     secret_names=tuple(secret_names), env_dir=env_dir, extra_args=extra_args,
+                     secret_names=tuple(secret_names), env_dir=env_dir, args=args, shard=shard,
                      layout=layout if spec.layout else None, preflight_run=preflight_run, user=user,
                      image_digest=image_digest)
 
@@ -206,7 +226,7 @@ def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[s
 def replan(host: HostConfig, plan: StagePlan, **fields) -> StagePlan:
     """The same plan (run id, arguments, secrets, env directory, layout, user, digest) with ``fields``
     changed, rendered again from its fields."""
-    keep = dict(run_id=plan.run_id, extra_args=plan.extra_args, resume=plan.resume, secret_names=plan.secret_names,
+    keep = dict(run_id=plan.run_id, extra_args=plan.args, shard=plan.shard, resume=plan.resume, secret_names=plan.secret_names,
                 layout=plan.layout, env_dir=plan.env_dir, user=plan.user, image_digest=plan.image_digest)
     return plan_stage(host, plan.stage, **{**keep, **fields})
 

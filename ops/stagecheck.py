@@ -70,14 +70,14 @@ def resolve_layout(runner: Runner, host: HostConfig, plan: StagePlan,
         return plan, []
     checks = []
     version = None
-    if needs_image_probe(host.layout, plan.extra_args):
+    if needs_image_probe(host.layout, plan.args):
         version, probe = image_vllm(runner, host, plan)
         checks.append(probe)
         if probe.status == FAIL:
             return plan, checks
     gpus = visible_gpus(host.docker_gpus, len(state.gpus))
     try:
-        layout = resolve(host.layout, gpus=gpus, image_has_vllm=version is not None, extra=plan.extra_args)
+        layout = resolve(host.layout, gpus=gpus, image_has_vllm=version is not None, args=plan.args)
     except ConfigError as exc:
         return plan, [*checks, CheckResult("layout", FAIL, str(exc))]
     return with_layout(host, plan, layout), [*checks, CheckResult("layout", OK, describe(host.layout, layout))]

@@ -12,6 +12,7 @@ from ops import fanout
 from ops.errors import EXIT_HOSTS_FAILED, ConfigError
 from ops.fanout import FAILED, OK, SKIPPED, HostResult, merge, plan_fanout, shard_complete
 from ops.hosts import HostConfig
+from ops.request import RunRequest, split_hosts
 
 
 def host(name: str, root: str = "/data/eagle") -> HostConfig:
@@ -64,10 +65,10 @@ def test_bad_plans_are_refused_with_one_line(hosts, stage, extra, words):
 
 def test_split_hosts():
     """`a,b` splits in order; an empty item or a repeated name is refused."""
-    assert fanout.split_hosts("a, b,c") == ["a", "b", "c"]
+    assert split_hosts("a, b,c") == ["a", "b", "c"]
     for bad in ("a,,b", "a,", "a,b,a"):
         with pytest.raises(ConfigError):
-            fanout.split_hosts(bad)
+            split_hosts(bad)
 
 
 def test_shard_complete_needs_this_shard_all_files_and_ok():
@@ -212,8 +213,8 @@ def test_a_host_that_cannot_connect_becomes_a_failed_row(tmp_path):
                                    device_glob=str(tmp_path / "dev*"))]
     plan = plan_fanout(hosts, "extract", run_id="f1")
     out = io.StringIO()
-    merged, interrupted = fanout.run_fanout(plan, connect=connect, runs_dir=tmp_path / "runs", restore_server=False,
-                                            console=Console(file=out, width=200))
+    request = RunRequest(hosts=("a", "b"), runs_dir=tmp_path / "runs")
+    merged, interrupted = fanout.run_fanout(plan, request, connect=connect, console=Console(file=out, width=200))
     assert not interrupted and not merged["complete"]
     a, b = merged["hosts"]
     assert a["status"] == b["status"] == FAILED and a["exit_code"] == 3 and "refused" in a["error"]

@@ -8,6 +8,7 @@ import pytest
 from ops.errors import ConfigError
 from ops.hosts import HostConfig, host_from_table
 from ops.layout import Layout, known, resolve, stage_flags, visible_gpus
+from ops.stageargs import parse
 from ops.stage import plan_stage, preflight_script, resolve_user, with_layout
 from ops.stagecheck import demote, parse_lines
 
@@ -23,11 +24,11 @@ def test_hosts_file_and_operator_flags_win_in_that_order():
     """Configured values beat auto; flags after `--` beat the hosts file and are not repeated by ops."""
     assert resolve(Layout("vllm", 4), gpus=8, image_has_vllm=False) == Layout("vllm", 4, 1)
     assert resolve(Layout("hf", 0, 2), gpus=8, image_has_vllm=True) == Layout("hf", 1, 2)
-    extra = ("--backend", "hf", "--data-parallel=3")
-    assert resolve(Layout("vllm", 8), gpus=8, image_has_vllm=True, extra=extra) == Layout("hf", 1, 3)
-    assert stage_flags(Layout("hf", 1, 3), extra) == ()
+    args = parse(("--backend", "hf", "--data-parallel=3"))
+    assert resolve(Layout("vllm", 8), gpus=8, image_has_vllm=True, args=args) == Layout("hf", 1, 3)
+    assert stage_flags(Layout("hf", 1, 3), args) == ()
     assert stage_flags(Layout("vllm", 8, 1)) == ("--backend", "vllm", "--tensor-parallel-size", "8")
-    assert stage_flags(Layout("vllm", 8, 1), ("--tensor-parallel-size", "2")) == ("--backend", "vllm")
+    assert stage_flags(Layout("vllm", 8, 1), parse(("--tensor-parallel-size", "2"))) == ("--backend", "vllm")
 
 
 @pytest.mark.parametrize("configured,gpus,extra,words", [
@@ -39,7 +40,7 @@ def test_hosts_file_and_operator_flags_win_in_that_order():
 def test_impossible_layouts_are_refused(configured, gpus, extra, words):
     """More GPUs than the stage sees, data parallelism with vLLM, a non-number: one ConfigError saying so."""
     with pytest.raises(ConfigError, match=words):
-        resolve(configured, gpus=gpus, image_has_vllm=True, extra=extra)
+        resolve(configured, gpus=gpus, image_has_vllm=True, args=parse(extra))
 
 
 def test_visible_gpus_follow_docker_gpus_and_known_needs_no_host():
@@ -47,7 +48,7 @@ def test_visible_gpus_follow_docker_gpus_and_known_needs_no_host():
     assert (visible_gpus("all", 8), visible_gpus("2", 8), visible_gpus('"device=0,3,5"', 8), visible_gpus("", 1)) == (8, 2, 3, 1)
     assert known(Layout("vllm", 8)) == Layout("vllm", 8, 1)
     assert known(Layout()) is None and known(Layout("vllm")) is None
-    assert known(Layout(), ("--backend", "hf", "--data-parallel", "2")) == Layout("hf", 1, 2)
+    assert known(Layout(), parse(("--backend", "hf", "--data-parallel", "2"))) == Layout("hf", 1, 2)
 
 
 def test_hosts_file_layout_keys_are_validated():

@@ -162,8 +162,8 @@ def test_disk_check_follows_dtype_and_host_share():
     meta, config = {"num_tokens": 1000, "num_samples": 10}, {"hidden_size": 256}
     bf16 = 1000 * (256 * 4 * 2 + 16) + 10 * 2048
     assert f"need {bf16 / 2**30:.3f} GiB" in _disk_check(meta, config, bf16).detail
-    assert _disk_check(meta, config, bf16).status != _disk_check(meta, config, bf16, ("--dtype", "float32")).status
-    half = _disk_check(meta, config, bf16 // 2, ("--dtype=bfloat16", "--world-size", "2", "--rank", "1"))
+    assert _disk_check(meta, config, bf16).status != _disk_check(meta, config, bf16, "float32").status
+    half = _disk_check(meta, config, bf16 // 2, "bfloat16", 2)
     assert half.status == _disk_check(meta, config, bf16).status and "/ 2 hosts" in half.detail
 
 
