@@ -17,7 +17,6 @@ from ops.stageargs import StageArgs
 
 AUTO = "auto"
 BACKENDS = ("vllm", "hf")
-LAYOUT_FLAGS = ("--backend", "--tensor-parallel-size", "--data-parallel")
 
 
 @dataclass(frozen=True)

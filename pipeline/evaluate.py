@@ -205,10 +205,9 @@ def ngram_context(k: int):
         context = item["context_ids"].tolist()
         t = item["input_ids"].shape[0]
         out = torch.full((k, t), -1, dtype=torch.long)  # -1 never equals a greedy token: no proposal
-        continuations = ngram_continuations(context, k)
+        continuations = ngram_continuations(context, k)  # len(context) == t + 1
         for i in range(t):  # shifted index i knows context[: i + 2] and proposes context positions i + 2 ...
-            prop = continuations[i + 1] if i + 1 < len(continuations) else []
-            if prop:
+            if prop := continuations[i + 1]:
                 out[: len(prop), i] = torch.tensor(prop)
         return out.to(item["input_ids"].device)
 
