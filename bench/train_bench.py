@@ -77,26 +77,17 @@ def _timed(fn, *args, **kwargs):
     return out, time.perf_counter() - t0
 
 
-@click.command()
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
-@click.option("--workdir", type=click.Path(path_type=Path), default=Path("runs/bench-train"), show_default=True)
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write figures here.")
-@click.option("--conversations", type=int, default=None, help="Override the preset's conversation count.")
-@click.option("--epochs", type=int, default=None, help="Override the preset's epochs.")
-def main(preset: str, workdir: Path, json_path: Path | None, conversations: int | None, epochs: int | None) -> None:
-    """Build a random target, extract, train a draft, measure; print a markdown table."""
+def build_random_set(workdir: Path, preset: str, conversations: int | None = None, report: Report | None = None) -> dict:
+    """The random target of ``preset`` and its set, in ``workdir`` (replaced): model/, prepared/, hidden_states/
+    (hf backend, no closing check), verifier/. Each phase's figures go to ``report``; returns what the set is."""
     import shutil
 
     from pipeline import extract, formats, prepare, tiny, weights
-    from pipeline.train import TrainConfig, run
-    from pipeline.train_cli import quiet_libraries
 
-    quiet_libraries()
-    overrides, n_conv, seq_length, draft_vocab, train_opts = PRESETS[preset]
+    report = report or Report(None)
+    overrides, n_conv, seq_length, draft_vocab, _ = PRESETS[preset]
     n_conv = conversations or n_conv
-    train_opts = {**train_opts, **({"epochs": epochs} if epochs else {})}
-    report = Report(json_path)
-    report.data.update(preset=preset, conversations=n_conv, seq_length=seq_length, draft_vocab=draft_vocab, train=train_opts)
+    report.data.update(preset=preset, conversations=n_conv, seq_length=seq_length, draft_vocab=draft_vocab)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
 
@@ -117,6 +108,29 @@ def main(preset: str, workdir: Path, json_path: Path | None, conversations: int 
 
     _, s = _timed(weights.run, model, workdir / "verifier")
     report.phase("weights", s)
+    return {"model": model, "meta": meta, "data_config": dc, "parameters": params, "vocab": vocab, "seq_length": seq_length,
+            "samples": meta.num_samples, "tokens": meta.num_tokens}
+
+
+@click.command()
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
+@click.option("--workdir", type=click.Path(path_type=Path), default=Path("runs/bench-train"), show_default=True)
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write figures here.")
+@click.option("--conversations", type=int, default=None, help="Override the preset's conversation count.")
+@click.option("--epochs", type=int, default=None, help="Override the preset's epochs.")
+def main(preset: str, workdir: Path, json_path: Path | None, conversations: int | None, epochs: int | None) -> None:
+    """Build a random target, extract, train a draft, measure; print a markdown table."""
+    from pipeline.train import TrainConfig, run
+    from pipeline.train_cli import quiet_libraries
+
+    quiet_libraries()
+    _, _, _, _, train_opts = PRESETS[preset]
+    train_opts = {**train_opts, **({"epochs": epochs} if epochs else {})}
+    report = Report(json_path)
+    built = build_random_set(workdir, preset, conversations, report)
+    report.data.update(train=train_opts)
+    model, meta, dc, params = built["model"], built["meta"], built["data_config"], built["parameters"]
+    vocab, seq_length = built["vocab"], built["seq_length"]
 
     cfg = TrainConfig(data=workdir / "hidden_states", verifier=workdir / "verifier", out=workdir / "train", model=model,
                       prepared=workdir / "prepared", eval_max_samples=32, **train_opts)

@@ -1,0 +1,107 @@
+"""bench/train_compare.py: both trainers get one set and train the same draft; its figures come from their logs.
+
+The GPU run itself is `make bench-train-compare` (docs/benchmarks.md); here: the pure parts, and speculators'
+own CLI resolving the command line the bench gives it (``--dry-run``: it builds the draft and saves it, no
+training), so a flag speculators renamed or a default that no longer matches ours fails here first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench import train_compare
+from tests.conftest import run_pipeline
+
+CPU_SHIM = Path(__file__).resolve().parents[1] / "train" / "speculators_cpu"
+
+
+def test_epoch_seconds_sums_each_started_to_completed_pair():
+    """Seconds between each epoch's "started" and "completed" lines; an epoch left open gives None."""
+    lines = [(1.0, "INFO Training epoch 1/2 started"), (3.5, "INFO Training epoch 1/2 completed"),
+             (4.0, "INFO Validation epoch 1/2 started"), (5.0, "x Training epoch 2/2 started  trainer.py:737"),
+             (9.0, "Training epoch 2/2 completed")]
+    assert train_compare.epoch_seconds(lines) == pytest.approx(6.5)
+    assert train_compare.epoch_seconds(lines[:-1]) is None
+    assert train_compare.epoch_seconds([(0.0, "no epochs here")]) is None
+
+
+def test_marginal_rate_counts_only_the_extra_epochs():
+    """tokens x (long - short epochs) / (epoch seconds long - short): start-up and the first epoch cancel."""
+    short = {"epoch_seconds": 30.0, "tokens_per_epoch": 1000}
+    long = {"epoch_seconds": 50.0, "tokens_per_epoch": 1000}
+    assert train_compare.marginal(short, long, (1, 3)) == pytest.approx(100.0)
+    assert train_compare.marginal(long, short, (1, 3)) is None  # no time left for the extra epochs: no figure
+    assert train_compare.marginal({"epoch_seconds": None}, long, (1, 3)) is None
+
+
+@pytest.fixture(scope="module")
+def one_set(tmp_path_factory, tiny_llama, conversations) -> Path:
+    """prepare -> extract -> weights -> export-speculators on the tiny Llama, 12 samples."""
+    from pipeline import extract, prepare, weights
+
+    root = tmp_path_factory.mktemp("compare")
+    prepare.run(prepare.PrepareConfig(data=conversations, model=tiny_llama, out=root / "prepared", seq_length=128,
+                                      draft_vocab_size=64, max_samples=12))
+    extract.run(extract.ExtractConfig(prepared=root / "prepared", model=tiny_llama, out=root / "hidden_states",
+                                      device="cpu", verify=False, progress=False))
+    weights.run(tiny_llama, root / "verifier")
+    (root / "model").symlink_to(tiny_llama)
+    proc = run_pipeline("export-speculators", "--prepared", root / "prepared", "--data", root / "hidden_states",
+                        "--out", root / "speculators")
+    assert proc.returncode == 0, proc.stderr
+    return root
+
+
+def test_both_commands_train_one_set_at_the_same_settings(one_set):
+    """Ours reads the extract output, speculators the export; epochs, packed length, lr, TTT steps and seed agree."""
+    record = json.loads((one_set / "speculators" / "eagle-ops.json").read_text())
+    opts = {"max_len": 1024, "lr": 2e-4, "speculators_extra": ()}
+    ours, _ = train_compare.commands(one_set, "ours", 3, opts, record, "cpu")
+    theirs, save = train_compare.commands(one_set, "speculators", 3, opts, record, "cpu")
+
+    def value(argv, flag):
+        return argv[argv.index(flag) + 1]
+
+    assert value(ours, "--data") == str(one_set / "hidden_states")
+    assert value(theirs, "--data-path") == str(one_set / "speculators")
+    for a, b in (("--epochs", "--epochs"), ("--max-len", "--total-seq-len"), ("--lr", "--lr"),
+                 ("--ttt-steps", "--ttt-steps"), ("--seed", "--seed")):
+        assert value(ours, a) == value(theirs, b), a
+    assert value(theirs, "--optimizer") == "adamw" and save.name == "cmp-speculators-3"
+    defaults, _ = train_compare.commands(one_set, "speculators", 3, {**opts, "speculators_defaults": True}, record, "cpu")
+    assert "--optimizer" not in defaults
+
+
+def test_speculators_cli_builds_the_same_draft_as_ours_from_the_bench_command(one_set, tmp_path):
+    """`speculators train --dry-run` with the bench's words: it accepts every flag, resolves AdamW, and the draft
+    it saves has our draft's shape-defining settings (norms, vocab, layer ids, one layer)."""
+    import dataclasses
+
+    from pipeline.train import TrainConfig
+
+    record = json.loads((one_set / "speculators" / "eagle-ops.json").read_text())
+    opts = {"max_len": 256, "lr": 1e-3, "speculators_extra": ("--draft-attn-impl", "sdpa", "--hidden-states-dtype",
+                                                              "float32", "--num-workers", "0")}
+    argv, save = train_compare.commands(one_set, "speculators", 1, opts, record, "cpu")
+    argv[argv.index("--save-path") + 1] = str(tmp_path / "ckpt")
+    (tmp_path / "ckpt").mkdir()
+    env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(CPU_SHIM)}
+    proc = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, env=env, timeout=600, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "optimizer/optimizer='adamw'" in log.replace("\n", ""), log[-3000:]
+    saved = next(p for p in (tmp_path / "ckpt").rglob("config.json"))
+    theirs = json.loads(saved.read_text())
+    ours_default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}["norm_before_residual"]
+    assert theirs["norm_before_residual"] is ours_default
+    for key in ("norm_before_fc", "norm_output", "fc_norm"):  # pipeline/draft.py leaves these at False
+        assert theirs.get(key, False) is False, (key, theirs.get(key))
+    args = record["speculators_train_args"]
+    ids = [int(x) for x in args[args.index("--target-layer-ids") + 1:][:3]]
+    assert theirs["draft_vocab_size"] == 64 and theirs["eagle_aux_hidden_state_layer_ids"] == ids
+    assert theirs["transformer_layer_config"]["num_hidden_layers"] == 1
