@@ -12,7 +12,7 @@ import click.testing
 import pytest
 
 from pipeline.errors import StageError
-from pipeline.options import opt, options, validate
+from pipeline.options import config_of, opt, options, validate
 
 
 @dataclass(frozen=True)
@@ -107,4 +107,37 @@ def test_construction_checks_ranges_click_does_not():
     result = click.testing.CliRunner().invoke(toy, ["s", "--out", "o", "--size", "0"])
     assert isinstance(result.exception, StageError)
     assert Toy(src=Path("s"), out=Path("o"), size=64, rate=None).size == 64  # the ends are allowed, None too
+
+
+def test_stage_commands_are_made_from_their_configs():
+    """prepare, weights, verify and train: one option per command-line field, named by it, and the command
+    knows its config (check-args builds it)."""
+    from pipeline.cli import COMMANDS, main
+    from pipeline.options import spec_of
+
+    for stage in ("prepare", "weights", "verify", "train"):
+        cmd = main.get_command(click.Context(main), stage)
+        cls = config_of(cmd)
+        assert cls is not None and stage in COMMANDS
+        wanted = [f.name for f in dataclasses.fields(cls) if spec_of(f).cli]
+        assert [p.name for p in cmd.params if p.name != "help"] == wanted, stage
+
+
+def test_stage_configs_refuse_bad_values_in_the_cli_words():
+    """The stages' checks run at construction: prepare's range, train's choices and counts, verify's rank."""
+    from pipeline.prepare import PrepareConfig
+    from pipeline.train import DTYPES, TrainConfig
+    from pipeline.verify import VerifyConfig
+
+    with pytest.raises(StageError, match=r"^--seq-length 1 is outside the allowed range"):
+        PrepareConfig(data=Path("d"), model=Path("m"), out=Path("o"), seq_length=1)
+    base = {"data": Path("d"), "verifier": Path("v"), "out": Path("o")}
+    with pytest.raises(StageError, match=r"^Invalid value for '--scheduler': 'x' is not one of"):
+        TrainConfig(**base, scheduler="x")
+    with pytest.raises(StageError, match=r"^--epochs 0 must be at least 1$"):
+        TrainConfig(**base, epochs=0)
+    save_dtype = next(f for f in dataclasses.fields(TrainConfig) if f.name == "save_dtype")
+    assert set(save_dtype.metadata["pipeline.options"].choices) == set(DTYPES)
+    with pytest.raises(StageError, match=r"^--rank 2 is outside the allowed range \(0\.\.1\)$"):
+        VerifyConfig(path=Path("p"), world_size=2, rank=2)
 
