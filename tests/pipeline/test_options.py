@@ -13,6 +13,7 @@ import pytest
 
 from pipeline.errors import StageError
 from pipeline.options import config_of, opt, options, validate
+from tests.conftest import run_pipeline
 
 
 @dataclass(frozen=True)
@@ -141,3 +142,13 @@ def test_stage_configs_refuse_bad_values_in_the_cli_words():
     with pytest.raises(StageError, match=r"^--rank 2 is outside the allowed range \(0\.\.1\)$"):
         VerifyConfig(path=Path("p"), world_size=2, rank=2)
 
+
+def test_check_args_builds_the_config():
+    """`pipeline check-args` refuses a value the config refuses, before any stage runs."""
+    words = ("check-args", "prepare", "--data", "d", "--model", "m", "--out", "o", "--seq-length")
+    proc = run_pipeline(*words, "1")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == ("FAIL arguments: pipeline prepare: --seq-length 1 is outside the allowed range "
+                                   "(2..1048576)")
+    proc = run_pipeline(*words, "2")
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
