@@ -45,9 +45,9 @@ class VerifyConfig:
     verifier: Path | None = opt(None, help="Dir with verifier.safetensors (alignment check).")
     model: Path | None = opt(None, help="Target model dir: recompute --recompute-samples files through it, "
                                         "compare with its own argmax.")
-    recompute_samples: int = opt(
-        recompute.DEFAULT_SAMPLES, low=0, click_range=True,
-        help="With --model: K random files whose states are computed again and compared layer by layer (0 = none).")
+    recompute_samples: int = opt(recompute.DEFAULT_SAMPLES, low=0, click_range=True,
+                                 help="With --model: K random files whose states are computed again and "
+                                      "compared layer by layer (0 = none).")
     # None: a fresh seed, reported in summary.json
     recompute_seed: int | None = opt(None, low=0, click_range=True,
                                      help="Seed choosing them (default: fresh, reported).")
@@ -57,15 +57,16 @@ class VerifyConfig:
         help="Largest relative error per layer (default 0.1 for bf16/fp16 states, 1e-3 for fp32).")
     trust_remote_code: bool = opt(False,
                                   help="With --model: allow the model's own Python code (e.g. Kimi-K2.5).")
-    alignment_samples: int = opt(4, low=1, high=1 << 20)  # files checked for alignment
-    min_agreement: float = opt(0.95, low=0.0, high=1.0)  # per-file argmax agreement needed
+    alignment_samples: int = opt(4, low=1, high=1 << 20, help="With --model: files checked for alignment.")
+    min_agreement: float = opt(0.95, low=0.0, high=1.0,
+                               help="With --model: the argmax agreement each of those files needs.")
     # 0 = default_workers(), bounded by memory (_readers)
     workers: int = opt(0, low=0, click_range=True,
-                       help="Parallel file readers (0 = 8, fewer with fewer cores, or when their buffers would "
-                            "take over a quarter of the free memory).")
+                       help="Parallel file readers (0 = 8, fewer with fewer cores, or when their buffers "
+                            "would take over a quarter of the free memory).")
     # hidden states written by several hosts: check only this host's shard
     world_size: int = opt(1, help="Check only one host's shard: i %% W == rank.", low=1, high=1 << 16)
-    rank: int = opt(0)  # 0..world_size-1, checked in __post_init__
+    rank: int = opt(0, help="This host's rank in --world-size.")  # 0..world_size-1, checked in __post_init__
     write_summary: bool = opt(True, cli=False)  # write PATH/summary.json
 
     def __post_init__(self) -> None:

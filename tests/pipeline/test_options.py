@@ -111,8 +111,8 @@ def test_construction_checks_ranges_click_does_not():
 
 
 def test_stage_commands_are_made_from_their_configs():
-    """prepare, weights, verify and train: one option per command-line field, named by it, and the command
-    knows its config (check-args builds it)."""
+    """prepare, weights, verify and train: one option per command-line field, named by it, each with its help
+    text, and the command knows its config (check-args builds it)."""
     from pipeline.cli import COMMANDS, main
     from pipeline.options import spec_of
 
@@ -122,6 +122,7 @@ def test_stage_commands_are_made_from_their_configs():
         assert cls is not None and stage in COMMANDS
         wanted = [f.name for f in dataclasses.fields(cls) if spec_of(f).cli]
         assert [p.name for p in cmd.params if p.name != "help"] == wanted, stage
+        assert [p.name for p in cmd.params if isinstance(p, click.Option) and not p.help] == [], stage
 
 
 def test_stage_configs_refuse_bad_values_in_the_cli_words():
