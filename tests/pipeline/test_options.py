@@ -153,3 +153,15 @@ def test_check_args_builds_the_config():
                                    "(2..1048576)")
     proc = run_pipeline(*words, "2")
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
+
+
+def test_the_option_module_imports_no_ml_stack():
+    """pipeline/options.py loads click and the standard library only: no torch, numpy or transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeline.options; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'transformers'}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
