@@ -43,8 +43,9 @@ import click
 import numpy as np
 
 from pipeline import formats, provenance, readers
-from pipeline.errors import StageError, require_range
+from pipeline.errors import StageError
 from pipeline.modeldir import read_model_dir
+from pipeline.options import opt, options, validate
 from pipeline.outdir import staged_dir
 from pipeline.vocab import build_vocab_mapping, token_frequencies
 
@@ -59,18 +60,25 @@ MAX_SEQ_LENGTH = 1 << 20  # longer than any model's context: a typo
 
 @dataclass(frozen=True)
 class PrepareConfig:
-    """Options of the prepare stage."""
+    """Options of the prepare stage (the command line is made from these fields: pipeline/options.py)."""
 
-    data: Path  # JSONL file of conversations
-    model: Path  # local model directory with tokenizer + chat template
-    out: Path  # output directory (must be empty unless overwrite)
-    seq_length: int = 2048  # samples keep at most seq_length - 1 tokens
-    draft_vocab_size: int | None = None  # write d2t.npy / t2d.npy for this draft vocab
-    overwrite: bool = False  # replace an existing output directory (token_freq.pt included)
-    max_samples: int | None = None  # stop after this many kept samples
-    skip_invalid: bool = False  # skip malformed rows (counted) instead of stopping at the first
-    mask_check_rows: int = 64  # if none of the first N rows yields an assistant token, stop
-    trust_remote_code: bool = False
+    data: Path = opt(help="Conversations, one JSON object per line.")
+    model: Path = opt(help="Target model dir (tokenizer + chat template + config.json).")
+    out: Path = opt(help="Output directory.")  # must be empty unless overwrite
+    seq_length: int = opt(2048, low=2, high=MAX_SEQ_LENGTH,
+                          help="Samples keep at most seq_length - 1 tokens.")
+    # checked against the target's vocab size in run(): it needs the model
+    draft_vocab_size: int | None = opt(None, help="Also write d2t.npy/t2d.npy for this draft vocab size.")
+    overwrite: bool = opt(False, help="Replace an existing output directory (token_freq.pt included).")
+    max_samples: int | None = opt(None, help="Keep at most this many samples.", low=1)
+    skip_invalid: bool = opt(False,
+                             help="Skip malformed rows (counted in metadata.json) instead of stopping.")
+    mask_check_rows: int = opt(64, cli=False,
+                               help="If none of the first N rows yields an assistant token, stop.")
+    trust_remote_code: bool = opt(False, help="Allow the tokenizer's own Python code (e.g. Kimi-K2.5).")
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 def normalize_row(row: object) -> list[dict]:
@@ -259,8 +267,6 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool):
 
 
 def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
-    require_range("--seq-length", cfg.seq_length, 2, MAX_SEQ_LENGTH)
-    require_range("--max-samples", cfg.max_samples, 1)
     model = read_model_dir(cfg.model)
     if cfg.draft_vocab_size is not None and not 0 < cfg.draft_vocab_size <= model.vocab_size:
         raise StageError(f"--draft-vocab-size {cfg.draft_vocab_size} must be between 1 and the target vocab size {model.vocab_size}")
@@ -316,15 +322,7 @@ def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
 
 
 @click.command("prepare")
-@click.option("--data", type=click.Path(path_type=Path), required=True, help="Conversations, one JSON object per line.")
-@click.option("--model", type=click.Path(path_type=Path), required=True, help="Target model dir (tokenizer + chat template + config.json).")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output directory.")
-@click.option("--seq-length", type=int, default=2048, show_default=True, help="Samples keep at most seq_length - 1 tokens.")
-@click.option("--draft-vocab-size", type=int, default=None, help="Also write d2t.npy/t2d.npy for this draft vocab size.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory (token_freq.pt included).")
-@click.option("--max-samples", type=int, default=None, help="Keep at most this many samples.")
-@click.option("--skip-invalid", is_flag=True, help="Skip malformed rows (counted in metadata.json) instead of stopping.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer's own Python code (e.g. Kimi-K2.5).")
+@options(PrepareConfig)
 def command(**kwargs) -> None:
     """Tokenize conversations with the target's chat template; loss mask on assistant tokens only."""
     meta = run(PrepareConfig(**kwargs))

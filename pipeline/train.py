@@ -49,6 +49,7 @@ from pipeline.atomic import write_json
 from pipeline.draft import TargetFacts, read_target_facts
 from pipeline.errors import StageError
 from pipeline.layers import NUM_CAPTURED, to_vllm_aux_ids, validate_layer_ids
+from pipeline.options import opt, validate
 from pipeline.outdir import output_lock, refuse_overlap
 from pipeline.train_data import seed_everything
 from pipeline.train_files import (CHECKPOINTS, DRAFT, EVAL, METRICS, SUMMARY, TRAIN_CONFIG, VERIFIER_VIEW,  # noqa: F401
@@ -62,41 +63,61 @@ LOSS = "kl_div"  # speculators 0.9's default loss for EAGLE-3: KL(target || draf
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Options of the train stage; flags only override these defaults."""
+    """Options of the train stage; flags only override these defaults (the command line is made from these
+    fields: pipeline/options.py)."""
 
-    data: Path  # hidden-states dir written by `pipeline extract`
-    verifier: Path  # dir written by `pipeline weights` (verifier.safetensors + verifier.json)
-    out: Path  # output dir (layout in the module docstring)
-    prepared: Path | None = None  # dir with d2t.npy / t2d.npy / token_freq.pt; default: data_config's `prepared`
-    model: Path | None = None  # target model dir (config.json only); default: verifier.json `source`, then data_config `model`
-    epochs: int = 3  # total epochs of the run (a resumed run counts the epochs already done)
-    lr: float = 1e-4  # AdamW learning rate
-    ttt_steps: int = 3  # training-time-test steps (draft tokens unrolled per position)
-    ttt_step_loss_decay: float = 1.0  # loss weight of TTT step j is decay**j
-    num_layers: int = 1  # draft decoder layers
-    intermediate_size: int | None = None  # draft MLP width; default: the target's intermediate_size
-    norm_before_residual: bool = False  # speculators' Eagle3 option
-    max_len: int = 2048  # tokens per packed batch (samples are packed up to this length)
-    eval_fraction: float = 0.1  # share of samples held out for validation and acceptance
-    eval_k: int | None = None  # draft tokens proposed per position in the acceptance measurement; default ttt_steps
-    eval_max_samples: int = 64  # held-out samples used for the acceptance measurement
-    seed: int = 0  # seeds python, numpy, torch, the split and the sampler
-    resume: bool = False  # continue from the last complete epoch in OUT/checkpoints
-    overwrite: bool = False  # replace an existing output dir
-    stop_after_epochs: int | None = None  # train at most this many epochs in this invocation (resume later)
-    scheduler: str = "linear"  # linear | cosine | none
-    warmup_steps: int | None = None  # default: 1% of all steps (speculators' default)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (torchrun: the local rank's GPU)
-    attention: str = "auto"  # auto | flex | dense (see pipeline/draft.py)
-    num_workers: int | None = None  # data loader workers; default 0 on the CPU, 4 on a GPU
-    save_dtype: str = "bfloat16"  # dtype of the exported draft/ weights
-    draft_vocab_size: int | None = None  # if given, must equal len(d2t)
-    trust_remote_code: bool = False  # read the target's config.json through its own code (e.g. Kimi-K2.5)
-    evaluate: bool = True  # measure acceptance and draw plots after training
-    online_eval: bool = False  # also serve the draft in vLLM (EAGLE-3 speculative decoding) and read its acceptance
-    online_prompts: int = 16  # held-out prompts generated from in the online measurement
-    online_max_tokens: int = 32  # greedy tokens per prompt in the online measurement
-    plots: bool = True
+    data: Path = opt(help="Hidden-states dir (pipeline extract).")
+    # verifier.safetensors + verifier.json
+    verifier: Path = opt(help="Verifier weights dir (pipeline weights).")
+    # layout: the module docstring
+    out: Path = opt(help="Output dir: checkpoints/, draft/, summary.json, plots.")
+    prepared: Path | None = opt(
+        None, help="Dir with d2t.npy/t2d.npy/token_freq.pt [default: from data_config.json].")
+    # then data_config's `model`
+    model: Path | None = opt(None, help="Target model dir, config.json only [default: verifier.json source].")
+    epochs: int = opt(3, help="Total epochs of the run (a resumed run counts the epochs already done).")
+    lr: float = opt(1e-4, help="AdamW learning rate.")
+    # draft tokens unrolled per position
+    ttt_steps: int = opt(3, help="Training-time-test steps.")
+    ttt_step_loss_decay: float = opt(1.0, help="The loss of TTT step j weighs decay**j.")
+    num_layers: int = opt(1, help="Draft decoder layers.")
+    intermediate_size: int | None = opt(None, help="Draft MLP width [default: the target's].")
+    norm_before_residual: bool = opt(False, decls="--norm-before-residual/--no-norm-before-residual",
+                                     help="speculators' Eagle3 option of that name.")
+    max_len: int = opt(2048, help="Tokens per packed batch.")  # samples are packed up to this length
+    eval_fraction: float = opt(0.1, help="Share of samples held out.")  # for validation and acceptance
+    eval_k: int | None = opt(None, help="Draft tokens per position when measuring [default: --ttt-steps].")
+    eval_max_samples: int = opt(64, help="Held-out samples the acceptance is measured on.")
+    seed: int = opt(0, help="Seeds python, numpy, torch, the split and the sampler.")
+    resume: bool = opt(False, help="Continue from the last complete epoch in OUT/checkpoints.")
+    overwrite: bool = opt(False, help="Replace an existing output dir.")
+    stop_after_epochs: int | None = opt(None,
+                                        help="Train at most N epochs now; continue later with --resume.")
+    scheduler: str = opt("linear", choices=("linear", "cosine", "none"), help="Learning-rate schedule.")
+    warmup_steps: int | None = opt(None, help="Scheduler warmup steps [default: 1% of all steps].")
+    device: str = opt("auto", help="auto | cpu | cuda | cuda:N")  # torchrun: the local rank's GPU
+    # see pipeline/draft.py
+    attention: str = opt("auto", choices=("auto", "flex", "dense"),
+                         help="Draft attention: flex (GPUs) or dense (any device); auto: flex on a GPU.")
+    num_workers: int | None = opt(None, help="Data loader workers [default: 0 on CPU, 4 on GPU].")
+    save_dtype: str = opt("bfloat16", choices=("bfloat16", "float16", "float32"),
+                          help="Dtype of the exported draft/ weights.")
+    draft_vocab_size: int | None = opt(None, help="Expected draft vocab size (checked against d2t).")
+    trust_remote_code: bool = opt(False, help="Read the target's config.json through its own Python code "
+                                              "(e.g. Kimi-K2.5), not as plain JSON.")
+    online_eval: bool = opt(False, help="Also serve the draft with vLLM (EAGLE-3 speculative decoding) on "
+                                        "held-out prompts and report vLLM's acceptance.")
+    online_prompts: int = opt(16, help="With --online-eval: held-out prompts to generate from.")
+    online_max_tokens: int = opt(32, help="With --online-eval: greedy tokens per prompt.")
+    evaluate: bool = opt(True, decls="--no-eval", help="Skip the acceptance measurement.")  # and the plots
+    plots: bool = opt(True, decls="--no-plots", help="Skip the PNG plots.")
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.ttt_steps < 1:
+            raise StageError(f"--ttt-steps {self.ttt_steps} must be at least 1")
+        if self.epochs < 1:
+            raise StageError(f"--epochs {self.epochs} must be at least 1")
 
 
 @dataclass
@@ -232,15 +253,6 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
     for path in {files[0], files[-1]}:
         _check_sample(path, dc, target.vocab_size)
 
-    ttt = int(cfg.ttt_steps)
-    if ttt < 1:
-        raise StageError(f"--ttt-steps {ttt} must be at least 1")
-    if cfg.epochs < 1:
-        raise StageError(f"--epochs {cfg.epochs} must be at least 1")
-    if cfg.scheduler not in ("linear", "cosine", "none"):
-        raise StageError(f"unknown --scheduler {cfg.scheduler!r}: choose linear, cosine or none")
-    if cfg.save_dtype not in DTYPES:
-        raise StageError(f"unknown --save-dtype {cfg.save_dtype!r}: choose {', '.join(DTYPES)}")
     train_idx, eval_idx = split_indices(len(files), cfg.eval_fraction, cfg.seed)
     lengths = formats.read_sample_lengths(data)
     train_tokens = sum(min(lengths.get(i, 0), cfg.max_len + 1) - 1 for i in train_idx) if lengths else 0
@@ -397,8 +409,8 @@ def _trainer_class():
             raw = model.module if isinstance(model, DistributedDataParallel) else model
             state = torch.load(self.optimizer_path(self.previous_epoch), weights_only=True, map_location=self.device)
             states = state if isinstance(state, list) else [state]
-            for opt, st in zip(optimizer if isinstance(optimizer, list) else [optimizer], states, strict=True):
-                opt.load_state_dict(convert_float_dtype(st, float_dtype or raw.dtype))
+            for optim, st in zip(optimizer if isinstance(optimizer, list) else [optimizer], states, strict=True):
+                optim.load_state_dict(convert_float_dtype(st, float_dtype or raw.dtype))
 
     class PipelineTrainer(Trainer):
         """speculators' Trainer plus: any device, fp32 atomic checkpoints, stop-after, timing."""

@@ -27,6 +27,7 @@ from contract.shards import shard
 from pipeline import formats, layer_profile, readers, recompute
 from pipeline.checks import CheckResult, Summary, check, fail, ok, render, warn
 from pipeline.errors import CheckFailed, StageError, require_range
+from pipeline.options import opt, options, validate
 from pipeline.sample_buffer import NotFastPath, SampleBuffer
 from pipeline.vocab import token_frequencies, vocab_mapping_problems
 
@@ -36,22 +37,41 @@ KINDS = ("prepared", "hidden_states", "verifier", "checkpoint")
 
 @dataclass(frozen=True)
 class VerifyConfig:
-    """Options of the verify stage."""
+    """Options of the verify stage (the command line is made from these fields: pipeline/options.py)."""
 
-    path: Path  # any stage's output directory
-    prepared: Path | None = None  # hidden states: compare input_ids with these rows (default: from data_config)
-    verifier: Path | None = None  # hidden states: verifier.safetensors dir for the alignment check
-    model: Path | None = None  # hidden states: target model for its own next-token argmax
-    alignment_samples: int = 4  # files checked for alignment
-    min_agreement: float = 0.95  # per-file argmax agreement needed
-    workers: int = 0  # parallel file readers; 0 = default_workers(), bounded by memory (_readers)
-    write_summary: bool = True
-    world_size: int = 1  # hidden states written by several hosts: check only this host's shard
-    rank: int = 0
-    recompute_samples: int = recompute.DEFAULT_SAMPLES  # with model: files recomputed and compared (0 = none)
-    recompute_seed: int | None = None  # None: a fresh seed, reported in summary.json
-    recompute_tolerance: float | None = None  # None: by the stored dtype (recompute.TOLERANCE)
-    trust_remote_code: bool = False  # with model: let transformers run the model's own code
+    path: Path = opt(argument=True)  # any stage's output directory
+    # hidden states: compare input_ids with these rows (default: from data_config)
+    prepared: Path | None = opt(None, help="Prepared dir to compare input_ids with.")
+    verifier: Path | None = opt(None, help="Dir with verifier.safetensors (alignment check).")
+    model: Path | None = opt(None, help="Target model dir: recompute --recompute-samples files through it, "
+                                        "compare with its own argmax.")
+    recompute_samples: int = opt(recompute.DEFAULT_SAMPLES, low=0, click_range=True,
+                                 help="With --model: K random files whose states are computed again and "
+                                      "compared layer by layer (0 = none).")
+    # None: a fresh seed, reported in summary.json
+    recompute_seed: int | None = opt(None, low=0, click_range=True,
+                                     help="Seed choosing them (default: fresh, reported).")
+    # None: by the stored dtype (recompute.TOLERANCE)
+    recompute_tolerance: float | None = opt(
+        None, low=0, low_open=True, click_range=True,
+        help="Largest relative error per layer (default 0.1 for bf16/fp16 states, 1e-3 for fp32).")
+    trust_remote_code: bool = opt(False,
+                                  help="With --model: allow the model's own Python code (e.g. Kimi-K2.5).")
+    alignment_samples: int = opt(4, low=1, high=1 << 20, help="With --model: files checked for alignment.")
+    min_agreement: float = opt(0.95, low=0.0, high=1.0,
+                               help="With --model: the argmax agreement each of those files needs.")
+    # 0 = default_workers(), bounded by memory (_readers)
+    workers: int = opt(0, low=0, click_range=True,
+                       help="Parallel file readers (0 = 8, fewer with fewer cores, or when their buffers "
+                            "would take over a quarter of the free memory).")
+    # hidden states written by several hosts: check only this host's shard
+    world_size: int = opt(1, help="Check only one host's shard: i %% W == rank.", low=1, high=1 << 16)
+    rank: int = opt(0, help="This host's rank in --world-size.")  # 0..world_size-1, checked in __post_init__
+    write_summary: bool = opt(True, cli=False)  # write PATH/summary.json
+
+    def __post_init__(self) -> None:
+        validate(self)
+        require_range("--rank", self.rank, 0, self.world_size - 1)
 
 
 def detect_kind(path: Path) -> str:
@@ -652,10 +672,6 @@ def verify(cfg: VerifyConfig) -> Summary:
 
 def report(cfg: VerifyConfig) -> Summary:
     """Verify, print the table, raise CheckFailed (one line) if any check failed."""
-    require_range("--alignment-samples", cfg.alignment_samples, 1, 1 << 20)
-    require_range("--min-agreement", cfg.min_agreement, 0.0, 1.0)
-    require_range("--world-size", cfg.world_size, 1, 1 << 16)
-    require_range("--rank", cfg.rank, 0, cfg.world_size - 1)
     summary = verify(cfg)
     render(summary)
     if not summary.ok:
@@ -664,23 +680,7 @@ def report(cfg: VerifyConfig) -> Summary:
 
 
 @click.command("verify")
-@click.argument("path", type=click.Path(path_type=Path))
-@click.option("--prepared", type=click.Path(path_type=Path), default=None, help="Prepared dir to compare input_ids with.")
-@click.option("--verifier", type=click.Path(path_type=Path), default=None, help="Dir with verifier.safetensors (alignment check).")
-@click.option("--model", type=click.Path(path_type=Path), default=None,
-              help="Target model dir: recompute --recompute-samples files through it, compare with its own argmax.")
-@click.option("--recompute-samples", type=click.IntRange(min=0), default=recompute.DEFAULT_SAMPLES, show_default=True,
-              help="With --model: K random files whose states are computed again and compared layer by layer (0 = none).")
-@click.option("--recompute-seed", type=click.IntRange(min=0), default=None, help="Seed choosing them (default: fresh, reported).")
-@click.option("--recompute-tolerance", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Largest relative error per layer (default 0.1 for bf16/fp16 states, 1e-3 for fp32).")
-@click.option("--trust-remote-code", is_flag=True, help="With --model: allow the model's own Python code (e.g. Kimi-K2.5).")
-@click.option("--alignment-samples", type=int, default=4, show_default=True)
-@click.option("--min-agreement", type=float, default=0.95, show_default=True)
-@click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Parallel file readers (0 = 8, fewer with fewer cores, or when their buffers would take over a quarter of the free memory).")
-@click.option("--world-size", type=int, default=1, show_default=True, help="Check only one host's shard: i %% W == rank.")
-@click.option("--rank", type=int, default=0, show_default=True)
-def command(path: Path, **kwargs) -> None:
+@options(VerifyConfig)
+def command(**kwargs) -> None:
     """Check any stage's output; write PATH/summary.json; exit non-zero on a failed check."""
-    report(VerifyConfig(path=path, **kwargs))
+    report(VerifyConfig(**kwargs))

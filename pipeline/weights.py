@@ -8,6 +8,7 @@ resolves for plain causal LMs, wrappers (``language_model.`` prefixes) and tied 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -15,12 +16,22 @@ import click
 from pipeline.atomic import write_json
 from pipeline.errors import StageError
 from pipeline.modeldir import check_checkpoint, read_model_dir, resolve_names
+from pipeline.options import opt, options
 from pipeline.outdir import refuse_overlap, staged_dir
 from pipeline.readers import read_safetensors, read_shard_tensors, read_weight_map
 
 VERIFIER_FILE = "verifier.safetensors"
 VERIFIER_META = "verifier.json"
 KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """Options of the weights stage (the command line is made from these fields: pipeline/options.py)."""
+
+    model: Path = opt(help="Target model dir (safetensors + index).")
+    out: Path = opt(help="Directory for verifier.safetensors + verifier.json.")
+    overwrite: bool = opt(False, help="Replace an existing output directory.")
 
 
 def weight_map(model_dir: Path) -> dict[str, str]:
@@ -72,11 +83,10 @@ def load_verifier(directory: Path) -> dict:
 
 
 @click.command("weights")
-@click.option("--model", type=click.Path(path_type=Path), required=True, help="Target model dir (safetensors + index).")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory for verifier.safetensors + verifier.json.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
-def command(model: Path, out: Path, overwrite: bool) -> None:
+@options(WeightsConfig)
+def command(**kwargs) -> None:
     """Extract the verifier's embed_tokens, final norm and lm_head without loading the model."""
-    meta = run(model, out, overwrite)
+    cfg = WeightsConfig(**kwargs)
+    meta = run(cfg.model, cfg.out, cfg.overwrite)
     names = ", ".join(f"{k} <- {v}" for k, v in meta["names"].items())
-    click.echo(f"wrote {out / VERIFIER_FILE} ({names}; tied={meta['tied_word_embeddings']})")
+    click.echo(f"wrote {cfg.out / VERIFIER_FILE} ({names}; tied={meta['tied_word_embeddings']})")
