@@ -62,11 +62,43 @@ def epoch_seconds(lines: list[tuple[float, str]]) -> float | None:
     return total if done and not started else None
 
 
+PROFILE_FIELD = re.compile(r"profile/(tokens_per_s|step_ms)=([0-9.e+-]+)")
+
+
+def steady_rate(steps: list[tuple[float, float]]) -> float | None:
+    """Tokens per second over the logged steps after the first (which carries the compile and the first fetch):
+    ``steps`` is each logged step's (tokens/s, step ms) from speculators' step timer, which both tools run."""
+    later = steps[1:]
+    seconds = sum(ms for _, ms in later) / 1000
+    return round(sum(tps * ms / 1000 for tps, ms in later) / seconds, 1) if later and seconds > 0 else None
+
+
+def profiles_from_log(lines: list[tuple[float, str]]) -> list[tuple[float, float]]:
+    """(tokens/s, step ms) of each step `speculators train` logged (its console lines, in order)."""
+    values: dict[str, float] = {}
+    steps = []
+    for _, line in lines:
+        for key, value in PROFILE_FIELD.findall(line):
+            values[key] = float(value)
+            if len(values) == 2:
+                steps.append((values.pop("tokens_per_s"), values.pop("step_ms")))
+    return steps
+
+
+def profiles_from_metrics(out: Path) -> list[tuple[float, float]]:
+    """(tokens/s, step ms) of each step our train wrote to metrics.jsonl."""
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    return [(r["profile"]["tokens_per_s"], r["profile"]["step_ms"]) for r in rows if isinstance(r.get("profile"), dict)]
+
+
 def speculators_train_tokens(dataset: Path, train_ratio: float = 0.9) -> int:
     """Tokens in the split `speculators train` trains on: its ArrowDataset's first ``int(N x ratio)`` rows."""
     from datasets import load_from_disk
 
-    lengths = load_from_disk(str(dataset))["seq_len"]
+    # plain Python rows: the torch formatter imports torchvision when it is installed, and some builds lack
+    # what it imports (seen on the H200's image: torchvision.io.VideoReader)
+    lengths = load_from_disk(str(dataset)).with_format(None)["seq_len"]
     return int(sum(lengths[: int(len(lengths) * train_ratio)]))
 
 
@@ -128,8 +160,9 @@ def commands(work: Path, tool: str, epochs: int, opts: dict, record: dict, devic
              *opts["speculators_extra"]], save)
 
 
-def run_one(work: Path, tool: str, epochs: int, opts: dict, record: dict, device: str, env: dict) -> dict:
-    """One training process with its GPU figures; raises SystemExit with its last lines when it fails."""
+def run_one(work: Path, tool: str, epochs: int, opts: dict, record: dict, device: str, env: dict, tag: str = "") -> dict:
+    """One training process with its GPU figures (its exit code and last lines when it fails); its output goes
+    to ``cmp-TOOL-EPOCHS[TAG].log`` in ``work``."""
     argv, out = commands(work, tool, epochs, opts, record, device)
     shutil.rmtree(out, ignore_errors=True)
     if tool == "speculators":
@@ -137,19 +170,22 @@ def run_one(work: Path, tool: str, epochs: int, opts: dict, record: dict, device
     click.echo(f"\n$ {shlex.join(argv)}", err=True)
     with GpuSampler() as gpu:
         wall, rc, lines = timed_lines(argv, {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
-                                      work / f"cmp-{tool}-{epochs}.log")
+                                      work / f"cmp-{tool}-{epochs}{tag}.log")
     figures = {"command": shlex.join(argv), "exit_code": rc, "wall_seconds": round(wall, 1), **gpu.figures()}
     if rc != 0:
         figures["error_tail"] = [line for _, line in lines[-12:]]
         return figures
-    if tool == "ours":
-        train = json.loads((out / "summary.json").read_text())["train"]
-        figures.update(epoch_seconds=train["train_seconds"], tokens_per_epoch=train["train_tokens_per_epoch"],
-                       **last_val_ours(out))
-    else:
-        figures.update(epoch_seconds=epoch_seconds(lines), tokens_per_epoch=speculators_train_tokens(work / "speculators"),
-                       **last_val_speculators(out))
-    if figures["epoch_seconds"]:
+    try:  # a figure that cannot be read is reported as such; the run's other figures stay
+        if tool == "ours":
+            train = json.loads((out / "summary.json").read_text())["train"]
+            figures.update(epoch_seconds=train["train_seconds"], tokens_per_epoch=train["train_tokens_per_epoch"],
+                           steady_tokens_per_s=steady_rate(profiles_from_metrics(out)), **last_val_ours(out))
+        else:
+            figures.update(epoch_seconds=epoch_seconds(lines), tokens_per_epoch=speculators_train_tokens(work / "speculators"),
+                           steady_tokens_per_s=steady_rate(profiles_from_log(lines)), **last_val_speculators(out))
+    except Exception as exc:  # noqa: BLE001 - e.g. a library of the host that the reader trips on
+        figures.update(epoch_seconds=None, figures_error=f"{type(exc).__name__}: {exc}"[:300])
+    if figures.get("epoch_seconds"):
         figures["tokens_per_s"] = round(figures["tokens_per_epoch"] * epochs / figures["epoch_seconds"], 1)
     return figures
 
@@ -214,11 +250,14 @@ def main(workdir: Path, build: str | None, conversations: int | None, epochs_sho
     runs: dict[str, dict[int, dict]] = {tool: {} for tool in TOOLS}
     for epochs in (epochs_short, epochs_long):
         for tool in TOOLS:
-            fig = run_one(workdir, tool, epochs, opts, record, device, spec_env if tool == "speculators" else env)
-            if tool == "speculators" and fig["exit_code"] != 0 and "--loss-implementation" not in opts["speculators_extra"]:
+            default_loss = tool == "speculators" and "--loss-implementation" not in opts["speculators_extra"]
+            fig = run_one(workdir, tool, epochs, opts, record, device, spec_env if tool == "speculators" else env,
+                          tag="-default-loss" if default_loss else "")
+            if default_loss and fig["exit_code"] != 0:
                 # its default fused loss failed on the H200 before (pipeline/train.py loss_implementation): keep
                 # the failure in the report, then compare with the eager loss ours uses
                 report.data["speculators_default_failed"] = fig
+                report.write()
                 opts["speculators_extra"] = (*opts["speculators_extra"], "--loss-implementation", "eager")
                 fig = run_one(workdir, tool, epochs, opts, record, device, spec_env)
             runs[tool][epochs] = fig
@@ -229,17 +268,19 @@ def main(workdir: Path, build: str | None, conversations: int | None, epochs_sho
                                                                              runs[tool][epochs_long], (epochs_short, epochs_long))
     report.write()
 
-    click.echo("\n| tool | epochs | whole process s | epochs s | tokens/s (epochs) | GPU util % | peak GPU GiB | last val loss [step accuracies] |")
-    click.echo("|---|---:|---:|---:|---:|---:|---:|---:|")
+    click.echo("\n| tool | epochs | whole process s | epochs s | tokens/s (epochs) | tokens/s (steps after the first) "
+               "| GPU util % | peak GPU GiB | last val loss [step accuracies] |")
+    click.echo("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for epochs in (epochs_short, epochs_long):
         for tool in TOOLS:
             f = runs[tool][epochs]
             if f["exit_code"] != 0:
-                click.echo(f"| {tool} | {epochs} | failed (exit {f['exit_code']}) | | | | | |")
+                click.echo(f"| {tool} | {epochs} | failed (exit {f['exit_code']}) | | | | | | |")
                 continue
-            click.echo(f"| {tool} | {epochs} | {f['wall_seconds']:.1f} | {f['epoch_seconds']:.1f} | {f.get('tokens_per_s', 0):,.0f} | "
+            click.echo(f"| {tool} | {epochs} | {f['wall_seconds']:.1f} | {f['epoch_seconds'] or 0:.1f} | {f.get('tokens_per_s', 0):,.0f} | "
+                       f"{f.get('steady_tokens_per_s') or 0:,.0f} | "
                        f"{f.get('gpu_util_mean_pct', '-')} | {f.get('gpu_mem_peak_gib', '-')} | "
-                       f"{f['val_loss']} {f.get('val_full_acc', '')} |")
+                       f"{f.get('val_loss')} {f.get('val_full_acc', '')} |")
     m = report.data["marginal_tokens_per_s"]
     ratio = (m["ours"] / m["speculators"]) if m["ours"] and m["speculators"] else None
     click.echo(f"\nmarginal tokens/s ({epochs_long - epochs_short} epochs): ours {m['ours']}, speculators {m['speculators']}"

@@ -1,7 +1,10 @@
 # The train stage: benchmark and its tests. `make test` runs tests/train (vLLM-marked ones via test-vllm).
-.PHONY: bench-train test-train
+.PHONY: bench-train bench-train-compare test-train
 bench-train: env ## draft training: tokens/s + offline acceptance vs baselines (tiny, CPU); BENCH_ARGS="--preset llama-1b" on a GPU
 	$(PY) bench/train_bench.py --preset tiny --json runs/bench-train.json $(BENCH_ARGS)
+
+bench-train-compare: env ## pipeline train vs speculators' own `speculators train` on one set, same GPU (tiny set on the CPU here; see docs/benchmarks.md for the H200 runs)
+	$(PY) -m bench.train_compare --workdir runs/bench-train-compare --build tiny --conversations 40 --epochs-short 1 --epochs-long 2 --max-len 1024 --lr 1e-3 --json runs/bench-train-compare.json $(if $(shell $(PY) -c "import torch; print(torch.cuda.is_available() or '')"),,--speculators-env PYTHONPATH=tests/train/speculators_cpu --speculators-arg=--draft-attn-impl --speculators-arg=sdpa --speculators-arg=--hidden-states-dtype --speculators-arg=float32 --speculators-arg=--num-workers --speculators-arg=0) $(BENCH_ARGS)
 
 test-train: env ## the train stage's tests in the light environment
 	$(PY) -m pytest tests/train -m "not vllm" $(PYTEST_ARGS)

@@ -105,3 +105,25 @@ def test_speculators_cli_builds_the_same_draft_as_ours_from_the_bench_command(on
     ids = [int(x) for x in args[args.index("--target-layer-ids") + 1:][:3]]
     assert theirs["draft_vocab_size"] == 64 and theirs["eagle_aux_hidden_state_layer_ids"] == ids
     assert theirs["transformer_layer_config"]["num_hidden_layers"] == 1
+
+
+def test_step_profiles_parse_speculators_console_lines_and_skip_the_first_step():
+    """The two profile fields are read wherever rich wrapped them; the first step (compile) is left out."""
+    lines = [(93.1, "INFO train/loss=2.688, profile/fetch_ms=2.11e+04,"),
+             (93.1, "     profile/opt_ms=54.571, profile/step_ms=6.47e+04, profile/tokens_per_s=31.436, profile/x=1"),
+             (93.3, "     profile/step_ms=50.0, profile/tokens_per_s=4.0e+04,"),
+             (93.4, "     profile/tokens_per_s=2.0e+04, profile/fetch_frac=0.3,"), (93.4, "  profile/step_ms=150.0")]
+    steps = train_compare.profiles_from_log(lines)
+    assert steps == [(31.436, 64700.0), (40000.0, 50.0), (20000.0, 150.0)]
+    assert train_compare.steady_rate(steps) == pytest.approx((40000 * 0.05 + 20000 * 0.15) / 0.2)
+    assert train_compare.steady_rate(steps[:1]) is None
+
+
+def test_our_step_profiles_come_from_metrics_jsonl(tmp_path):
+    """metrics.jsonl rows with a profile give (tokens/s, step ms); val rows have none."""
+    rows = [{"step": 0, "train": {}, "profile": {"tokens_per_s": 10.0, "step_ms": 9000.0}},
+            {"step": 1, "train": {}, "profile": {"tokens_per_s": 1000.0, "step_ms": 20.0}},
+            {"step": 2, "val": {"loss_epoch": 1.5, "full_acc_0_epoch": 0.5}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert train_compare.profiles_from_metrics(tmp_path) == [(10.0, 9000.0), (1000.0, 20.0)]
+    assert train_compare.last_val_ours(tmp_path) == {"val_loss": 1.5, "val_full_acc": [0.5]}
