@@ -136,11 +136,13 @@ class WarmPipeline:
             raise RuntimeError(f"the warm pipeline server exited ({self._proc.wait()})")
         return json.loads(line)
 
-    def run(self, *args, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+    def run(self, *args, check: bool = False, timeout: float = 600, env: dict | None = None
+            ) -> subprocess.CompletedProcess:
+        """ARGS as one `python -m pipeline` command from the repository root; ENV is added to its environment."""
         argv = [str(a) for a in args]
         self._n += 1
         out, err = (Path(self._tmp.name) / f"{self._n}.{s}" for s in ("out", "err"))
-        env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
         self._proc.stdin.write(json.dumps({"argv": argv, "cwd": str(REPO), "env": env, "stdout": str(out),
                                            "stderr": str(err)}) + "\n")
         self._proc.stdin.flush()
