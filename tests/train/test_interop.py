@@ -40,9 +40,9 @@ def ours(tmp_path_factory, tiny_llama, conversations) -> Path:
 
 
 @pytest.fixture(scope="module")
-def exported(ours) -> Path:
+def exported(ours, warm_pipeline) -> Path:
     out = ours / "speculators"
-    proc = run_pipeline("export-speculators", "--prepared", ours / "prepared", "--data", ours / "hidden_states",
+    proc = warm_pipeline("export-speculators", "--prepared", ours / "prepared", "--data", ours / "hidden_states",
                         "--out", out)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "", proc.stderr  # no progress bars on a stage's stderr
@@ -126,17 +126,17 @@ def _assert_same_sets(a: Path, b: Path, *, same_metadata: bool = True) -> None:
     assert formats.read_sample_lengths(a / "hidden_states") == formats.read_sample_lengths(b / "hidden_states")
 
 
-def test_round_trip_ours_speculators_ours_is_identical(ours, exported, tmp_path):
+def test_round_trip_ours_speculators_ours_is_identical(ours, exported, tmp_path, warm_pipeline):
     """import-speculators of our export gives back the same arrays, tensors (dtype and bits), vocab
     mapping, token counts and records; `pipeline verify` passes on the result."""
     back = tmp_path / "back"
-    proc = run_pipeline("import-speculators", "--data", exported, "--out", back)
+    proc = warm_pipeline("import-speculators", "--data", exported, "--out", back)
     assert proc.returncode == 0, proc.stderr
     _assert_same_sets(ours, back)
     dc_a, dc_b = formats.read_data_config(ours / "hidden_states"), formats.read_data_config(back / "hidden_states")
     assert {**asdict(dc_a), "prepared": ""} == {**asdict(dc_b), "prepared": ""}
     assert Path(dc_b.prepared) == (back / "prepared").resolve()
-    verify = run_pipeline("verify", back / "hidden_states")
+    verify = warm_pipeline("verify", back / "hidden_states")
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr
 
 
