@@ -30,6 +30,16 @@ def run_pipeline(*args: str, check: bool = False, timeout: float = 600, **kwargs
 
 
 @pytest.fixture(scope="session")
+def warm_pipeline():
+    """`run_pipeline` without the ~4 s import per command (tests/warm_cli.py): for tests of many refusals."""
+    from tests.warm_cli import WarmPipeline
+
+    warm = WarmPipeline(PYTHON)
+    yield warm.run
+    warm.close()
+
+
+@pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> Path:
     """A tiny random Llama and synthetic conversations (assets/model, assets/conversations.jsonl)."""
     from pipeline.tiny import build_tiny_model, write_conversations

@@ -58,15 +58,13 @@ def servers(tmp_path_factory, engines):
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    """A tiny real model and its prepared samples (pipeline demo-assets + prepare)."""
+def assets(tmp_path_factory, warm_pipeline):
+    """A tiny real model and its prepared samples (pipeline demo-assets + prepare, warm: tests/warm_cli.py)."""
     root = tmp_path_factory.mktemp("assets")
-    py = [sys.executable, "-m", "pipeline"]
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    subprocess.run([*py, "demo-assets", "--out", str(root), "--conversations", str(SAMPLES)], check=True,
-                   capture_output=True, cwd=REPO, env=env)
-    subprocess.run([*py, "prepare", "--data", str(root / "conversations.jsonl"), "--model", str(root / "model"),
-                    "--out", str(root / "prepared")], check=True, capture_output=True, cwd=REPO, env=env)
+    env = {"PYTHONDONTWRITEBYTECODE": "1"}
+    warm_pipeline("demo-assets", "--out", root, "--conversations", SAMPLES, check=True, env=env)
+    warm_pipeline("prepare", "--data", root / "conversations.jsonl", "--model", root / "model", "--out",
+                  root / "prepared", check=True, env=env)
     return root
 
 

@@ -34,19 +34,17 @@ def image(dk):
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    """A tiny real model and prepared samples (pipeline demo-assets + prepare), under a hostile path."""
+def assets(tmp_path_factory, warm_pipeline):
+    """A tiny real model and prepared samples (pipeline demo-assets + prepare, warm: tests/warm_cli.py),
+    under a hostile path."""
     root = tmp_path_factory.mktemp("assets")
     data = root / WEIRD
     data.mkdir()
     (data / "cache").mkdir()
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    py = [sys.executable, "-m", "pipeline"]
-    subprocess.run([*py, "demo-assets", "--out", str(root / "assets"), "--conversations", "6"], check=True,
-                   capture_output=True, cwd=REPO, env=env)
-    subprocess.run([*py, "prepare", "--data", str(root / "assets" / "conversations.jsonl"), "--model",
-                    str(root / "assets" / "model"), "--out", str(data / "prepared")], check=True,
-                   capture_output=True, cwd=REPO, env=env)
+    env = {"PYTHONDONTWRITEBYTECODE": "1"}
+    warm_pipeline("demo-assets", "--out", root / "assets", "--conversations", 6, check=True, env=env)
+    warm_pipeline("prepare", "--data", root / "assets" / "conversations.jsonl", "--model", root / "assets" / "model",
+                  "--out", data / "prepared", check=True, env=env)
     return data, root / "assets" / "model"
 
 

@@ -222,13 +222,12 @@ def test_dry_run_and_errors_show_names_never_values(tmp_path, dk, image, sshd):
         assert value not in res.stdout + res.stderr + bad.stdout + bad.stderr
 
 
-def test_real_stage_completes_as_the_data_owner_with_least_privilege(tmp_path, dk, image, sshd):
+def test_real_stage_completes_as_the_data_owner_with_least_privilege(tmp_path, dk, image, sshd, warm_pipeline):
     """The real `pipeline prepare` runs in the hardened container as the data root's (non-root) owner and
     completes; what it writes belongs to that owner; run.json records the hardened argv."""
     data = tmp_path / "data"
     assets = tmp_path / "assets"
-    subprocess.run([sys.executable, "-m", "pipeline", "demo-assets", "--out", str(assets), "--conversations", "4"],
-                   check=True, capture_output=True, cwd=REPO, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    warm_pipeline("demo-assets", "--out", assets, "--conversations", 4, check=True, env={"PYTHONDONTWRITEBYTECODE": "1"})
     (data / "cache").mkdir(parents=True)
     shutil.copy(assets / "conversations.jsonl", data / "conversations.jsonl")
     _owned_tree(data)

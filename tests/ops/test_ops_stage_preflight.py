@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,20 +44,17 @@ def standin_vllm_image(dk, base: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def scene(tmp_path_factory, dk, sshd):
+def scene(tmp_path_factory, dk, sshd, warm_pipeline):
     """A 'GPU host' whose server container holds the one GPU, a tiny real model, prepared samples with
     vocab files, and a hosts file per misconfiguration (`hosts(name, **keys)`)."""
     tmp = tmp_path_factory.mktemp("pfscene")
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    py = [sys.executable, "-m", "pipeline"]
-    subprocess.run([*py, "demo-assets", "--out", str(tmp / "assets"), "--conversations", "4"], check=True,
-                   capture_output=True, cwd=REPO, env=env)
+    env = {"PYTHONDONTWRITEBYTECODE": "1"}  # demo-assets and prepare warm (tests/warm_cli.py)
+    warm_pipeline("demo-assets", "--out", tmp / "assets", "--conversations", 4, check=True, env=env)
     model = tmp / "assets" / "model"
     good = tmp / "good"
     (good / "cache").mkdir(parents=True)
-    subprocess.run([*py, "prepare", "--data", str(tmp / "assets" / "conversations.jsonl"), "--model", str(model),
-                    "--out", str(good / "prepared"), "--draft-vocab-size", "32"], check=True, capture_output=True,
-                   cwd=REPO, env=env)
+    warm_pipeline("prepare", "--data", tmp / "assets" / "conversations.jsonl", "--model", model, "--out",
+                  good / "prepared", "--draft-vocab-size", 32, check=True, env=env)
     img, mounts = stage_image(dk, REPO, sys.base_prefix)
     server, devdir, table = server_on_one_gpu(dk, tmp, "ops-test-pf-server")
     name = server.name

@@ -40,9 +40,9 @@ def ours(tmp_path_factory, tiny_llama, conversations) -> Path:
 
 
 @pytest.fixture(scope="module")
-def exported(ours) -> Path:
+def exported(ours, warm_pipeline) -> Path:
     out = ours / "speculators"
-    proc = run_pipeline("export-speculators", "--prepared", ours / "prepared", "--data", ours / "hidden_states",
+    proc = warm_pipeline("export-speculators", "--prepared", ours / "prepared", "--data", ours / "hidden_states",
                         "--out", out)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "", proc.stderr  # no progress bars on a stage's stderr
@@ -126,17 +126,17 @@ def _assert_same_sets(a: Path, b: Path, *, same_metadata: bool = True) -> None:
     assert formats.read_sample_lengths(a / "hidden_states") == formats.read_sample_lengths(b / "hidden_states")
 
 
-def test_round_trip_ours_speculators_ours_is_identical(ours, exported, tmp_path):
+def test_round_trip_ours_speculators_ours_is_identical(ours, exported, tmp_path, warm_pipeline):
     """import-speculators of our export gives back the same arrays, tensors (dtype and bits), vocab
     mapping, token counts and records; `pipeline verify` passes on the result."""
     back = tmp_path / "back"
-    proc = run_pipeline("import-speculators", "--data", exported, "--out", back)
+    proc = warm_pipeline("import-speculators", "--data", exported, "--out", back)
     assert proc.returncode == 0, proc.stderr
     _assert_same_sets(ours, back)
     dc_a, dc_b = formats.read_data_config(ours / "hidden_states"), formats.read_data_config(back / "hidden_states")
     assert {**asdict(dc_a), "prepared": ""} == {**asdict(dc_b), "prepared": ""}
     assert Path(dc_b.prepared) == (back / "prepared").resolve()
-    verify = run_pipeline("verify", back / "hidden_states")
+    verify = warm_pipeline("verify", back / "hidden_states")
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr
 
 
@@ -167,56 +167,57 @@ def _one_line_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> None:
         assert needle in lines[0], lines[0]
 
 
-def test_bad_inputs_get_one_line_and_exit_2(ours, exported, tiny_llama, tmp_path):
+def test_bad_inputs_get_one_line_and_exit_2(ours, exported, tiny_llama, tmp_path, warm_pipeline):
     """Missing dirs, a sample count that does not match, a non-empty --out, a missing, foreign or torn hs file,
-    a foreign set without (or with wrong) layer ids are each refused in one line, exit 2, and --out stays untouched."""
+    a foreign set without (or with wrong) layer ids are each refused in one line, exit 2, and --out stays untouched.
+    Each is a real `python -m pipeline` process, forked warm (tests/warm_cli.py): ~0.2 s instead of ~4.5 s."""
     prep, data = ours / "prepared", ours / "hidden_states"
-    _one_line_exit_2(run_pipeline("export-speculators", "--prepared", tmp_path / "nope", "--data", data,
+    _one_line_exit_2(warm_pipeline("export-speculators", "--prepared", tmp_path / "nope", "--data", data,
                                   "--out", tmp_path / "o1"), "nope", "not a directory")
-    _one_line_exit_2(run_pipeline("import-speculators", "--data", tmp_path / "nope", "--out", tmp_path / "o2"),
+    _one_line_exit_2(warm_pipeline("import-speculators", "--data", tmp_path / "nope", "--out", tmp_path / "o2"),
                      "not a directory")
     short = tmp_path / "short"
     shutil.copytree(data, short)
     formats.data_file(short, 3).unlink()
-    _one_line_exit_2(run_pipeline("export-speculators", "--prepared", prep, "--data", short, "--out", tmp_path / "o3"),
+    _one_line_exit_2(warm_pipeline("export-speculators", "--prepared", prep, "--data", short, "--out", tmp_path / "o3"),
                      "data_3.pt", "24 prepared samples")
     assert not (tmp_path / "o3").exists()
     moved = tmp_path / "moved"
     shutil.copytree(data, moved)
     shutil.copyfile(formats.data_file(moved, 4), formats.data_file(moved, 3))
-    _one_line_exit_2(run_pipeline("export-speculators", "--prepared", prep, "--data", moved, "--out", tmp_path / "o9"),
+    _one_line_exit_2(warm_pipeline("export-speculators", "--prepared", prep, "--data", moved, "--out", tmp_path / "o9"),
                      "data_3.pt", "prepared sample 3")
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
-    _one_line_exit_2(run_pipeline("export-speculators", "--prepared", prep, "--data", data, "--out", busy),
+    _one_line_exit_2(warm_pipeline("export-speculators", "--prepared", prep, "--data", data, "--out", busy),
                      "not empty", "--overwrite")
     assert sorted(p.name for p in busy.iterdir()) == ["keep.txt"]
     gap = tmp_path / "gap"
     shutil.copytree(exported, gap)
     interop.hs_file(gap / "hidden_states", 5).unlink()
-    _one_line_exit_2(run_pipeline("import-speculators", "--data", gap, "--out", tmp_path / "o4"),
+    _one_line_exit_2(warm_pipeline("import-speculators", "--data", gap, "--out", tmp_path / "o4"),
                      "hs_5.safetensors", "23 hs_")
     assert not (tmp_path / "o4").exists()
     swapped = tmp_path / "swapped"
     shutil.copytree(exported, swapped)
     one = load_file(str(interop.hs_file(swapped / "hidden_states", 1)))
     save_file(one, str(interop.hs_file(swapped / "hidden_states", 2)))
-    _one_line_exit_2(run_pipeline("import-speculators", "--data", swapped, "--out", tmp_path / "o5"),
+    _one_line_exit_2(warm_pipeline("import-speculators", "--data", swapped, "--out", tmp_path / "o5"),
                      "hs_2.safetensors", "row 2")
     foreign = tmp_path / "foreign"
     shutil.copytree(exported, foreign)
     (foreign / interop.RECORD).unlink()
-    _one_line_exit_2(run_pipeline("import-speculators", "--data", foreign, "--out", tmp_path / "o6"),
+    _one_line_exit_2(warm_pipeline("import-speculators", "--data", foreign, "--out", tmp_path / "o6"),
                      "--layer-ids")
-    _one_line_exit_2(run_pipeline("import-speculators", "--data", foreign, "--out", tmp_path / "o7", "--model",
+    _one_line_exit_2(warm_pipeline("import-speculators", "--data", foreign, "--out", tmp_path / "o7", "--model",
                                   tiny_llama, "--layer-ids", "2,4,5,7"), "end with the final state, 8")
     torn = tmp_path / "torn"
     shutil.copytree(exported, torn)
     path = interop.hs_file(torn / "hidden_states", 4)
     path.write_bytes(path.read_bytes()[:100])
-    _one_line_exit_2(run_pipeline("import-speculators", "--data", torn, "--out", tmp_path / "o8"),
+    _one_line_exit_2(warm_pipeline("import-speculators", "--data", torn, "--out", tmp_path / "o8"),
                      "hs_4.safetensors", "unreadable")
-    _one_line_exit_2(run_pipeline("import-speculators", "--data", data, "--out", tmp_path / "o10", "--model",
+    _one_line_exit_2(warm_pipeline("import-speculators", "--data", data, "--out", tmp_path / "o10", "--model",
                                   tiny_llama, "--layer-ids", "3,5,6,8"), "not a dataset written by")
     assert not any((tmp_path / f"o{k}").exists() for k in range(1, 11))

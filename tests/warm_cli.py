@@ -1,0 +1,168 @@
+"""A warm `python -m pipeline` for tests that run many short commands (bad inputs, each refused in one line).
+
+A cold `python -m pipeline CMD` spends ~4 s importing torch and the command's module before it reads its
+first argument; a test of eleven refusals spends most of its minute there. Here one interpreter, started
+from the repository root as `python -m pipeline` is, imports `pipeline.cli` and then, on a command's first
+use, that command's module (what `LazyGroup.get_command` imports); then it forks one child per command. The
+child is the real CLI (`python -m pipeline`'s own `__main__`, through runpy): its own cwd, environment,
+argv, stdin from /dev/null, stdout and stderr to files, its exit code as the process's. What a command's
+import writes (once, in the server) is prepended to every child's output, as a cold run would show it.
+
+Differences from a cold run, and why they do not touch what the tests assert: modules are imported before
+the child's environment is set (a variable read at import time is read from the server's environment, the
+test run's own), and the server never runs a command itself, so no thread pool exists when it forks.
+
+Run as `python -m tests.warm_cli` (one JSON request per stdin line, one JSON answer per stdout line);
+`WarmPipeline` is the test side."""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _capture_fds(work):
+    """Run WORK() with fds 1 and 2 sent to temp files; (its result, stdout bytes, stderr bytes)."""
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        try:
+            result = work()
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+        out.seek(0), err.seek(0)
+        return result, out.read(), err.read()
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The status Python's own exit gives for SystemExit(code)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _child(req: dict, preamble: tuple[bytes, bytes]) -> None:
+    """The forked child: become `python -m pipeline ARGV` in REQ's cwd and environment; never returns."""
+    code = 1
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path, head in ((1, req["stdout"], preamble[0]), (2, req["stderr"], preamble[1])):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(f, head)
+            os.dup2(f, fd)
+            os.close(f)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.argv = ["pipeline", *req["argv"]]
+        try:
+            runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc)
+        except BaseException:  # noqa: BLE001 - as Python does: the traceback on stderr, exit 1
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve() -> None:
+    """Answer requests on stdin until it closes: {argv, cwd, env, stdout, stderr} -> {pid}, then {returncode}."""
+    from pipeline.cli import COMMANDS  # imported first, as in a real run: it sets its environment defaults
+
+    proto_in, proto_out = sys.stdin, sys.stdout
+    preambles: dict[str, tuple[bytes, bytes]] = {}
+    for line in proto_in:
+        req = json.loads(line)
+        command = req["argv"][0] if req["argv"] else ""
+        if command in COMMANDS and command not in preambles:
+            module = COMMANDS[command].split(":")[0]
+            _, out, err = _capture_fds(lambda module=module: importlib.import_module(module))
+            preambles[command] = (out, err)
+        preamble = preambles.get(command, (b"", b""))
+        proto_out.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(req, preamble)
+        proto_out.write(json.dumps({"pid": pid}) + "\n")
+        proto_out.flush()
+        _, status = os.waitpid(pid, 0)
+        proto_out.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        proto_out.flush()
+
+
+class WarmPipeline:
+    """The test side: `run(*args)` is `tests.conftest.run_pipeline(*args)` answered by a warm server."""
+
+    def __init__(self, python: str = sys.executable):
+        self._tmp = tempfile.TemporaryDirectory(prefix="warm-cli-")
+        self._proc = subprocess.Popen([python, "-m", "tests.warm_cli"], cwd=REPO, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        self._n = 0
+
+    def _answer(self, timeout: float | None) -> dict:
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the warm pipeline server exited ({self._proc.wait()})")
+        return json.loads(line)
+
+    def run(self, *args, check: bool = False, timeout: float = 600, env: dict | None = None
+            ) -> subprocess.CompletedProcess:
+        """ARGS as one `python -m pipeline` command from the repository root; ENV is added to its environment."""
+        argv = [str(a) for a in args]
+        self._n += 1
+        out, err = (Path(self._tmp.name) / f"{self._n}.{s}" for s in ("out", "err"))
+        env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
+        self._proc.stdin.write(json.dumps({"argv": argv, "cwd": str(REPO), "env": env, "stdout": str(out),
+                                           "stderr": str(err)}) + "\n")
+        self._proc.stdin.flush()
+        pid = self._answer(120)["pid"]
+        try:
+            code = self._answer(timeout)["returncode"]
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            self._answer(60)
+            raise subprocess.TimeoutExpired(["pipeline", *argv], timeout) from None
+        proc = subprocess.CompletedProcess(["pipeline", *argv], code, out.read_text(), err.read_text())
+        if check and code != 0:
+            raise AssertionError(f"pipeline {argv[0]} failed ({code}):\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        self._proc.wait(timeout=60)
+        self._tmp.cleanup()
+
+
+if __name__ == "__main__":
+    serve()
