@@ -17,9 +17,16 @@ def dtype_bytes(dtype: str | None) -> int:
     return DTYPE_BYTES.get(dtype or "auto", 2)
 
 
-def hidden_states_bytes(num_tokens: int, num_samples: int, hidden_size: int, dtype: str | None = "auto",
-                        world_size: int = 1, layers: int = CAPTURED_LAYERS) -> int:
-    """Expected bytes of one host's share of a set of ``num_samples`` samples, ``num_tokens`` tokens in all."""
+def hidden_states_bytes(
+    num_tokens: int,
+    num_samples: int,
+    hidden_size: int,
+    dtype: str | None = "auto",
+    world_size: int = 1,
+    layers: int = CAPTURED_LAYERS,
+) -> int:
+    """Expected bytes of one host's share of a set of ``num_samples`` samples, ``num_tokens`` tokens in
+    all."""
     per_token = layers * hidden_size * dtype_bytes(dtype) + IDS_AND_MASK_BYTES
     total = num_tokens * per_token + num_samples * PER_FILE_OVERHEAD
     return -(-total // max(1, world_size))

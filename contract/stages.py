@@ -24,10 +24,13 @@ class StageSpec:
     verify_after: bool  # run `pipeline verify OUTPUT` after the stage (extract verifies itself)
     uses_model: bool = True
     gpus: bool = True  # the container gets the host's GPUs (docker --gpus, compose device reservation)
-    layout: bool = False  # takes the host's parallel layout (ops.layout): --backend, --tensor-parallel-size ...
+    layout: bool = (
+        False  # takes the host's parallel layout (ops.layout): --backend, --tensor-parallel-size ...
+    )
     # what runs inside the image before anything on the host is stopped (preflight_script):
     # "args": `pipeline check-args` of the exact argv; "model": that and `pipeline preflight` of the model
-    # (config, checkpoint headers, tokenizer, chat template); "extract": that and the full extraction preflight
+    # (config, checkpoint headers, tokenizer, chat template); "extract": that and the full extraction
+    # preflight
     preflight: str = "args"
     # check names that refuse the run ("" = every failed check); others are reported as warnings
     fatal: tuple[str, ...] = ()
@@ -35,19 +38,57 @@ class StageSpec:
 
 
 STAGES: dict[str, StageSpec] = {
-    "prepare": StageSpec(("conversations.jsonl",), "prepared",
-                         ("--data", f"{DATA}/conversations.jsonl", "--model", MODEL, "--out", f"{DATA}/prepared"), False,
-                         gpus=False, preflight="model",
-                         # prepare reads config, tokenizer and chat template, never the checkpoint
-                         fatal=("arguments", "model config", "tokenizer", "chat template", "stage preflight"),
-                         compose_vars=((f"{DATA}/conversations.jsonl", "PREPARE_DATA", f"{DATA}/conversations.jsonl"),)),
-    "extract": StageSpec(("prepared",), "hidden_states",
-                         ("--prepared", f"{DATA}/prepared", "--model", MODEL, "--out", f"{DATA}/hidden_states",
-                          "--no-progress"), False, layout=True, preflight="extract"),
+    "prepare": StageSpec(
+        ("conversations.jsonl",),
+        "prepared",
+        ("--data", f"{DATA}/conversations.jsonl", "--model", MODEL, "--out", f"{DATA}/prepared"),
+        False,
+        gpus=False,
+        preflight="model",
+        # prepare reads config, tokenizer and chat template, never the checkpoint
+        fatal=("arguments", "model config", "tokenizer", "chat template", "stage preflight"),
+        compose_vars=((f"{DATA}/conversations.jsonl", "PREPARE_DATA", f"{DATA}/conversations.jsonl"),),
+    ),
+    "extract": StageSpec(
+        ("prepared",),
+        "hidden_states",
+        (
+            "--prepared",
+            f"{DATA}/prepared",
+            "--model",
+            MODEL,
+            "--out",
+            f"{DATA}/hidden_states",
+            "--no-progress",
+        ),
+        False,
+        layout=True,
+        preflight="extract",
+    ),
     "weights": StageSpec((), "verifier", ("--model", MODEL, "--out", f"{DATA}/verifier"), True, gpus=False),
-    "train": StageSpec(("hidden_states", "verifier", "prepared"), "train",
-                       ("--data", f"{DATA}/hidden_states", "--verifier", f"{DATA}/verifier", "--prepared",
-                        f"{DATA}/prepared", "--model", MODEL, "--out", f"{DATA}/train"), True),
-    "verify": StageSpec(("hidden_states",), "hidden_states", (f"{DATA}/hidden_states",), False, uses_model=False,
-                        compose_vars=((f"{DATA}/hidden_states", "VERIFY_PATH", f"{DATA}/hidden_states"),)),
+    "train": StageSpec(
+        ("hidden_states", "verifier", "prepared"),
+        "train",
+        (
+            "--data",
+            f"{DATA}/hidden_states",
+            "--verifier",
+            f"{DATA}/verifier",
+            "--prepared",
+            f"{DATA}/prepared",
+            "--model",
+            MODEL,
+            "--out",
+            f"{DATA}/train",
+        ),
+        True,
+    ),
+    "verify": StageSpec(
+        ("hidden_states",),
+        "hidden_states",
+        (f"{DATA}/hidden_states",),
+        False,
+        uses_model=False,
+        compose_vars=((f"{DATA}/hidden_states", "VERIFY_PATH", f"{DATA}/hidden_states"),),
+    ),
 }

@@ -30,17 +30,24 @@ def schema_note(summary: dict) -> str | None:
     if schema != SCHEMA:
         return f"summary.json has schema {schema!r}, not {SCHEMA!r}: not a stage summary of this product"
     if version not in READ_VERSIONS:
-        return (f"summary.json schema_version {version!r} is not one this ops reads "
-                f"({', '.join(map(str, READ_VERSIONS))}): update ops to read it")
+        return (
+            f"summary.json schema_version {version!r} is not one this ops reads "
+            f"({', '.join(map(str, READ_VERSIONS))}): update ops to read it"
+        )
     return None
 
 
 def provenance_facts(summary: dict | None) -> dict:
-    """Version, commit, image digest and patch-set hash of the run that wrote ``summary`` (None where unknown)."""
+    """Version, commit, image digest and patch-set hash of the run that wrote ``summary`` (None where
+    unknown)."""
     prov = (summary or {}).get("provenance") or {}
     product = prov.get("product") or {}
-    return {"version": product.get("version"), "commit": product.get("commit"),
-            "image_digest": prov.get("image_digest"), "patches": (prov.get("patches") or {}).get("sha256")}
+    return {
+        "version": product.get("version"),
+        "commit": product.get("commit"),
+        "image_digest": prov.get("image_digest"),
+        "patches": (prov.get("patches") or {}).get("sha256"),
+    }
 
 
 def disagreements(facts: list[dict]) -> list[str]:

@@ -42,7 +42,9 @@ def _pynvml_blob() -> str:
     """The pure-Python NVML binding (nvidia-ml-py) of this environment, compressed for the trip."""
     spec = importlib.util.find_spec("pynvml")
     if spec is None or spec.origin is None:
-        raise OpsError("nvidia-ml-py is not installed here; `pip install nvidia-ml-py` (ops sends it to the host)")
+        raise OpsError(
+            "nvidia-ml-py is not installed here; `pip install nvidia-ml-py` (ops sends it to the host)"
+        )
     return base64.b64encode(zlib.compress(Path(spec.origin).read_bytes(), 9)).decode()
 
 
@@ -52,13 +54,24 @@ def command(host: HostConfig) -> str:
 
 
 def probe_request(host: HostConfig) -> dict:
-    return {"op": "probe", "device_glob": host.device_glob, "gpu_source": host.gpu_source,
-            "server": {"kind": host.server.kind, "target": host.server.target}}
+    return {
+        "op": "probe",
+        "device_glob": host.device_glob,
+        "gpu_source": host.gpu_source,
+        "server": {"kind": host.server.kind, "target": host.server.target},
+    }
 
 
-def terminate_request(targets: list[tuple[int, int]], groups: list[int], grace: float, kill_wait: float) -> dict:
-    return {"op": "terminate", "targets": [{"pid": p, "starttime": s} for p, s in targets],
-            "groups": list(groups), "grace": grace, "kill_wait": kill_wait}
+def terminate_request(
+    targets: list[tuple[int, int]], groups: list[int], grace: float, kill_wait: float
+) -> dict:
+    return {
+        "op": "terminate",
+        "targets": [{"pid": p, "starttime": s} for p, s in targets],
+        "groups": list(groups),
+        "grace": grace,
+        "kill_wait": kill_wait,
+    }
 
 
 def call(runner: Runner, host: HostConfig, request: dict, *, timeout: float | None = None) -> dict:
@@ -69,10 +82,20 @@ def call(runner: Runner, host: HostConfig, request: dict, *, timeout: float | No
     if res.exit_code == 127 or "not found" in res.stderr and not res.stdout:
         raise OpsError(f"{host.python} not found on {host.name}; set `python` in the hosts file")
     if not res.ok:
-        raise RemoteCommandError(f"host agent ({request.get('op')})", f"{host.python} -c BOOTSTRAP",
-                                 res.exit_code, res.stdout, res.stderr)
+        raise RemoteCommandError(
+            f"host agent ({request.get('op')})",
+            f"{host.python} -c BOOTSTRAP",
+            res.exit_code,
+            res.stdout,
+            res.stderr,
+        )
     try:
         return json.loads(res.stdout)
     except ValueError:
-        raise RemoteCommandError(f"host agent ({request.get('op')}) reply", f"{host.python} -c BOOTSTRAP",
-                                 res.exit_code, res.stdout[-500:], res.stderr) from None
+        raise RemoteCommandError(
+            f"host agent ({request.get('op')}) reply",
+            f"{host.python} -c BOOTSTRAP",
+            res.exit_code,
+            res.stdout[-500:],
+            res.stderr,
+        ) from None

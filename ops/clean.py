@@ -25,8 +25,13 @@ from ops.server import Step, StopPlan
 CLEAN, UNKILLABLE, NOT_CLEAN = "clean", "unkillable: reboot needed", "not clean"
 RESPAWNED, CANNOT_SIGNAL = "respawned by a supervisor", "cannot signal: permission denied"
 #: the exit code of each verdict (table in ops.errors)
-VERDICT_EXIT = {CLEAN: EXIT_OK, UNKILLABLE: EXIT_UNKILLABLE, NOT_CLEAN: EXIT_NOT_CLEAN, RESPAWNED: EXIT_RESPAWNED,
-                CANNOT_SIGNAL: EXIT_CANNOT_SIGNAL}
+VERDICT_EXIT = {
+    CLEAN: EXIT_OK,
+    UNKILLABLE: EXIT_UNKILLABLE,
+    NOT_CLEAN: EXIT_NOT_CLEAN,
+    RESPAWNED: EXIT_RESPAWNED,
+    CANNOT_SIGNAL: EXIT_CANNOT_SIGNAL,
+}
 MAX_ROUNDS = 3  # kill rounds before holders that keep coming back are reported as respawned
 SETTLE_S = 1.0  # after a kill round, one more probe this much later, so that a prompt restart shows
 
@@ -49,8 +54,12 @@ def plan_clean(state: GpuState, host: HostConfig) -> CleanPlan:
     stop = server.plan_stop(host, state.server)
     step = None
     if kill:
-        req = terminate_request([(h.proc.pid, h.proc.starttime) for h in kill], [],
-                                grace=host.timeouts.grace, kill_wait=host.timeouts.kill_wait)
+        req = terminate_request(
+            [(h.proc.pid, h.proc.starttime) for h in kill],
+            [],
+            grace=host.timeouts.grace,
+            kill_wait=host.timeouts.kill_wait,
+        )
         step = Step("free GPUs", agent=req)
     return CleanPlan(stop, kill, spare, step)
 
@@ -75,8 +84,9 @@ class CleanReport:
     elapsed_s: float = 0.0  # gpu-clean's own time, from the first probe to the verdict
 
 
-def verify_clean(runner: Runner, host: HostConfig, *, timeout: float,
-                 first: GpuState | None = None) -> tuple[GpuState, list[GpuCheck]]:
+def verify_clean(
+    runner: Runner, host: HostConfig, *, timeout: float, first: GpuState | None = None
+) -> tuple[GpuState, list[GpuCheck]]:
     """Probe until every GPU is clean or the timeout passes; the last state and checks. `first` is a
     probe taken just now, used as the first attempt."""
     deadline = time.monotonic() + timeout
@@ -119,17 +129,28 @@ def _kill_rounds(runner: Runner, host: HostConfig, state: GpuState, report: Clea
             continue
         fresh = [h for h in kill if _ident(h) not in seen]
         if report.rounds:
-            report.respawned += [{"pid": h.proc.pid, "comm": h.proc.comm, "ppid": h.proc.ppid,
-                                  "devices": list(h.proc.devices), "after_round": report.rounds} for h in fresh]
+            report.respawned += [
+                {
+                    "pid": h.proc.pid,
+                    "comm": h.proc.comm,
+                    "ppid": h.proc.ppid,
+                    "devices": list(h.proc.devices),
+                    "after_round": report.rounds,
+                }
+                for h in fresh
+            ]
         if report.rounds >= MAX_ROUNDS:
             report.supervisors = _supervisors(state, fresh or kill)
             report.verdict = RESPAWNED
-            report.detail = "; ".join(f"pid {s['pid']} ({s['comm']}: {' '.join(s['cmdline'].split())[:100]})"
-                                      for s in report.supervisors)
+            report.detail = "; ".join(
+                f"pid {s['pid']} ({s['comm']}: {' '.join(s['cmdline'].split())[:100]})"
+                for s in report.supervisors
+            )
             return state
         report.rounds += 1
-        req = terminate_request([_ident(h) for h in kill], [], grace=host.timeouts.grace,
-                                kill_wait=host.timeouts.kill_wait)
+        req = terminate_request(
+            [_ident(h) for h in kill], [], grace=host.timeouts.grace, kill_wait=host.timeouts.kill_wait
+        )
         out = server.run_step(runner, host, Step("free GPUs", agent=req))
         assert isinstance(out, dict)
         report.signalled += out["signalled"]
@@ -142,8 +163,14 @@ def _kill_rounds(runner: Runner, host: HostConfig, state: GpuState, report: Clea
         state, settled = probe(runner, host), False
 
 
-def gpu_clean(runner: Runner, host: HostConfig, *, dry_run: bool = False, before: GpuState | None = None,
-              on_step: Callable[[str], None] = lambda step: None) -> CleanReport:
+def gpu_clean(
+    runner: Runner,
+    host: HostConfig,
+    *,
+    dry_run: bool = False,
+    before: GpuState | None = None,
+    on_step: Callable[[str], None] = lambda step: None,
+) -> CleanReport:
     """`before`: a probe the caller took moments ago (remote-run's preflight), to save a round trip.
     `on_step("clean")` is called once the server is down, before any GPU holder is signalled."""
     started = time.monotonic()
@@ -165,8 +192,11 @@ def gpu_clean(runner: Runner, host: HostConfig, *, dry_run: bool = False, before
             report.verdict = UNKILLABLE
         elif report.denied:
             report.verdict = CANNOT_SIGNAL
-            report.detail = "; ".join(f"pid {d['pid']} ({d['comm']}, user {d['user']}): {d['signal']}: {d['error']}"
-                                      f" (we run as uid {d['as_uid']})" for d in report.denied)
+            report.detail = "; ".join(
+                f"pid {d['pid']} ({d['comm']}, user {d['user']}): {d['signal']}: {d['error']}"
+                f" (we run as uid {d['as_uid']})"
+                for d in report.denied
+            )
         if report.verdict:  # unkillable, cannot signal, respawned: no point waiting for the GPUs
             report.after = probe(runner, host)
             report.checks = check_clean(report.after, host.clean_threshold_mib)

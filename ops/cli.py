@@ -28,12 +28,24 @@ notes = Console(stderr=True, highlight=False, soft_wrap=True)  # progress notes 
 
 
 def _host_choice(fn):
-    """--host, --hosts-file, --accept-new-host-key, passed on as host_spec, hosts_file, accept_new_host_key."""
-    fn = click.option("--accept-new-host-key", is_flag=True, help="trust and record an unknown SSH host key")(fn)
-    fn = click.option("--hosts-file", type=click.Path(dir_okay=False), default=None,
-                      help="hosts TOML (default: $EAGLE_OPS_HOSTS, ./hosts.toml, ~/.config/eagle-ops/hosts.toml)")(fn)
-    return click.option("--host", "host_spec", required=True, metavar="NAME|user@host[:port]|local",
-                        help="a name from the hosts file, user@host[:port], or `local` (this machine, no SSH)")(fn)
+    """--host, --hosts-file, --accept-new-host-key, passed on as host_spec, hosts_file,
+    accept_new_host_key."""
+    fn = click.option("--accept-new-host-key", is_flag=True, help="trust and record an unknown SSH host key")(
+        fn
+    )
+    fn = click.option(
+        "--hosts-file",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="hosts TOML (default: $EAGLE_OPS_HOSTS, ./hosts.toml, ~/.config/eagle-ops/hosts.toml)",
+    )(fn)
+    return click.option(
+        "--host",
+        "host_spec",
+        required=True,
+        metavar="NAME|user@host[:port]|local",
+        help="a name from the hosts file, user@host[:port], or `local` (this machine, no SSH)",
+    )(fn)
 
 
 @contextmanager
@@ -49,6 +61,7 @@ def _connected(host: HostConfig, accept_new_host_key: bool) -> Iterator[Runner]:
 
 def host_options(fn):
     """A one-host command: the host resolved and connected, passed as host and runner."""
+
     @_host_choice
     @functools.wraps(fn)
     def wrapper(host_spec, hosts_file, accept_new_host_key, **kw):
@@ -65,13 +78,26 @@ def _fan_out(request: RunRequest) -> None:
     from ops.report import print_fanout, print_stage_plan
 
     hosts = [resolve_host(n, request.hosts_file) for n in request.hosts]
-    previous = fanout.find_previous(request.runs_dir, request.run_id, request.stage, [h.name for h in hosts]) if (
-        request.run_id or request.resume) else None
-    plan = fanout.plan_fanout(hosts, request.stage, run_id=request.run_id, extra=request.args,
-                              resume=request.resume, previous=previous, environ=os.environ)
+    previous = (
+        fanout.find_previous(request.runs_dir, request.run_id, request.stage, [h.name for h in hosts])
+        if (request.run_id or request.resume)
+        else None
+    )
+    plan = fanout.plan_fanout(
+        hosts,
+        request.stage,
+        run_id=request.run_id,
+        extra=request.args,
+        resume=request.resume,
+        previous=previous,
+        environ=os.environ,
+    )
     if request.dry_run:
         for job in plan.jobs:
-            console.print(f"rank {job.rank}/{plan.world_size} {job.host.name}" + (f": skipped: {job.skip}" if job.skip else ""))
+            console.print(
+                f"rank {job.rank}/{plan.world_size} {job.host.name}"
+                + (f": skipped: {job.skip}" if job.skip else "")
+            )
             if not job.skip:
                 print_stage_plan(console, job.host, job.plan)
         return
@@ -93,9 +119,15 @@ def _write_trace(runner: Runner) -> None:
 
 
 def wait_option(fn):
-    return click.option("--wait", "lock_wait", type=float, default=0.0, metavar="SECONDS",
-                        callback=lambda _ctx, _param, v: v and check_seconds(v, "--wait"),
-                        help="when another ops command holds the host, wait up to SECONDS instead of refusing")(fn)
+    return click.option(
+        "--wait",
+        "lock_wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        callback=lambda _ctx, _param, v: v and check_seconds(v, "--wait"),
+        help="when another ops command holds the host, wait up to SECONDS instead of refusing",
+    )(fn)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -162,9 +194,13 @@ def stop_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
     else:
         console.print(f"stopped server {record.strategy}: {', '.join(record.stopped)}")
     if left.running or record.survivors:
-        pids = ", ".join(str(p) for p in left.members) or ", ".join(c[:12] for c in left.running_container_ids)
-        raise errors.OpsError(f"server {record.strategy} still has processes after stop: {pids}",
-                              exit_code=errors.EXIT_SERVER_STOP)
+        pids = ", ".join(str(p) for p in left.members) or ", ".join(
+            c[:12] for c in left.running_container_ids
+        )
+        raise errors.OpsError(
+            f"server {record.strategy} still has processes after stop: {pids}",
+            exit_code=errors.EXIT_SERVER_STOP,
+        )
 
 
 @main.command("restore-server")
@@ -181,11 +217,22 @@ def restore_server(host: HostConfig, runner: Runner, lock_wait: float) -> None:
 def _stage_options(fn):
     @click.option("--run-id", default=None, help="name this run (default: STAGE-UTCSTAMP-XXXX)")
     @click.option("--resume", is_flag=True, help="continue into a non-empty output folder")
-    @click.option("--restore-server", is_flag=True, help="bring the server back at the end, also on failure/Ctrl-C")
-    @click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True,
-                  help="local folder for runs/<host>/<run-id>/")
-    @click.option("--dry-run", is_flag=True, help="print the stage plan (docker run argv, secret names); run nothing")
-    @click.option("--detach", is_flag=True, help="start the stage and return, leaving it running; `attach RUN_ID` later")
+    @click.option(
+        "--restore-server", is_flag=True, help="bring the server back at the end, also on failure/Ctrl-C"
+    )
+    @click.option(
+        "--runs-dir",
+        type=click.Path(file_okay=False),
+        default="runs",
+        show_default=True,
+        help="local folder for runs/<host>/<run-id>/",
+    )
+    @click.option(
+        "--dry-run", is_flag=True, help="print the stage plan (docker run argv, secret names); run nothing"
+    )
+    @click.option(
+        "--detach", is_flag=True, help="start the stage and return, leaving it running; `attach RUN_ID` later"
+    )
     @wait_option
     @functools.wraps(fn)
     def wrapper(**kw):
@@ -205,8 +252,15 @@ def _run_stage(request: RunRequest) -> None:
     host = resolve_host(request.host, request.hosts_file)
     names = available(host.secrets, os.environ)
     env_file_text(names, os.environ)  # a value docker cannot take fails now, before anything is stopped
-    plan = plan_stage(host, request.stage, run_id=request.run_id or new_run_id(request.stage), extra_args=request.args,
-                      resume=request.resume, secret_names=names, layout=known(host.layout, request.args))
+    plan = plan_stage(
+        host,
+        request.stage,
+        run_id=request.run_id or new_run_id(request.stage),
+        extra_args=request.args,
+        resume=request.resume,
+        secret_names=names,
+        layout=known(host.layout, request.args),
+    )
     if request.dry_run:
         print_stage_plan(console, host, plan)
         return
@@ -276,7 +330,9 @@ def attach_cmd(**options) -> None:
 
 @main.command("ship-image")
 @host_options
-@click.option("--image", default=None, help="local image to send (default: the host's `image` in the hosts file)")
+@click.option(
+    "--image", default=None, help="local image to send (default: the host's `image` in the hosts file)"
+)
 @click.option("--dry-run", is_flag=True, help="compare image ids; send nothing")
 def ship_image_cmd(host: HostConfig, runner: Runner, image: str | None, dry_run: bool) -> None:
     """docker save | ssh | docker load of the image onto the host; nothing is sent when it already has it."""
@@ -289,8 +345,15 @@ def ship_image_cmd(host: HostConfig, runner: Runner, image: str | None, dry_run:
         client = docker.from_env()
     except docker.errors.DockerException as exc:
         raise errors.OpsError(f"local docker engine: {exc} (is dockerd running here?)") from None
-    bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn(), console=notes, transient=False)
+    bar = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=notes,
+        transient=False,
+    )
     started = []
 
     def progress(total: int | None):  # shown only once bytes flow: an error or a skip stays one line

@@ -19,7 +19,11 @@ from ops.hosts import HostConfig
 from ops.stage import CACHE, DATA, MODEL, STAGES, container_env, stage_mounts
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "compose.yaml"
-HOST_DIRS = {DATA: "${EAGLE_DATA_DIR:-./data}", CACHE: "${HF_CACHE_DIR:-./cache}", MODEL: "${EAGLE_MODEL_DIR:-./models/target}"}
+HOST_DIRS = {
+    DATA: "${EAGLE_DATA_DIR:-./data}",
+    CACHE: "${HF_CACHE_DIR:-./cache}",
+    MODEL: "${EAGLE_MODEL_DIR:-./models/target}",
+}
 EXTRACT_BACKEND = "${EXTRACT_BACKEND:-vllm}"
 
 HEADER = """\
@@ -95,10 +99,11 @@ services:
     ports:
       - "${SERVE_PORT:-8000}:8000"
     volumes:
-%(volumes)s    restart: unless-stopped   # `docker stop` (ops) keeps it down; ops brings it back with `docker start`
+%(volumes)s    restart: unless-stopped   # ops stops it with `docker stop`, brings it back with `docker start`
     stop_grace_period: 120s   # vLLM shuts its workers down on SIGTERM; SIGKILL only after this
     healthcheck:
-      test: ["CMD", "python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=5)"]
+      test: ["CMD", "python", "-c",
+             "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=5)"]
       interval: 30s
       timeout: 10s
       retries: 3
@@ -127,15 +132,37 @@ def preflight_command() -> list[str]:
     """The extract preflight with extract's own paths and backend (what ops runs before remote-extract)."""
     args = STAGES["extract"].args
     values = {flag: args[args.index(flag) + 1] for flag in ("--model", "--prepared", "--out")}
-    return ["python", "-m", "pipeline", "preflight", *(w for kv in values.items() for w in kv), "--backend",
-            EXTRACT_BACKEND, "--json", f"{DATA}/preflight.json", "${PREFLIGHT_ARGS:-}"]
+    return [
+        "python",
+        "-m",
+        "pipeline",
+        "preflight",
+        *(w for kv in values.items() for w in kv),
+        "--backend",
+        EXTRACT_BACKEND,
+        "--json",
+        f"{DATA}/preflight.json",
+        "${PREFLIGHT_ARGS:-}",
+    ]
 
 
-def _service(name: str, command: list[str], gpus: bool, mounts: list[tuple[str, str, bool]], stage: str) -> str:
-    lines = [f"  {name}:", f"    <<: [*stage{', *gpus' if gpus else ''}]", f"    profiles: [{name}]",
-             "    command: >-", *_wrap(command), "    volumes:"]
-    return "\n".join(lines) + "\n" + _volumes(mounts) + (
-        f"    labels:\n      eagle-ops.role: stage\n      eagle-ops.stage: {stage}\n")
+def _service(
+    name: str, command: list[str], gpus: bool, mounts: list[tuple[str, str, bool]], stage: str
+) -> str:
+    lines = [
+        f"  {name}:",
+        f"    <<: [*stage{', *gpus' if gpus else ''}]",
+        f"    profiles: [{name}]",
+        "    command: >-",
+        *_wrap(command),
+        "    volumes:",
+    ]
+    return (
+        "\n".join(lines)
+        + "\n"
+        + _volumes(mounts)
+        + (f"    labels:\n      eagle-ops.role: stage\n      eagle-ops.stage: {stage}\n")
+    )
 
 
 def _wrap(words: list[str], width: int = 100) -> list[str]:
@@ -151,11 +178,15 @@ def _wrap(words: list[str], width: int = 100) -> list[str]:
 
 def render() -> str:
     host = HostConfig(name="compose", host="local")  # the hosts-file defaults: mounts and privileges
-    env = "".join(f"    {k}: {v}\n" for k, v in container_env("")[1:3])  # HF_HOME, HOME (run id and USER: ops')
+    env = "".join(
+        f"    {k}: {v}\n" for k, v in container_env("")[1:3]
+    )  # HF_HOME, HOME (run id and USER: ops')
     text = HEADER + ANCHORS % {"env": env, "pids": host.stage_pids_limit, "shm": host.stage_shm_size}
     text += SERVER % {"model": MODEL, "volumes": _volumes(stage_mounts(host, STAGES["extract"]))}
     extract = STAGES["extract"]
-    text += "\n" + _service("preflight", preflight_command(), extract.gpus, stage_mounts(host, extract), "preflight")
+    text += "\n" + _service(
+        "preflight", preflight_command(), extract.gpus, stage_mounts(host, extract), "preflight"
+    )
     for stage, spec in STAGES.items():
         text += "\n" + _service(stage, stage_command(stage), spec.gpus, stage_mounts(host, spec), stage)
     return text
@@ -171,8 +202,11 @@ def main(argv: list[str]) -> int:
         return 0
     if argv == ["--check"]:
         if COMPOSE_FILE.read_text() != text:
-            print(f"error: {COMPOSE_FILE} differs from the stage table; run `python -m ops.composefile --write`",
-                  file=sys.stderr)
+            print(
+                f"error: {COMPOSE_FILE} differs from the stage table; "
+                "run `python -m ops.composefile --write`",
+                file=sys.stderr,
+            )
             return 1
         return 0
     sys.stdout.write(text)

@@ -3,10 +3,10 @@
 Owns opening it (Fabric over paramiko, host keys checked against known_hosts; an unknown key is refused
 unless the operator passed --accept-new-host-key, a changed key always is), running commands over it,
 leaving one running with its stdin open (Runner.start: the host lock's keeper, which must end when this
-connection does), moving files over it (SFTP on the same transport), and the local mode: the same interface on this
-machine, for a GPU host without sshd (commands run through bash, files copied). Everything else takes a
-Runner and never opens one. Commands are strings for the remote shell: callers build them from argv
-with shlex (see ops.shell).
+connection does), moving files over it (SFTP on the same transport), and the local mode: the same
+interface on this machine, for a GPU host without sshd (commands run through bash, files copied).
+Everything else takes a Runner and never opens one. Commands are strings for the remote shell: callers
+build them from argv with shlex (see ops.shell).
 """
 
 from __future__ import annotations
@@ -47,7 +47,12 @@ class Runner(Protocol):
     label: str
 
     def run(
-        self, command: str, *, stdin: str | None = None, timeout: float | None = None, stream: IO[str] | None = None
+        self,
+        command: str,
+        *,
+        stdin: str | None = None,
+        timeout: float | None = None,
+        stream: IO[str] | None = None,
     ) -> Result: ...
 
     def get(self, remote: str, local: Path) -> None: ...
@@ -114,8 +119,9 @@ class LocalProcess(Process):
     def __init__(self, command: str, label: str) -> None:
         super().__init__()
         self.label = label
-        self._proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE)
+        self._proc = subprocess.Popen(
+            ["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
 
     def _recv(self, timeout):
         assert self._proc.stdout
@@ -201,8 +207,11 @@ class LocalRunner:
         try:
             if stream is None:
                 proc = subprocess.run(
-                    ["bash", "-c", command], input=stdin if stdin is not None else "", capture_output=True,
-                    text=True, timeout=timeout,
+                    ["bash", "-c", command],
+                    input=stdin if stdin is not None else "",
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
                 )
                 out, err, code = proc.stdout, proc.stderr, proc.returncode
             else:
@@ -228,8 +237,9 @@ class LocalRunner:
         """Run ``command`` with ``chunks`` (bytes) as its stdin; stop feeding once it has exited."""
         start = time.monotonic()
         self.log.commands.append(command)
-        proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            ["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         try:
             for chunk in chunks:
                 if proc.poll() is not None:
@@ -253,8 +263,12 @@ class LocalRunner:
 
 def _run_streaming(command: str, stdin: str | None, timeout: float | None, stream: IO[str]):
     proc = subprocess.Popen(
-        ["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, bufsize=1,
+        ["bash", "-c", command],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
     )
     assert proc.stdin and proc.stdout
     proc.stdin.write(stdin or "")
@@ -320,7 +334,10 @@ class RemoteRunner:
             # reported as refused instead of silently trying the agent and ~/.ssh/id_*
             connect_kwargs.update(key_filename=str(key), look_for_keys=False, allow_agent=False)
         self._conn = fabric.Connection(
-            host.host, user=host.user, port=host.port, connect_timeout=int(host.timeouts.connect),
+            host.host,
+            user=host.user,
+            port=host.port,
+            connect_timeout=int(host.timeouts.connect),
             connect_kwargs=connect_kwargs,
         )
         known = self._known_hosts_path()
@@ -349,7 +366,9 @@ class RemoteRunner:
             # keepalives keep NAT/firewall state alive through long silent stages (log follow)
             self._conn.transport.set_keepalive(30)
         except socket.gaierror:
-            raise ConnectError(f"unknown host {self._conn.host!r}: name does not resolve; check HOST") from None
+            raise ConnectError(
+                f"unknown host {self._conn.host!r}: name does not resolve; check HOST"
+            ) from None
         except p.BadHostKeyException as exc:
             raise ConnectError(
                 f"host key of {target} CHANGED (got {exc.key.get_name()} {sha256_fingerprint(exc.key)}, "
@@ -358,8 +377,10 @@ class RemoteRunner:
             ) from None
         except p.PasswordRequiredException:  # before AuthenticationException, its base class
             key = self.host.key or "the private key"
-            raise ConnectError(f"key {key} is encrypted: give its passphrase to an agent (ssh-add {key}) and use "
-                               "the agent (drop `key` from the hosts file), or use a key without a passphrase") from None
+            raise ConnectError(
+                f"key {key} is encrypted: give its passphrase to an agent (ssh-add {key}) and use "
+                "the agent (drop `key` from the hosts file), or use a key without a passphrase"
+            ) from None
         except p.AuthenticationException:
             raise ConnectError(f"{target} refused our key/credentials; check `user` and `key`") from None
         except p.SSHException as exc:
@@ -396,7 +417,9 @@ class RemoteRunner:
     def _exec(self, command: str, stdin: str | None, timeout: float | None, stream: IO[str] | None):
         transport = self._conn.client.get_transport()
         if transport is None or not transport.is_active():
-            raise OpsError(f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed")
+            raise OpsError(
+                f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed"
+            )
         chan = transport.open_session()
         deadline = None if timeout is None else time.monotonic() + timeout
         out, err = bytearray(), bytearray()
@@ -411,14 +434,20 @@ class RemoteRunner:
                 if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
                 if chan.closed or not transport.is_active():  # connection dropped: no exit status will come
-                    raise OpsError(f"connection to {self.label} lost during {_brief(command)} (no exit status came)")
+                    raise OpsError(
+                        f"connection to {self.label} lost during {_brief(command)} (no exit status came)"
+                    )
                 if deadline is not None and time.monotonic() > deadline:
                     raise OpsError(f"remote command timed out after {timeout:.0f} s: {command[:120]}")
                 if not got:
                     select.select([chan], [], [], 0.05)
             code = chan.recv_exit_status()
-            if code == -1 and not transport.is_active():  # paramiko's "no exit status": the connection dropped
-                raise OpsError(f"connection to {self.label} lost during {_brief(command)} (no exit status came)")
+            if (
+                code == -1 and not transport.is_active()
+            ):  # paramiko's "no exit status": the connection dropped
+                raise OpsError(
+                    f"connection to {self.label} lost during {_brief(command)} (no exit status came)"
+                )
         finally:
             chan.close()
         return code, out.decode(errors="replace"), err.decode(errors="replace")
@@ -439,7 +468,9 @@ class RemoteRunner:
         try:
             transport = self._conn.client.get_transport()
             if transport is None or not transport.is_active():
-                raise OpsError(f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed")
+                raise OpsError(
+                    f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed"
+                )
             chan = transport.open_session()
             try:
                 chan.exec_command(command)
@@ -451,11 +482,15 @@ class RemoteRunner:
                     _drain(chan.recv_ready, chan.recv, out, None)
                     _drain(chan.recv_stderr_ready, chan.recv_stderr, err, None)
                 chan.shutdown_write()
-                while not (chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready()):
+                while not (
+                    chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready()
+                ):
                     got = _drain(chan.recv_ready, chan.recv, out, None)
                     got = _drain(chan.recv_stderr_ready, chan.recv_stderr, err, None) or got
                     if chan.closed or not transport.is_active():
-                        raise OpsError(f"connection to {self.label} lost during {_brief(command)} (no exit status came)")
+                        raise OpsError(
+                            f"connection to {self.label} lost during {_brief(command)} (no exit status came)"
+                        )
                     if not got:
                         select.select([chan], [], [], 0.05)
                 code = chan.recv_exit_status()
@@ -473,7 +508,9 @@ class RemoteRunner:
         try:
             transport = self._conn.client.get_transport()
             if transport is None or not transport.is_active():
-                raise OpsError(f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed")
+                raise OpsError(
+                    f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed"
+                )
             chan = transport.open_session()
             chan.exec_command(command)
         except (self._paramiko.SSHException, EOFError, OSError) as exc:
@@ -507,4 +544,3 @@ def connect(host: HostConfig, *, accept_new_host_key: bool = False) -> Runner:
     if host.is_local:
         return LocalRunner(host.name)
     return RemoteRunner(host, accept_new_host_key=accept_new_host_key)
-

@@ -15,12 +15,18 @@ EXIT_CONNECT = 3  # cannot connect: unknown host, refused, bad key, unknown or c
 EXIT_PREFLIGHT = 4  # a preflight check failed; nothing was stopped or started
 EXIT_UNKILLABLE = 5  # a GPU holder survived SIGKILL: reboot needed
 EXIT_NOT_CLEAN = 6  # GPUs still busy (compute process or memory over threshold) after the timeout
-EXIT_SERVER_STOP = 7  # the server did not stop (target missing, stop failed or timed out, survivors); no GPU process signalled
+# the server did not stop (target missing, stop failed or timed out, survivors); no GPU process signalled
+EXIT_SERVER_STOP = 7
 EXIT_SERVER_RESTORE = 8  # the server was not brought back (target missing, start command failed)
-EXIT_BUSY = 9  # another ops command holds the host lock, or a stage container of this output/host exists: wait or attach
-EXIT_RESPAWNED = 10  # a GPU holder came back after each of gpu-clean's kill rounds: its supervisor (named) must
+# another ops command holds the host lock, or a stage container of this output/host exists: wait or attach
+EXIT_BUSY = 9
+EXIT_RESPAWNED = (
+    10  # a GPU holder came back after each of gpu-clean's kill rounds: its supervisor (named) must
+)
 #                     be stopped first (systemd unit, restart policy, process manager); it was not killed
-EXIT_CANNOT_SIGNAL = 11  # a GPU holder may not be signalled by the SSH user (EPERM): connect as root or its owner
+EXIT_CANNOT_SIGNAL = (
+    11  # a GPU holder may not be signalled by the SSH user (EPERM): connect as root or its owner
+)
 EXIT_HOSTS_FAILED = 13  # several hosts: at least one host's shard is not complete (its row says why); the
 #                        others' shards are intact, and re-running the same command redoes only those hosts
 EXIT_INTERRUPTED = 130

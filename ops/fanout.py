@@ -100,21 +100,31 @@ def shard_complete(summary: dict | None, world_size: int, rank: int) -> bool:
     return stats.get("files") == len(shard(samples, rank, world_size))
 
 
-def plan_fanout(hosts: list[HostConfig], stage: str, *, run_id: str | None, extra: Iterable[str] | StageArgs = (),
-                resume: bool = False, previous: dict | None = None,
-                environ: Mapping[str, str] | None = None) -> FanoutPlan:
+def plan_fanout(
+    hosts: list[HostConfig],
+    stage: str,
+    *,
+    run_id: str | None,
+    extra: Iterable[str] | StageArgs = (),
+    resume: bool = False,
+    previous: dict | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> FanoutPlan:
     """Host i gets `--world-size N --rank i`; an earlier record of the same run id must have been made
     with the same hosts, stage and arguments; its complete shards are skipped, the others resume.
     `environ`: the operator's environment, for the secrets each host's `secrets` list names."""
     args = extra if isinstance(extra, StageArgs) else parse(extra)
     extra = args.argv
     if stage not in SHARDED:
-        raise ConfigError(f"stage {stage} cannot be split over hosts (only {', '.join(SHARDED)}); "
-                          "run it with one --host")
+        raise ConfigError(
+            f"stage {stage} cannot be split over hosts (only {', '.join(SHARDED)}); run it with one --host"
+        )
     names = [h.name for h in hosts]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ConfigError(f"hosts {', '.join(dupes)} appear twice in the host list; each host takes one shard")
+        raise ConfigError(
+            f"hosts {', '.join(dupes)} appear twice in the host list; each host takes one shard"
+        )
     own = [a for a in extra if a.split("=", 1)[0] in OWN_FLAGS]
     if own:
         raise ConfigError(f"{own[0]} is set per host by the multi-host run; drop it from the stage arguments")
@@ -128,28 +138,47 @@ def plan_fanout(hosts: list[HostConfig], stage: str, *, run_id: str | None, extr
     for rank, host in enumerate(hosts):
         again = previous is not None or resume  # an earlier attempt may have left part of this shard
         names = available(host.secrets, environ or {})
-        env_file_text(names, environ or {})  # a value docker cannot take fails now, before any host is touched
-        plan = plan_stage(host, stage, run_id=run_id, extra_args=args, shard=(n, rank), resume=again,
-                          layout=known(host.layout, args), secret_names=names)
+        env_file_text(
+            names, environ or {}
+        )  # a value docker cannot take fails now, before any host is touched
+        plan = plan_stage(
+            host,
+            stage,
+            run_id=run_id,
+            extra_args=args,
+            shard=(n, rank),
+            resume=again,
+            layout=known(host.layout, args),
+            secret_names=names,
+        )
         skip = None
         if host.name in done:
-            skip = f"shard {rank}/{n} verified complete in an earlier attempt ({done[host.name].get('files')} files)"
+            files = done[host.name].get("files")
+            skip = f"shard {rank}/{n} verified complete in an earlier attempt ({files} files)"
         jobs.append(HostJob(host, rank, n, plan, skip))
     return FanoutPlan(run_id, stage, n, extra, tuple(jobs), previous)
 
 
-def _check_same_run(previous: dict, run_id: str, stage: str, names: list[str], extra: tuple[str, ...]) -> None:
+def _check_same_run(
+    previous: dict, run_id: str, stage: str, names: list[str], extra: tuple[str, ...]
+) -> None:
     if previous.get("kind") != KIND:
         raise ConfigError(f"runs folder of {run_id} holds no multi-host run record; choose another --run-id")
     before = list(previous.get("host_order", []))
     if before != names:
-        raise ConfigError(f"run {run_id} was made with hosts {','.join(before)} (in this order, one shard each); "
-                          "re-run it with that HOST list or choose another --run-id")
+        raise ConfigError(
+            f"run {run_id} was made with hosts {','.join(before)} (in this order, one shard each); "
+            "re-run it with that HOST list or choose another --run-id"
+        )
     if previous.get("stage") != stage:
-        raise ConfigError(f"run {run_id} was a {previous.get('stage')} run, not {stage}; choose another --run-id")
+        raise ConfigError(
+            f"run {run_id} was a {previous.get('stage')} run, not {stage}; choose another --run-id"
+        )
     if list(previous.get("extra", [])) != list(extra):
-        raise ConfigError(f"run {run_id} was made with stage arguments {previous.get('extra')!r}; re-run it with "
-                          "the same arguments or choose another --run-id")
+        raise ConfigError(
+            f"run {run_id} was made with stage arguments {previous.get('extra')!r}; re-run it with "
+            "the same arguments or choose another --run-id"
+        )
 
 
 def find_previous(runs_dir: Path, run_id: str | None, stage: str, names: list[str]) -> dict | None:
@@ -158,11 +187,15 @@ def find_previous(runs_dir: Path, run_id: str | None, stage: str, names: list[st
     if run_id is not None:
         path = run_dir(runs_dir, run_id) / SUMMARY
         return _read(path) if path.is_file() else None
-    found = [(r.get("updated", ""), r) for r in map(_read, runs_dir.glob(f"*/{SUMMARY}"))
-             if r.get("kind") == KIND and r.get("stage") == stage and r.get("host_order") == names]
+    found = [
+        (r.get("updated", ""), r)
+        for r in map(_read, runs_dir.glob(f"*/{SUMMARY}"))
+        if r.get("kind") == KIND and r.get("stage") == stage and r.get("host_order") == names
+    ]
     if not found:
-        raise ConfigError(f"--resume: no earlier {stage} run of hosts {','.join(names)} in {runs_dir}; "
-                          "pass its --run-id")
+        raise ConfigError(
+            f"--resume: no earlier {stage} run of hosts {','.join(names)} in {runs_dir}; pass its --run-id"
+        )
     return max(found, key=lambda x: x[0])[1]
 
 
@@ -183,12 +216,22 @@ def host_section(result: HostResult, world_size: int) -> dict:
         return {**result.previous, "status": SKIPPED, "error": "", "seconds": 0.0}
     stats = (result.summary or {}).get("stats") or {}
     complete = result.status == OK and shard_complete(result.summary, world_size, result.rank)
-    return {"host": result.host, "rank": result.rank, "status": result.status, "exit_code": result.exit_code,
-            "error": result.error, "seconds": round(result.seconds, 1), "complete": complete,
-            "samples": stats.get("samples"), "files": stats.get("files", 0), "tokens": stats.get("tokens", 0),
-            "missing": stats.get("missing") if result.summary else None, "summary": f"{result.host}/{SUMMARY}"
-            if result.summary else None, "provenance": provenance_facts(result.summary),
-            "schema_note": schema_note(result.summary) if result.summary else None}
+    return {
+        "host": result.host,
+        "rank": result.rank,
+        "status": result.status,
+        "exit_code": result.exit_code,
+        "error": result.error,
+        "seconds": round(result.seconds, 1),
+        "complete": complete,
+        "samples": stats.get("samples"),
+        "files": stats.get("files", 0),
+        "tokens": stats.get("tokens", 0),
+        "missing": stats.get("missing") if result.summary else None,
+        "summary": f"{result.host}/{SUMMARY}" if result.summary else None,
+        "provenance": provenance_facts(result.summary),
+        "schema_note": schema_note(result.summary) if result.summary else None,
+    }
 
 
 def merge(plan: FanoutPlan, results: list[HostResult]) -> dict:
@@ -211,16 +254,26 @@ def merge(plan: FanoutPlan, results: list[HostResult]) -> dict:
     complete = [s["rank"] for s in sections if s["complete"]]
     files = sum(s.get("files") or 0 for s in sections)
     return {
-        "kind": KIND, "run_id": plan.run_id, "stage": plan.stage, "world_size": plan.world_size,
-        "host_order": list(plan.hosts), "extra": list(plan.extra),
+        "kind": KIND,
+        "run_id": plan.run_id,
+        "stage": plan.stage,
+        "world_size": plan.world_size,
+        "host_order": list(plan.hosts),
+        "extra": list(plan.extra),
         "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "attempts": int((plan.previous or {}).get("attempts", 0)) + 1,
         "hosts": sections,
-        "totals": {"samples": samples, "files": files, "tokens": sum(s.get("tokens") or 0 for s in sections),
-                   "complete_ranks": complete, "incomplete_ranks": [s["rank"] for s in sections if not s["complete"]],
-                   "missing_files": sorted(missing), "unknown_ranks": unknown,
-                   "samples_disagree": sizes if len(sizes) > 1 else [],
-                   "provenance_disagree": disagreements([s["provenance"] for s in sections if s.get("provenance")])},
+        "totals": {
+            "samples": samples,
+            "files": files,
+            "tokens": sum(s.get("tokens") or 0 for s in sections),
+            "complete_ranks": complete,
+            "incomplete_ranks": [s["rank"] for s in sections if not s["complete"]],
+            "missing_files": sorted(missing),
+            "unknown_ranks": unknown,
+            "samples_disagree": sizes if len(sizes) > 1 else [],
+            "provenance_disagree": disagreements([s["provenance"] for s in sections if s.get("provenance")]),
+        },
         "complete": len(complete) == plan.world_size and samples is not None and files == samples,
     }
 
@@ -264,11 +317,18 @@ class PrefixedLines:
 
 def host_console(name: str, width: int, sink, lock: threading.Lock) -> Console:
     prefix = f"{name} | "
-    return Console(file=PrefixedLines(prefix, sink, lock), highlight=False, soft_wrap=True, no_color=True,
-                   width=max(40, width - len(prefix)))
+    return Console(
+        file=PrefixedLines(prefix, sink, lock),
+        highlight=False,
+        soft_wrap=True,
+        no_color=True,
+        width=max(40, width - len(prefix)),
+    )
 
 
-def run_host(job: HostJob, request: RunRequest, *, connect: Callable, local_dir: Path, console: Console) -> HostResult:
+def run_host(
+    job: HostJob, request: RunRequest, *, connect: Callable, local_dir: Path, console: Console
+) -> HostResult:
     """The ordinary one-host flow (preflight, gpu-clean, stage, summary, restore) on this host's own
     connection; every failure, expected or not, becomes the host's row."""
     start = time.monotonic()
@@ -305,7 +365,8 @@ def _stage_error(code: int | None, summary: dict | None, local_dir: Path) -> str
         where = f"{c['file']}: " if c.get("file") else ""
         return f"stage exit code {code}; {where}{c.get('name')}: {c.get('detail')}"
     stats = summary.get("stats") or {}
-    return f"stage exit code {code}; shard incomplete ({stats.get('files')} files, missing {stats.get('missing')})"
+    files, missing = stats.get("files"), stats.get("missing")
+    return f"stage exit code {code}; shard incomplete ({files} files, missing {missing})"
 
 
 def _log_error(log: Path) -> str:
@@ -326,7 +387,9 @@ def _wait(done: list[threading.Event]) -> None:
             pass
 
 
-def run_fanout(plan: FanoutPlan, request: RunRequest, *, connect: Callable, console: Console) -> tuple[dict, bool]:
+def run_fanout(
+    plan: FanoutPlan, request: RunRequest, *, connect: Callable, console: Console
+) -> tuple[dict, bool]:
     """Every host at once, one thread and one connection each (the request's --restore-server, --wait and
     host-key choice for each); writes runs/<run-id>/summary.json after all hosts finished. Returns the
     merged record and whether the operator pressed Ctrl-C."""
@@ -340,16 +403,21 @@ def run_fanout(plan: FanoutPlan, request: RunRequest, *, connect: Callable, cons
         """The record as it stands; rewritten as each host finishes, so that a re-run after the operator's
         machine died mid-run still skips the hosts that had completed."""
         with record_lock:
-            rows = [results.get(j.host.name) or HostResult(j.host.name, j.rank, RUNNING, error="did not report")
-                    for j in plan.jobs]
+            rows = [
+                results.get(j.host.name) or HostResult(j.host.name, j.rank, RUNNING, error="did not report")
+                for j in plan.jobs
+            ]
             merged = merge(plan, rows)
             write_json(root / SUMMARY, merged)
             return merged
 
     console.print(f"run id [bold]{plan.run_id}[/] on {plan.world_size} hosts; local folder {root}")
     for job in plan.jobs:
-        console.print(f"  rank {job.rank}/{plan.world_size} {job.host.name}: "
-                      + (f"skipped: {job.skip}" if job.skip else shlex.join(job.plan.stage_argv[3:])), markup=False)
+        console.print(
+            f"  rank {job.rank}/{plan.world_size} {job.host.name}: "
+            + (f"skipped: {job.skip}" if job.skip else shlex.join(job.plan.stage_argv[3:])),
+            markup=False,
+        )
         if job.skip:
             prev = next(s for s in plan.previous["hosts"] if s["host"] == job.host.name)
             results[job.host.name] = HostResult(job.host.name, job.rank, SKIPPED, exit_code=0, previous=prev)
@@ -359,8 +427,9 @@ def run_fanout(plan: FanoutPlan, request: RunRequest, *, connect: Callable, cons
 
         def work(job=job, hc=hc, done=done) -> None:
             try:
-                results[job.host.name] = run_host(job, request, connect=connect, local_dir=root / job.host.name,
-                                                  console=hc)
+                results[job.host.name] = run_host(
+                    job, request, connect=connect, local_dir=root / job.host.name, console=hc
+                )
                 hc.file.close()
                 record()
             finally:
@@ -377,13 +446,17 @@ def run_fanout(plan: FanoutPlan, request: RunRequest, *, connect: Callable, cons
             break
         except KeyboardInterrupt:
             presses += 1
-            console.print("interrupted: stopping the stage on every host" + (
-                " now" if presses > 1 else " after each host's current step (Ctrl-C again: at once)"))
+            console.print(
+                "interrupted: stopping the stage on every host"
+                + (" now" if presses > 1 else " after each host's current step (Ctrl-C again: at once)")
+            )
             for t, done in threads:
                 if not done.is_set():
                     interrupt_thread(t, now=presses > 1)
     interrupted = presses > 0
     for job in plan.jobs:  # a thread hit by Ctrl-C before its flow began has no row of its own
-        results.setdefault(job.host.name, HostResult(job.host.name, job.rank, FAILED, EXIT_INTERRUPTED,
-                                                     "interrupted before it started"))
+        results.setdefault(
+            job.host.name,
+            HostResult(job.host.name, job.rank, FAILED, EXIT_INTERRUPTED, "interrupted before it started"),
+        )
     return record(), interrupted

@@ -100,16 +100,29 @@ class GpuCheck:
 
 
 def _proc(d: dict) -> Proc:
-    return Proc(pid=d["pid"], comm=d["comm"], cmdline=d["cmdline"], user=d["user"], state=d["state"],
-                ppid=d["ppid"], pgid=d["pgid"], starttime=d["starttime"], container=d.get("container"),
-                container_id=d.get("container_id"), devices=tuple(d.get("devices", ())))
+    return Proc(
+        pid=d["pid"],
+        comm=d["comm"],
+        cmdline=d["cmdline"],
+        user=d["user"],
+        state=d["state"],
+        ppid=d["ppid"],
+        pgid=d["pgid"],
+        starttime=d["starttime"],
+        container=d.get("container"),
+        container_id=d.get("container_id"),
+        devices=tuple(d.get("devices", ())),
+    )
 
 
 def classify(proc: Proc, host: HostConfig, server: ServerFacts, ancestry: set[int]) -> tuple[str, str]:
     argv0 = os.path.basename(proc.cmdline.split(" ", 1)[0]) if proc.cmdline else ""
     # /proc comm is cut to 15 characters ("nvidia-persistenced" reads "nvidia-persiste")
-    hit = sorted(p for p in host.protected
-                 if p in (proc.comm, argv0) or (len(proc.comm) == 15 and p.startswith(proc.comm)))
+    hit = sorted(
+        p
+        for p in host.protected
+        if p in (proc.comm, argv0) or (len(proc.comm) == 15 and p.startswith(proc.comm))
+    )
     if hit:
         return PROTECTED, f"protected name {hit[0]}"
     if proc.pid in ancestry:
@@ -126,17 +139,32 @@ def classify(proc: Proc, host: HostConfig, server: ServerFacts, ancestry: set[in
 def parse_probe(reply: dict, host: HostConfig) -> GpuState:
     """Typed, classified facts from one probe reply."""
     s = reply["server"]
-    running = tuple(cid for cid in s.get("container_ids", [])
-                    if reply["containers"].get(cid, {}).get("state") == "running")
-    server = ServerFacts(kind=s["kind"], container_ids=tuple(s.get("container_ids", [])),
-                         running_container_ids=running, pgid=s.get("pgid"), members=tuple(s.get("members", [])),
-                         error=s.get("error"))
+    running = tuple(
+        cid
+        for cid in s.get("container_ids", [])
+        if reply["containers"].get(cid, {}).get("state") == "running"
+    )
+    server = ServerFacts(
+        kind=s["kind"],
+        container_ids=tuple(s.get("container_ids", [])),
+        running_container_ids=running,
+        pgid=s.get("pgid"),
+        members=tuple(s.get("members", [])),
+        error=s.get("error"),
+    )
     gpu = reply["gpu"]
     gpus = tuple(
-        Gpu(index=g["index"], name=g["name"], uuid=g["uuid"], memory_used_mib=g["memory_used_mib"],
-            memory_total_mib=g["memory_total_mib"], memory_api=g["memory_api"],
-            memory_used_v1_mib=g.get("memory_used_v1_mib", g["memory_used_mib"]), util_gpu=g.get("util_gpu"),
-            process_pids=tuple(p["pid"] for p in g["processes"]))
+        Gpu(
+            index=g["index"],
+            name=g["name"],
+            uuid=g["uuid"],
+            memory_used_mib=g["memory_used_mib"],
+            memory_total_mib=g["memory_total_mib"],
+            memory_api=g["memory_api"],
+            memory_used_v1_mib=g.get("memory_used_v1_mib", g["memory_used_mib"]),
+            util_gpu=g.get("util_gpu"),
+            process_pids=tuple(p["pid"] for p in g["processes"]),
+        )
         for g in gpu["gpus"]
     )
     used: dict[int, int] = {}
@@ -157,11 +185,19 @@ def parse_probe(reply: dict, host: HostConfig) -> GpuState:
         klass, reason = classify(proc, host, server, ancestry)
         via = "+".join(x for x, hit in (("fuser", pid in fuser_pids), ("nvml", pid in on)) if hit)
         holders.append(Holder(proc, klass, reason, tuple(on.get(pid, ())), used.get(pid), via))
-    return GpuState(host=host.name, hostname=reply["hostname"], gpus=gpus, holders=tuple(holders),
-                    device_files=tuple(reply["fuser"]["files"]), gpu_error=gpu.get("error"),
-                    fuser_error=reply["fuser"].get("error"), server=server, ancestry=tuple(reply["ancestry"]),
-                    parents=tuple(_proc(d) for _, d in sorted(reply.get("parents", {}).items())),
-                    driver=gpu.get("driver"))
+    return GpuState(
+        host=host.name,
+        hostname=reply["hostname"],
+        gpus=gpus,
+        holders=tuple(holders),
+        device_files=tuple(reply["fuser"]["files"]),
+        gpu_error=gpu.get("error"),
+        fuser_error=reply["fuser"].get("error"),
+        server=server,
+        ancestry=tuple(reply["ancestry"]),
+        parents=tuple(_proc(d) for _, d in sorted(reply.get("parents", {}).items())),
+        driver=gpu.get("driver"),
+    )
 
 
 def probe(runner: Runner, host: HostConfig) -> GpuState:
@@ -184,7 +220,9 @@ def check_clean(state: GpuState, threshold_mib: int) -> list[GpuCheck]:
         if g.process_pids:
             out.append(GpuCheck(g.index, False, f"compute processes {', '.join(map(str, g.process_pids))}"))
         elif g.memory_used_mib >= threshold_mib:
-            out.append(GpuCheck(g.index, False, f"{g.memory_used_mib} MiB used >= threshold {threshold_mib} MiB"))
+            out.append(
+                GpuCheck(g.index, False, f"{g.memory_used_mib} MiB used >= threshold {threshold_mib} MiB")
+            )
         else:
             out.append(GpuCheck(g.index, True, f"no compute process, {g.memory_used_mib} MiB used"))
     return out

@@ -26,7 +26,10 @@ LOCAL = "local"
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _SPEC = re.compile(rf"^(?:(?P<user>{_NAME})@)?(?P<host>{_NAME}|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]+))?$")
 # a host name (IPv6 addresses included) or a run id: one safe path component, never "." or ".."
-_LABEL = {True: re.compile(r"^[A-Za-z0-9:][A-Za-z0-9._:-]{0,99}$"), False: re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")}
+_LABEL = {
+    True: re.compile(r"^[A-Za-z0-9:][A-Za-z0-9._:-]{0,99}$"),
+    False: re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"),
+}
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: anything longer is a typo, and inf/NaN would never return
 _CONTAINER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # docker's own rule for container names
 _UNIT = re.compile(r"^[A-Za-z0-9:_.@\\-]+$")
@@ -96,7 +99,9 @@ class HostConfig:
     user: str | None = None  #: SSH user (default: ~/.ssh/config, then the local user)
     port: int | None = None  #: SSH port (default: ~/.ssh/config, then 22)
     key: str | None = None  #: private key file (default: ~/.ssh/config / agent / default keys)
-    known_hosts: str | None = None  #: known_hosts file (default: ssh config UserKnownHostsFile, ~/.ssh/known_hosts)
+    known_hosts: str | None = (
+        None  #: known_hosts file (default: ssh config UserKnownHostsFile, ~/.ssh/known_hosts)
+    )
     data_root: str = "/data/eagle"  #: host folder mounted at /data in the stage container
     model_dir: str = "/models/target"  #: host folder with the target model, mounted read-only at /model
     cache_dir: str = "/data/eagle/cache"  #: host folder mounted at /cache (HF cache, compile caches)
@@ -155,8 +160,10 @@ def check_label(text: str, what: str, *, host: bool = False) -> str:
     ':' in a host name, for IPv6 addresses), starting with a letter or digit: never '.', '..' or a path."""
     if not isinstance(text, str) or not _LABEL[host].match(text):
         extra = ", ':'" if host else ""
-        raise ConfigError(f"{what} {text!r} must be 1-100 letters, digits, '.', '_', '-'{extra}, starting with a "
-                          "letter or digit (it names a folder under --runs-dir)")
+        raise ConfigError(
+            f"{what} {text!r} must be 1-100 letters, digits, '.', '_', '-'{extra}, starting with a "
+            "letter or digit (it names a folder under --runs-dir)"
+        )
     return text
 
 
@@ -164,8 +171,9 @@ def check_seconds(value: object, what: str) -> float:
     """A timeout: a finite number of seconds in (0, MAX_TIMEOUT_S]."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or not 0 < value <= MAX_TIMEOUT_S:
-        raise ConfigError(f"{what} must be a positive number of seconds up to {MAX_TIMEOUT_S:g} "
-                          f"(a week), got {value!r}")
+        raise ConfigError(
+            f"{what} must be a positive number of seconds up to {MAX_TIMEOUT_S:g} (a week), got {value!r}"
+        )
     return float(value)
 
 
@@ -191,7 +199,7 @@ def host_from_table(name: str, table: dict, where: str) -> HostConfig:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}")
     base = parse_host_spec(_str(table["address"], "address", where)) if "address" in table else None
     if base is None and "host" not in table:
-        raise ConfigError(f"{where}: give `address = \"user@host[:port]\"` or `host = ...`")
+        raise ConfigError(f'{where}: give `address = "user@host[:port]"` or `host = ...`')
     kw: dict = {}
     if base is not None:
         kw.update(host=base.host, user=base.user, port=base.port)
@@ -248,12 +256,17 @@ def _stage_keys(table: dict, where: str) -> dict:
     if "secrets" in table:
         names = table["secrets"]
         if not isinstance(names, list) or not all(isinstance(n, str) and _ENV.match(n) for n in names):
-            raise ConfigError(f"{where}: secrets must be a list of environment variable names (names, not values)")
+            raise ConfigError(
+                f"{where}: secrets must be a list of environment variable names (names, not values)"
+            )
         kw["secrets"] = tuple(names)
     if "secrets_dir" in table:
         kw["secrets_dir"] = _abs(table["secrets_dir"], "secrets_dir", where)
-    checks = (("stage_user", _USER, "auto, root or UID[:GID]"), ("stage_ipc", re.compile(r"^(private|host)$"),
-              "private or host"), ("stage_shm_size", _SIZE, "a size like 16g"))
+    checks = (
+        ("stage_user", _USER, "auto, root or UID[:GID]"),
+        ("stage_ipc", re.compile(r"^(private|host)$"), "private or host"),
+        ("stage_shm_size", _SIZE, "a size like 16g"),
+    )
     for key, rule, what in checks:
         if key in table:
             if not isinstance(table[key], str) or not rule.match(table[key]):
@@ -276,7 +289,9 @@ def _layout_keys(table: dict, where: str) -> dict:
     kw: dict = {}
     if "backend" in table:
         if table["backend"] not in (AUTO, *BACKENDS):
-            raise ConfigError(f"{where}: backend must be one of {AUTO}, {', '.join(BACKENDS)}, got {table['backend']!r}")
+            raise ConfigError(
+                f"{where}: backend must be one of {AUTO}, {', '.join(BACKENDS)}, got {table['backend']!r}"
+            )
         kw["backend"] = table["backend"]
     for key in ("tensor_parallel_size", "data_parallel"):
         if key in table:
@@ -293,7 +308,9 @@ def _timeouts(table: object, where: str) -> Timeouts:
     known = {f.name for f in fields(Timeouts)}
     unknown = sorted(set(table) - known)
     if unknown:
-        raise ConfigError(f"{where}: unknown timeout(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ConfigError(
+            f"{where}: unknown timeout(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
     return Timeouts(**{k: check_seconds(v, f"{where}: timeouts.{k}") for k, v in table.items()})
 
 

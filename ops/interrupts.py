@@ -65,7 +65,9 @@ class Interrupts:
             self.pending = False
             raise KeyboardInterrupt
         self.pending = True
-        self.console.print("[yellow]Ctrl-C[/]: finishing the current step, then stopping (Ctrl-C again to abort now)")
+        self.console.print(
+            "[yellow]Ctrl-C[/]: finishing the current step, then stopping (Ctrl-C again to abort now)"
+        )
 
     def checkpoint(self) -> None:
         """A step boundary: act on a deferred Ctrl-C."""

@@ -30,14 +30,27 @@ class StageContainer:
         return self.state == "running"
 
 
-FIELDS = ("{{.ID}}", "{{.Names}}", "{{.State}}", *(f'{{{{.Label "{label}"}}}}' for label in
-                                                   (LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST)))
+FIELDS = (
+    "{{.ID}}",
+    "{{.Names}}",
+    "{{.State}}",
+    *(f'{{{{.Label "{label}"}}}}' for label in (LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST)),
+)
 
 
 def inventory_argv(run_id: str | None = None) -> tuple[str, ...]:
     """`docker ps` of every stage container, running or not (only run ``run_id``'s when given)."""
     label = f"{LABEL_RUN}={run_id}" if run_id else LABEL_RUN
-    return ("docker", "ps", "--all", "--no-trunc", "--filter", f"label={label}", "--format", "\t".join(FIELDS))
+    return (
+        "docker",
+        "ps",
+        "--all",
+        "--no-trunc",
+        "--filter",
+        f"label={label}",
+        "--format",
+        "\t".join(FIELDS),
+    )
 
 
 def parse_inventory(text: str) -> list[StageContainer]:

@@ -33,7 +33,8 @@ class Layout:
 
 
 def visible_gpus(docker_gpus: str, host_gpus: int) -> int:
-    """GPUs the stage container gets from `docker run --gpus VALUE`: all of them, a count, or a device list."""
+    """GPUs the stage container gets from `docker run --gpus VALUE`: all of them, a count, or a device
+    list."""
     value = docker_gpus.strip()
     if value.startswith(("device=", '"device=')):
         return len([d for d in value.split("=", 1)[1].strip('"').split(",") if d.strip()])
@@ -47,7 +48,9 @@ def needs_image_probe(configured: Layout, args: StageArgs = StageArgs()) -> bool
     return configured.backend == AUTO and args.backend is None
 
 
-def resolve(configured: Layout, *, gpus: int, image_has_vllm: bool | None, args: StageArgs = StageArgs()) -> Layout:
+def resolve(
+    configured: Layout, *, gpus: int, image_has_vllm: bool | None, args: StageArgs = StageArgs()
+) -> Layout:
     """The concrete layout for a host with `gpus` GPUs visible to the stage. ConfigError for one that
     cannot run: more GPUs asked for than there are, data parallelism with vLLM."""
     backend = args.backend or configured.backend
@@ -60,14 +63,18 @@ def resolve(configured: Layout, *, gpus: int, image_has_vllm: bool | None, args:
     have = max(gpus, 1)  # no GPU (a CPU rehearsal): one device's worth
     if backend == "vllm":
         if dp > 1:
-            raise ConfigError(f"data_parallel {dp} with the vllm backend: it runs one process over "
-                              "tensor_parallel_size GPUs; set data_parallel = 1 or backend = \"hf\"")
+            raise ConfigError(
+                f"data_parallel {dp} with the vllm backend: it runs one process over "
+                'tensor_parallel_size GPUs; set data_parallel = 1 or backend = "hf"'
+            )
         tp, dp = tp or have, 1
     else:
         tp, dp = 1, dp or have
     if tp * dp > have:
-        raise ConfigError(f"layout {backend} tensor parallel {tp} x data parallel {dp} needs {tp * dp} GPUs, the "
-                          f"stage sees {gpus}; lower tensor_parallel_size/data_parallel in the hosts file")
+        raise ConfigError(
+            f"layout {backend} tensor parallel {tp} x data parallel {dp} needs {tp * dp} GPUs, the "
+            f"stage sees {gpus}; lower tensor_parallel_size/data_parallel in the hosts file"
+        )
     return Layout(backend, tp, dp)
 
 
@@ -102,7 +109,9 @@ def describe(configured: Layout, resolved: Layout | None = None) -> str:
         if resolved.backend == "vllm":
             return f"backend vllm, tensor parallel {resolved.tensor_parallel_size}, data parallel 1"
         return f"backend hf, data parallel {resolved.data_parallel} (one process per GPU)"
-    backend = ("auto (vllm when the image has it, else hf)" if configured.backend == AUTO else configured.backend)
+    backend = (
+        "auto (vllm when the image has it, else hf)" if configured.backend == AUTO else configured.backend
+    )
     tp = configured.tensor_parallel_size or "all GPUs"
     dp = configured.data_parallel or "1 with vllm, one process per GPU with hf"
     return f"backend {backend}, tensor parallel {tp}, data parallel {dp}; resolved by the preflight"

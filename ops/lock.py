@@ -6,7 +6,8 @@ the ops command (released on exit, error, Ctrl-C, a dropped SSH connection, or a
 `timeouts.lock_expire` seconds); the holder record a refused operator is shown (who, which command and
 run, since when) and the advice that goes with it; and the stage checks that run under the lock (a
 stage container of the same output must be attached, not started a second time; one that holds GPUs
-must not be killed by gpu-clean as an orphan). Does not decide which commands lock: ops.cli and ops.remote_run do.
+must not be killed by gpu-clean as an orphan). Does not decide which commands lock: ops.cli and
+ops.remote_run do.
 """
 
 from __future__ import annotations
@@ -51,8 +52,12 @@ def operator() -> str:
 
 
 def lock_request(host: HostConfig, command: str, run_id: str | None, wait: float) -> dict:
-    return {"path": host.lock_file, "wait": wait, "expire": host.timeouts.lock_expire,
-            "record": {"operator": operator(), "command": command, "run_id": run_id}}
+    return {
+        "path": host.lock_file,
+        "wait": wait,
+        "expire": host.timeouts.lock_expire,
+        "record": {"operator": operator(), "command": command, "run_id": run_id},
+    }
 
 
 def describe(record: dict | None) -> str:
@@ -60,8 +65,11 @@ def describe(record: dict | None) -> str:
     if not record:
         return "another ops command (no holder record yet)"
     run = f" (run {record['run_id']})" if record.get("run_id") else ""
-    return (f"{record.get('command', '?')}{run} by {record.get('operator', '?')} as {record.get('ssh_user', '?')} "
-            f"since {record.get('since', '?')} (lock pid {record.get('pid', '?')})")
+    who = f"{record.get('operator', '?')} as {record.get('ssh_user', '?')}"
+    return (
+        f"{record.get('command', '?')}{run} by {who} "
+        f"since {record.get('since', '?')} (lock pid {record.get('pid', '?')})"
+    )
 
 
 @dataclass
@@ -75,8 +83,10 @@ class HostLock:
     def ensure(self) -> None:
         """Raise if the keeper is gone (heartbeat lost while this process was frozen)."""
         if self.proc.exited():
-            raise OpsError(f"lost the host lock on {self.host.name} (its keeper exited); stopping here",
-                           exit_code=EXIT_BUSY)
+            raise OpsError(
+                f"lost the host lock on {self.host.name} (its keeper exited); stopping here",
+                exit_code=EXIT_BUSY,
+            )
 
 
 def _heartbeat(proc: Process, interval: float, stop: threading.Event) -> None:
@@ -88,8 +98,15 @@ def _heartbeat(proc: Process, interval: float, stop: threading.Event) -> None:
 
 
 @contextmanager
-def host_lock(runner: Runner, host: HostConfig, command: str, *, run_id: str | None = None, wait: float = 0.0,
-              console: Console | None = None) -> Iterator[HostLock]:
+def host_lock(
+    runner: Runner,
+    host: HostConfig,
+    command: str,
+    *,
+    run_id: str | None = None,
+    wait: float = 0.0,
+    console: Console | None = None,
+) -> Iterator[HostLock]:
     """Hold the host lock for the body; refuse (OpsError, exit EXIT_BUSY) naming the holder, or wait up
     to `wait` seconds for it."""
     proc = runner.start(keeper_command(host))
@@ -99,7 +116,9 @@ def host_lock(runner: Runner, host: HostConfig, command: str, *, run_id: str | N
             proc.write(json.dumps(lock_request(host, command, run_id, wait)) + "\n")
         except (OSError, EOFError):
             pass  # the keeper did not start: its stderr says why (below)
-        threading.Thread(target=_heartbeat, args=(proc, host.timeouts.lock_expire / 4, stop), daemon=True).start()
+        threading.Thread(
+            target=_heartbeat, args=(proc, host.timeouts.lock_expire / 4, stop), daemon=True
+        ).start()
         reply = _answer(proc, host, wait, console)
         pause_point("locked")
         yield HostLock(host, proc, reply["record"])
@@ -113,16 +132,21 @@ def _answer(proc: Process, host: HostConfig, wait: float, console: Console | Non
         line = proc.readline(timeout=wait + host.timeouts.command)
         if not line:
             err = proc.stderr().strip().splitlines()
-            raise OpsError(f"cannot take the host lock {host.lock_file} on {host.name}: "
-                           f"{err[-1] if err else 'the lock keeper exited without an answer'}")
+            raise OpsError(
+                f"cannot take the host lock {host.lock_file} on {host.name}: "
+                f"{err[-1] if err else 'the lock keeper exited without an answer'}"
+            )
         msg = json.loads(line)
         if msg["state"] == "held":
             return msg
         if msg["state"] == "waiting" and console is not None:
             console.print(f"{host.name} is busy: {describe(msg['holder'])}; waiting up to {wait:g} s")
         elif msg["state"] == "busy":
-            raise OpsError(f"{host.name} is busy: {describe(msg['holder'])}; wait for it to finish, or pass "
-                           f"--wait SECONDS", exit_code=EXIT_BUSY)
+            raise OpsError(
+                f"{host.name} is busy: {describe(msg['holder'])}; wait for it to finish, or pass "
+                f"--wait SECONDS",
+                exit_code=EXIT_BUSY,
+            )
 
 
 def refuse_duplicate_run(runner: Runner, host: HostConfig, output: str) -> None:
@@ -132,8 +156,11 @@ def refuse_duplicate_run(runner: Runner, host: HostConfig, output: str) -> None:
     for c in stage_containers(runner) or ():
         if c.output == output:
             what = "being written by" if c.running else f"the output of the uncollected ({c.state})"
-            raise OpsError(f"{output} on {host.name} is {what} run {c.run_id} (container {c.name}); "
-                           f"`attach {c.run_id}` to follow and collect it", exit_code=EXIT_BUSY)
+            raise OpsError(
+                f"{output} on {host.name} is {what} run {c.run_id} (container {c.name}); "
+                f"`attach {c.run_id}` to follow and collect it",
+                exit_code=EXIT_BUSY,
+            )
 
 
 def refuse_killing_stages(runner: Runner, host: HostConfig, state: GpuState) -> None:
@@ -145,6 +172,8 @@ def refuse_killing_stages(runner: Runner, host: HostConfig, state: GpuState) -> 
         return
     for c in stage_containers(runner) or ():
         if c.running and c.id in in_containers:
-            raise OpsError(f"stage run {c.run_id} (container {c.name}) holds GPUs on {host.name}; `attach {c.run_id}` "
-                           f"to follow it, or `docker stop {c.name}` first; nothing was stopped or signalled",
-                           exit_code=EXIT_BUSY)
+            raise OpsError(
+                f"stage run {c.run_id} (container {c.name}) holds GPUs on {host.name}; `attach {c.run_id}` "
+                f"to follow it, or `docker stop {c.name}` first; nothing was stopped or signalled",
+                exit_code=EXIT_BUSY,
+            )

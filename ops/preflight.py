@@ -45,7 +45,9 @@ def docker_checks(runner: Runner, host: HostConfig, run_id: str) -> tuple[list[C
     if res.exit_code == 127 or "command not found" in res.stderr:
         return [CheckResult("docker", FAIL, f"docker is not installed on {host.name}")], ImageFacts()
     if not res.ok and "No such image" not in res.stderr:
-        return [CheckResult("docker", FAIL, f"docker daemon not reachable: {_last(res.stderr)}")], ImageFacts()
+        return [
+            CheckResult("docker", FAIL, f"docker daemon not reachable: {_last(res.stderr)}")
+        ], ImageFacts()
     out = [CheckResult("docker", OK, "answers")]
     image = ImageFacts()
     if res.ok:
@@ -54,16 +56,33 @@ def docker_checks(runner: Runner, host: HostConfig, run_id: str) -> tuple[list[C
         image = ImageFacts(digest, (json.loads(labels or "null") or {}).get(MIN_DRIVER_LABEL) or None)
         out.append(CheckResult("image", OK, f"{host.image} {digest}"))
     else:
-        out.append(CheckResult("image", FAIL, f"image {host.image} is not on {host.name}; build or ship it "
-                                              f"(make ship-image HOST={host.name})"))
+        out.append(
+            CheckResult(
+                "image",
+                FAIL,
+                f"image {host.image} is not on {host.name}; build or ship it "
+                f"(make ship-image HOST={host.name})",
+            )
+        )
     found = stage_containers(runner) or []
     busy = [c.name for c in found if c.running]
     used = [c.name for c in found if c.run_id == run_id]
-    out.append(CheckResult("busy", FAIL if busy else OK,
-                           f"stage container(s) running: {', '.join(busy)}; attach or wait" if busy else "no stage running"))
-    out.append(CheckResult("run-id", FAIL if used else OK,
-                           f"container {used[0]} of run {run_id} exists; `attach {run_id}` or choose another "
-                           "--run-id" if used else f"{run_id} unused"))
+    out.append(
+        CheckResult(
+            "busy",
+            FAIL if busy else OK,
+            f"stage container(s) running: {', '.join(busy)}; attach or wait" if busy else "no stage running",
+        )
+    )
+    out.append(
+        CheckResult(
+            "run-id",
+            FAIL if used else OK,
+            f"container {used[0]} of run {run_id} exists; `attach {run_id}` or choose another --run-id"
+            if used
+            else f"{run_id} unused",
+        )
+    )
     return out, image
 
 
@@ -88,12 +107,19 @@ def driver_check(state: GpuState, min_driver: str | None) -> CheckResult:
     have = state.driver or ""
     major = int(have.split(".")[0]) if have.split(".")[0].isdigit() else None
     if major is None:
-        return CheckResult("driver", WARN, f"driver version unknown ({have or 'not reported'}); the image needs "
-                                           f">= {min_driver}")
+        return CheckResult(
+            "driver",
+            WARN,
+            f"driver version unknown ({have or 'not reported'}); the image needs >= {min_driver}",
+        )
     if major < int(min_driver):
-        return CheckResult("driver", FAIL, f"NVIDIA driver {have} on {state.host} is older than the image needs "
-                                           f"(>= {min_driver}: its vLLM and torch are CUDA 13.0 builds); upgrade "
-                                           "the host's driver (docs/image.md, \"Which vLLM wheel\")")
+        return CheckResult(
+            "driver",
+            FAIL,
+            f"NVIDIA driver {have} on {state.host} is older than the image needs "
+            f"(>= {min_driver}: its vLLM and torch are CUDA 13.0 builds); upgrade "
+            'the host\'s driver (docs/image.md, "Which vLLM wheel")',
+        )
     return CheckResult("driver", OK, f"{have} >= {min_driver}")
 
 
@@ -104,8 +130,11 @@ def _meta_and_config(host: HostConfig) -> tuple[str, str]:
 def paths_request(host: HostConfig, plan: StagePlan) -> dict:
     """What the host agent must report about the run's paths (sent along with the GPU probe)."""
     meta, config = _meta_and_config(host)
-    return {"paths": [host.data_root, host.model_dir, host.cache_dir, *plan.host_inputs, plan.host_output],
-            "free": [plan.host_output], "json": [meta, config] if plan.stage == "extract" else []}
+    return {
+        "paths": [host.data_root, host.model_dir, host.cache_dir, *plan.host_inputs, plan.host_output],
+        "free": [plan.host_output],
+        "json": [meta, config] if plan.stage == "extract" else [],
+    }
 
 
 def path_checks(host: HostConfig, plan: StagePlan, facts: dict) -> list[CheckResult]:
@@ -119,34 +148,60 @@ def path_checks(host: HostConfig, plan: StagePlan, facts: dict) -> list[CheckRes
         out.append(CheckResult("input", OK if ok else FAIL, f"{p} {'present' if ok else 'missing'}"))
     if plan.stage != "verify":
         ok = paths[host.model_dir].get("is_dir")
-        out.append(CheckResult("model", OK if ok else FAIL, f"{host.model_dir} {'present' if ok else 'missing'}"))
+        out.append(
+            CheckResult("model", OK if ok else FAIL, f"{host.model_dir} {'present' if ok else 'missing'}")
+        )
     o = paths[plan.host_output]
     if plan.stage != "verify":
         if o.get("exists") and o.get("entries") and not plan.resume:
-            out.append(CheckResult("output", FAIL, f"{plan.host_output} has {o['entries']} entries; pass --resume "
-                                                   "to continue it or move it away"))
+            out.append(
+                CheckResult(
+                    "output",
+                    FAIL,
+                    f"{plan.host_output} has {o['entries']} entries; pass --resume "
+                    "to continue it or move it away",
+                )
+            )
         else:
-            out.append(CheckResult("output", OK, f"{plan.host_output} {'resumed' if o.get('entries') else 'empty'}"))
+            out.append(
+                CheckResult("output", OK, f"{plan.host_output} {'resumed' if o.get('entries') else 'empty'}")
+            )
     if plan.stage == "extract":
-        out.append(_disk_check(facts["json"].get(meta), facts["json"].get(config), facts["free"][plan.host_output],
-                               plan.dtype, plan.world_size))
+        out.append(
+            _disk_check(
+                facts["json"].get(meta),
+                facts["json"].get(config),
+                facts["free"][plan.host_output],
+                plan.dtype,
+                plan.world_size,
+            )
+        )
     return out
 
 
-def _disk_check(meta: dict | None, config: dict | None, free: int, dtype: str | None = None, world: int = 1) -> CheckResult:
+def _disk_check(
+    meta: dict | None, config: dict | None, free: int, dtype: str | None = None, world: int = 1
+) -> CheckResult:
     if not meta or not config:
         return CheckResult("disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no metadata or config)")
     hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
     tokens = meta.get("num_tokens")
     if not hidden or not tokens:
-        return CheckResult("disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no hidden_size/num_tokens)")
+        return CheckResult(
+            "disk", WARN, f"{free / 2**30:.1f} GiB free; size unknown (no hidden_size/num_tokens)"
+        )
     # float32 only when asked for (auto is bf16 on a GPU); a host of --world-size N writes about 1/N
-    need = sizes.hidden_states_bytes(int(tokens), int(meta.get("num_samples") or 0), int(hidden), dtype, world)
+    need = sizes.hidden_states_bytes(
+        int(tokens), int(meta.get("num_samples") or 0), int(hidden), dtype, world
+    )
     ok = free >= need
     share = f" / {world} hosts" if world > 1 else ""
-    return CheckResult("disk", OK if ok else FAIL,
-                       f"need {need / 2**30:.3f} GiB ({tokens} tokens x {hidden} x 4 layers x {sizes.dtype_bytes(dtype)} B"
-                       f"{share}), {free / 2**30:.1f} GiB free")
+    return CheckResult(
+        "disk",
+        OK if ok else FAIL,
+        f"need {need / 2**30:.3f} GiB ({tokens} tokens x {hidden} x 4 layers x {sizes.dtype_bytes(dtype)} B"
+        f"{share}), {free / 2**30:.1f} GiB free",
+    )
 
 
 def _may(fact: dict, uid: int, gid: int, bit: int) -> bool:
@@ -175,11 +230,18 @@ def user_check(host: HostConfig, plan: StagePlan, facts: dict) -> CheckResult:
         fact = paths.get(path, {})
         if fact.get("exists") and not _may(fact, uid, gid, bit):
             what = "write" if bit == 2 else "read"
-            return CheckResult("user", FAIL, f"the stage runs as {user} but cannot {what} {path} (owner "
-                                             f"{fact['uid']}:{fact['gid']}, mode {fact['mode']:o}); chown it "
-                                             "or set stage_user in the hosts file")
-    return CheckResult("user", OK, f"stage runs as {user}" + (" (owner of the data root)"
-                                                              if host.stage_user == "auto" else ""))
+            return CheckResult(
+                "user",
+                FAIL,
+                f"the stage runs as {user} but cannot {what} {path} (owner "
+                f"{fact['uid']}:{fact['gid']}, mode {fact['mode']:o}); chown it "
+                "or set stage_user in the hosts file",
+            )
+    return CheckResult(
+        "user",
+        OK,
+        f"stage runs as {user}" + (" (owner of the data root)" if host.stage_user == "auto" else ""),
+    )
 
 
 def secrets_check(host: HostConfig, plan: StagePlan) -> CheckResult:
@@ -188,9 +250,14 @@ def secrets_check(host: HostConfig, plan: StagePlan) -> CheckResult:
     missing = [n for n in host.secrets if n not in plan.secret_names]
     passed = ", ".join(plan.secret_names) or "none"
     if missing:
-        return CheckResult("secrets", WARN, f"not set on this machine: {', '.join(missing)}; passed: {passed}")
-    return CheckResult("secrets", OK, f"passed: {passed}" + (" (0600 env file, removed once started)"
-                                                              if plan.secret_names else ""))
+        return CheckResult(
+            "secrets", WARN, f"not set on this machine: {', '.join(missing)}; passed: {passed}"
+        )
+    return CheckResult(
+        "secrets",
+        OK,
+        f"passed: {passed}" + (" (0600 env file, removed once started)" if plan.secret_names else ""),
+    )
 
 
 def failed(checks: list[CheckResult]) -> list[CheckResult]:

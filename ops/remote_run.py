@@ -30,8 +30,17 @@ from ops.connection import Runner
 from ops.interrupts import Interrupts
 from ops.lock import host_lock, refuse_duplicate_run
 from ops.request import RunRequest
-from ops.preflight import (CheckResult, docker_checks, driver_check, failed, gpu_check, path_checks, paths_request, secrets_check,
-                           user_check)
+from ops.preflight import (
+    CheckResult,
+    docker_checks,
+    driver_check,
+    failed,
+    gpu_check,
+    path_checks,
+    paths_request,
+    secrets_check,
+    user_check,
+)
 from ops.runstate import RunState, run_dir, write_json
 from ops.secret_env import RedactingWriter, redact
 from ops.stagecheck import stage_preflight
@@ -58,8 +67,9 @@ def local_run_dir(runs_root: Path, host: HostConfig, run_id: str) -> Path:
     return d
 
 
-def preflight(runner: Runner, host: HostConfig,
-              plan: StagePlan) -> tuple[list[CheckResult], str | None, GpuState, StagePlan]:
+def preflight(
+    runner: Runner, host: HostConfig, plan: StagePlan
+) -> tuple[list[CheckResult], str | None, GpuState, StagePlan]:
     """The checks, the image digest, the GPU probe, and the plan with its user resolved (stage_user auto:
     the data root's owner)."""
     checks, image = docker_checks(runner, host, plan.run_id)
@@ -108,8 +118,10 @@ def fetch(runner: Runner, container: str, host_output: str, local_dir: Path) -> 
     if not res.ok or len(words) < 3:
         raise RemoteCommandError("collecting the stage container", cmd, res.exit_code, res.stdout, res.stderr)
     code = int(words[0])
-    write_json(local_dir / "container.json", {"container": container, "exit_code": code,
-                                              "started_at": words[1], "finished_at": words[2]})
+    write_json(
+        local_dir / "container.json",
+        {"container": container, "exit_code": code, "started_at": words[1], "finished_at": words[2]},
+    )
     summary = None
     try:
         runner.get(f"{host_output}/summary.json", local_dir / "summary.json")
@@ -134,8 +146,16 @@ def abort(runner: Runner, host: HostConfig, container: str, local_dir: Path) -> 
 class _Run:
     """One remote run's steps and what they left behind (for the cleanup after Ctrl-C or a failure)."""
 
-    def __init__(self, runner: Runner, host: HostConfig, plan: StagePlan, out: RunOutcome, state: RunState,
-                 interrupts: Interrupts, console: Console) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        host: HostConfig,
+        plan: StagePlan,
+        out: RunOutcome,
+        state: RunState,
+        interrupts: Interrupts,
+        console: Console,
+    ) -> None:
         self.runner, self.host, self.plan, self.out, self.state = runner, host, plan, out, state
         self.interrupts, self.console = interrupts, console
         self.before: GpuState | None = None  # the preflight's facts, from before any stop
@@ -149,24 +169,35 @@ class _Run:
         step("connect")  # the connection is open: the state file starts here
         step("lock")
         with self.interrupts.interruptible():
-            lock = held.enter_context(host_lock(r, h, f"remote-run {p.stage}", run_id=p.run_id, wait=wait,
-                                                console=self.console))
+            lock = held.enter_context(
+                host_lock(r, h, f"remote-run {p.stage}", run_id=p.run_id, wait=wait, console=self.console)
+            )
         refuse_duplicate_run(r, h, p.host_output)
         step("preflight")
         out.checks, digest, self.before, p = preflight(r, h, p)
         report.print_checks(self.console, out.checks)
         if not failed(out.checks):  # the stage's own preflight, in the image: the server still runs
-            self.console.print(f"preflight in the image {h.image} (the server keeps running) ...", markup=False)
+            self.console.print(
+                f"preflight in the image {h.image} (the server keeps running) ...", markup=False
+            )
             p, inside = stage_preflight(r, h, p, self.before, out.local_dir)
             report.print_checks(self.console, inside, title="preflight in the image")
             out.checks += inside
         p = with_image_digest(h, p, digest)
         self.plan = p
-        self.record = {"run_id": p.run_id, "host": h.name, "stage": p.stage, "image": h.image,
-                       "image_digest": digest, "docker_run": list(p.docker_run), "host_output": p.host_output,
-                       "layout": dataclasses.asdict(p.layout) if p.layout else None,
-                       "preflight_run": list(p.preflight_run),
-                       "secrets": list(p.secret_names), "checks": [c.__dict__ for c in out.checks]}
+        self.record = {
+            "run_id": p.run_id,
+            "host": h.name,
+            "stage": p.stage,
+            "image": h.image,
+            "image_digest": digest,
+            "docker_run": list(p.docker_run),
+            "host_output": p.host_output,
+            "layout": dataclasses.asdict(p.layout) if p.layout else None,
+            "preflight_run": list(p.preflight_run),
+            "secrets": list(p.secret_names),
+            "checks": [c.__dict__ for c in out.checks],
+        }
         write_json(out.local_dir / "run.json", self.record)
         bad = failed(out.checks)
         if bad:
@@ -179,7 +210,9 @@ class _Run:
         report.print_clean(self.console, out.clean)
         if out.clean.verdict != CLEAN:
             why = f"{out.clean.verdict}: {out.clean.detail}" if out.clean.detail else out.clean.verdict
-            raise OpsError(f"GPUs not free ({why}); no stage started", exit_code=VERDICT_EXIT[out.clean.verdict])
+            raise OpsError(
+                f"GPUs not free ({why}); no stage started", exit_code=VERDICT_EXIT[out.clean.verdict]
+            )
         lock.ensure()
         step("start")
         self.container = p.container
@@ -188,8 +221,9 @@ class _Run:
         self.console.print(f"started {p.container}: {shlex.join(p.stage_argv)}")
         if detach:
             out.detached = True
-            self.console.print(f"detached: {p.container} runs on; `attach {p.run_id}` follows it and fetches its "
-                               "summary")
+            self.console.print(
+                f"detached: {p.container} runs on; `attach {p.run_id}` follows it and fetches its summary"
+            )
             return
         step("follow")
         with self.interrupts.interruptible():
@@ -219,7 +253,9 @@ class _Run:
             self.console.print(f"[red]restoring the server failed:[/] {exc}")
         for line in self.out.restored:
             self.console.print(f"restored: {line}")
-        self.state.note(server_restored=self.out.restored, restore_error=str(self.out.restore_error or "") or None)
+        self.state.note(
+            server_restored=self.out.restored, restore_error=str(self.out.restore_error or "") or None
+        )
 
     def abandon(self) -> None:
         """After Ctrl-C: the started, uncollected stage container is stopped and removed."""
@@ -234,8 +270,15 @@ def _one_line(exc: BaseException) -> str:
     return redact(str(exc) if isinstance(exc, OpsError) else f"{type(exc).__name__}: {exc}")
 
 
-def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, request: RunRequest, *, console: Console,
-               local_dir: Path | None = None) -> RunOutcome:
+def remote_run(
+    runner: Runner,
+    host: HostConfig,
+    plan: StagePlan,
+    request: RunRequest,
+    *,
+    console: Console,
+    local_dir: Path | None = None,
+) -> RunOutcome:
     """The request's --restore-server, --detach and --wait shape the run; local_dir: where the run's files
     land (default request.runs_dir/<host>/<run-id>; a multi-host run passes runs/<run-id>/<host>)."""
     restore_server, detach = request.restore_server, request.detach
@@ -244,8 +287,15 @@ def remote_run(runner: Runner, host: HostConfig, plan: StagePlan, request: RunRe
     out = RunOutcome(plan.run_id, local_dir or local_run_dir(request.runs_dir, host, plan.run_id))
     console.print(f"run id [bold]{plan.run_id}[/] on {host.name}; local folder {out.local_dir}")
     with Interrupts(console) as interrupts, ExitStack() as held:
-        state = RunState(out.local_dir / "state.json", interrupts, run_id=plan.run_id, host=host.name,
-                         stage=plan.stage, restore_server=restore_server, detach=detach)
+        state = RunState(
+            out.local_dir / "state.json",
+            interrupts,
+            run_id=plan.run_id,
+            host=host.name,
+            stage=plan.stage,
+            restore_server=restore_server,
+            detach=detach,
+        )
         run = _Run(runner, host, plan, out, state, interrupts, console)
         try:
             run.steps(held, wait=request.lock_wait, detach=detach, restore_server=restore_server)
@@ -274,8 +324,10 @@ def attach(runner: Runner, host: HostConfig, request: RunRequest, *, console: Co
     run_id, runs_root = request.run_id, request.runs_dir
     found = stage_containers(runner, run_id)
     if not found:
-        raise OpsError(f"no stage container for run id {run_id} on {host.name}; a finished run's files are in "
-                       f"{runs_root / host.name / run_id}")
+        raise OpsError(
+            f"no stage container for run id {run_id} on {host.name}; a finished run's files are in "
+            f"{runs_root / host.name / run_id}"
+        )
     name, cstate, stage, output = found[0].name, found[0].state, found[0].stage, found[0].output
     out = RunOutcome(run_id, local_run_dir(runs_root, host, run_id))
     state = RunState.reopen(out.local_dir / "state.json", None, run_id=run_id, host=host.name, stage=stage)
@@ -289,8 +341,14 @@ def attach(runner: Runner, host: HostConfig, request: RunRequest, *, console: Co
         if request.restore_server:
             state.step("restore")
             try:
-                out.restored = restore.restore(runner, host, command="attach --restore-server", run_id=run_id,
-                                               wait=request.lock_wait, console=console)
+                out.restored = restore.restore(
+                    runner,
+                    host,
+                    command="attach --restore-server",
+                    run_id=run_id,
+                    wait=request.lock_wait,
+                    console=console,
+                )
             except OpsError as exc:
                 out.restore_error = exc
             for line in out.restored:
@@ -301,6 +359,10 @@ def attach(runner: Runner, host: HostConfig, request: RunRequest, *, console: Co
     except BaseException as exc:
         state.end("failed", _one_line(exc))
         raise
-    state.end("failed" if out.restore_error else "done", str(out.restore_error or "") or None,
-              exit_code=out.exit_code, container_removed=True)
+    state.end(
+        "failed" if out.restore_error else "done",
+        str(out.restore_error or "") or None,
+        exit_code=out.exit_code,
+        container_removed=True,
+    )
     return out

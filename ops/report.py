@@ -39,8 +39,17 @@ def dumps(obj) -> str:
 
 def _holder_row(h: Holder) -> list[str]:
     mem = "" if h.used_mib is None else f"{h.used_mib}"
-    return [str(h.proc.pid), h.proc.comm, h.proc.user, h.proc.container or "", f"[{STYLE[h.klass]}]{h.klass}[/]",
-            h.reason, mem, h.via, h.proc.state]
+    return [
+        str(h.proc.pid),
+        h.proc.comm,
+        h.proc.user,
+        h.proc.container or "",
+        f"[{STYLE[h.klass]}]{h.klass}[/]",
+        h.reason,
+        mem,
+        h.via,
+        h.proc.state,
+    ]
 
 
 def _holders_table(title: str, holders: list[Holder]) -> Table:
@@ -53,16 +62,20 @@ def _holders_table(title: str, holders: list[Holder]) -> Table:
 
 
 def print_status(console: Console, state: GpuState) -> None:
-    console.print(f"[bold]{state.host}[/] ({state.hostname}): {len(state.gpus)} GPU(s), "
-                  f"{len(state.device_files)} device file(s), server {_server_line(state)}")
+    console.print(
+        f"[bold]{state.host}[/] ({state.hostname}): {len(state.gpus)} GPU(s), "
+        f"{len(state.device_files)} device file(s), server {_server_line(state)}"
+    )
     if state.gpu_error:
         console.print(f"[red]GPU facts unavailable:[/] {state.gpu_error}")
     if state.fuser_error:
         console.print(f"[red]device-file holders unavailable:[/] {state.fuser_error}")
     for g in state.gpus:
         util = "n/a" if g.util_gpu is None else f"{g.util_gpu}%"
-        title = (f"GPU {g.index} {g.name}: {g.memory_used_mib}/{g.memory_total_mib} MiB used "
-                 f"(NVML {g.memory_api}), util {util}")
+        title = (
+            f"GPU {g.index} {g.name}: {g.memory_used_mib}/{g.memory_total_mib} MiB used "
+            f"(NVML {g.memory_api}), util {util}"
+        )
         console.print(_holders_table(title, [h for h in state.holders if g.index in h.gpus]))
     others = [h for h in state.holders if not h.gpus]
     if others:
@@ -108,7 +121,9 @@ def print_clean(console: Console, report: CleanReport) -> None:
     for s in report.skipped:
         console.print(f"skipped {s['pid']}: {s['reason']}")
     for r in report.respawned:
-        console.print(f"came back: {r['pid']} {r['comm']} (parent {r['ppid']}) after kill round {r['after_round']}")
+        console.print(
+            f"came back: {r['pid']} {r['comm']} (parent {r['ppid']}) after kill round {r['after_round']}"
+        )
     for d in report.denied:
         console.print(f"cannot signal {d['pid']} {d['comm']} (user {d['user']}): {d['error']}")
     for c in report.checks:
@@ -130,33 +145,50 @@ def print_clean(console: Console, report: CleanReport) -> None:
 def print_fanout(console: Console, merged: dict, local_dir) -> None:
     """A multi-host run: one row per host (status, exit code, files, tokens, seconds, error), then the
     totals over all shards."""
-    t = Table(title=f"{merged['stage']} on {merged['world_size']} hosts ({local_dir}/summary.json)",
-              title_justify="left")
+    t = Table(
+        title=f"{merged['stage']} on {merged['world_size']} hosts ({local_dir}/summary.json)",
+        title_justify="left",
+    )
     for col in ("host", "rank", "status", "exit", "files", "tokens", "seconds", "error"):
         t.add_column(col)
     colour = {"ok": "green", "skipped": "cyan", "failed": "red"}
     for h in merged["hosts"]:
         st = h["status"] + (" (complete)" if h["status"] == "skipped" else "")
-        t.add_row(escape(h["host"]), str(h["rank"]), f"[{colour.get(h['status'], 'red')}]{st}[/]",
-                  "" if h.get("exit_code") is None else str(h["exit_code"]), str(h.get("files") or 0),
-                  f"{h.get('tokens') or 0:,}", f"{h.get('seconds') or 0:.1f}", escape(h.get("error") or ""))
+        t.add_row(
+            escape(h["host"]),
+            str(h["rank"]),
+            f"[{colour.get(h['status'], 'red')}]{st}[/]",
+            "" if h.get("exit_code") is None else str(h["exit_code"]),
+            str(h.get("files") or 0),
+            f"{h.get('tokens') or 0:,}",
+            f"{h.get('seconds') or 0:.1f}",
+            escape(h.get("error") or ""),
+        )
     console.print(t)
     tot = merged["totals"]
     missing = tot["missing_files"]
-    line = (f"{tot['files']} of {tot['samples'] if tot['samples'] is not None else '?'} files, "
-            f"{tot['tokens']:,} tokens; complete ranks {tot['complete_ranks'] or '-'}")
+    line = (
+        f"{tot['files']} of {tot['samples'] if tot['samples'] is not None else '?'} files, "
+        f"{tot['tokens']:,} tokens; complete ranks {tot['complete_ranks'] or '-'}"
+    )
     if merged["complete"]:
         console.print(f"[green]all {merged['world_size']} shards complete[/]: {line}")
     else:
-        shown = ", ".join(f"data_{i}" for i in missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
-        console.print(f"[red]incomplete[/]: {line}; incomplete ranks {tot['incomplete_ranks']}"
-                      + (f"; missing {shown}" if missing else "")
-                      + (f"; ranks with unknown state {tot['unknown_ranks']}" if tot["unknown_ranks"] else "")
-                      + "; run the same command again to redo only those hosts")
+        shown = ", ".join(f"data_{i}" for i in missing[:8]) + (
+            f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+        )
+        console.print(
+            f"[red]incomplete[/]: {line}; incomplete ranks {tot['incomplete_ranks']}"
+            + (f"; missing {shown}" if missing else "")
+            + (f"; ranks with unknown state {tot['unknown_ranks']}" if tot["unknown_ranks"] else "")
+            + "; run the same command again to redo only those hosts"
+        )
     differ = tot.get("provenance_disagree") or []
     if differ:
-        console.print(f"[yellow]the hosts' outputs were not made alike: they differ in {', '.join(differ)}[/] "
-                      "(each host's summary.json says how it was made)")
+        console.print(
+            f"[yellow]the hosts' outputs were not made alike: they differ in {', '.join(differ)}[/] "
+            "(each host's summary.json says how it was made)"
+        )
     for h in merged["hosts"]:
         if h.get("schema_note"):
             console.print(f"[yellow]{escape(h['host'])}: {escape(h['schema_note'])}[/]")
@@ -182,7 +214,11 @@ def print_summary(console: Console, summary: dict | None, exit_code: int | None,
             t.add_column(col)
         for c in summary.get("checks", []):
             st = str(c.get("status", ""))
-            t.add_row(str(c.get("name", "")), f"[{'green' if st == 'ok' else 'red'}]{st}[/]", str(c.get("detail", "")))
+            t.add_row(
+                str(c.get("name", "")),
+                f"[{'green' if st == 'ok' else 'red'}]{st}[/]",
+                str(c.get("detail", "")),
+            )
         for k, v in summary.items():
             if k != "checks" and (v is None or isinstance(v, (str, int, float, bool))):
                 t.add_row(k, "", str(v))
@@ -192,7 +228,9 @@ def print_summary(console: Console, summary: dict | None, exit_code: int | None,
         if note:
             console.print(f"[yellow]{note}[/]", markup=True)
         elif any(facts.values()):
-            console.print("made by eagle-ops " + ", ".join(f"{k} {v}" for k, v in facts.items() if v), markup=False)
+            console.print(
+                "made by eagle-ops " + ", ".join(f"{k} {v}" for k, v in facts.items() if v), markup=False
+            )
     colour = "green" if exit_code == 0 else "red"
     console.print(f"[{colour}]stage exit code {exit_code}[/]")
 
@@ -210,8 +248,10 @@ def print_stage_plan(console: Console, host, plan) -> None:
         console.print(f"  layout: {describe(host.layout, plan.layout)}", markup=False)
     console.print(f"  preflight in the image: {plan.preflight_run[-1]}", markup=False)
     if plan.secret_names:
-        console.print(f"  secrets: {', '.join(plan.secret_names)} (values through a 0600 env file in "
-                      f"{plan.env_dir}, removed once the container started)")
+        console.print(
+            f"  secrets: {', '.join(plan.secret_names)} (values through a 0600 env file in "
+            f"{plan.env_dir}, removed once the container started)"
+        )
     else:
         console.print("  secrets: none")
     missing = [n for n in host.secrets if n not in plan.secret_names]

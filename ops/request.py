@@ -19,7 +19,9 @@ from ops.stageargs import StageArgs, parse
 
 @dataclass(frozen=True)
 class RunRequest:
-    hosts: tuple[str, ...]  # --host: one name (or user@host, local), or several, one shard each, in rank order
+    hosts: tuple[
+        str, ...
+    ]  # --host: one name (or user@host, local), or several, one shard each, in rank order
     hosts_file: str | None = None
     accept_new_host_key: bool = False
     stage: str = "extract"
@@ -44,16 +46,25 @@ class RunRequest:
         return self.hosts[0]
 
     @classmethod
-    def from_options(cls, *, host_spec: str, runs_dir: str | Path = "runs", extra: Iterable[str] = (),
-                     **options) -> RunRequest:
+    def from_options(
+        cls, *, host_spec: str, runs_dir: str | Path = "runs", extra: Iterable[str] = (), **options
+    ) -> RunRequest:
         """From the click options of a stage command (`--host a,b` is a multi-host run)."""
-        request = cls(hosts=tuple(split_hosts(host_spec)) if "," in host_spec else (host_spec,),
-                      runs_dir=Path(runs_dir), args=parse(extra), **options)
+        request = cls(
+            hosts=tuple(split_hosts(host_spec)) if "," in host_spec else (host_spec,),
+            runs_dir=Path(runs_dir),
+            args=parse(extra),
+            **options,
+        )
         if request.detach and request.multi_host:
-            raise ConfigError("--detach runs one host; a multi-host run follows every host to merge the shards")
+            raise ConfigError(
+                "--detach runs one host; a multi-host run follows every host to merge the shards"
+            )
         if request.detach and request.restore_server:
-            raise ConfigError("--restore-server with --detach would start the server beside the running stage; "
-                              "pass --restore-server to `attach` instead")
+            raise ConfigError(
+                "--restore-server with --detach would start the server beside the running stage; "
+                "pass --restore-server to `attach` instead"
+            )
         return request
 
 

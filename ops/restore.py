@@ -24,8 +24,16 @@ from ops.inventory import stage_containers
 from ops.lock import host_lock
 
 
-def restore(runner: Runner, host: HostConfig, *, stopped: ServerFacts | None = None, command: str | None = None,
-            run_id: str | None = None, wait: float = 0.0, console: Console | None = None) -> list[str]:
+def restore(
+    runner: Runner,
+    host: HostConfig,
+    *,
+    stopped: ServerFacts | None = None,
+    command: str | None = None,
+    run_id: str | None = None,
+    wait: float = 0.0,
+    console: Console | None = None,
+) -> list[str]:
     """Bring the server back; the steps done (empty: nothing to do). Either `stopped`: a run's restore of
     what it stopped, as seen before the stop, under the lock the run holds (nothing when the server was not
     running then); or `command`: the command that takes the host lock (waiting up to `wait` s) and restores
@@ -36,7 +44,9 @@ def restore(runner: Runner, host: HostConfig, *, stopped: ServerFacts | None = N
     if stopped is not None:
         if not stopped.running:
             return []
-        return _unless_a_stage_runs(runner, host, dataclasses.replace(stopped, running_container_ids=(), members=()))
+        return _unless_a_stage_runs(
+            runner, host, dataclasses.replace(stopped, running_container_ids=(), members=())
+        )
     with host_lock(runner, host, command, run_id=run_id, wait=wait, console=console):
         return _unless_a_stage_runs(runner, host, probe(runner, host).server)
 
@@ -55,6 +65,9 @@ def refuse_beside_stages(runner: Runner, host: HostConfig) -> None:
     memory hours in. One `docker ps`."""
     for c in stage_containers(runner) or ():
         if c.running:
-            raise OpsError(f"stage run {c.run_id} (container {c.name}) is running on {host.name}; the server would "
-                           f"start beside it: `attach {c.run_id} --restore-server` brings it back once the stage "
-                           f"ends; nothing was started", exit_code=EXIT_BUSY)
+            raise OpsError(
+                f"stage run {c.run_id} (container {c.name}) is running on {host.name}; the server would "
+                f"start beside it: `attach {c.run_id} --restore-server` brings it back once the stage "
+                f"ends; nothing was started",
+                exit_code=EXIT_BUSY,
+            )

@@ -5,8 +5,9 @@ Owns the rule for what counts as a secret (HF_TOKEN and every variable named *_T
 env-file text, and the one remote command that carries them: it sets umask 077 before anything exists,
 makes a fresh 0700 directory, writes the 0600 file from stdin (values never appear in a command line,
 so never in `ps`), checks that it arrived whole, runs `docker run --env-file`, and removes the directory
-on exit or hangup, so the file lives only while the docker CLI reads it. Also owns the redactor that run.json, stage.log, the console's
-stage output, error messages and the trace file go through: names may be shown, values never.
+on exit or hangup, so the file lives only while the docker CLI reads it. Also owns the redactor that
+run.json, stage.log, the console's stage output, error messages and the trace file go through: names
+may be shown, values never.
 Does not choose the container's other flags (ops.stage) and runs nothing itself (ops.remote_run).
 """
 
@@ -61,9 +62,11 @@ def start_command(docker_run: tuple[str, ...], directory: str) -> str:
     follows one someone else made)."""
     d = shlex.quote(directory)
     # the last line must be END: a connection lost mid-transfer leaves a cut file, and no container
-    return (f"D={d}; umask 077 && mkdir -- \"$D\" || exit 125; trap 'rm -rf -- \"$D\"' EXIT HUP INT TERM; "
-            f"cat > \"$D/{ENV_FILE}\" && [ \"$(tail -n 1 \"$D/{ENV_FILE}\")\" = {shlex.quote(END)} ] && "
-            f"{shlex.join(docker_run)}")
+    return (
+        f'D={d}; umask 077 && mkdir -- "$D" || exit 125; trap \'rm -rf -- "$D"\' EXIT HUP INT TERM; '
+        f'cat > "$D/{ENV_FILE}" && [ "$(tail -n 1 "$D/{ENV_FILE}")" = {shlex.quote(END)} ] && '
+        f"{shlex.join(docker_run)}"
+    )
 
 
 class Redactor:

@@ -5,7 +5,8 @@ Owns the stop/restore plans (exact argv, or a host-agent request for process gro
 is needed on the host), `systemd:UNIT`, `pidfile:PATH` (the whole process group is stopped, which also
 catches workers re-parented to PID 1 after their API process died) and `none`; running them over a
 Runner; and checking that nothing of the server is left. A server that cannot be found, a stop that
-fails or runs past its time, and a start that fails are errors with their own exit codes (ops.errors). Does not pick GPU holders (ops.gpus/ops.clean).
+fails or runs past its time, and a start that fails are errors with their own exit codes (ops.errors).
+Does not pick GPU holders (ops.gpus/ops.clean).
 """
 
 from __future__ import annotations
@@ -81,14 +82,19 @@ def plan_stop(host: HostConfig, facts: ServerFacts) -> StopPlan:
         return StopPlan("none", False, ())
     missing = _missing(host, facts)
     if missing:
-        raise OpsError(f"{missing}; fix `server` in the hosts file (`none` if there is no server); nothing was "
-                       "stopped or signalled", exit_code=EXIT_SERVER_STOP)
+        raise OpsError(
+            f"{missing}; fix `server` in the hosts file (`none` if there is no server); nothing was "
+            "stopped or signalled",
+            exit_code=EXIT_SERVER_STOP,
+        )
     if s.kind in ("container", "compose"):
         ids = facts.running_container_ids
         if not ids:
             return StopPlan(str(s), False, ())
         targets = (s.target,) if s.kind == "container" else ids
-        return StopPlan(str(s), True, (Step("stop server", ("docker", "stop", "--time", str(int(t.stop)), *targets)),))
+        return StopPlan(
+            str(s), True, (Step("stop server", ("docker", "stop", "--time", str(int(t.stop)), *targets)),)
+        )
     if s.kind == "systemd":
         if not facts.members:
             return StopPlan(str(s), False, ())
@@ -111,7 +117,9 @@ def plan_restore(host: HostConfig, facts: ServerFacts) -> tuple[Step, ...]:
         return ()
     missing = _missing(host, facts)
     if missing:
-        raise OpsError(f"{missing}; nothing to start (compose: `docker compose up`)", exit_code=EXIT_SERVER_RESTORE)
+        raise OpsError(
+            f"{missing}; nothing to start (compose: `docker compose up`)", exit_code=EXIT_SERVER_RESTORE
+        )
     if s.kind == "container":
         return (Step("start server", ("docker", "start", s.target)),)
     if s.kind == "compose":
@@ -120,8 +128,10 @@ def plan_restore(host: HostConfig, facts: ServerFacts) -> tuple[Step, ...]:
         return (Step("start server", ("systemctl", "start", s.target)),)
     if s.kind == "pidfile":
         if not host.server_start:
-            raise OpsError(f"cannot restore {s}: no `server_start` command in the hosts file",
-                           exit_code=EXIT_SERVER_RESTORE)
+            raise OpsError(
+                f"cannot restore {s}: no `server_start` command in the hosts file",
+                exit_code=EXIT_SERVER_RESTORE,
+            )
         return (Step("start server", ("sh", "-c", START_WATCH, "sh", *host.server_start)),)
     raise ConfigError(f"unknown strategy {s}")
 
@@ -131,15 +141,22 @@ def plan_restore(host: HostConfig, facts: ServerFacts) -> tuple[Step, ...]:
 # reported with its exit code instead of passing for a started server.
 START_WATCH_S = 2
 START_WATCH = (
-    'setsid "$@" </dev/null >/dev/null 2>&1 & pid=$!; sleep ' + str(START_WATCH_S) + '; '
+    'setsid "$@" </dev/null >/dev/null 2>&1 & pid=$!; sleep ' + str(START_WATCH_S) + "; "
     'if kill -0 "$pid" 2>/dev/null; then exit 0; fi; wait "$pid"; code=$?; '
-    '[ "$code" = 0 ] || echo "start command $1 exited $code within ' + str(START_WATCH_S) + ' s" >&2; exit "$code"'
+    '[ "$code" = 0 ] || echo "start command $1 exited $code within '
+    + str(START_WATCH_S)
+    + ' s" >&2; exit "$code"'
 )
 
 
 def run_step(runner: Runner, host: HostConfig, step: Step, *, timeout: float | None = None) -> dict | str:
     if step.agent is not None:
-        return call(runner, host, step.agent, timeout=(timeout or 0) + step.agent["grace"] + step.agent["kill_wait"] + 30)
+        return call(
+            runner,
+            host,
+            step.agent,
+            timeout=(timeout or 0) + step.agent["grace"] + step.agent["kill_wait"] + 30,
+        )
     cmd = shlex.join(step.argv)
     res = runner.run(cmd, timeout=timeout or host.timeouts.command)
     if not res.ok:
@@ -156,18 +173,26 @@ def stop(runner: Runner, host: HostConfig, facts: ServerFacts) -> StopRecord:
         try:
             out = run_step(runner, host, step, timeout=host.timeouts.stop + 30)
         except OpsError as exc:
-            raise OpsError(f"server {plan.strategy} did not stop: {exc}; no GPU process was signalled",
-                           exit_code=EXIT_SERVER_STOP, detail=exc.detail) from None
+            raise OpsError(
+                f"server {plan.strategy} did not stop: {exc}; no GPU process was signalled",
+                exit_code=EXIT_SERVER_STOP,
+                detail=exc.detail,
+            ) from None
         if isinstance(out, dict):
             record.stopped += [f"pid {r['pid']} ({r['comm']})" for r in out["signalled"]]
             record.survivors += out["survivors"]
         else:
-            record.stopped += list(step.argv[4:]) if step.argv[:2] == ("docker", "stop") else [host.server.target]
+            record.stopped += (
+                list(step.argv[4:]) if step.argv[:2] == ("docker", "stop") else [host.server.target]
+            )
     if record.survivors:
         left = ", ".join(f"{r['pid']} {r['comm']} state {r['state']}" for r in record.survivors)
-        raise OpsError(f"server {plan.strategy} did not stop: {left} survived SIGTERM and SIGKILL "
-                       f"({host.timeouts.stop:g} s + {host.timeouts.kill_wait:g} s), reboot needed; no other GPU "
-                       "process was signalled", exit_code=EXIT_SERVER_STOP)
+        raise OpsError(
+            f"server {plan.strategy} did not stop: {left} survived SIGTERM and SIGKILL "
+            f"({host.timeouts.stop:g} s + {host.timeouts.kill_wait:g} s), reboot needed; no other GPU "
+            "process was signalled",
+            exit_code=EXIT_SERVER_STOP,
+        )
     return record
 
 
@@ -178,7 +203,10 @@ def restore(runner: Runner, host: HostConfig, facts: ServerFacts) -> list[str]:
         try:
             run_step(runner, host, step)
         except OpsError as exc:
-            raise OpsError(f"server {host.server} was not restored: {exc}", exit_code=EXIT_SERVER_RESTORE,
-                           detail=exc.detail) from None
+            raise OpsError(
+                f"server {host.server} was not restored: {exc}",
+                exit_code=EXIT_SERVER_RESTORE,
+                detail=exc.detail,
+            ) from None
         done.append(step.show())
     return done

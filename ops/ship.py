@@ -4,7 +4,8 @@ Owns the decision (nothing is sent when the host already has an image of that na
 byte stream (the local engine's ``docker save`` through the docker SDK, fed into ``docker load`` on the
 host over the command's one connection, ops.connection), and the check that the host's image id now
 equals ours. The host, its image name, key and known_hosts come from the hosts file like every other ops
-command. Does not build images (make image) and takes no host lock: loading an image disturbs nothing that runs.
+command. Does not build images (make image) and takes no host lock: loading an image disturbs nothing
+that runs.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ def remote_image_id(runner: Runner, image: str) -> str | None:
     if "no such image" in res.stderr.lower():
         return None
     last = (res.stderr.strip().splitlines() or [f"exit {res.exit_code}"])[-1]
-    raise OpsError(f"`{inspect_command(image)}` failed on {runner.label}: {last} (is docker installed there, "
-                   "and may this user run it?)")
+    raise OpsError(
+        f"`{inspect_command(image)}` failed on {runner.label}: {last} (is docker installed there, "
+        "and may this user run it?)"
+    )
 
 
 def local_image(docker_client, image: str):
@@ -66,10 +69,17 @@ def local_image(docker_client, image: str):
         raise OpsError(f"local docker engine: {exc}") from None
 
 
-def ship(runner: Runner, docker_client, image: str, *, dry_run: bool = False,
-         progress: Callable[[int | None], Callable[[int], None]] | None = None, say=print) -> ShipPlan:
-    """Ship ``image`` from the local engine to the host behind ``runner``; return the plan. ``progress(total)``
-    gives the per-chunk callback of a progress display."""
+def ship(
+    runner: Runner,
+    docker_client,
+    image: str,
+    *,
+    dry_run: bool = False,
+    progress: Callable[[int | None], Callable[[int], None]] | None = None,
+    say=print,
+) -> ShipPlan:
+    """Ship ``image`` from the local engine to the host behind ``runner``; return the plan.
+    ``progress(total)`` gives the per-chunk callback of a progress display."""
     local = local_image(docker_client, image)
     plan = ShipPlan(image, local.id, remote_image_id(runner, image))
     say(plan.describe(runner.label))
@@ -79,13 +89,17 @@ def ship(runner: Runner, docker_client, image: str, *, dry_run: bool = False,
     res = runner.feed(LOAD, local.save(chunk_size=CHUNK, named=True), on_bytes)
     text = (res.stdout + res.stderr).strip()
     if not res.ok:
-        raise OpsError(f"`{LOAD}` on {runner.label} exited {res.exit_code}: {text.splitlines()[-1] if text else 'no output'}"
-                       " (free disk there, then re-run)")
+        last = text.splitlines()[-1] if text else "no output"
+        raise OpsError(
+            f"`{LOAD}` on {runner.label} exited {res.exit_code}: {last} (free disk there, then re-run)"
+        )
     if text:
         say(text)
     now = remote_image_id(runner, image)
     if now != local.id:
-        raise OpsError(f"after docker load the host's {image} is {now}, not {local.id}: re-run, or check the host's "
-                       "disk space (docker load output above)")
+        raise OpsError(
+            f"after docker load the host's {image} is {now}, not {local.id}: re-run, or check the host's "
+            "disk space (docker load output above)"
+        )
     say(f"{image}: {runner.label} now has {local.id[:19]}")
     return plan

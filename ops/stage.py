@@ -1,9 +1,9 @@
 """Stage container plans: what runs in the image, with which mounts, under which name and labels.
 
 Owns, from the stage table (contract/stages.py: container command, input and output folders under the data
-root), the run id, the stage container's privileges, and the exact `docker run` / `docker logs` / `docker wait` argv. Pure: running them is
-ops.remote_run's job. Host paths are passed to docker as data (--mount fields, CSV-quoted), never
-interpolated into a shell string unquoted.
+root), the run id, the stage container's privileges, and the exact `docker run` / `docker logs` /
+`docker wait` argv. Pure: running them is ops.remote_run's job. Host paths are passed to docker as data
+(--mount fields, CSV-quoted), never interpolated into a shell string unquoted.
 """
 
 from __future__ import annotations
@@ -23,12 +23,27 @@ from ops.hosts import HostConfig, check_label
 from ops.layout import Layout, stage_flags
 from ops.stageargs import StageArgs, last_values, parse
 
-LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST = "eagle-ops.run-id", "eagle-ops.stage", "eagle-ops.output", "eagle-ops.host"
-LABEL_PREFLIGHT = "eagle-ops.preflight"  # a stage's preflight container (not a stage container: no run-id label)
+LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST = (
+    "eagle-ops.run-id",
+    "eagle-ops.stage",
+    "eagle-ops.output",
+    "eagle-ops.host",
+)
+LABEL_PREFLIGHT = (
+    "eagle-ops.preflight"  # a stage's preflight container (not a stage container: no run-id label)
+)
 AUTO_USER = "auto"  # placeholder until preflight knows the data root's owner (resolve_user)
 
 
-PREFLIGHT_FLAGS = ("--model", "--prepared", "--out", "--backend", "--layer-ids", "--tensor-parallel-size", "--dtype")
+PREFLIGHT_FLAGS = (
+    "--model",
+    "--prepared",
+    "--out",
+    "--backend",
+    "--layer-ids",
+    "--tensor-parallel-size",
+    "--dtype",
+)
 Shard = tuple[int, int]  # (world size, rank) of one host of a multi-host run
 
 
@@ -55,11 +70,15 @@ class StagePlan:
     secret_names: tuple[str, ...] = ()  # variables passed through the env file (names only; never values)
     env_dir: str | None = None  # host directory of the env file while `docker run` reads it
     args: StageArgs = StageArgs()  # the operator's arguments after `--`, read once (ops.stageargs.parse)
-    shard: Shard | None = None  # multi-host: this host's (world size, rank), rendered after the operator's words
+    shard: Shard | None = (
+        None  # multi-host: this host's (world size, rank), rendered after the operator's words
+    )
     layout: Layout | None = None  # resolved parallel layout (layout stages); None: not yet resolved
     preflight_run: tuple[str, ...] = ()  # `docker run --rm` of the stage's preflight (preflight_script)
     user: str = AUTO_USER  # the container's --user: "UID:GID", or AUTO_USER until the probe knows the owner
-    image_digest: str | None = None  # told to the stage container (IMAGE_DIGEST_ENV) once the preflight knows it
+    image_digest: str | None = (
+        None  # told to the stage container (IMAGE_DIGEST_ENV) once the preflight knows it
+    )
 
     @property
     def extra_args(self) -> tuple[str, ...]:
@@ -105,7 +124,11 @@ def privilege_args(host: HostConfig, user: str | None = None) -> list[str]:
         argv += ["--pids-limit", str(host.stage_pids_limit)]
     if host.stage_read_only:
         argv += ["--read-only", "--tmpfs", "/tmp:rw,exec,nosuid,nodev,mode=1777"]
-    argv += ["--ipc", "host"] if host.stage_ipc == "host" else ["--ipc", "private", "--shm-size", host.stage_shm_size]
+    argv += (
+        ["--ipc", "host"]
+        if host.stage_ipc == "host"
+        else ["--ipc", "private", "--shm-size", host.stage_shm_size]
+    )
     return argv
 
 
@@ -113,7 +136,12 @@ def container_env(run_id: str) -> tuple[tuple[str, str], ...]:
     """The stage container's environment (besides secrets): run id, HF cache, a writable home for caches
     (triton, flashinfer, vLLM) on the read-only root file system, and a user name for a uid the image's
     passwd does not know (getpass.getuser())."""
-    return (("EAGLE_RUN_ID", run_id), ("HF_HOME", f"{CACHE}/hf"), ("HOME", f"{CACHE}/home"), ("USER", "eagle-stage"))
+    return (
+        ("EAGLE_RUN_ID", run_id),
+        ("HF_HOME", f"{CACHE}/hf"),
+        ("HOME", f"{CACHE}/home"),
+        ("USER", "eagle-stage"),
+    )
 
 
 def stage_mounts(host: HostConfig, spec: StageSpec) -> list[tuple[str, str, bool]]:
@@ -127,7 +155,9 @@ def stage_mounts(host: HostConfig, spec: StageSpec) -> list[tuple[str, str, bool
     return mounts
 
 
-def _container_args(host: HostConfig, spec: StageSpec, run_id: str, user: str, env_file: str | None = None) -> list[str]:
+def _container_args(
+    host: HostConfig, spec: StageSpec, run_id: str, user: str, env_file: str | None = None
+) -> list[str]:
     """Everything of `docker run` the stage and its preflight share: privileges, environment, mounts, GPUs
     (the stage alone also gets the secrets' env file)."""
     argv = privilege_args(host, user)
@@ -141,7 +171,9 @@ def _container_args(host: HostConfig, spec: StageSpec, run_id: str, user: str, e
     tail: list[str] = []
     for src, dst, ro in mounts[2:]:
         tail += ["--mount", _mount(src, dst, ro)]
-    if spec.uses_model:  # the model mount, then GPUs, then the hosts file's mounts (the argv's historic order)
+    if (
+        spec.uses_model
+    ):  # the model mount, then GPUs, then the hosts file's mounts (the argv's historic order)
         argv += tail[:2]
         tail = tail[2:]
     if host.docker_gpus and spec.gpus:
@@ -172,16 +204,29 @@ def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
         return shlex.join(cmds[0])
     # side by side (each starts an interpreter and imports torch: on a many-core host the wall time is the
     # slower one's); check-args prints its one line when it exits, so lines never interleave mid-way
-    return f"{shlex.join(cmds[0])} & a=$!; {shlex.join(cmds[1])}; b=$?; wait $a; a=$?; [ $a -eq 0 ] && [ $b -eq 0 ]"
+    first, second = shlex.join(cmds[0]), shlex.join(cmds[1])
+    return f"{first} & a=$!; {second}; b=$?; wait $a; a=$?; [ $a -eq 0 ] && [ $b -eq 0 ]"
 
 
-def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[str, ...] | StageArgs = (),
-               shard: Shard | None = None, resume: bool = False, secret_names: tuple[str, ...] = (), env_token: str | None = None,
-               layout: Layout | None = None, env_dir: str | None = None, user: str | None = None,
-               image_digest: str | None = None) -> StagePlan:
+def plan_stage(
+    host: HostConfig,
+    stage: str,
+    *,
+    run_id: str,
+    extra_args: tuple[str, ...] | StageArgs = (),
+    shard: Shard | None = None,
+    resume: bool = False,
+    secret_names: tuple[str, ...] = (),
+    env_token: str | None = None,
+    layout: Layout | None = None,
+    env_dir: str | None = None,
+    user: str | None = None,
+    image_digest: str | None = None,
+) -> StagePlan:
     """`extra_args`: the operator's words after `--` (read here, once, unless already a StageArgs); `shard`:
-    a multi-host run's (world size, rank). `secret_names`: variables (set on the operator's machine) that reach the container through the env
-    file; `env_token` names its directory (random by default; `env_dir` keeps an earlier plan's).
+    a multi-host run's (world size, rank). `secret_names`: variables (set on the operator's machine) that
+    reach the container through the env file; `env_token` names its directory (random by default;
+    `env_dir` keeps an earlier plan's).
     `layout`: the resolved parallel layout of a layout stage (ops.layout.resolve); without it the
     stage's argv carries no layout flags yet (a dry run shows what auto becomes). `user` (default: the
     hosts file's) and `image_digest` are fields the preflight fills in (replan); the argv is rendered
@@ -193,9 +238,20 @@ def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[s
     args = extra_args if isinstance(extra_args, StageArgs) else parse(extra_args)
     flags = stage_flags(layout, args) if spec.layout and layout is not None else ()
     shard_flags = ("--world-size", str(shard[0]), "--rank", str(shard[1])) if shard else ()
-    stage_argv = ("python", "-m", "pipeline", stage, *spec.args, *flags, *(("--resume",) if resume and stage in (
-        "extract", "train") else ()), *args.argv, *shard_flags)
-    verify_argv = ("python", "-m", "pipeline", "verify", f"{DATA}/{spec.output}") if spec.verify_after else None
+    stage_argv = (
+        "python",
+        "-m",
+        "pipeline",
+        stage,
+        *spec.args,
+        *flags,
+        *(("--resume",) if resume and stage in ("extract", "train") else ()),
+        *args.argv,
+        *shard_flags,
+    )
+    verify_argv = (
+        ("python", "-m", "pipeline", "verify", f"{DATA}/{spec.output}") if spec.verify_after else None
+    )
     script = shlex.join(stage_argv) + (f" && {shlex.join(verify_argv)}" if verify_argv else "")
     name = f"eagle-{run_id}"
     if secret_names:
@@ -205,29 +261,82 @@ def plan_stage(host: HostConfig, stage: str, *, run_id: str, extra_args: tuple[s
     env_file = f"{env_dir}/{secret_env.ENV_FILE}" if env_dir else None
     user = user or default_user(host)
     digest_env = ("--env", f"{IMAGE_DIGEST_ENV}={image_digest}") if image_digest else ()
-    argv = ("docker", "run", "--detach", "--name", name,
-            "--label", f"{LABEL_RUN}={run_id}", "--label", f"{LABEL_STAGE}={stage}",
-            "--label", f"{LABEL_OUT}={host_path(host, spec.output)}", "--label", f"{LABEL_HOST}={host.name}",
-            *_container_args(host, spec, run_id, user, env_file), "--entrypoint", "/bin/sh", *digest_env, host.image,
-            "-c", script)
+    argv = (
+        "docker",
+        "run",
+        "--detach",
+        "--name",
+        name,
+        "--label",
+        f"{LABEL_RUN}={run_id}",
+        "--label",
+        f"{LABEL_STAGE}={stage}",
+        "--label",
+        f"{LABEL_OUT}={host_path(host, spec.output)}",
+        "--label",
+        f"{LABEL_HOST}={host.name}",
+        *_container_args(host, spec, run_id, user, env_file),
+        "--entrypoint",
+        "/bin/sh",
+        *digest_env,
+        host.image,
+        "-c",
+        script,
+    )
     common = _container_args(host, spec, run_id, user)
     # the preflight: the same user, mounts, environment and GPUs, removed when it exits, never counted as a
     # stage container (no run-id label), no secrets (it reads local files only)
-    preflight_run = ("docker", "run", "--rm", "--name", f"{name}-preflight", "--label", f"{LABEL_PREFLIGHT}={run_id}",
-                     *common, "--entrypoint", "/bin/sh", host.image, "-c", preflight_script(stage, stage_argv))
-    return StagePlan(run_id=run_id, stage=stage, container=name, image=host.image,
-                     host_inputs=tuple(host_path(host, p) for p in spec.inputs), host_output=host_path(host, spec.output),
-                     stage_argv=stage_argv, verify_argv=verify_argv, docker_run=argv, resume=resume,
-                     secret_names=tuple(secret_names), env_dir=env_dir, args=args, shard=shard,
-                     layout=layout if spec.layout else None, preflight_run=preflight_run, user=user,
-                     image_digest=image_digest)
+    preflight_run = (
+        "docker",
+        "run",
+        "--rm",
+        "--name",
+        f"{name}-preflight",
+        "--label",
+        f"{LABEL_PREFLIGHT}={run_id}",
+        *common,
+        "--entrypoint",
+        "/bin/sh",
+        host.image,
+        "-c",
+        preflight_script(stage, stage_argv),
+    )
+    return StagePlan(
+        run_id=run_id,
+        stage=stage,
+        container=name,
+        image=host.image,
+        host_inputs=tuple(host_path(host, p) for p in spec.inputs),
+        host_output=host_path(host, spec.output),
+        stage_argv=stage_argv,
+        verify_argv=verify_argv,
+        docker_run=argv,
+        resume=resume,
+        secret_names=tuple(secret_names),
+        env_dir=env_dir,
+        args=args,
+        shard=shard,
+        layout=layout if spec.layout else None,
+        preflight_run=preflight_run,
+        user=user,
+        image_digest=image_digest,
+    )
 
 
 def replan(host: HostConfig, plan: StagePlan, **fields) -> StagePlan:
     """The same plan (run id, arguments, secrets, env directory, layout, user, digest) with ``fields``
     changed, rendered again from its fields."""
-    keep = dict(run_id=plan.run_id, extra_args=plan.args, shard=plan.shard, resume=plan.resume, secret_names=plan.secret_names,
-                layout=plan.layout, env_dir=plan.env_dir, user=plan.user, image_digest=plan.image_digest)
+    keep = dict(
+        run_id=plan.run_id,
+        extra_args=plan.args,
+        shard=plan.shard,
+        resume=plan.resume,
+        secret_names=plan.secret_names,
+        layout=plan.layout,
+        env_dir=plan.env_dir,
+        user=plan.user,
+        image_digest=plan.image_digest,
+    )
     return plan_stage(host, plan.stage, **{**keep, **fields})
 
 
@@ -255,13 +364,18 @@ def logs_argv(container: str) -> tuple[str, ...]:
 def finish_argvs(container: str) -> tuple[tuple[str, ...], ...]:
     """After the log follow ends: exit code (docker wait), start/finish times, then remove it; run as one
     `&&` chain, the output reads `CODE STARTED FINISHED NAME`."""
-    return (("docker", "wait", container),
-            ("docker", "inspect", "--format", "{{.State.StartedAt}} {{.State.FinishedAt}}", container),
-            ("docker", "rm", "--volumes", container))
+    return (
+        ("docker", "wait", container),
+        ("docker", "inspect", "--format", "{{.State.StartedAt}} {{.State.FinishedAt}}", container),
+        ("docker", "rm", "--volumes", container),
+    )
 
 
 def abort_argvs(container: str, stop_seconds: float) -> tuple[tuple[str, ...], ...]:
     """After Ctrl-C: stop the stage gracefully, keep its whole log (`docker logs` output), remove it; run
     as `stop && logs; rm`."""
-    return (("docker", "stop", "--time", str(int(stop_seconds)), container), ("docker", "logs", container),
-            ("docker", "rm", "--force", "--volumes", container))
+    return (
+        ("docker", "stop", "--time", str(int(stop_seconds)), container),
+        ("docker", "logs", container),
+        ("docker", "rm", "--force", "--volumes", container),
+    )

@@ -65,6 +65,12 @@ def parse(argv: Iterable[str] = ()) -> StageArgs:
                 ints[flag] = int(found[flag])
             except ValueError:
                 raise ConfigError(f"{flag} {found[flag]!r} after `--` must be a whole number") from None
-    return StageArgs(argv, backend=found.get("--backend"), tensor_parallel_size=ints.get("--tensor-parallel-size"),
-                     data_parallel=ints.get("--data-parallel"), dtype=found.get("--dtype"),
-                     world_size=ints.get("--world-size"), rank=ints.get("--rank"))
+    return StageArgs(
+        argv,
+        backend=found.get("--backend"),
+        tensor_parallel_size=ints.get("--tensor-parallel-size"),
+        data_parallel=ints.get("--data-parallel"),
+        dtype=found.get("--dtype"),
+        world_size=ints.get("--world-size"),
+        rank=ints.get("--rank"),
+    )

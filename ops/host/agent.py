@@ -42,8 +42,13 @@ def stat_fields(pid: int) -> dict | None:
     if text is None:
         return None
     rest = text[text.rindex(")") + 2 :].split()
-    return {"state": rest[0], "ppid": int(rest[1]), "pgid": int(rest[2]), "sid": int(rest[3]),
-            "starttime": int(rest[19])}
+    return {
+        "state": rest[0],
+        "ppid": int(rest[1]),
+        "pgid": int(rest[2]),
+        "sid": int(rest[3]),
+        "starttime": int(rest[19]),
+    }
 
 
 def proc_facts(pid: int, containers: dict) -> dict | None:
@@ -60,8 +65,16 @@ def proc_facts(pid: int, containers: dict) -> dict | None:
     cgroup = read(f"/proc/{pid}/cgroup") or ""
     m = CONTAINER_ID.search(cgroup)
     cid = m.group(1) if m else None
-    return dict(st, pid=pid, comm=comm, cmdline=cmdline[:300], user=user, cgroup=cgroup.strip()[:2000],
-                container_id=cid, container=containers.get(cid, {}).get("name") if cid else None)
+    return dict(
+        st,
+        pid=pid,
+        comm=comm,
+        cmdline=cmdline[:300],
+        user=user,
+        cgroup=cgroup.strip()[:2000],
+        container_id=cid,
+        container=containers.get(cid, {}).get("name") if cid else None,
+    )
 
 
 def alive(pid: int, starttime: int | None = None) -> bool:
@@ -88,10 +101,19 @@ def docker_containers() -> tuple[dict, str | None]:
     """Every container's id -> name and compose labels (empty when docker is absent)."""
     if not shutil.which("docker"):
         return {}, "docker not found"
-    fmt = '{{.ID}}\t{{.Names}}\t{{.Label "com.docker.compose.project"}}\t{{.Label "com.docker.compose.service"}}\t{{.State}}'
+    fmt = "\t".join(
+        (
+            "{{.ID}}",
+            "{{.Names}}",
+            '{{.Label "com.docker.compose.project"}}',
+            '{{.Label "com.docker.compose.service"}}',
+            "{{.State}}",
+        )
+    )
     try:
-        res = subprocess.run(["docker", "ps", "-a", "--no-trunc", "--format", fmt], capture_output=True,
-                             text=True, timeout=30)
+        res = subprocess.run(
+            ["docker", "ps", "-a", "--no-trunc", "--format", fmt], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {}, str(exc)
     if res.returncode != 0:
@@ -160,11 +182,19 @@ def nvml_facts() -> dict:
                 {"pid": p.pid, "used_mib": (p.usedGpuMemory // MIB) if p.usedGpuMemory else None}
                 for p in N.nvmlDeviceGetComputeRunningProcesses(h)
             ]
-            gpus.append({
-                "index": i, "name": _s(N.nvmlDeviceGetName(h)), "uuid": _s(N.nvmlDeviceGetUUID(h)),
-                "memory_total_mib": mem.total // MIB, "memory_used_mib": mem.used // MIB, "memory_api": api,
-                "memory_used_v1_mib": mem_v1.used // MIB, "util_gpu": util, "processes": procs,
-            })
+            gpus.append(
+                {
+                    "index": i,
+                    "name": _s(N.nvmlDeviceGetName(h)),
+                    "uuid": _s(N.nvmlDeviceGetUUID(h)),
+                    "memory_total_mib": mem.total // MIB,
+                    "memory_used_mib": mem.used // MIB,
+                    "memory_api": api,
+                    "memory_used_v1_mib": mem_v1.used // MIB,
+                    "util_gpu": util,
+                    "processes": procs,
+                }
+            )
         return {"ok": True, "error": None, "driver": _s(driver), "gpus": gpus}
     finally:
         N.nvmlShutdown()
@@ -186,10 +216,19 @@ def table_facts(path: str) -> dict:
     for i, gpu in enumerate(table.get("gpus", [])):
         procs = [p for p in gpu.get("processes", []) if alive(int(p["pid"]))]
         used = int(gpu.get("base_used_mib", 0)) + sum(int(p.get("used_mib", 0)) for p in procs)
-        gpus.append({"index": i, "name": gpu.get("name", "table GPU"), "uuid": gpu.get("uuid", f"GPU-table-{i}"),
-                     "memory_total_mib": int(gpu.get("memory_total_mib", 81920)), "memory_used_mib": used,
-                     "memory_api": "table", "memory_used_v1_mib": used, "util_gpu": gpu.get("util_gpu", 0),
-                     "processes": [{"pid": int(p["pid"]), "used_mib": p.get("used_mib")} for p in procs]})
+        gpus.append(
+            {
+                "index": i,
+                "name": gpu.get("name", "table GPU"),
+                "uuid": gpu.get("uuid", f"GPU-table-{i}"),
+                "memory_total_mib": int(gpu.get("memory_total_mib", 81920)),
+                "memory_used_mib": used,
+                "memory_api": "table",
+                "memory_used_v1_mib": used,
+                "util_gpu": gpu.get("util_gpu", 0),
+                "processes": [{"pid": int(p["pid"]), "used_mib": p.get("used_mib")} for p in procs],
+            }
+        )
     return {"ok": True, "error": None, "driver": str(table.get("driver", "table")), "gpus": gpus}
 
 
@@ -202,23 +241,42 @@ def pidfile_group(path: str) -> dict:
     try:
         pid = int(text.strip().split()[0])
     except (ValueError, IndexError):
-        return {"pidfile": path, "error": f"pid file holds {text.strip()[:40]!r}", "pid": None, "pgid": None,
-                "members": []}
+        return {
+            "pidfile": path,
+            "error": f"pid file holds {text.strip()[:40]!r}",
+            "pid": None,
+            "pgid": None,
+            "members": [],
+        }
     st = stat_fields(pid)
     if st is not None and st["state"] != "Z" and started_at(st) > os.stat(path).st_mtime + 2:
         # the process with this pid started after the pid file was written: the pid was reused by
         # someone else, whose group must not be taken for the server's
-        return {"pidfile": path, "error": f"pid {pid} was reused (started after the pid file was written)",
-                "pid": pid, "pgid": None, "members": []}
+        return {
+            "pidfile": path,
+            "error": f"pid {pid} was reused (started after the pid file was written)",
+            "pid": pid,
+            "pgid": None,
+            "members": [],
+        }
     pgid = st["pgid"] if st is not None and st["state"] != "Z" else pid
-    return {"pidfile": path, "error": None, "pid": pid, "pid_alive": alive(pid), "pgid": pgid,
-            "members": group_members(pgid)}
+    return {
+        "pidfile": path,
+        "error": None,
+        "pid": pid,
+        "pid_alive": alive(pid),
+        "pgid": pgid,
+        "members": group_members(pgid),
+    }
 
 
 def started_at(st: dict) -> float:
     """Wall-clock start of a process from its start time in clock ticks since boot."""
-    btime = next(int(line.split()[1]) for line in (read("/proc/stat") or "btime 0").splitlines()
-                 if line.startswith("btime"))
+    btime = next(
+        int(line.split()[1])
+        for line in (read("/proc/stat") or "btime 0").splitlines()
+        if line.startswith("btime")
+    )
     return btime + st["starttime"] / os.sysconf("SC_CLK_TCK")
 
 
@@ -269,15 +327,22 @@ def unit_state(unit: str) -> dict:
     if not shutil.which("systemctl"):
         return {"error": "systemctl not found (no systemd on this host)"}
     try:
-        res = subprocess.run(["systemctl", "show", "--property=LoadState", "--value", unit], capture_output=True,
-                             text=True, timeout=30)
+        res = subprocess.run(
+            ["systemctl", "show", "--property=LoadState", "--value", unit],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": f"systemctl: {exc}"}
     lines = (res.stderr.strip() or res.stdout.strip()).splitlines()
     if res.returncode != 0:
         return {"error": f"systemctl: {lines[-1] if lines else f'exit {res.returncode}'}"}
     state = res.stdout.strip()
-    return {"load_state": state, "error": f"unit {unit} is {state}" if state in ("not-found", "bad-setting") else None}
+    return {
+        "load_state": state,
+        "error": f"unit {unit} is {state}" if state in ("not-found", "bad-setting") else None,
+    }
 
 
 def probe(req: dict) -> dict:
@@ -294,8 +359,9 @@ def probe(req: dict) -> dict:
         server["container_ids"] = [cid for cid, c in containers.items() if c["name"] == target]
     elif server["kind"] == "compose":
         project, service = target.split("/", 1)
-        server["container_ids"] = [cid for cid, c in containers.items()
-                                   if c["project"] == project and c["service"] == service]
+        server["container_ids"] = [
+            cid for cid, c in containers.items() if c["project"] == project and c["service"] == service
+        ]
     elif server["kind"] == "pidfile":
         server.update(pidfile_group(target))
         pids |= set(server["members"])
@@ -317,9 +383,18 @@ def probe(req: dict) -> dict:
             parent = proc_facts(ppid, containers)
             if parent is not None:
                 parents[str(ppid)] = parent
-    out = {"hostname": socket.gethostname(), "agent_pid": os.getpid(), "ancestry": ancestry(),
-           "fuser": fuser, "gpu": gpu, "procs": procs, "parents": parents, "server": server,
-           "containers": containers, "docker_error": docker_error}
+    out = {
+        "hostname": socket.gethostname(),
+        "agent_pid": os.getpid(),
+        "ancestry": ancestry(),
+        "fuser": fuser,
+        "gpu": gpu,
+        "procs": procs,
+        "parents": parents,
+        "server": server,
+        "containers": containers,
+        "docker_error": docker_error,
+    }
     if req.get("paths"):  # remote-run's path facts, in the same round trip
         out["path_facts"] = paths(req["paths"])
     return out
@@ -357,14 +432,21 @@ def terminate(req: dict) -> dict:
         for pid in current():
             try:
                 os.kill(pid, sig)
-                record.setdefault(pid, {"pid": pid, "comm": (read(f"/proc/{pid}/comm") or "").strip(),
-                                        "signals": []})["signals"].append(name)
+                record.setdefault(
+                    pid, {"pid": pid, "comm": (read(f"/proc/{pid}/comm") or "").strip(), "signals": []}
+                )["signals"].append(name)
             except ProcessLookupError:
                 pass
             except PermissionError as exc:
                 facts = proc_facts(pid, {}) or {}
-                denied[pid] = {"pid": pid, "comm": facts.get("comm", ""), "user": facts.get("user", "?"),
-                               "signal": name, "error": exc.strerror, "as_uid": os.geteuid()}
+                denied[pid] = {
+                    "pid": pid,
+                    "comm": facts.get("comm", ""),
+                    "user": facts.get("user", "?"),
+                    "signal": name,
+                    "error": exc.strerror,
+                    "as_uid": os.geteuid(),
+                }
 
     def wait(seconds: float) -> dict:
         deadline = time.monotonic() + seconds
@@ -385,11 +467,21 @@ def terminate(req: dict) -> dict:
     survivors = []
     for pid in current():
         st = stat_fields(pid) or {}
-        survivors.append({"pid": pid, "comm": (read(f"/proc/{pid}/comm") or "").strip(), "state": st.get("state"),
-                          "wchan": (read(f"/proc/{pid}/wchan") or "").strip()})
-    return {"signalled": sorted(record.values(), key=lambda r: r["pid"]), "survivors": survivors,
-            "skipped": skipped, "denied": sorted(denied.values(), key=lambda r: r["pid"]),
-            "elapsed_s": round(time.monotonic() - started, 3)}
+        survivors.append(
+            {
+                "pid": pid,
+                "comm": (read(f"/proc/{pid}/comm") or "").strip(),
+                "state": st.get("state"),
+                "wchan": (read(f"/proc/{pid}/wchan") or "").strip(),
+            }
+        )
+    return {
+        "signalled": sorted(record.values(), key=lambda r: r["pid"]),
+        "survivors": survivors,
+        "skipped": skipped,
+        "denied": sorted(denied.values(), key=lambda r: r["pid"]),
+        "elapsed_s": round(time.monotonic() - started, 3),
+    }
 
 
 def paths(req: dict) -> dict:
@@ -403,8 +495,14 @@ def paths(req: dict) -> dict:
             facts[path] = {"exists": False}
             continue
         is_dir = os.path.isdir(path)
-        facts[path] = {"exists": True, "is_dir": is_dir, "entries": len(os.listdir(path)) if is_dir else None,
-                       "uid": st.st_uid, "gid": st.st_gid, "mode": st.st_mode & 0o7777}
+        facts[path] = {
+            "exists": True,
+            "is_dir": is_dir,
+            "entries": len(os.listdir(path)) if is_dir else None,
+            "uid": st.st_uid,
+            "gid": st.st_gid,
+            "mode": st.st_mode & 0o7777,
+        }
     free = {}
     for path in req.get("free", []):
         probe_at = path

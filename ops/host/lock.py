@@ -100,8 +100,12 @@ def main():
         ssh_user = pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
         ssh_user = str(os.getuid())
-    record = dict(req["record"], ssh_user=ssh_user, pid=os.getpid(),
-                  since=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    record = dict(
+        req["record"],
+        ssh_user=ssh_user,
+        pid=os.getpid(),
+        since=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     say({"state": "held", "record": record})
