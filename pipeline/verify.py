@@ -295,7 +295,7 @@ _NO_MEAN = torch.zeros(1)  # a record keeps no state's mean vector: its signatur
 def written_facts(ids: torch.Tensor, states: list[torch.Tensor], mask: torch.Tensor) -> dict:
     """What the record check judges a data file by, computed by its writer from the tensors in hand before
     the write (no file is read): the tokens and each state's dtype and shape, each state's non-finite count
-    (``_nonfinite``), each state's log RMS (``layer_profile.layer_stats``; None for an all-zero state, and
+    (``_nonfinite``), each state's log RMS (``_log_rms``: layer_stats's figure; None for an all-zero state, and
     the list None where any state is non-finite, as verify keeps no signature then), and the digest of the
     ids and mask (``ids_mask_digest``). Layer order needs each state's mean vector, which is not kept."""
     bad = [_nonfinite(h) for h in states]
@@ -350,20 +350,34 @@ def _record_findings(directory: Path, i: int, ctx: SetContext) -> list[CheckResu
         return [fail("unchanged", f"{how} since extract wrote it: {st.st_size} bytes, extract wrote {rec.bytes}", name)]
     if st.st_mtime_ns != rec.mtime_ns:
         return [fail("unchanged", "modified since extract wrote it (its mtime is not the recorded one): replaced or rewritten", name)]
-    facts = rec.facts
     try:
-        d, stats, bad = _stand_in(facts), _record_signatures(facts), [int(n) for n in facts["nonfinite"]]
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        d, stats, bad, digest = _read_facts(rec.facts)
+    except _BAD_FACTS as exc:
         return [fail("record", f"its record entry is not one extract writes ({type(exc).__name__}): run `pipeline verify`", name)]
     out, t = _form_findings(name, d, replace(ctx, reference=None))  # no profile: a dropped layer's detail reads values
     if out:
         return out
-    return _value_findings(name, bad, stats, t, ctx, order=False) + _identity_findings(name, i, d, t, ctx, facts["ids_mask_sha256"])
+    return _value_findings(name, bad, stats, t, ctx, order=False) + _identity_findings(name, i, d, t, ctx, digest)
+
+
+_BAD_FACTS = (KeyError, TypeError, ValueError, AttributeError, RuntimeError)  # a record entry damaged or not ours
+
+
+def _read_facts(facts: dict) -> tuple[dict, list | None, list[int], str]:
+    """A record's stand-in sample, layer signatures, non-finite counts and ids+mask digest (``_BAD_FACTS``
+    for an entry that does not have them)."""
+    return _stand_in(facts), _record_signatures(facts), [int(n) for n in facts["nonfinite"]], str(facts["ids_mask_sha256"])
 
 
 def _record_reference(indices: list[int], ctx: SetContext) -> layer_profile.Reference | None:
-    """The set's profile from the records of the files ``set_context`` would read for it (scale only)."""
-    sigs = [_record_signatures(ctx.recorded[f"data_{i}.pt"].facts) for i in _profile_picks(indices)]
+    """The set's profile from the records of the files ``set_context`` would read for it (scale only; an
+    entry that cannot be read is left out, and named by its own file's check)."""
+    sigs = []
+    for i in _profile_picks(indices):
+        try:
+            sigs.append(_read_facts(ctx.recorded[f"data_{i}.pt"].facts)[1])
+        except _BAD_FACTS:
+            continue
     return layer_profile.build_reference([s for s in sigs if s is not None], ctx.dc.layer_ids)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 import torch
 
 from pipeline import formats, verify
@@ -183,3 +182,12 @@ def test_resume_does_not_take_a_record_of_other_bytes(states, tiny_llama, prepar
                         "--no-progress", "--resume")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "data_10.pt: unchanged: modified since extract wrote it" in proc.stderr
+
+
+def test_a_damaged_record_entry_is_named_not_a_crash(states):
+    """A record entry whose facts lack a field (damaged, or another tool's) fails as `record`, naming the file."""
+    index = json.loads((states / formats.CHECKSUMS).read_text())
+    del index["files"]["data_0.pt"]["facts"]["ids_mask_sha256"]
+    (states / formats.CHECKSUMS).write_text(json.dumps(index))
+    _, failed = closing(states)
+    assert list(failed) == [("data_0.pt", "record")] and "pipeline verify" in failed[("data_0.pt", "record")]
