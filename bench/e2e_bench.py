@@ -6,7 +6,10 @@ random conversations (lengths uniform in [seq/2, seq)), then run, each as a fres
 ``python -m bench.naive_extract`` (one conversation at a time). Reports, for both: whole-process seconds,
 loop tokens/s, the decoder roofline fraction of the loop (bench/roofline.py), peak GPU memory (nvidia-smi,
 sampled every 100 ms: the process's whole footprint, CUDA context and allocator cache included) and write
-bandwidth; for extract also its own start-up figures and how long the closing verification took. Holds both
+bandwidth; for extract also its own start-up figures, how long the closing verification took (the whole tail
+after its closing line, and the check's own seconds from its summary.json), and both closing checks timed
+again on its set (``closing_check_seconds``: "record", the default, judges the writer's record and stats each
+file; "full" reads every byte back, as ``pipeline verify`` does; the page cache as the run left it). Holds both
 runs' states to an fp32 copy of the model (first 4 samples, ``accuracy``) and exits non-zero when ours is
 further from it than the naive script; the plain relative difference between the two is reported too.
 
@@ -125,7 +128,27 @@ def run_ours(prepared: Path, model: Path, out: Path, extra: list[str], cache: Pa
             "first_batch_seconds": float(m.group(4)) if m.group(4) else None,
             "model_load_seconds": float(m.group(5)) if m.group(5) else None,
             "closing_line": next(line for _, line in lines if CLOSING.search(line)),
-            "verify_seconds": wall - at, "peak_gpu_mib": mem.peak_mib, "bytes": dir_bytes(out)}
+            "verify_seconds": wall - at, "peak_gpu_mib": mem.peak_mib, "bytes": dir_bytes(out), **closing_checks(out)}
+
+
+def closing_checks(out: Path) -> dict:
+    """Which closing check the run used and its own seconds (its summary.json), then each closing check run
+    again on the set, timed: the record check against the full read (both must pass)."""
+    from contract.summary import CLOSING_CHECKS
+    from pipeline.verify import VerifyConfig, verify
+
+    stats = json.loads((out / "summary.json").read_text())["stats"] if (out / "summary.json").is_file() else {}
+    seconds = {}
+    for mode in CLOSING_CHECKS:
+        t0 = time.perf_counter()
+        summary = verify(VerifyConfig(path=out, write_summary=False, closing_check=mode))
+        seconds[mode] = time.perf_counter() - t0
+        if not summary.ok:
+            raise SystemExit(f"the {mode} closing check failed on {out}: {summary.first_failure_line()}")
+        if summary.stats["closing_check"] != mode:
+            raise SystemExit(f"the {mode} closing check fell back: {summary.stats['closing_check_note']}")
+    return {"closing_check": stats.get("closing_check"), "run_closing_check_seconds": stats.get("closing_check_seconds"),
+            "closing_check_seconds": seconds}
 
 
 def run_naive(prepared: Path, model: Path, out: Path) -> dict:
@@ -194,6 +217,12 @@ def main(shapes: str, counts: str, seq_length: int, workdir: Path, extract_args:
             print(f"| {shape} | {who} | {x['wall_seconds']:.1f} | {x['loop_tokens_per_s']:,.0f} | {x['roofline']:.1%} | "
                   f"{x['peak_gpu_mib']} | {x['write_gb_s']:.2f} |")
         print(f"| {shape} | ours vs naive | {r['whole_process_speedup']:.2f}x | {r['loop_speedup']:.2f}x | | | |")
+    print("\n| shape | closing check of the run | its seconds | record check s | full read s |")
+    print("|---|---|---:|---:|---:|")
+    for shape, r in results["shapes"].items():
+        x = r["ours"]
+        print(f"| {shape} | {x['closing_check']} | {x['run_closing_check_seconds']} | "
+              f"{x['closing_check_seconds']['record']:.2f} | {x['closing_check_seconds']['full']:.2f} |")
     if json_out:
         json_out.write_text(json.dumps(results, indent=2) + "\n")
     if failures:

@@ -5,7 +5,11 @@ reader understands, the one-line note for a summary a reader cannot vouch for, a
 multi-host merge compares between hosts. Version 1 added ``schema``, ``schema_version``, ``provenance`` and
 ``source_provenance`` (the checked output's own record) to the keys readers had before (kind, path, ok,
 stats, failures, checks), which are unchanged. A new version adds a number to READ_VERSIONS in the same
-change that writes it. Pure: takes and returns parsed JSON.
+change that writes it. A hidden-states summary that extract wrote as its closing check also says, in
+``stats``, which check ran (``closing_check``: one of CLOSING_CHECKS; "record" judged the writer's record
+and stat'ed each file, "full" read every byte back), what it proved (``closing_check_note``) and its seconds
+(``closing_check_seconds``); a summary of ``pipeline verify`` has none of them (it always reads every byte).
+These keys are additions within version 1. Pure: takes and returns parsed JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ SCHEMA = "eagle-ops.summary"
 VERSION = 1  # what this product writes
 READ_VERSIONS = (1,)  # what this product reads
 FACTS = ("version", "commit", "image_digest", "patches")
+CLOSING_CHECKS = ("record", "full")  # stats.closing_check of extract's summary: the default first
 
 
 def header() -> dict:

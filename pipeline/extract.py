@@ -24,7 +24,8 @@ import click
 import torch
 
 from contract.shards import shard
-from pipeline import formats, provenance
+from contract.summary import CLOSING_CHECKS
+from pipeline import formats, provenance, verify
 from pipeline.atomic import remove_partials
 from pipeline.backends import BACKENDS, Backend, BackendOptions, get_backend
 from pipeline.errors import StageError, require_range
@@ -57,7 +58,8 @@ class ExtractConfig:
     tensor_parallel_size: int | None = None  # vllm only
     enforce_eager: bool = False  # vllm only: no CUDA graphs / torch.compile
     trust_remote_code: bool = False
-    verify: bool = True  # write summary.json by running verify at the end
+    verify: bool = True  # write summary.json by running the closing check at the end
+    closing_check: str = "record"  # record: judge the writer's record, stat each file | full: read every byte back
     progress: bool = True
     writer_threads: int = 4  # threads writing files (per process)
     data_parallel: int = 1  # processes on this host, one per GPU, batches dealt by padded tokens (deal())
@@ -154,8 +156,9 @@ class Writer:
                 if self.error is None:
                     ready()  # the device-to-host copies of this batch (a no-op for host-computed states)
                     target = formats.data_file(self.out, index)
+                    facts = verify.written_facts(ids, states, mask)  # what the closing check judges, from the tensors in hand
                     digest = formats.write_sample(target, ids, states, mask)
-                    self.journal.record(target.name, digest)
+                    self.journal.record(target.name, replace(digest, mtime_ns=target.stat().st_mtime_ns, facts=facts))
                     size = digest.bytes
                     with self._room:
                         self.bytes += size
@@ -273,9 +276,7 @@ def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig, prepare
         shutil.rmtree(stale, ignore_errors=True)
     formats.write_data_config(out, expected)
     if cfg.repair:
-        from pipeline.verify import damaged_files
-
-        bad = damaged_files(out, kept, expected, prepared)
+        bad = verify.damaged_files(out, kept, expected, prepared)
         for i, reason in sorted(bad.items()):
             click.echo(f"repair: data_{i}.pt will be regenerated ({reason})", err=True)
             formats.data_file(out, i).unlink()
@@ -285,9 +286,7 @@ def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig, prepare
 
 def refuse_foreign_files(out: Path, indices: list[int], expected: formats.DataConfig, prepared) -> None:
     """One line naming the first of ``indices`` that is not this run's file (and how many more there are)."""
-    from pipeline.verify import foreign_files
-
-    foreign = foreign_files(out, indices, expected, prepared)
+    foreign = verify.foreign_files(out, indices, expected, prepared)
     if foreign:
         first = min(foreign)
         more = f" (and {len(foreign) - 1} more files)" if len(foreign) > 1 else ""
@@ -298,7 +297,14 @@ def refuse_foreign_files(out: Path, indices: list[int], expected: formats.DataCo
 
 
 def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
         TextColumn("[bold]extract"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
@@ -387,6 +393,8 @@ def _check_parallel(cfg: ExtractConfig) -> None:
         raise StageError(f"--max-batch-tokens {cfg.max_batch_tokens} and --max-batch-size {cfg.max_batch_size} must be at least 1")
     if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
         raise StageError(f"--rank {cfg.rank} must be in 0..{cfg.world_size - 1} for --world-size {cfg.world_size}")
+    if cfg.closing_check not in CLOSING_CHECKS:
+        raise StageError(f"unknown --closing-check {cfg.closing_check!r}: choose {' or '.join(CLOSING_CHECKS)}")
     if cfg.writer_threads < 1:
         raise StageError(f"--writer-threads {cfg.writer_threads} must be at least 1")
     if cfg.data_parallel < 1:
@@ -492,17 +500,39 @@ def run(cfg: ExtractConfig) -> dict:
 
 
 def record_missing_checksums(out: Path, done: set[int]) -> None:
-    """Resume: hash the files already complete that no index or journal records (written before checksums
-    existed, or by a run killed between a file's rename and its journal line), so that every file has one."""
+    """Resume: record the files already complete that no index or journal records (written before checksums
+    existed, or by a run killed between a file's rename and its journal line), so that every file has one;
+    and record again, with their current mtime, the files whose record's mtime or size they no longer have
+    (copied, or touched) while their bytes are still the recorded ones. Each is read once: its sha256 and,
+    where it reads as a sample, its value facts. A file whose bytes differ from its record keeps that record
+    (the closing check names it: ``refuse_foreign_files`` hashes only files changed after the records);
+    files recorded by an older extract without facts are left as they are (the closing check reads them)."""
     recorded = formats.read_checksums(out)
-    missing = sorted(i for i in done if formats.data_file(out, i).name not in recorded)
+
+    def stale(i: int) -> bool:
+        path, want = formats.data_file(out, i), recorded.get(formats.data_file(out, i).name)
+        if want is None:
+            return True
+        st = path.stat()
+        return verify.has_facts(want) and (st.st_mtime_ns != want.mtime_ns or st.st_size != want.bytes)
+
+    missing = sorted(i for i in done if stale(i))
     if not missing:
         return
-    click.echo(f"resume: computing the checksums of {len(missing)} files written without one", err=True)
-    journal = formats.ChecksumJournal(out)
+    click.echo(f"resume: recording the checksums of {len(missing)} files written without one (or changed since)", err=True)
+    journal, load = formats.ChecksumJournal(out), verify.reader_loads()
     try:
         for i in missing:
-            journal.record(formats.data_file(out, i).name, formats.file_digest(formats.data_file(out, i)))
+            path = formats.data_file(out, i)
+            mtime = path.stat().st_mtime_ns
+            try:
+                d, digest = load(path)
+                facts = verify.written_facts(d["input_ids"], d["hidden_states"], d["loss_mask"])
+            except Exception:  # noqa: BLE001 - not a readable sample: its checksum only; the closing check reads it
+                digest, facts = formats.file_digest(path), None
+            if (want := recorded.get(path.name)) is not None and digest.sha256 != want.sha256:
+                continue  # other bytes than recorded under an old mtime (not hashed by the resume check): kept as named
+            journal.record(path.name, replace(digest, mtime_ns=mtime if facts is not None else None, facts=facts))
     finally:
         journal.close()
 
@@ -639,6 +669,9 @@ def first_batch_after(stats: dict) -> tuple[float, float] | None:
 @click.option("--enforce-eager", is_flag=True, help="vllm backend: no CUDA graphs or torch.compile (faster start, slower loop).")
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--no-verify", "verify", is_flag=True, flag_value=False, default=True, help="Skip the summary.json check at the end.")
+@click.option("--closing-check", default="record", show_default=True,
+              help="The check writing summary.json: record (each file's size and mtime, and the values its writer "
+                   "recorded; reads no state back) or full (reads and hashes every byte, as `pipeline verify`).")
 @click.option("--no-progress", "progress", is_flag=True, flag_value=False, default=True)
 @click.option("--writer-threads", type=int, default=4, show_default=True, help="Threads writing files, per process.")
 @click.option("--data-parallel", type=int, default=1, show_default=True, help="Processes on this host: hf one per GPU; vllm one per --tensor-parallel-size GPUs.")
@@ -665,6 +698,4 @@ def command(layer_ids: str | None, json_stats: bool, **kwargs) -> None:
         + (f"; first batch {started[0]:.1f} s after start, model load {started[1]:.1f} s)" if started else ")")
     )
     if cfg.verify:
-        from pipeline.verify import VerifyConfig, report
-
-        report(VerifyConfig(path=cfg.out, world_size=cfg.world_size, rank=cfg.rank))
+        verify.report(verify.VerifyConfig(path=cfg.out, world_size=cfg.world_size, rank=cfg.rank, closing_check=cfg.closing_check))

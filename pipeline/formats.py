@@ -17,9 +17,10 @@ hidden-states dir (``extract``)::
     data_{i}.pt           {"input_ids": int64[T], "hidden_states": [4 x dtype[T, H]], "loss_mask": int64[T]}
     data_config.json      model, layer ids, hidden size, dtype, sample count, format version, provenance
     sample_lengths.json   {"0": T0, "1": T1, ...}
-    checksums.json        {"schema": "eagle-ops.checksums", "version": 1, "algorithm": "sha256",
-                           "files": {"data_0.pt": {"sha256": HEX, "bytes": N}, ...}}
-    checksums.HOST.PID.journal  one {"file", "sha256", "bytes"} JSON line per file a running extract wrote
+    checksums.json        {"schema": "eagle-ops.checksums", "version": 2, "algorithm": "sha256",
+                           "files": {"data_0.pt": {"sha256": HEX, "bytes": N, "mtime_ns": M, "facts": {...}}, ...}}
+    checksums.HOST.PID.journal  one {"file", "sha256", "bytes", "mtime_ns", "facts"} JSON line per file a
+                          running extract wrote
 
 Why ``data_{i}.pt`` and not vLLM's ``hs_{i}.safetensors`` (what speculators 0.9's own ``speculators train``
 reads, next to an Arrow dataset holding the loss masks): each data file carries its own ids and loss mask,
@@ -36,6 +37,10 @@ directory never rewrite each other's index), written atomically. Readers take th
 and the journals (a journal line appended after an index wins). Why an index and journals rather than a
 sidecar per file: one small file to copy and compare, no doubling of the file count of a million-sample
 set, and no per-file extra write; the journals exist only while a run is in progress or was interrupted.
+Version 2 adds to each entry the file's mtime once it had its final name (``mtime_ns``) and the value facts
+its writer computed from the tensors in hand (``facts``: shapes, dtypes, non-finite counts, layer scale,
+a digest of the ids and mask; built and judged by pipeline/verify.py, opaque here), which extract's closing
+check judges instead of reading the file back; version 1 entries (sha256 and bytes only) are still read.
 
 Summaries: every ``summary.json`` (verify's; train's through ``provenance.stamp``) carries the header of
 contract/summary.py (schema and version, which ops reads too) and a ``provenance`` record next to its stage
@@ -65,7 +70,8 @@ from pipeline.errors import StageError
 
 FORMAT_VERSION = 1
 CHECKSUM_SCHEMA = "eagle-ops.checksums"
-CHECKSUM_VERSION = 1
+CHECKSUM_VERSION = 2  # what this product writes: 2 added mtime_ns and facts to each entry
+CHECKSUM_READ_VERSIONS = (1, 2)
 
 PREPARED_FILES = ("tokens.npy", "loss_mask.npy", "offsets.npy", "metadata.json")
 TOKEN_FREQ = "token_freq.pt"
@@ -262,10 +268,24 @@ class _WriteErrorRecorder:
 
 @dataclass(frozen=True)
 class FileDigest:
-    """A file's checksum as its writer computed it."""
+    """A file's checksum as its writer computed it; in a record of version 2 also its mtime once complete
+    and its value facts (None: not recorded, as in a version 1 record or a digest of a read)."""
 
     sha256: str
     bytes: int
+    mtime_ns: int | None = field(default=None, compare=False)
+    facts: dict | None = field(default=None, compare=False)
+
+    def entry(self) -> dict:
+        """The index/journal entry: sha256 and bytes, and the version 2 fields where known."""
+        extra = {k: v for k, v in (("mtime_ns", self.mtime_ns), ("facts", self.facts)) if v is not None}
+        return {"sha256": self.sha256, "bytes": self.bytes, **extra}
+
+
+def _digest_of(entry: dict) -> FileDigest:
+    mtime, facts = entry.get("mtime_ns"), entry.get("facts")
+    return FileDigest(str(entry["sha256"]), int(entry["bytes"]), int(mtime) if mtime is not None else None,
+                      facts if isinstance(facts, dict) else None)
 
 
 def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torch.Tensor], loss_mask: torch.Tensor) -> FileDigest:
@@ -378,7 +398,7 @@ class ChecksumJournal:
         self._fh = None
 
     def record(self, name: str, digest: FileDigest) -> None:
-        line = json.dumps({"file": name, "sha256": digest.sha256, "bytes": digest.bytes}) + "\n"
+        line = json.dumps({"file": name, **digest.entry()}) + "\n"
         with self._lock:
             if self._fh is None:
                 self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held until close()
@@ -401,7 +421,7 @@ def _journal_entries(path: Path) -> dict[str, FileDigest]:
     for line in lines:
         try:
             rec = json.loads(line)
-            entries[str(rec["file"])] = FileDigest(str(rec["sha256"]), int(rec["bytes"]))
+            entries[str(rec["file"])] = _digest_of(rec)
         except (ValueError, KeyError, TypeError):
             continue  # a line torn by a crash mid-append: its file has no checksum, which verify reports
     return entries
@@ -423,9 +443,9 @@ def read_checksum_index(path: Path) -> dict[str, FileDigest]:
     """One index file's entries; {} for a file that is not one (damaged, or of another schema)."""
     try:
         raw = json.loads(path.read_text())
-        if raw.get("schema") != CHECKSUM_SCHEMA or raw.get("version") != CHECKSUM_VERSION:
+        if raw.get("schema") != CHECKSUM_SCHEMA or raw.get("version") not in CHECKSUM_READ_VERSIONS:
             return {}
-        return {str(k): FileDigest(str(v["sha256"]), int(v["bytes"])) for k, v in raw["files"].items()}
+        return {str(k): _digest_of(v) for k, v in raw["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 
@@ -440,7 +460,7 @@ def fold_checksums(directory: Path, owned: set[int], world_size: int = 1, rank: 
     directory = Path(directory)
     recorded = read_checksums(directory)
     present = {f"data_{i}.pt" for i in existing_data_indices(directory) if i in owned}
-    files = {k: {"sha256": v.sha256, "bytes": v.bytes} for k, v in sorted(recorded.items()) if k in present}
+    files = {k: v.entry() for k, v in sorted(recorded.items()) if k in present}
     write_json(directory / checksum_index_name(world_size, rank),
                {"schema": CHECKSUM_SCHEMA, "version": CHECKSUM_VERSION, "algorithm": "sha256", "files": files})
     for journal in directory.glob(CHECKSUM_JOURNAL_GLOB):

@@ -53,6 +53,9 @@ def test_e2e_bench_runs_both_processes_and_checks_them_against_fp32(tmp_path):
     tiny = r["shapes"]["tiny"]
     assert tiny["ours"]["bytes"] > 0 and tiny["ours"]["bytes"] == pytest.approx(tiny["naive"]["bytes"], rel=0.01)
     assert tiny["ours"]["wall_seconds"] > tiny["ours"]["verify_seconds"] > 0
+    assert tiny["ours"]["closing_check"] == "record"  # extract's default closing check
+    assert set(tiny["ours"]["closing_check_seconds"]) == {"record", "full"}
+    assert all(t > 0 for t in tiny["ours"]["closing_check_seconds"].values())
     assert "tok/s" in tiny["ours"]["closing_line"] and tiny["naive"]["loop_tokens_per_s"] > 0
     assert max(tiny["rel_err_vs_fp32_per_layer"]["ours"]) < 1e-4
 

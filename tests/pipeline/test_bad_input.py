@@ -76,6 +76,7 @@ def test_prepare_flag_ranges(tmp_path, tiny_llama, conversations, flags, fragmen
         (["--dtype", "float8"], "unknown --dtype"),
         (["--layer-ids", "2,four,5,7"], "comma-separated integers"),
         (["--writer-threads", "0"], "--writer-threads 0"),
+        (["--closing-check", "bytes"], "unknown --closing-check 'bytes': choose record or full"),
         (["--data-parallel", "2", "--device", "cuda:1"], "CUDA_VISIBLE_DEVICES"),
     ],
 )

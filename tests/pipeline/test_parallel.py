@@ -47,7 +47,8 @@ def test_data_parallel_files_equal_single_process(tmp_path, tiny_llama, prepared
     assert formats.existing_data_indices(tmp_path / "two") == list(range(16))
     for i in range(16):
         assert (tmp_path / "one" / f"data_{i}.pt").read_bytes() == (tmp_path / "two" / f"data_{i}.pt").read_bytes()
-    assert json.loads((tmp_path / "two" / "summary.json").read_text())["ok"] is True
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["ok"] is True and summary["stats"]["closing_check"] == "record"  # the workers' records, folded
 
 
 def test_hosts_shards_merge_into_one_verified_set(tmp_path, tiny_llama, prepared_llama):
@@ -57,6 +58,8 @@ def test_hosts_shards_merge_into_one_verified_set(tmp_path, tiny_llama, prepared
     for rank in (0, 1):
         run_pipeline(*common, "--rank", rank, "--out", tmp_path / f"host{rank}", check=True)
         assert formats.existing_data_indices(tmp_path / f"host{rank}") == list(range(rank, 12, 2))
+        summary = json.loads((tmp_path / f"host{rank}" / "summary.json").read_text())
+        assert summary["ok"] is True and summary["stats"]["closing_check"] == "record"  # its own shard's record
     # one host's shard alone is incomplete as a whole set
     assert run_pipeline("verify", tmp_path / "host0").returncode == 3
     merged = tmp_path / "merged"

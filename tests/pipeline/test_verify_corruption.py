@@ -10,20 +10,11 @@ from __future__ import annotations
 import json
 import shutil
 
-import pytest
 import torch
 
 from pipeline import formats, verify
 from pipeline.verify import VerifyConfig
 from tests.conftest import run_pipeline
-
-
-@pytest.fixture
-def states(tmp_path, extracted_llama):
-    d = tmp_path / "states"
-    shutil.copytree(extracted_llama, d)
-    (d / "summary.json").unlink(missing_ok=True)
-    return d
 
 
 def rewrite(d, i, edit):
