@@ -133,17 +133,22 @@ def test_container_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mo
         # models listed, no completion: the engine's first step compiles with g++, which the minimal
         # test base image lacks (the engine would die of it, and the point is that it lives on)
         wait_ready(port, running, lambda: ctr.logs(tail=40).decode(errors="replace"), complete=False)
-        top = {int(p[1]): p[-1] for p in dk.api.top(name, ps_args="-eo pid,pid,comm")["Processes"]}
-        api = [pid for pid, comm in top.items() if comm == "vllm"]
-        engine = [pid for pid, comm in top.items() if comm.startswith("VLLM::EngineCor")]
-        assert api and engine, top
+        top = {int(p[0]): (int(p[1]), p[-1]) for p in dk.api.top(name, ps_args="-eo pid,ppid,comm")["Processes"]}
+        api = [pid for pid, (_, comm) in top.items() if comm == "vllm"]
+        assert len(api) == 1, top
+        # the engine is the API's own child; a short-lived process it forks carries its name until exec, so
+        # only the children still alive once paused count (CI once paused such a one, gone by the check)
+        engine = [pid for pid, (ppid, comm) in top.items() if ppid == api[0] and comm.startswith("VLLM::EngineCor")]
         # the engine is paused first: on a loaded machine it sometimes exited on its own once the API was
         # gone (CI flake), and the point here is what stop-server does with one that does not
         for pid in engine:
             __import__("os").kill(pid, signal.SIGSTOP)
+        engine = [pid for pid in engine if alive(pid)]
+        assert engine, top
         __import__("os").kill(api[0], signal.SIGKILL)
         wait_for(lambda: not alive(api[0]))
-        assert running() and all(alive(p) for p in engine)
+        assert running() and all(alive(p) for p in engine), (
+            {p: alive(p) for p in engine}, top, ctr.logs(tail=40).decode(errors="replace"))
         res = run_ops("stop-server", "--host", "box", "--hosts-file", str(hosts_for(tmp_path, sshd, f"container:{name}")))
         assert res.returncode == 0, res.stdout + res.stderr
         ctr.reload()
