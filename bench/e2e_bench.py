@@ -66,10 +66,10 @@ class GpuMemory:
         self._thread.join()
 
 
-def timed_process(argv: list[str], env: dict | None = None) -> tuple[float, list[tuple[float, str]]]:
+def timed_process(argv: list[str], env: dict | None = None, cwd: Path | None = None) -> tuple[float, list[tuple[float, str]]]:
     """Run ``argv``; its wall seconds and its output lines, each with the seconds since its start."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     lines = [(time.perf_counter() - t0, line.rstrip()) for line in proc.stdout]
     proc.wait()
     wall = time.perf_counter() - t0
@@ -113,12 +113,17 @@ def dir_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.glob("data_*.pt"))
 
 
-def run_ours(prepared: Path, model: Path, out: Path, extra: list[str], cache: Path) -> dict:
+def run_ours(prepared: Path, model: Path, out: Path, extra: list[str], cache: Path, tree: Path | None = None) -> dict:
+    """`pipeline extract` with its defaults (plus ``extra``) as a fresh process, from this checkout or, with
+    ``tree``, from another source tree (the baseline: its own pipeline/ and contract/ come first)."""
     # compiled kernels are cached on disk between runs: a fresh cache, as on a fresh machine
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
     with GpuMemory() as mem:
         wall, lines = timed_process([sys.executable, "-m", "pipeline", "extract", "--prepared", str(prepared),
-                                     "--model", str(model), "--out", str(out), "--no-progress", *extra], env)
+                                     "--model", str(model), "--out", str(out), "--no-progress", *extra], env,
+                                    cwd=tree)
     found = [(t, CLOSING.search(line)) for t, line in lines if CLOSING.search(line)]
     if not found:
         raise SystemExit("pipeline extract printed no closing line:\n" + "\n".join(line for _, line in lines[-10:]))
@@ -148,7 +153,30 @@ def closing_checks(out: Path) -> dict:
         if summary.stats["closing_check"] != mode:
             raise SystemExit(f"the {mode} closing check fell back: {summary.stats['closing_check_note']}")
     return {"closing_check": stats.get("closing_check"), "run_closing_check_seconds": stats.get("closing_check_seconds"),
-            "closing_check_seconds": seconds}
+            "closing_check_seconds": seconds, "facts_log_rms_drift": facts_drift(out)}
+
+
+def facts_drift(out: Path, n: int = 8) -> float | None:
+    """The largest difference between the log RMS the writer recorded (on a GPU: from the device's figures)
+    and the one computed from the file as read back, over the first ``n`` files; exits when they disagree
+    beyond float32 rounding or on a non-finite count. None for a set without a version 2 record."""
+    from pipeline import formats, verify
+
+    record, worst = formats.read_checksums(out), 0.0
+    names = [name for name in sorted(record) if name.startswith("data_")][:n]
+    if not names or not all(verify.has_facts(record[name]) for name in names):
+        return None
+    for name in names:
+        s = formats.read_sample(out / name)
+        mine, kept = verify.written_facts(s["input_ids"], s["hidden_states"], s["loss_mask"]), record[name].facts
+        pairs = list(zip(mine["log_rms"] or [], kept["log_rms"] or [], strict=True))
+        if (mine["nonfinite"] != kept["nonfinite"] or (mine["log_rms"] is None) != (kept["log_rms"] is None)
+                or any((a is None) != (b is None) for a, b in pairs)):
+            raise SystemExit(f"{out / name}: recorded facts {kept} differ from the file's {mine}")
+        worst = max([worst, *(abs(a - b) for a, b in pairs if a is not None)])
+    if worst > 1e-4:
+        raise SystemExit(f"{out}: recorded log RMS off the file's by {worst:.2e} (float32 rounding is ~1e-7)")
+    return worst
 
 
 def run_naive(prepared: Path, model: Path, out: Path) -> dict:
@@ -167,7 +195,11 @@ def run_naive(prepared: Path, model: Path, out: Path) -> dict:
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("/dev/shm/e2e-bench"), show_default=True)
 @click.option("--extract-args", default="", help="Extra flags for pipeline extract (default: none, its defaults).")
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
-def main(shapes: str, counts: str, seq_length: int, workdir: Path, extract_args: str, json_out: Path | None) -> None:
+@click.option("--baseline", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Another commit's source tree (git archive REV pipeline contract | tar -x -C DIR): its "
+                   "`pipeline extract` also runs on each set, right after ours, as the 'baseline' row.")
+def main(shapes: str, counts: str, seq_length: int, workdir: Path, extract_args: str, json_out: Path | None,
+         baseline: Path | None) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     gpu = torch.cuda.is_available()
@@ -190,8 +222,12 @@ def main(shapes: str, counts: str, seq_length: int, workdir: Path, extract_args:
         lengths = [int(t) for t in formats.read_prepared(prepared)[0].lengths()]
         roof = model_shape(model_dir)
         ours = run_ours(prepared, model_dir, workdir / f"ours-{shape}", extract_args.split(), workdir / f"cache-{shape}")
-        naive = run_naive(prepared, model_dir, workdir / f"naive-{shape}")
-        for r in (ours, naive):
+        runs = {"ours": ours}
+        if baseline is not None:
+            runs["baseline"] = run_ours(prepared, model_dir, workdir / f"baseline-{shape}", extract_args.split(),
+                                        workdir / f"cache-base-{shape}", baseline)
+        naive = runs["naive"] = run_naive(prepared, model_dir, workdir / f"naive-{shape}")
+        for r in runs.values():
             loop = sum(lengths) / r["loop_tokens_per_s"]
             r.update(roofline=roof.roofline_fraction(lengths, loop), write_gb_s=r["bytes"] / loop / 1e9)
         worst = agreement(workdir / f"naive-{shape}", workdir / f"ours-{shape}", min(16, n), [2, L // 2, L - 3])
@@ -202,27 +238,34 @@ def main(shapes: str, counts: str, seq_length: int, workdir: Path, extract_args:
         if gpu:
             torch.cuda.empty_cache()
         results["shapes"][shape] = {"samples": n, "tokens": sum(lengths), "build_seconds": built,
-                                    "decoder_params": roof.decoder_params, "ours": ours, "naive": naive,
+                                    "decoder_params": roof.decoder_params, **runs,
                                     "whole_process_speedup": naive["wall_seconds"] / ours["wall_seconds"],
                                     "loop_speedup": ours["loop_tokens_per_s"] / naive["loop_tokens_per_s"],
                                     "max_rel_err_vs_naive": worst, "rel_err_vs_fp32_per_layer": errors}
         print(json.dumps({shape: results["shapes"][shape]}, indent=1), flush=True)
-        for d in (f"ours-{shape}", f"naive-{shape}"):
-            shutil.rmtree(workdir / d)
+        for who in runs:
+            shutil.rmtree(workdir / f"{who}-{shape}")
     print("\n| shape | run | whole process s | loop tok/s | decoder roofline | peak GPU MiB | write GB/s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for shape, r in results["shapes"].items():
-        for who in ("ours", "naive"):
+        for who in ("ours", "baseline", "naive"):
+            if who not in r:
+                continue
             x = r[who]
             print(f"| {shape} | {who} | {x['wall_seconds']:.1f} | {x['loop_tokens_per_s']:,.0f} | {x['roofline']:.1%} | "
                   f"{x['peak_gpu_mib']} | {x['write_gb_s']:.2f} |")
         print(f"| {shape} | ours vs naive | {r['whole_process_speedup']:.2f}x | {r['loop_speedup']:.2f}x | | | |")
+        if "baseline" in r:
+            print(f"| {shape} | ours vs baseline | {r['baseline']['wall_seconds'] / r['ours']['wall_seconds']:.2f}x | "
+                  f"{r['ours']['loop_tokens_per_s'] / r['baseline']['loop_tokens_per_s']:.2f}x | | | |")
     print("\n| shape | closing check of the run | its seconds | record check s | full read s |")
     print("|---|---|---:|---:|---:|")
     for shape, r in results["shapes"].items():
-        x = r["ours"]
-        print(f"| {shape} | {x['closing_check']} | {x['run_closing_check_seconds']} | "
-              f"{x['closing_check_seconds']['record']:.2f} | {x['closing_check_seconds']['full']:.2f} |")
+        for who in ("ours", "baseline"):
+            if who in r:
+                x = r[who]
+                print(f"| {shape} {who} | {x['closing_check']} | {x['run_closing_check_seconds']} | "
+                      f"{x['closing_check_seconds']['record']:.2f} | {x['closing_check_seconds']['full']:.2f} |")
     if json_out:
         json_out.write_text(json.dumps(results, indent=2) + "\n")
     if failures:

@@ -150,13 +150,14 @@ class Writer:
 
     def _loop(self) -> None:
         while (item := self.queue.get()) is not None:
-            index, ids, states, mask, ready = item
+            index, ids, states, mask, ready, *scales = item  # scales: the backend's token_scales, when it made them
             nbytes = _nbytes(states)
             try:
                 if self.error is None:
                     ready()  # the device-to-host copies of this batch (a no-op for host-computed states)
                     target = formats.data_file(self.out, index)
-                    facts = verify.written_facts(ids, states, mask)  # what the closing check judges, from the tensors in hand
+                    # what the closing check judges, from the tensors in hand
+                    facts = verify.written_facts(ids, states, mask, scales[0] if scales else None)
                     digest = formats.write_sample(target, ids, states, mask)
                     self.journal.record(target.name, replace(digest, mtime_ns=target.stat().st_mtime_ns, facts=facts))
                     size = digest.bytes
@@ -166,7 +167,7 @@ class Writer:
             except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
                 self.error = exc
             finally:
-                del item, states  # return the host buffers to the allocator before making room
+                del item, states, scales  # return the host buffers to the allocator before making room
                 with self._room:
                     self._pending -= nbytes
                     self._room.notify_all()
@@ -368,7 +369,8 @@ def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_la
             f"for a batch of {len(seqs)} x {num_layers} layers"
         )
     items = []
-    for i, seq, sample_states in zip(batch.indices, seqs, states, strict=True):
+    scales = captured.scales or [None] * len(states)
+    for i, seq, sample_states, sample_scales in zip(batch.indices, seqs, states, scales, strict=True):
         for h in sample_states:
             if h.shape != (len(seq), hidden_size):
                 raise StageError(f"sample {i}: backend returned a state of shape {tuple(h.shape)}, expected ({len(seq)}, {hidden_size})")
@@ -376,7 +378,7 @@ def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_la
             continue
         ids = torch.from_numpy(seq.astype("int64"))
         mask = torch.from_numpy(prepared.mask(i).astype("int64"))
-        items.append((i, ids, sample_states, mask, captured.ready))
+        items.append((i, ids, sample_states, mask, captured.ready, sample_scales))
     return items
 
 

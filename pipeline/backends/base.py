@@ -124,6 +124,9 @@ class Captured:
 
     states: list[list[torch.Tensor]]
     ready: Callable[[], None] = field(default=_ready)
+    #: per sample, per state, its ``verify.token_scales`` (host tensors, valid after ``ready()``) where the
+    #: backend computed them on the device; None: the writer computes them from the states
+    scales: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
 
 class Backend(ABC):

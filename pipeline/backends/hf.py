@@ -37,6 +37,7 @@ from torch import nn
 
 from pipeline.backends.base import Backend, BackendOptions, Captured, DeviceClock, resolve_device, resolve_dtype
 from pipeline.errors import StageError
+from pipeline.verify import token_scales
 
 PACKED_ATTENTION = "eagle_ops_packed"
 COMPILE_MIN_FLOPS = 2e16  # 2 x decoder parameters x planned tokens above which compiling pays for itself
@@ -210,6 +211,9 @@ class HFBackend(Backend):
         self.clock.stop()
         if self.device.type != "cuda":
             return Captured([[o[r].clone() for o in outs] for r in rows])
+        # the closing check's per-token figures, on the device: one pass over each output there instead of two
+        # per state on a writer thread (docs/vllm.md "The closing check"); padding rows are never looked at
+        scales = [token_scales(o) for o in outs]
         computed = torch.cuda.Event()
         computed.record()
         with torch.cuda.stream(self._copies):
@@ -218,16 +222,15 @@ class HFBackend(Backend):
             for r in rows:
                 row = []
                 for o in outs:
-                    src = o[r]
-                    h = torch.empty(src.shape, dtype=o.dtype, pin_memory=True)
-                    h.copy_(src, non_blocking=True)
-                    row.append(h)
+                    row.append(_to_host(o[r]))
                 states.append(row)
-            for o in outs:  # the allocator must not hand this memory to the next forward before the copies ran
-                o.record_stream(self._copies)
+            host_scales = [(_to_host(rms), _to_host(bad)) for rms, bad in scales]  # whole, once per layer: small
+            for t in [*outs, *(t for pair in scales for t in pair)]:
+                t.record_stream(self._copies)  # not handed to the next forward before the copies ran
             copied = torch.cuda.Event()
             copied.record()
-        return Captured(states, copied.synchronize)
+        per_sample = [[(rms[r], bad[r]) for rms, bad in host_scales] for r in rows]
+        return Captured(states, copied.synchronize, per_sample)
 
     def close(self) -> None:
         if self.decoder is None:
@@ -241,3 +244,11 @@ class HFBackend(Backend):
         self.model = self.decoder = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _to_host(src: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of ``src``, queued on the current stream (from torch's caching host allocator, so
+    reuse costs nothing)."""
+    h = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    h.copy_(src, non_blocking=True)
+    return h

@@ -9,6 +9,7 @@ An H200 run that dies on a broken benchmark costs device time that cannot be had
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,10 +48,16 @@ def test_hf_levers_runs_each_variant_and_holds_it_to_the_one_by_one_reference(tm
 
 @pytest.mark.slow
 def test_e2e_bench_runs_both_processes_and_checks_them_against_fp32(tmp_path):
-    """The whole-process benchmark runs the real CLI and the naive script on one set and reports both."""
+    """The whole-process benchmark runs the real CLI, a baseline tree's CLI and the naive script on one set and
+    reports all three; the writer's recorded facts are the file's own."""
+    base = tmp_path / "base"
+    for part in ("pipeline", "contract"):
+        shutil.copytree(ROOT / part, base / part, ignore=shutil.ignore_patterns("__pycache__"))
     r = _run(tmp_path, "-m", "bench.e2e_bench", "--shapes", "tiny", "--samples", "6", "--seq-length", "128",
-             "--workdir", str(tmp_path / "w"))
+             "--workdir", str(tmp_path / "w"), "--baseline", str(base))
     tiny = r["shapes"]["tiny"]
+    assert tiny["baseline"]["bytes"] == tiny["ours"]["bytes"] and tiny["baseline"]["closing_check"] == "record"
+    assert tiny["ours"]["facts_log_rms_drift"] == 0.0  # the CPU writer computes them from the very tensors
     assert tiny["ours"]["bytes"] > 0 and tiny["ours"]["bytes"] == pytest.approx(tiny["naive"]["bytes"], rel=0.01)
     assert tiny["ours"]["wall_seconds"] > tiny["ours"]["verify_seconds"] > 0
     assert tiny["ours"]["closing_check"] == "record"  # extract's default closing check

@@ -9,8 +9,10 @@ damages it with the project's own writer or plain file operations, and runs the 
 from __future__ import annotations
 
 import json
+import math
 import os
 
+import pytest
 import torch
 
 from pipeline import formats, verify
@@ -168,6 +170,27 @@ def test_facts_of_written_tensors_match_what_a_read_finds(states):
     assert facts["log_rms"] == [verify.layer_profile.layer_stats(h).log_rms for h in s["hidden_states"]]  # exactly
     zero = verify.written_facts(s["input_ids"], [torch.zeros_like(h) for h in s["hidden_states"]], s["loss_mask"])
     assert zero["log_rms"] == [None] * 4 and zero["nonfinite"] == [0] * 4
+
+
+def test_facts_from_device_scales_equal_the_writers_own(states):
+    """Facts from per-token scales (what the hf backend computes on the GPU) are the facts the writer computes
+    from the states, non-finite entries included; the Writer records the scales it is handed."""
+    s = formats.read_sample(states / "data_2.pt")
+    ids, hs, mask = s["input_ids"], s["hidden_states"], s["loss_mask"]
+    assert verify.written_facts(ids, hs, mask, [verify.token_scales(h) for h in hs]) == verify.written_facts(ids, hs, mask)
+    bad = [h.clone() for h in hs]
+    bad[1][3, :2] = float("nan")
+    bad[2][0, 0] = float("inf")
+    facts = verify.written_facts(ids, bad, mask, [verify.token_scales(h) for h in bad])
+    assert facts == verify.written_facts(ids, bad, mask) and facts["nonfinite"] == [0, 2, 1, 0]
+    twice = [(rms * 2, count) for rms, count in (verify.token_scales(h) for h in hs)]
+    (states.parent / "handed").mkdir()
+    writer = Writer(states.parent / "handed", threads=1)
+    writer.put([(0, ids, hs, mask, lambda: None, twice)])
+    writer.close()
+    recorded = formats.read_checksums(states.parent / "handed")["data_0.pt"].facts["log_rms"]
+    mine = verify.written_facts(ids, hs, mask)["log_rms"]
+    assert recorded == pytest.approx([x + math.log(2) for x in mine])
 
 
 def test_resume_does_not_take_a_record_of_other_bytes(states, tiny_llama, prepared_llama):
