@@ -218,18 +218,11 @@ class HFBackend(Backend):
         computed.record()
         with torch.cuda.stream(self._copies):
             self._copies.wait_event(computed)
-            states = []
-            for r in rows:
-                row = []
-                for o in outs:
-                    row.append(_to_host(o[r]))
-                states.append(row)
-            host_scales = [(_to_host(rms), _to_host(bad)) for rms, bad in scales]  # whole, once per layer: small
+            states, per_sample = split_rows(outs, rows, scales, _to_host)
             for t in [*outs, *(t for pair in scales for t in pair)]:
                 t.record_stream(self._copies)  # not handed to the next forward before the copies ran
             copied = torch.cuda.Event()
             copied.record()
-        per_sample = [[(rms[r], bad[r]) for rms, bad in host_scales] for r in rows]
         return Captured(states, copied.synchronize, per_sample)
 
     def close(self) -> None:
@@ -244,6 +237,16 @@ class HFBackend(Backend):
         self.model = self.decoder = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def split_rows(outs: list[torch.Tensor], rows: list[tuple[int, slice]], scales: list[tuple[torch.Tensor, torch.Tensor]],
+               copy) -> tuple[list[list[torch.Tensor]], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Each sample's states (one ``copy`` per sample and layer: padding never leaves the device) and its
+    per-token scales (each layer's ``copy``'d whole, once: T floats against T x H states, then viewed per
+    sample), from a batch's captured outputs and where each sample's rows are in them (``inputs``)."""
+    states = [[copy(o[r]) for o in outs] for r in rows]
+    whole = [(copy(rms), copy(bad)) for rms, bad in scales]
+    return states, [[(rms[r], bad[r]) for rms, bad in whole] for r in rows]
 
 
 def _to_host(src: torch.Tensor) -> torch.Tensor:

@@ -118,6 +118,28 @@ def test_packed_batch_equals_the_plain_path_one_by_one(family, tiny_llama, tiny_
     assert plain.decoder.config._attn_implementation != "eagle_ops_packed"  # each model keeps its own
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_device_scales_of_each_sample_give_the_writers_facts(packed, tiny_llama):
+    """What the GPU path hands the writer (``split_rows`` of a forward's outputs and their ``token_scales``,
+    here with a plain clone for the host copy) is each sample's states and exactly the facts the writer would
+    compute from them: rows are cut where they belong in both layouts, padding never counted."""
+    from pipeline import verify
+    from pipeline.backends.hf import split_rows
+
+    md = read_model_dir(tiny_llama)
+    backend = HFBackend(BackendOptions(model=md, layer_ids=(2, 4, 5, 7), device="cpu",
+                                       dtype="float32", compile=False, packed=packed))
+    with torch.inference_mode():
+        outs, rows = backend.forward_layers(SEQS)
+        states, scales = split_rows(outs, rows, [verify.token_scales(o) for o in outs], torch.clone)
+    for seq, sample, sample_scales in zip(SEQS, states, scales, strict=True):
+        ids, mask = torch.tensor(seq), torch.ones(len(seq), dtype=torch.long)
+        assert [h.shape for h in sample] == [(len(seq), md.hidden_size)] * 4
+        assert [rms.shape for rms, _ in sample_scales] == [(len(seq),)] * 4
+        assert verify.written_facts(ids, sample, mask, sample_scales) == verify.written_facts(ids, sample, mask)
+    backend.close()
+
+
 @pytest.mark.slow
 def test_compiled_packed_batch_equals_the_plain_path_one_by_one(tiny_llama):
     """torch.compile'd layers (the GPU default for long runs) over a packed batch, then a batch of another
