@@ -64,3 +64,8 @@ def test_a_failed_vllm_run_is_reported_by_its_root_cause():
     assert root_cause("RuntimeError: Engine core initialization failed. See root cause above.") == (
         "RuntimeError: Engine core initialization failed. See root cause above.")  # only wrappers: the last one
     assert root_cause("killed\n") == "killed"
+    # stderr then stdout, as _child joins them: the wrapper on stderr, vLLM's logged cause on stdout (seen with an
+    # MLA target + draft before patch 0004)
+    wrapper = "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    cause = "(EngineCore pid=1) ERROR [core.py:1] ValueError: No common block size for 16 (CPU_MLA: [16]; ..."
+    assert root_cause(wrapper + "\n" + cause).startswith("ValueError: No common block size for 16")
