@@ -34,6 +34,14 @@ MIN_TOKENS = 16  # shorter files are not judged for order
 MIN_REFERENCE_FILES = 3
 
 
+def token_scales(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token (over the last dim) of a [..., T, H] state: its RMS in float32 (what ``layer_stats`` takes the
+    median of) and its count of non-finite entries, on the state's device. The hf backend computes them on the
+    GPU for extract's writer record (``verify.written_facts(..., scales=...)``)."""
+    rms = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32) / math.sqrt(max(1, h.shape[-1]))
+    return rms, (~torch.isfinite(h)).sum(-1, dtype=torch.int32)
+
+
 @dataclass(frozen=True)
 class LayerStats:
     """One captured tensor's signature."""

@@ -320,9 +320,9 @@ def written_facts(ids: torch.Tensor, states: list[torch.Tensor], mask: torch.Ten
     the list None where any state is non-finite, as verify keeps no signature then), and the digest of the
     ids and mask (``ids_mask_digest``). Layer order needs each state's mean vector, which is not kept.
 
-    ``scales``: per state, its ``token_scales`` computed where the state was made (the GPU, before the copy
-    to the host): the same figures then cost the writer a median of T floats instead of two passes over the
-    state (on the CPU ~13 us per token per thread for a 1B model's four bf16 states)."""
+    ``scales``: per state, its ``layer_profile.token_scales`` computed where the state was made (the GPU,
+    before the copy to the host): the same figures then cost the writer a median of T floats instead of two
+    passes over the state (on the CPU ~13 us per token per thread for a 1B model's four bf16 states)."""
     if scales is None:
         bad = [_nonfinite(h) for h in states]
         log_rms = None if any(bad) else [_log_rms(h) for h in states]
@@ -332,13 +332,6 @@ def written_facts(ids: torch.Tensor, states: list[torch.Tensor], mask: torch.Ten
     return {"version": FACTS_VERSION, "tokens": int(ids.shape[0]),
             "states": [[str(h.dtype).removeprefix("torch."), *map(int, h.shape)] for h in states],
             "nonfinite": bad, "log_rms": log_rms, "ids_mask_sha256": ids_mask_digest(ids.numpy(), mask.numpy())}
-
-
-def token_scales(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token (over the last dim) of a [..., T, H] state: its RMS in float32 and its count of non-finite
-    entries; ``written_facts(..., scales=...)`` turns one sample's into its facts. On the state's device."""
-    rms = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32) / math.sqrt(max(1, h.shape[-1]))
-    return rms, (~torch.isfinite(h)).sum(-1, dtype=torch.int32)
 
 
 def _log_rms(h: torch.Tensor) -> float | None:

@@ -37,7 +37,7 @@ from torch import nn
 
 from pipeline.backends.base import Backend, BackendOptions, Captured, DeviceClock, resolve_device, resolve_dtype
 from pipeline.errors import StageError
-from pipeline.verify import token_scales
+from pipeline.layer_profile import token_scales
 
 PACKED_ATTENTION = "eagle_ops_packed"
 COMPILE_MIN_FLOPS = 2e16  # 2 x decoder parameters x planned tokens above which compiling pays for itself

@@ -177,13 +177,13 @@ def test_facts_from_device_scales_equal_the_writers_own(states):
     from the states, non-finite entries included; the Writer records the scales it is handed."""
     s = formats.read_sample(states / "data_2.pt")
     ids, hs, mask = s["input_ids"], s["hidden_states"], s["loss_mask"]
-    assert verify.written_facts(ids, hs, mask, [verify.token_scales(h) for h in hs]) == verify.written_facts(ids, hs, mask)
+    assert verify.written_facts(ids, hs, mask, [verify.layer_profile.token_scales(h) for h in hs]) == verify.written_facts(ids, hs, mask)
     bad = [h.clone() for h in hs]
     bad[1][3, :2] = float("nan")
     bad[2][0, 0] = float("inf")
-    facts = verify.written_facts(ids, bad, mask, [verify.token_scales(h) for h in bad])
+    facts = verify.written_facts(ids, bad, mask, [verify.layer_profile.token_scales(h) for h in bad])
     assert facts == verify.written_facts(ids, bad, mask) and facts["nonfinite"] == [0, 2, 1, 0]
-    twice = [(rms * 2, count) for rms, count in (verify.token_scales(h) for h in hs)]
+    twice = [(rms * 2, count) for rms, count in (verify.layer_profile.token_scales(h) for h in hs)]
     (states.parent / "handed").mkdir()
     writer = Writer(states.parent / "handed", threads=1)
     writer.put([(0, ids, hs, mask, lambda: None, twice)])

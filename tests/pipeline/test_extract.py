@@ -131,7 +131,7 @@ def test_device_scales_of_each_sample_give_the_writers_facts(packed, tiny_llama)
                                        dtype="float32", compile=False, packed=packed))
     with torch.inference_mode():
         outs, rows = backend.forward_layers(SEQS)
-        states, scales = split_rows(outs, rows, [verify.token_scales(o) for o in outs], torch.clone)
+        states, scales = split_rows(outs, rows, [verify.layer_profile.token_scales(o) for o in outs], torch.clone)
     for seq, sample, sample_scales in zip(SEQS, states, scales, strict=True):
         ids, mask = torch.tensor(seq), torch.ones(len(seq), dtype=torch.long)
         assert [h.shape for h in sample] == [(len(seq), md.hidden_size)] * 4
