@@ -40,14 +40,7 @@ def torch_lines(args: tuple[str, ...], code: int, run: tuple[str, ...] = ("-m", 
     return [m.group(0) for m in TORCH_LINE.finditer(proc.stderr)]
 
 
-# strict: the stage modules still import torch at the top; the next commit makes this pass, and drops the mark
-TORCH_AT_IMPORT = {("--help",)} | {(s, "--help") for s in ("export-speculators", "extract", "import-speculators",
-                                                         "prepare", "train", "verify")} | {a for a, _ in REFUSALS[:6]}
-MARKED = [pytest.param(a, c, id=" ".join(a), marks=[pytest.mark.xfail(strict=True)] if a in TORCH_AT_IMPORT else [])
-          for a, c in CASES]
-
-
-@pytest.mark.parametrize(("args", "code"), MARKED)
+@pytest.mark.parametrize(("args", "code"), CASES, ids=[" ".join(a) for a, _ in CASES])
 def test_help_and_refusals_do_not_import_torch(args, code):
     """`pipeline --help`, every stage's --help and check-args' refusals finish without torch loaded."""
     assert torch_lines(args, code) == []
