@@ -8,3 +8,7 @@ bench-scaling: env ## extract --data-parallel 1 vs 2 (+ dd, verify, naive loop);
 
 bench-verify: env ## verify's read rate vs dd and a naive torch.load loop (no GPU needed); BENCH_ARGS="--dir /dev/shm/vb --gb 6 --hidden 2048"
 	$(PY) -m bench.verify_bench --dir /tmp/verify-bench --gb 1 $(BENCH_ARGS)
+
+.PHONY: bench-cli-startup
+bench-cli-startup: env ## wall time of `pipeline --help`, stage --help and check-args refusals (fresh processes, median of 3); BENCH_ARGS="--baseline /tmp/base"
+	$(PY) -m bench.cli_startup_bench --repeat 3 $(BENCH_ARGS)

@@ -1,8 +1,9 @@
 """``python -m pipeline``: the command line of every stage.
 
 Owns argument parsing and the translation of StageError into a one-line message and an exit code.
-Each stage's command lives in its own module and is imported only when invoked, so that
-``pipeline verify`` never pays for importing vLLM and ``--help`` is instant.
+Each stage's command lives in its own module and is imported only when invoked (``pipeline --help`` lists
+the commands from their summaries here), so that ``pipeline verify`` never pays for importing vLLM and
+``--help`` is instant.
 """
 
 from __future__ import annotations
@@ -35,9 +36,33 @@ COMMANDS = {
 }
 
 
+# command name -> the first paragraph of its command's docstring: what `pipeline --help` lists it with, so
+# that the list imports no stage module (tests/pipeline/test_cli_imports.py holds each equal to its command's)
+SUMMARIES = {
+    "prepare": "Tokenize conversations with the target's chat template; loss mask on assistant tokens only.",
+    "extract": "Capture the outputs of 4 decoder layers for every prepared sample.",
+    "weights": "Extract the verifier's embed_tokens, final norm and lm_head without loading the model.",
+    "verify": "Check any stage's output; write PATH/summary.json; exit non-zero on a failed check.",
+    "preflight": "Check model, data, devices, disk and the installed vLLM before any model load.",
+    "train": "Train an EAGLE-3 draft with speculators; measure its offline acceptance against trivial "
+             "baselines.",
+    "demo-assets": "Build a tiny model (OUT/model) and conversations (OUT/conversations.jsonl) for it.",
+    "check-args": "Parse ARGS as `pipeline STAGE` would; invoke nothing.",
+    "export-speculators": "Write what `speculators train` reads (Arrow dataset + "
+                          "hidden_states/hs_{i}.safetensors) from our set.",
+    "import-speculators": "Write our prepared + hidden-states dirs (what `pipeline train` reads) from a "
+                          "speculators data dir.",
+}
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """click's own command list, made from SUMMARIES (each shortened as click shortens a docstring)."""
+        stand_ins = {name: click.Command(name, help=text) for name, text in SUMMARIES.items()}
+        click.Group.format_commands(click.Group(commands=stand_ins), ctx, formatter)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:

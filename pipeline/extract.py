@@ -19,9 +19,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import torch
 
 from contract.shards import shard
 from contract.summary import CLOSING_CHECKS
@@ -32,6 +32,11 @@ from pipeline.errors import StageError, require_range
 from pipeline.layers import parse_layer_ids, validate_layer_ids
 from pipeline.modeldir import check_checkpoint, read_model_dir
 from pipeline.outdir import output_lock, refuse_overlap
+
+# torch only in annotations here: the functions that use it import it, so that a command that only parses its
+# arguments (--help, check-args) never loads it (tests/pipeline/test_cli_imports.py)
+if TYPE_CHECKING:
+    import torch
 
 
 VLLM_SCRATCH_GLOB = ".vllm-states-*"  # pipeline/backends/vllm.py's per-run scratch folders in --out
@@ -362,6 +367,8 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
 def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_layers, done) -> list:
     """The writer's items for one captured batch (samples already on disk left out), after checking that the
     backend returned one [T, H] state per layer for every sample."""
+    import torch
+
     states = captured.states
     if len(states) != len(seqs) or any(len(s) != num_layers for s in states):
         raise StageError(
@@ -389,6 +396,8 @@ def device_idle(busy_seconds: float, wall_seconds: float, devices: int = 1) -> d
 
 
 def _check_parallel(cfg: ExtractConfig) -> None:
+    import torch
+
     require_range("--limit", cfg.limit, 1)
     require_range("--tensor-parallel-size", cfg.tensor_parallel_size, 1, 4096)
     if cfg.max_batch_tokens < 1 or cfg.max_batch_size < 1:
@@ -431,6 +440,8 @@ def process_age() -> float | None:
 
 
 def visible_devices() -> list[str]:
+    import torch
+
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [d for d in env.split(",") if d.strip()]
@@ -438,6 +449,8 @@ def visible_devices() -> list[str]:
 
 
 def run(cfg: ExtractConfig) -> dict:
+    import torch
+
     # where a run's time goes before its loop (interpreter and imports, model load): reported in the stats
     startup = {"imports_seconds": process_age()}
     _check_parallel(cfg)
@@ -567,6 +580,8 @@ def launch_workers(cfg: ExtractConfig, owned: set[int], done: set[int], lengths:
     single process's: tok/s over the slowest worker's loop; the workers' start-up is in ``startup``."""
     import json
     import subprocess
+
+    import torch
 
     devices = visible_devices() if torch.cuda.is_available() else []
     per = gpus_per_worker(cfg, len(devices)) if devices else 1

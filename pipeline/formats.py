@@ -60,13 +60,18 @@ import socket
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pipeline import readers
 from pipeline.atomic import atomic_path, write_json
 from pipeline.errors import StageError
+
+# torch only in annotations here: the functions that use it import it, so that a command that only parses its
+# arguments (--help, check-args) never loads it (tests/pipeline/test_cli_imports.py)
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 CHECKSUM_SCHEMA = "eagle-ops.checksums"
@@ -187,6 +192,8 @@ def read_prepared(directory: Path) -> tuple[PreparedSamples, PreparedMetadata]:
 
 
 def write_token_freq(target: Path, freq: dict[int, int]) -> None:
+    import torch
+
     with atomic_path(target) as tmp:
         with open(tmp, "wb") as fh:
             torch.save(freq, fh)
@@ -296,6 +303,8 @@ def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torc
     the temporary name would make reruns differ byte for byte. Zip CRC32s are not computed (they cost more
     than the write itself); truncation is still detected by the zip directory at load time.
     """
+    import torch
+
     sample = {
         "input_ids": input_ids.to(torch.int64),
         "hidden_states": hidden_states,
@@ -355,6 +364,8 @@ def read_sample(path: Path, mmap: bool = False) -> dict:
     operator forces it with TORCH_FORCE_WEIGHTS_ONLY_LOAD). ``mmap=True`` maps the file instead of reading
     it: loading then costs only the pickle, and the tensors' pages are read (in parallel, without the GIL)
     by whatever touches them."""
+    import torch
+
     if weights_only_forced():
         return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     return torch.load(path, weights_only=False, pickle_module=_SamplePickle, map_location="cpu", mmap=mmap)

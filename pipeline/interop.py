@@ -29,7 +29,6 @@ from pathlib import Path
 
 import click
 import numpy as np
-import torch
 
 from pipeline import formats
 from pipeline.atomic import write_json
@@ -122,6 +121,7 @@ def _save_dataset(table, out: Path) -> None:
 
 def export_speculators(prepared: Path, data: Path, out: Path, *, overwrite: bool = False, log=print) -> dict:
     """Write ``out`` as ``speculators train --data-path`` reads it, from our prepared + hidden-states dirs."""
+    import torch
     from safetensors.torch import save_file
 
     from pipeline.outdir import staged_dir
@@ -221,6 +221,7 @@ def import_speculators(data: Path, out: Path, *, model: Path | None = None, laye
 
     ``layer_ids`` are vLLM's ids as the set was extracted with (the three auxiliary ones, then the number of
     layers for the final state), needed only for a set this module did not export."""
+    import torch
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

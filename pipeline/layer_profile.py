@@ -21,8 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+# torch only in annotations here: the functions that use it import it, so that a command that only parses its
+# arguments (--help, check-args) never loads it (tests/pipeline/test_cli_imports.py)
+if TYPE_CHECKING:
+    import torch
+
 
 SCALE_FACTOR = 4.0  # a layer's RMS this many times above or below the set's is a finding
 ORDER_MARGIN = 0.05  # how much nearer another layer's profile a tensor must be to count as out of order
@@ -38,6 +43,8 @@ def token_scales(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token (over the last dim) of a [..., T, H] state: its RMS in float32 (what ``layer_stats`` takes the
     median of) and its count of non-finite entries, on the state's device. The hf backend computes them on the
     GPU for extract's writer record (``verify.written_facts(..., scales=...)``)."""
+    import torch
+
     rms = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32) / math.sqrt(max(1, h.shape[-1]))
     return rms, (~torch.isfinite(h)).sum(-1, dtype=torch.int32)
 
@@ -51,6 +58,8 @@ class LayerStats:
 
 
 def layer_stats(h: torch.Tensor) -> LayerStats:
+    import torch
+
     rms = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32) / math.sqrt(max(1, h.shape[-1]))
     med = float(rms.median()) if rms.numel() else 0.0
     return LayerStats(math.log(med) if med > 0 else -math.inf, torch.mean(h, dim=0, dtype=torch.float32))
@@ -69,6 +78,8 @@ class Reference:
 def build_reference(samples: list[list[LayerStats]], layer_ids: list[int]) -> Reference | None:
     """The profile of files that hold one finite, non-zero tensor per layer id; None with fewer than
     ``MIN_REFERENCE_FILES`` such files."""
+    import torch
+
     good = [s for s in samples if len(s) == len(layer_ids) and all(math.isfinite(x.log_rms) for x in s)]
     if len(good) < MIN_REFERENCE_FILES:
         return None

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pipeline.checks import CheckResult, check
+
+# torch only in annotations here: the functions that use it import it, so that a command that only parses its
+# arguments (--help, check-args) never loads it (tests/pipeline/test_cli_imports.py)
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_SAMPLES = 4
 #: the stored dtype -> largest relative error accepted. Half types: the extract ran in bf16/fp16 (on a GPU,
@@ -34,6 +38,8 @@ class Comparison:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    import torch
+
     a, b = a.to(torch.float32), b.to(torch.float32)
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 

@@ -11,7 +11,7 @@ import sys
 import click
 
 from pipeline.options import options
-from pipeline.train import TrainConfig
+from pipeline.train_config import TrainConfig
 
 
 def quiet_libraries() -> None:

@@ -26,18 +26,22 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import numpy as np
-import torch
 
 from contract.shards import shard
 from pipeline import formats, layer_profile, readers, recompute
 from pipeline.checks import CheckResult, Summary, check, fail, ok, render, warn
 from pipeline.errors import CheckFailed, StageError, require_range
 from pipeline.options import opt, options, validate
-from pipeline.sample_buffer import NotFastPath, SampleBuffer
 from pipeline.vocab import token_frequencies, vocab_mapping_problems
+
+# torch only in annotations here: the functions that use it import it, so that a command that only parses its
+# arguments (--help, check-args) never loads it (tests/pipeline/test_cli_imports.py)
+if TYPE_CHECKING:
+    import torch
 
 SUMMARY = "summary.json"
 KINDS = ("prepared", "hidden_states", "verifier", "checkpoint")
@@ -150,6 +154,8 @@ def reader_loads():
     through its own ``SampleBuffer`` (the digest hashes the bytes it read) and falls back to
     ``formats.read_sample`` (mapped, and hashed by a read of its own) for a file the buffer path does not
     take; the samples it returns are valid until the same thread loads the next file."""
+    from pipeline.sample_buffer import NotFastPath, SampleBuffer
+
     local = threading.local()
 
     def load(path: Path) -> tuple[dict, formats.FileDigest]:
@@ -261,6 +267,8 @@ def _value_findings(name: str, bad: list[int], stats: list | None, t: int, ctx: 
 def _form_findings(name: str, d, ctx: SetContext) -> tuple[list[CheckResult], int]:
     """Whether a loaded file has a sample's form in this set: keys, ids/mask dtypes, layer count, each state's
     shape and dtype (tensor metadata only: no state is read unless the layer count is off); and its T."""
+    import torch
+
     dc, ref = ctx.dc, ctx.reference
     if not isinstance(d, dict) or set(d) != set(formats.DATA_KEYS):
         return [fail("keys", f"keys {sorted(d) if isinstance(d, dict) else type(d).__name__}, expected {list(formats.DATA_KEYS)}", name)], -1
@@ -310,7 +318,6 @@ def ids_mask_digest(ids, mask) -> str:
 # ---------------------------------------------------------------- the writer's record (extract's closing check)
 
 FACTS_VERSION = 1  # of the ``facts`` of a checksum record (formats.py): what ``written_facts`` records
-_NO_MEAN = torch.zeros(1)  # a record keeps no state's mean vector: its signatures judge scale, not order
 
 
 def written_facts(ids: torch.Tensor, states: list[torch.Tensor], mask: torch.Tensor, scales: list | None = None) -> dict:
@@ -338,6 +345,8 @@ def _log_rms(h: torch.Tensor) -> float | None:
     """``layer_profile.layer_stats(h).log_rms`` without the mean over tokens that only the order judge needs
     (the mean cost the writer twice the norm's time on the CPU); None for an all-zero state. The test
     ``test_facts_of_written_tensors_match_what_a_read_finds`` holds the two figures equal."""
+    import torch
+
     return _log_median(torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32) / math.sqrt(max(1, h.shape[-1])))
 
 
@@ -355,14 +364,19 @@ def has_facts(digest: formats.FileDigest | None) -> bool:
 
 def _record_signatures(facts: dict) -> list | None:
     """A record's layer signatures (scale only: no mean vector), None where a state was non-finite."""
+    import torch
+
     if facts["log_rms"] is None:
         return None
-    return [layer_profile.LayerStats(-math.inf if x is None else float(x), _NO_MEAN) for x in facts["log_rms"]]
+    no_mean = torch.zeros(1)  # a record keeps no state's mean vector: its signatures judge scale, not order
+    return [layer_profile.LayerStats(-math.inf if x is None else float(x), no_mean) for x in facts["log_rms"]]
 
 
 def _stand_in(facts: dict) -> dict:
     """A sample of the recorded form whose tensors hold no data (meta tensors): what ``_form_findings``
     judges, as it reads only keys, dtypes and shapes."""
+    import torch
+
     t = int(facts["tokens"])
     states = [torch.empty(tuple(int(n) for n in shape), dtype=getattr(torch, dtype), device="meta") for dtype, *shape in facts["states"]]
     return {"input_ids": torch.empty((t,), dtype=torch.int64, device="meta"), "hidden_states": states,
@@ -425,6 +439,8 @@ def _nonfinite(h: torch.Tensor) -> int:
     every entry is (NaN propagates through both), they cannot overflow, and one ``aminmax`` pass reads bf16
     at ~15 GB/s per core where ``isfinite`` manages ~0.5 and a float32 sum ~1.2 (measured on the CPU);
     only a tensor that has a non-finite entry pays the exact count."""
+    import torch
+
     lo, hi = torch.aminmax(h)
     if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
         return 0
@@ -467,6 +483,8 @@ def _readers(workers: int, dc: formats.DataConfig):
 def _threads_per_reader(readers: int):
     """Give each file reader its share of the cores for torch's own (intra-op) threads: N readers each
     running a pool of every core oversubscribe the machine (measured: 16 readers were slower than 4)."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // readers))
     try:
@@ -543,6 +561,8 @@ def _reasons(findings: list[CheckResult]) -> str:
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The final norm as transformers' RMSNorm computes it (fp32 statistics, result in the states' dtype)."""
+    import torch
+
     x = h.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight.to(h.dtype) * x.to(h.dtype)
@@ -551,6 +571,8 @@ def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def alignment(directory: Path, indices: list[int], verifier: dict, target, eps: float) -> dict[int, dict]:
     """Per file: argmax of lm_head(norm(last captured)) vs the target's own argmax (``target``: the loaded
     causal LM, or None), and vs input_ids[t+1]."""
+    import torch
+
     norm_w, head = verifier["norm.weight"], verifier["lm_head.weight"]
     result = {}
     for i in indices:
@@ -581,10 +603,12 @@ def _open_target(cfg: VerifyConfig, dc: formats.DataConfig):
                                     seq_length=dc.seq_length, trust_remote_code=cfg.trust_remote_code))
 
 
-@torch.inference_mode()
 def _target_argmax(model, ids: torch.Tensor) -> torch.Tensor:
+    import torch
+
     device = next(model.parameters()).device
-    return model(input_ids=ids[None].to(device), use_cache=False).logits[0].argmax(-1).cpu()
+    with torch.inference_mode():
+        return model(input_ids=ids[None].to(device), use_cache=False).logits[0].argmax(-1).cpu()
 
 
 def verify_hidden_states(cfg: VerifyConfig) -> Summary:
@@ -794,6 +818,8 @@ def _ranges(values: list[int], limit: int = 6) -> str:
 
 
 def verify_verifier(path: Path) -> Summary:
+    import torch
+
     from pipeline.weights import KEYS, VERIFIER_META, load_verifier
 
     s = Summary("verifier", str(path))

@@ -13,15 +13,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pipeline.modeldir import ModelDir
+
+# torch only in annotations here: the functions that use it import it, so that a command that only parses its
+# arguments (--help, check-args) never loads it (tests/pipeline/test_cli_imports.py)
+if TYPE_CHECKING:
+    import torch
 
 
 def visible_device_count() -> int:
     """GPUs this process may use (CUDA_VISIBLE_DEVICES honoured); 0 without any. Counted through NVML
     where possible, so that this process creates no CUDA context before vLLM spawns its workers."""
+    import torch
+
     try:
         from vllm.utils.torch_utils import cuda_device_count_stateless
     except ImportError:
@@ -49,12 +55,16 @@ class BackendOptions:
 
 
 def resolve_device(device: str) -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
@@ -83,6 +93,8 @@ class DeviceClock:
         self._t0 = 0.0
 
     def start(self) -> None:
+        import torch
+
         if self.cuda:
             begin = torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -91,6 +103,8 @@ class DeviceClock:
             self._t0 = time.perf_counter()
 
     def stop(self) -> None:
+        import torch
+
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
