@@ -10,6 +10,7 @@ one line ``ok arguments: ...`` (exit 0), or ``FAIL arguments: <what click or the
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import click
@@ -30,8 +31,9 @@ def command(stage: str, args: tuple[str, ...]) -> None:
     cmd = main.get_command(click.Context(main), stage)
     try:
         with cmd.make_context(f"pipeline {stage}", list(args), resilient_parsing=False) as ctx:
-            if config_of(cmd) is not None:
-                config_of(cmd)(**ctx.params)
+            if (config := config_of(cmd)) is not None:  # its fields (a command may add its own flags)
+                names = {f.name for f in dataclasses.fields(config)}
+                config(**{k: v for k, v in ctx.params.items() if k in names})
     except click.UsageError as exc:  # BadParameter, NoSuchOption, MissingParameter are UsageErrors
         click.echo(f"FAIL arguments: pipeline {stage}: {exc.format_message()}")
         sys.exit(2)

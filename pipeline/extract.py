@@ -28,9 +28,10 @@ from contract.summary import CLOSING_CHECKS
 from pipeline import formats, provenance, verify
 from pipeline.atomic import remove_partials
 from pipeline.backends import BACKENDS, Backend, BackendOptions, get_backend
-from pipeline.errors import StageError, require_range
-from pipeline.layers import parse_layer_ids, validate_layer_ids
+from pipeline.errors import StageError
+from pipeline.layers import validate_layer_ids
 from pipeline.modeldir import check_checkpoint, read_model_dir
+from pipeline.options import opt, options, validate
 from pipeline.outdir import output_lock, refuse_overlap
 
 # torch only in annotations here: the functions that use it import it, so that a command that only parses its
@@ -44,33 +45,55 @@ VLLM_SCRATCH_GLOB = ".vllm-states-*"  # pipeline/backends/vllm.py's per-run scra
 
 @dataclass(frozen=True)
 class ExtractConfig:
-    """Options of the extract stage."""
+    """Options of the extract stage (the command line is made from these fields: pipeline/options.py).
+    Checks that need no file, model or device run at construction, so `pipeline check-args` refuses them."""
 
-    prepared: Path  # output of `pipeline prepare`
-    model: Path  # target model directory
-    out: Path  # hidden-states directory (data_{i}.pt, data_config.json, sample_lengths.json)
-    backend: str = "hf"  # hf | vllm
-    layer_ids: tuple[int, ...] | None = None  # default [2, L//2, L-3, L-1]
-    device: str = "auto"
-    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
-    max_batch_tokens: int = 32768  # padded tokens per forward
-    compile: str = "auto"  # hf: torch.compile the decoder layers: auto (on a GPU, for long runs) | on | off
-    max_batch_size: int = 64
-    limit: int | None = None  # only the first N samples
-    resume: bool = False
-    repair: bool = False  # with resume: check every existing file and redo the damaged ones
-    overwrite: bool = False
-    tensor_parallel_size: int | None = None  # vllm only
-    enforce_eager: bool = False  # vllm only: no CUDA graphs / torch.compile
-    trust_remote_code: bool = False
-    verify: bool = True  # write summary.json by running the closing check at the end
-    closing_check: str = "record"  # record: judge the writer's record, stat each file | full: read every byte back
-    progress: bool = True
-    writer_threads: int = 4  # threads writing files (per process)
-    data_parallel: int = 1  # processes on this host, one per GPU, batches dealt by padded tokens (deal())
-    world_size: int = 1  # hosts taking part; host `rank` owns samples i with i % world_size == rank
-    rank: int = 0
-    local_rank: int | None = None  # internal: set in a data-parallel worker process
+    prepared: Path = opt(help="Output of `pipeline prepare`.")
+    model: Path = opt(help="Target model directory.")
+    # data_{i}.pt, data_config.json, sample_lengths.json
+    out: Path = opt(help="Hidden-states directory to write.")
+    backend: str = opt("hf", choices=BACKENDS, help="hf: transformers with hooks; vllm: vLLM's extract_hidden_states.")
+    layer_ids: tuple[int, ...] | None = opt(None, help="Comma-separated decoder layer ids (default 2,L//2,L-3,L-1).")
+    device: str = opt("auto", help="auto, cpu, cuda, cuda:N (hf backend).")
+    dtype: str = opt("auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
+    max_batch_tokens: int = opt(32768, help="Padded tokens per forward.")
+    compile: str = opt("auto", choices=("auto", "on", "off"),
+                       help="hf: torch.compile the decoder layers (auto: on a GPU, for runs long enough to repay it).")
+    max_batch_size: int = opt(64, help="Samples per forward at most.")
+    limit: int | None = opt(None, low=1, help="Only the first N samples.")
+    resume: bool = opt(False, help="Continue an interrupted run in --out.")
+    repair: bool = opt(False, help="With --resume: check existing files and regenerate damaged ones.")
+    overwrite: bool = opt(False, help="Delete --out first.")
+    tensor_parallel_size: int | None = opt(None, low=1, high=4096, help="vllm backend: default all visible devices.")
+    enforce_eager: bool = opt(False, help="vllm backend: no CUDA graphs or torch.compile (faster start, slower loop).")
+    trust_remote_code: bool = opt(False, help="Allow the model's own Python code (e.g. Kimi-K2.5).")
+    verify: bool = opt(True, decls="--no-verify", help="Skip the summary.json check at the end.")
+    closing_check: str = opt("record", help="The check writing summary.json: record (each file's size and mtime, and "
+                                            "the values its writer recorded; reads no state back) or full (reads "
+                                            "and hashes every byte, as `pipeline verify`).")
+    progress: bool = opt(True, decls="--no-progress", help="No progress bar (logs, CI).")
+    writer_threads: int = opt(4, help="Threads writing files, per process.")
+    data_parallel: int = opt(1, help="Processes on this host: hf one per GPU; vllm one per --tensor-parallel-size GPUs.")
+    # host `rank` owns samples i with i % world_size == rank
+    world_size: int = opt(1, help="Hosts sharing the set (sample i -> host i %% W).")
+    rank: int = opt(0, help="This host's rank in --world-size.")
+    local_rank: int | None = opt(None, hidden=True, help="Internal: this worker's slot in a --data-parallel run.")
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.max_batch_tokens < 1 or self.max_batch_size < 1:
+            raise StageError(f"--max-batch-tokens {self.max_batch_tokens} and --max-batch-size {self.max_batch_size} must be at least 1")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise StageError(f"--rank {self.rank} must be in 0..{self.world_size - 1} for --world-size {self.world_size}")
+        if self.closing_check not in CLOSING_CHECKS:
+            raise StageError(f"unknown --closing-check {self.closing_check!r}: choose {' or '.join(CLOSING_CHECKS)}")
+        if self.writer_threads < 1:
+            raise StageError(f"--writer-threads {self.writer_threads} must be at least 1")
+        if self.data_parallel < 1:
+            raise StageError(f"--data-parallel {self.data_parallel} must be at least 1")
+        if self.data_parallel > 1 and self.device.startswith("cuda:"):
+            raise StageError(f"--data-parallel gives each worker one GPU of its own; drop --device {self.device} "
+                             "(choose the GPUs with CUDA_VISIBLE_DEVICES)")
 
 
 @dataclass(frozen=True)
@@ -396,23 +419,9 @@ def device_idle(busy_seconds: float, wall_seconds: float, devices: int = 1) -> d
 
 
 def _check_parallel(cfg: ExtractConfig) -> None:
+    """What only this host can say of the options (the rest is checked at construction): enough GPUs."""
     import torch
 
-    require_range("--limit", cfg.limit, 1)
-    require_range("--tensor-parallel-size", cfg.tensor_parallel_size, 1, 4096)
-    if cfg.max_batch_tokens < 1 or cfg.max_batch_size < 1:
-        raise StageError(f"--max-batch-tokens {cfg.max_batch_tokens} and --max-batch-size {cfg.max_batch_size} must be at least 1")
-    if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
-        raise StageError(f"--rank {cfg.rank} must be in 0..{cfg.world_size - 1} for --world-size {cfg.world_size}")
-    if cfg.closing_check not in CLOSING_CHECKS:
-        raise StageError(f"unknown --closing-check {cfg.closing_check!r}: choose {' or '.join(CLOSING_CHECKS)}")
-    if cfg.writer_threads < 1:
-        raise StageError(f"--writer-threads {cfg.writer_threads} must be at least 1")
-    if cfg.data_parallel < 1:
-        raise StageError(f"--data-parallel {cfg.data_parallel} must be at least 1")
-    if cfg.data_parallel > 1 and cfg.device.startswith("cuda:"):
-        raise StageError(f"--data-parallel gives each worker one GPU of its own; drop --device {cfg.device} "
-                         "(choose the GPUs with CUDA_VISIBLE_DEVICES)")
     if cfg.data_parallel > 1 and cfg.local_rank is None and torch.cuda.is_available():
         per = gpus_per_worker(cfg, len(visible_devices()))
         if per < 1 or cfg.data_parallel * per > len(visible_devices()):
@@ -667,38 +676,11 @@ def first_batch_after(stats: dict) -> tuple[float, float] | None:
 
 
 @click.command("extract")
-@click.option("--prepared", type=click.Path(path_type=Path), required=True, help="Output of `pipeline prepare`.")
-@click.option("--model", type=click.Path(path_type=Path), required=True, help="Target model directory.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Hidden-states directory to write.")
-@click.option("--backend", type=click.Choice(BACKENDS), default="hf", show_default=True)
-@click.option("--layer-ids", default=None, help="Comma-separated decoder layer ids (default 2,L//2,L-3,L-1).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N (hf backend).")
-@click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
-@click.option("--max-batch-tokens", type=int, default=32768, show_default=True, help="Padded tokens per forward.")
-@click.option("--compile", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="hf: torch.compile the decoder layers (auto: on a GPU, for runs long enough to repay it).")
-@click.option("--max-batch-size", type=int, default=64, show_default=True)
-@click.option("--limit", type=int, default=None, help="Only the first N samples.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted run in --out.")
-@click.option("--repair", is_flag=True, help="With --resume: check existing files and regenerate damaged ones.")
-@click.option("--overwrite", is_flag=True, help="Delete --out first.")
-@click.option("--tensor-parallel-size", type=int, default=None, help="vllm backend: default all visible devices.")
-@click.option("--enforce-eager", is_flag=True, help="vllm backend: no CUDA graphs or torch.compile (faster start, slower loop).")
-@click.option("--trust-remote-code", is_flag=True)
-@click.option("--no-verify", "verify", is_flag=True, flag_value=False, default=True, help="Skip the summary.json check at the end.")
-@click.option("--closing-check", default="record", show_default=True,
-              help="The check writing summary.json: record (each file's size and mtime, and the values its writer "
-                   "recorded; reads no state back) or full (reads and hashes every byte, as `pipeline verify`).")
-@click.option("--no-progress", "progress", is_flag=True, flag_value=False, default=True)
-@click.option("--writer-threads", type=int, default=4, show_default=True, help="Threads writing files, per process.")
-@click.option("--data-parallel", type=int, default=1, show_default=True, help="Processes on this host: hf one per GPU; vllm one per --tensor-parallel-size GPUs.")
-@click.option("--world-size", type=int, default=1, show_default=True, help="Hosts sharing the set (sample i -> host i %% W).")
-@click.option("--rank", type=int, default=0, show_default=True, help="This host's rank in --world-size.")
-@click.option("--local-rank", type=int, default=None, hidden=True)
+@options(ExtractConfig)
 @click.option("--json-stats", is_flag=True, hidden=True, help="Print the run's figures as JSON (worker protocol).")
-def command(layer_ids: str | None, json_stats: bool, **kwargs) -> None:
+def command(json_stats: bool, **kwargs) -> None:
     """Capture the outputs of 4 decoder layers for every prepared sample."""
-    cfg = ExtractConfig(layer_ids=tuple(ids) if (ids := parse_layer_ids(layer_ids)) else None, **kwargs)
+    cfg = ExtractConfig(**kwargs)
     shard = f"rank-{cfg.rank}" if cfg.world_size > 1 else ""
     with output_lock(cfg.out, shard) if cfg.local_rank is None else contextlib.nullcontext():  # workers: the launcher's
         stats = run(cfg)

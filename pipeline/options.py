@@ -70,7 +70,27 @@ def _base_type(annotation: Any) -> type:
     return annotation
 
 
+class IntTuple(click.ParamType):
+    """A ``tuple[int, ...]`` field on the command line: comma-separated integers (``2,16,29,31``, spaces
+    allowed); an empty text is None (the field's default). Other text is the pipeline's one-line error (a
+    StageError, as the stages' own checks give), not click's usage block."""
+
+    name = "text"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...] | None:
+        if value is None or isinstance(value, tuple):
+            return value
+        words = [w for w in str(value).replace(" ", "").split(",") if w != ""]
+        try:
+            return tuple(int(w) for w in words) or None
+        except ValueError:
+            flag = param.opts[0] if param is not None and param.opts else "value"
+            raise StageError(f"bad {flag} {value!r}: expected comma-separated integers, e.g. 2,16,29,31") from None
+
+
 def _click_type(base: type, spec: Spec) -> click.ParamType | None:
+    if typing.get_origin(base) is tuple:
+        return IntTuple()
     if spec.choices is not None:
         return click.Choice(spec.choices)
     if spec.click_range:

@@ -111,16 +111,17 @@ def test_construction_checks_ranges_click_does_not():
 
 
 def test_stage_commands_are_made_from_their_configs():
-    """prepare, weights, verify and train: one option per command-line field, named by it, each with its help
+    """prepare, weights, verify, train and extract: one option per command-line field, named by it, each with its help
     text, and the command knows its config (check-args builds it)."""
     from pipeline.cli import COMMANDS, main
     from pipeline.options import spec_of
 
-    for stage in ("prepare", "weights", "verify", "train"):
+    for stage in ("prepare", "weights", "verify", "train", "extract"):
         cmd = main.get_command(click.Context(main), stage)
         cls = config_of(cmd)
         assert cls is not None and stage in COMMANDS
         wanted = [f.name for f in dataclasses.fields(cls) if spec_of(f).cli]
+        wanted += ["json_stats"] if stage == "extract" else []  # the data-parallel workers' output, not a setting
         assert [p.name for p in cmd.params if p.name != "help"] == wanted, stage
         assert [p.name for p in cmd.params if isinstance(p, click.Option) and not p.help] == [], stage
 
@@ -165,3 +166,23 @@ def test_the_option_module_imports_no_ml_stack():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_extract_refuses_at_construction_what_check_args_can_see():
+    """extract's ranges and its options that contradict each other are refused when its config is built (so
+    `pipeline check-args` refuses them before the host is touched); layer ids parse from comma-separated words."""
+    from pipeline.extract import ExtractConfig, command
+
+    base = dict(prepared=Path("p"), model=Path("m"), out=Path("o"))
+    for bad, message in [(dict(limit=0), r"^--limit 0 is outside the allowed range"),
+                         (dict(world_size=2, rank=2), r"^--rank 2 must be in 0\.\.1"),
+                         (dict(closing_check="fast"), r"^unknown --closing-check 'fast'"),
+                         (dict(writer_threads=0), r"^--writer-threads 0 must be at least 1"),
+                         (dict(tensor_parallel_size=0), r"^--tensor-parallel-size 0 is outside"),
+                         (dict(data_parallel=2, device="cuda:1"), r"^--data-parallel gives each worker one GPU")]:
+        with pytest.raises(StageError, match=message):
+            ExtractConfig(**base, **bad)
+    ctx = command.make_context("extract", ["--prepared", "p", "--model", "m", "--out", "o", "--layer-ids", "2, 4,5,7"])
+    assert ctx.params["layer_ids"] == (2, 4, 5, 7)
+    with pytest.raises(StageError, match=r"^bad --layer-ids '2,x': expected comma-separated integers"):
+        command.make_context("extract", ["--prepared", "p", "--model", "m", "--out", "o", "--layer-ids", "2,x"])
