@@ -39,14 +39,20 @@ MIN_TOKENS = 16  # shorter files are not judged for order
 MIN_REFERENCE_FILES = 3
 
 
-def token_scales(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token (over the last dim) of a [..., T, H] state: its RMS in float32 (what ``layer_stats`` takes the
-    median of) and its count of non-finite entries, on the state's device. The hf backend computes them on the
-    GPU for extract's writer record (``verify.written_facts(..., scales=...)``)."""
+def token_rms(h: torch.Tensor) -> torch.Tensor:
+    """Per token (over the last dim) of a [..., T, H] state: its RMS, in float32 (what ``layer_stats`` takes the
+    median of), on the state's device."""
     import torch
 
-    rms = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32) / math.sqrt(max(1, h.shape[-1]))
-    return rms, (~torch.isfinite(h)).sum(-1, dtype=torch.int32)
+    return torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32) / math.sqrt(max(1, h.shape[-1]))
+
+
+def token_scales(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: ``token_rms`` and the count of non-finite entries, on the state's device. The hf backend
+    computes them on the GPU for extract's writer record (``verify.written_facts(..., scales=...)``)."""
+    import torch
+
+    return token_rms(h), (~torch.isfinite(h)).sum(-1, dtype=torch.int32)
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class LayerStats:
 def layer_stats(h: torch.Tensor) -> LayerStats:
     import torch
 
-    rms = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32) / math.sqrt(max(1, h.shape[-1]))
+    rms = token_rms(h)
     med = float(rms.median()) if rms.numel() else 0.0
     return LayerStats(math.log(med) if med > 0 else -math.inf, torch.mean(h, dim=0, dtype=torch.float32))
 

@@ -48,12 +48,17 @@ def validate_layer_ids(ids: Sequence[int] | None, num_layers: int) -> list[int]:
 
 
 def parse_layer_ids(text: str | None) -> list[int] | None:
+    return parse_int_list(text, "--layer-ids")
+
+
+def parse_int_list(text: str | None, flag: str) -> list[int] | None:
+    """Comma-separated integers (spaces allowed) as given to ``flag``; None for no text; else a one-line error."""
     if text is None or text.strip() == "":
         return None
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
     except ValueError:
-        raise StageError(f"bad --layer-ids {text!r}: expected comma-separated integers, e.g. 2,16,29,31") from None
+        raise StageError(f"bad {flag} {text!r}: expected comma-separated integers, e.g. 2,16,29,31") from None
 
 
 def to_vllm_aux_ids(layer_ids: Sequence[int]) -> list[int]:

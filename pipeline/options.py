@@ -23,6 +23,7 @@ from typing import Any
 import click
 
 from pipeline.errors import StageError, require_range
+from pipeline.layers import parse_int_list
 
 KEY = "pipeline.options"
 
@@ -80,12 +81,8 @@ class IntTuple(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...] | None:
         if value is None or isinstance(value, tuple):
             return value
-        words = [w for w in str(value).replace(" ", "").split(",") if w != ""]
-        try:
-            return tuple(int(w) for w in words) or None
-        except ValueError:
-            flag = param.opts[0] if param is not None and param.opts else "value"
-            raise StageError(f"bad {flag} {value!r}: expected comma-separated integers, e.g. 2,16,29,31") from None
+        flag = param.opts[0] if param is not None and param.opts else "value"
+        return tuple(ids) if (ids := parse_int_list(str(value), flag)) else None
 
 
 def _click_type(base: type, spec: Spec) -> click.ParamType | None:

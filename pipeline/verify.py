@@ -345,9 +345,7 @@ def _log_rms(h: torch.Tensor) -> float | None:
     """``layer_profile.layer_stats(h).log_rms`` without the mean over tokens that only the order judge needs
     (the mean cost the writer twice the norm's time on the CPU); None for an all-zero state. The test
     ``test_facts_of_written_tensors_match_what_a_read_finds`` holds the two figures equal."""
-    import torch
-
-    return _log_median(torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32) / math.sqrt(max(1, h.shape[-1])))
+    return _log_median(layer_profile.token_rms(h))
 
 
 def _log_median(rms: torch.Tensor) -> float | None:
