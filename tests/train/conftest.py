@@ -125,15 +125,20 @@ def tiny_run(tmp_path_factory, tiny_llama, conversations) -> Path:
     A random-weight target's greedy tokens have nothing to do with the data's frequent tokens, so a draft
     vocabulary chosen from data frequencies would exclude most of what the target emits.
     """
+    return run_stages(tiny_llama, conversations, tmp_path_factory.mktemp("tiny-run"))
+
+
+def run_stages(model: Path, conversations: Path, root: Path) -> Path:
+    """prepare -> extract -> weights on ``model`` into ROOT/{prepared,hidden_states,verifier}, the full vocab
+    as draft vocab (in process, on the CPU)."""
     from pipeline import extract, prepare, weights
 
-    root = tmp_path_factory.mktemp("tiny-run")
-    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
-    prepare.run(prepare.PrepareConfig(data=conversations, model=tiny_llama, out=root / "prepared", seq_length=128,
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    prepare.run(prepare.PrepareConfig(data=conversations, model=model, out=root / "prepared", seq_length=128,
                                       draft_vocab_size=vocab))
-    extract.run(extract.ExtractConfig(prepared=root / "prepared", model=tiny_llama, out=root / "hidden_states",
+    extract.run(extract.ExtractConfig(prepared=root / "prepared", model=model, out=root / "hidden_states",
                                       device="cpu", verify=False, progress=False))
-    weights.run(tiny_llama, root / "verifier")
+    weights.run(model, root / "verifier")
     return root
 
 

@@ -9,7 +9,6 @@ runs the target alone and the target + draft in vLLM on the held-out prompts.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -20,23 +19,22 @@ pytestmark = pytest.mark.vllm
 K = 3
 
 
+def train_and_serve(root, model, out, env: dict[str, str | None]) -> tuple[TrainConfig, dict]:
+    """A train run into OUT on ROOT's stage outputs with offline and online acceptance, under ``env`` (None:
+    unset); vLLM on the CPU needs a KV-cache size (1 GiB)."""
+    cfg = TrainConfig(data=root / "hidden_states", verifier=root / "verifier", out=out, model=model,
+                      prepared=root / "prepared", epochs=1, lr=1e-3, max_len=256, device="cpu", plots=False,
+                      ttt_steps=K, save_dtype="float32", online_eval=True, online_prompts=4, online_max_tokens=16)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in {"VLLM_CPU_KVCACHE_SPACE": "1", **env}.items():
+            mp.delenv(name, raising=False) if value is None else mp.setenv(name, value)
+        return cfg, run(cfg, log=lambda m: None)
+
+
 @pytest.fixture(scope="module")
 def served(tiny_run, tiny_llama, tmp_path_factory):
-    """A train run with offline and online acceptance (vLLM on the CPU needs a KV-cache size: 1 GiB)."""
-    out = tmp_path_factory.mktemp("vllm-draft") / "train"
-    cfg = TrainConfig(data=tiny_run / "hidden_states", verifier=tiny_run / "verifier", out=out, model=tiny_llama,
-                      prepared=tiny_run / "prepared", epochs=1, lr=1e-3, max_len=256, device="cpu", plots=False,
-                      ttt_steps=K, save_dtype="float32", online_eval=True, online_prompts=4, online_max_tokens=16)
-    saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    try:
-        summary = run(cfg, log=lambda m: None)
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
-        else:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
-    return cfg, summary
+    """A train run with offline and online acceptance on the tiny Llama's stage outputs."""
+    return train_and_serve(tiny_run, tiny_llama, tmp_path_factory.mktemp("vllm-draft") / "train", {})
 
 
 def test_vllm_serves_the_draft_with_the_targets_greedy_output(served):
@@ -88,31 +86,16 @@ def test_served_config_is_in_vllms_convention(served, tiny_llama):
 def served_deepseek(tmp_path_factory, conversations):
     """The same stages and train run on a tiny DeepseekV3 target with MLA on in vLLM: its latent head is the real
     model's 512 + 64 (the only size the CPU MLA kernel takes), so vLLM serves it with MLA as a GPU would."""
-    from pipeline import extract, prepare, weights
     from pipeline.tiny import build_tiny_model
+    from tests.train.conftest import run_stages
 
     root = tmp_path_factory.mktemp("dsv3-draft")
     model = build_tiny_model("deepseek_v3", root / "model", kv_lora_rank=512, qk_rope_head_dim=64)
     config = json.loads((model / "config.json").read_text())
     config["scoring_func"] = "sigmoid"  # what real DeepSeek-V3 configs carry (vLLM's default is softmax)
     (model / "config.json").write_text(json.dumps(config))
-    prepare.run(prepare.PrepareConfig(data=conversations, model=model, out=root / "prepared", seq_length=128,
-                                      draft_vocab_size=config["vocab_size"]))
-    extract.run(extract.ExtractConfig(prepared=root / "prepared", model=model, out=root / "hidden_states",
-                                      device="cpu", verify=False, progress=False))
-    weights.run(model, root / "verifier")
-    cfg = TrainConfig(data=root / "hidden_states", verifier=root / "verifier", out=root / "train", model=model,
-                      prepared=root / "prepared", epochs=1, lr=1e-3, max_len=256, device="cpu", plots=False,
-                      ttt_steps=K, save_dtype="float32", online_eval=True, online_prompts=4, online_max_tokens=16)
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_MLA_DISABLE")}
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    os.environ.pop("VLLM_MLA_DISABLE", None)  # MLA on: the attention a DeepSeek target is served with
-    try:
-        summary = run(cfg, log=lambda m: None)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    return cfg, summary
+    run_stages(model, conversations, root)
+    return train_and_serve(root, model, root / "train", {"VLLM_MLA_DISABLE": None})  # MLA on: how a DeepSeek target is served
 
 
 def test_vllm_serves_a_deepseek_targets_draft(served_deepseek):
