@@ -142,7 +142,7 @@ def fp32_errors(model_dir: Path, prepared: Path, runs: dict[str, Path], layer_id
 def main(preset: str, workdir: Path, samples: int | None, max_batch_tokens: int | None, json_out: Path | None) -> None:
     from pipeline import formats
     from pipeline.extract import ExtractConfig, run
-    from pipeline.tiny import build_tiny_model
+    from pipeline.demo.tiny import build_tiny_model
 
     overrides, n, seq_length, n_naive = PRESETS[preset]
     n = samples or n

@@ -1,6 +1,6 @@
 """Benchmark: a draft made by this pipeline, for a target that has learned something (issue #17 item 4).
 
-Builds the target in process (pipeline/learned.py: a BPE tokenizer and a Llama trained for a time budget on
+Builds the target in process (pipeline/demo/learned.py: a BPE tokenizer and a Llama trained for a time budget on
 real offline text, the stdlib's and the installed packages' sources and docs, saved with its chat template),
 draws held-apart "continue this file" prompts and has the target answer them greedily (its own words: what
 EAGLE drafts are trained on, and what the offline acceptance compares with), then runs the product's real
@@ -41,11 +41,11 @@ GOAL_ACCEPTANCE, GOAL_RATIO = 2.5, 1.3
 class Preset:
     """One size of the recipe: the target, its data, and the draft's training."""
 
-    corpus: str  # pipeline/learned.py CORPORA
+    corpus: str  # pipeline/demo/learned.py CORPORA
     max_chars: int  # corpus cap
     tokenizer_chars: int | None  # share of the corpus the BPE merges are learned on
     vocab_size: int
-    model: dict  # LlamaConfig overrides (pipeline/tiny.py defaults)
+    model: dict  # LlamaConfig overrides (pipeline/demo/tiny.py defaults)
     target_seconds: float  # the target's training budget
     target_seq: int
     target_batch: int
@@ -163,14 +163,14 @@ def _dir_gib(path: Path) -> float:
 @click.option("--keep-states/--drop-states", default=False, show_default=True, help="Keep hidden_states/ afterwards.")
 @click.option("--train-compile/--no-train-compile", default=True, show_default=True,
               help="Let speculators torch.compile the draft's forward in the train stage (the product's default; it "
-                   "now trains with the eager loss, which the compiler fuses, see pipeline/train.py "
+                   "now trains with the eager loss, which the compiler fuses, see pipeline/train/stage.py "
                    "loss_implementation). Off: TORCHDYNAMO_DISABLE=1, flex attention runs eager (slow on a GPU).")
 def main(preset: str, workdir: Path, json_path: Path | None, target_seconds: float | None, conversations: int | None,
          epochs: int | None, device: str, keep_states: bool, train_compile: bool) -> None:
     """Train a target on real text, make a draft for it with the pipeline's CLIs, report acceptance vs baselines."""
     import torch
 
-    from pipeline import learned
+    from pipeline.demo import learned
 
     p = PRESETS[preset]
     p = dataclasses.replace(p, target_seconds=target_seconds or p.target_seconds, conversations=conversations or p.conversations,

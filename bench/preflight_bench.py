@@ -61,7 +61,7 @@ def build_cases(workdir: Path) -> list[dict]:
     """A tiny Llama and DeepseekV3, prepared data, and one misconfigured copy per case."""
     from pipeline.prepare import PrepareConfig
     from pipeline.prepare import run as prepare
-    from pipeline.tiny import build_tiny_model, write_conversations
+    from pipeline.demo.tiny import build_tiny_model, write_conversations
 
     llama = build_tiny_model("llama", workdir / "llama")
     deepseek = build_tiny_model("deepseek_v3", workdir / "deepseek")

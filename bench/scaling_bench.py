@@ -88,7 +88,7 @@ def expected_set_bytes(prepared: Path, model_dir: Path, layers: int = 4) -> int:
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 def main(preset: str, sweep: str, samples: int | None, out_root: Path, max_batch_tokens: int, writer_threads: int,
          with_verify: bool, warm_up: bool, json_out: Path | None) -> None:
-    from pipeline.tiny import build_tiny_model
+    from pipeline.demo.tiny import build_tiny_model
     from pipeline.verify import VerifyConfig, verify
 
     overrides, n, seq_length, _ = PRESETS[preset]

@@ -1,6 +1,6 @@
 """Benchmark: the whole path to a trained draft on a random-weight Llama, with throughput and acceptance.
 
-Builds the target (pipeline/tiny.py: random weights, the demo tokenizer, synthetic conversations), then
+Builds the target (pipeline/demo/tiny.py: random weights, the demo tokenizer, synthetic conversations), then
 runs the real stages in-process: prepare -> extract (hf backend) -> weights -> train (speculators' Trainer)
 -> offline acceptance. Prints a markdown table and writes every figure to --json after each phase, so a
 run cut short by a time limit still reports what it finished.
@@ -47,8 +47,8 @@ class Report:
 
 def attention_check(cfg) -> dict:
     """Loss and proposals of the trained draft on one packed batch with speculators' flex kernel and ours."""
-    from pipeline import draft as draft_mod
-    from pipeline.train import DRAFT, Runtime, check_inputs, get_trainer_kwargs, make_loader
+    from pipeline.train import draft as draft_mod
+    from pipeline.train.stage import DRAFT, Runtime, check_inputs, get_trainer_kwargs, make_loader
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inputs = check_inputs(cfg)
@@ -82,7 +82,8 @@ def build_random_set(workdir: Path, preset: str, conversations: int | None = Non
     (hf backend, no closing check), verifier/. Each phase's figures go to ``report``; returns what the set is."""
     import shutil
 
-    from pipeline import extract, formats, prepare, tiny, weights
+    from pipeline import extract, formats, prepare, weights
+    from pipeline.demo import tiny
 
     report = report or Report(None)
     overrides, n_conv, seq_length, draft_vocab, _ = PRESETS[preset]
@@ -120,8 +121,8 @@ def build_random_set(workdir: Path, preset: str, conversations: int | None = Non
 @click.option("--epochs", type=int, default=None, help="Override the preset's epochs.")
 def main(preset: str, workdir: Path, json_path: Path | None, conversations: int | None, epochs: int | None) -> None:
     """Build a random target, extract, train a draft, measure; print a markdown table."""
-    from pipeline.train import TrainConfig, run
-    from pipeline.train_cli import quiet_libraries
+    from pipeline.train.stage import TrainConfig, run
+    from pipeline.train.cli import quiet_libraries
 
     quiet_libraries()
     _, _, _, _, train_opts = PRESETS[preset]

@@ -39,7 +39,7 @@ import click
 from bench.learned_bench import GpuSampler
 from bench.train_bench import Report
 
-# The draft and optimizer `pipeline train` builds (pipeline/draft.py: speculators' Eagle3SpeculatorConfig
+# The draft and optimizer `pipeline train` builds (pipeline/train/draft.py: speculators' Eagle3SpeculatorConfig
 # defaults; speculators' Trainer defaults to AdamW), which `speculators train`'s CLI defaults differ from: it
 # picks Muon and the "Eagle 3.1" norms. With these flags both tools train the same model the same way.
 SAME_DRAFT = ("--optimizer", "adamw", "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output")
@@ -254,7 +254,7 @@ def main(workdir: Path, build: str | None, conversations: int | None, epochs_sho
             fig = run_one(workdir, tool, epochs, opts, record, device, spec_env if tool == "speculators" else env,
                           tag="-default-loss" if default_loss else "")
             if default_loss and fig["exit_code"] != 0:
-                # its default fused loss failed on the H200 before (pipeline/train.py loss_implementation): keep
+                # its default fused loss failed on the H200 before (pipeline/train/stage.py loss_implementation): keep
                 # the failure in the report, then compare with the eager loss ours uses
                 report.data["speculators_default_failed"] = fig
                 report.write()

@@ -3,7 +3,7 @@ container command, and how ops runs it (GPUs, parallel layout, preflight, verifi
 
 The one source of ops' stage plans (ops/stage.py), of compose.yaml's stage services (ops/composefile.py
 renders them; tests/ops/test_ops_compose.py checks the committed file against it) and of the folder names
-the demo uses (pipeline/demo.py), so a host prepared by hand, by compose and by ops has one layout.
+the demo uses (pipeline/demo/run.py), so a host prepared by hand, by compose and by ops has one layout.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from pipeline.checks import Summary, check, fail, ok, warn
-from pipeline.train_files import EVAL, TRAIN_CONFIG
+from pipeline.train.files import EVAL, TRAIN_CONFIG
 
 
 def resolve(path: Path) -> tuple[Path, Path | None]:

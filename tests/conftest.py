@@ -42,7 +42,7 @@ def warm_pipeline():
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> Path:
     """A tiny random Llama and synthetic conversations (assets/model, assets/conversations.jsonl)."""
-    from pipeline.tiny import build_tiny_model, write_conversations
+    from pipeline.demo.tiny import build_tiny_model, write_conversations
 
     out = tmp_path_factory.mktemp("assets-llama")
     build_tiny_model("llama", out / "model")
@@ -57,7 +57,7 @@ def tiny_llama(tiny_assets) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_deepseek(tmp_path_factory) -> Path:
-    from pipeline.tiny import build_tiny_model
+    from pipeline.demo.tiny import build_tiny_model
 
     return build_tiny_model("deepseek_v3", tmp_path_factory.mktemp("assets-dsv3") / "model")
 

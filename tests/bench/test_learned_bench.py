@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import learned_bench
-from pipeline import learned
+from pipeline.demo import learned
 
 
 def test_plan_is_prepare_extract_hf_weights_train_at_k3_then_verify(tmp_path):

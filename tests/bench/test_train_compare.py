@@ -82,7 +82,7 @@ def test_speculators_cli_builds_the_same_draft_as_ours_from_the_bench_command(on
     it saves has our draft's shape-defining settings (norms, vocab, layer ids, one layer)."""
     import dataclasses
 
-    from pipeline.train import TrainConfig
+    from pipeline.train.stage import TrainConfig
 
     record = json.loads((one_set / "speculators" / "eagle-ops.json").read_text())
     opts = {"max_len": 256, "lr": 1e-3, "speculators_extra": ("--draft-attn-impl", "sdpa", "--hidden-states-dtype",
@@ -99,7 +99,7 @@ def test_speculators_cli_builds_the_same_draft_as_ours_from_the_bench_command(on
     theirs = json.loads(saved.read_text())
     ours_default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}["norm_before_residual"]
     assert theirs["norm_before_residual"] is ours_default
-    for key in ("norm_before_fc", "norm_output", "fc_norm"):  # pipeline/draft.py leaves these at False
+    for key in ("norm_before_fc", "norm_output", "fc_norm"):  # pipeline/train/draft.py leaves these at False
         assert theirs.get(key, False) is False, (key, theirs.get(key))
     args = record["speculators_train_args"]
     ids = [int(x) for x in args[args.index("--target-layer-ids") + 1:][:3]]

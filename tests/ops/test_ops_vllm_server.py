@@ -29,7 +29,7 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}  # 0.32 binds Ope
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     assert VLLM.exists(), f"{VLLM} missing: build the vLLM CPU environment (make env-vllm)"
-    from pipeline.tiny import build_tiny_model
+    from pipeline.demo.tiny import build_tiny_model
 
     return build_tiny_model("llama", tmp_path_factory.mktemp("vllm-model") / "model")
 

@@ -129,7 +129,7 @@ def test_stage_commands_are_made_from_their_configs():
 def test_stage_configs_refuse_bad_values_in_the_cli_words():
     """The stages' checks run at construction: prepare's range, train's choices and counts, verify's rank."""
     from pipeline.prepare import PrepareConfig
-    from pipeline.train import DTYPES, TrainConfig
+    from pipeline.train.stage import DTYPES, TrainConfig
     from pipeline.verify import VerifyConfig
 
     with pytest.raises(StageError, match=r"^--seq-length 1 is outside the allowed range"):

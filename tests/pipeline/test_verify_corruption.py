@@ -90,7 +90,7 @@ def test_gap_in_numbering_is_named(states):
 def test_file_from_another_set_is_named(states, tmp_path, tiny_llama):
     """A well-formed file of another set (other conversations, same model and layers) fails its checksum,
     which says so, besides the prepared-row check."""
-    from pipeline.tiny import write_conversations
+    from pipeline.demo.tiny import write_conversations
 
     other_rows = write_conversations(tmp_path / "other.jsonl", n=4, seed=7)
     run_pipeline("prepare", "--data", other_rows, "--model", tiny_llama, "--out", tmp_path / "op", "--seq-length", 128, check=True)

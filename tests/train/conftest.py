@@ -3,7 +3,7 @@
 ``make_inputs`` writes hidden states, a vocab mapping, verifier weights and a target config.json with the
 formats module (random tensors with a learnable structure: the target's greedy next token is a fixed
 function of the current token, and the token sequence mostly follows that function), in well under a second. ``tiny_run`` runs the real prepare -> extract ->
-weights stages on the tiny random Llama of pipeline/tiny.py once per session.
+weights stages on the tiny random Llama of pipeline/demo/tiny.py once per session.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pipeline import formats
-from pipeline.train import TrainConfig
+from pipeline.train.stage import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def run_stages(model: Path, conversations: Path, root: Path) -> Path:
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """A complete train run (4 epochs, acceptance measured, plots drawn) on synthetic inputs."""
-    from pipeline.train import run
+    from pipeline.train.stage import run
 
     root = tmp_path_factory.mktemp("trained")
     inputs = write_inputs(root / "inputs", samples=16)

@@ -96,8 +96,8 @@ def test_full_vocab_draft_passes_without_mapping_and_fails_with_one(make_inputs,
     """A full-vocab draft verifies without d2t/t2d; a stray d2t (what vLLM cannot load) fails the vocab check."""
     import numpy as np
 
-    from pipeline import draft as draft_mod
-    from pipeline.train import check_inputs
+    from pipeline.train import draft as draft_mod
+    from pipeline.train.stage import check_inputs
 
     inputs = make_inputs(draft_vocab=96)
     checked = check_inputs(inputs.config(tmp_path / "unused"))

@@ -1,4 +1,4 @@
-"""The speculators 0.9 draft as pipeline/draft.py builds it: vocab mapping, attention kernel, save/load round trip."""
+"""The speculators 0.9 draft as pipeline/train/draft.py builds it: vocab mapping, attention kernel, save/load round trip."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import draft as draft_mod
-from pipeline.train import check_inputs
+from pipeline.train import draft as draft_mod
+from pipeline.train.stage import check_inputs
 
 
 def _model(inputs, tmp_path, d2t=None, t2d=None, seed=0, attention=draft_mod.DENSE_ATTENTION):
@@ -76,7 +76,7 @@ def test_round_trip_through_speculators_from_pretrained(make_inputs, tmp_path):
 
 def test_speculators_step_timer_still_needs_an_accelerator():
     """Pin canary: speculators 0.9's step timer synchronizes an accelerator unconditionally, which fails on the
-    CPU; when this starts passing without one, drop the timer swap in pipeline/train.py (_on_host)."""
+    CPU; when this starts passing without one, drop the timer swap in pipeline/train/stage.py (_on_host)."""
     from speculators.train.trainer import _StepTimer
 
     timer = _StepTimer(enabled=True)
@@ -127,7 +127,7 @@ def test_rope_of_a_transformers5_config_reaches_the_draft():
 
 def test_dense_kernel_matches_flex_forward(make_inputs, tmp_path):
     """On a packed batch, the CPU kernel gives the same loss and proposals as speculators' flex attention."""
-    from pipeline.train import Runtime, get_trainer_kwargs, make_loader
+    from pipeline.train.stage import Runtime, get_trainer_kwargs, make_loader
 
     inputs = make_inputs()
     dense, checked = _model(inputs, tmp_path)

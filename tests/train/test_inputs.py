@@ -10,7 +10,7 @@ import pytest
 
 from pipeline import formats
 from pipeline.errors import StageError
-from pipeline.train import check_inputs, run, split_indices
+from pipeline.train.stage import check_inputs, run, split_indices
 
 
 def _assert_rejected(cfg, *fragments: str) -> str:

@@ -1,4 +1,4 @@
-"""The learned tiny target (pipeline/learned.py): a real Llama with tokenizer and chat template, trained on stdlib text."""
+"""The learned tiny target (pipeline/demo/learned.py): a real Llama with tokenizer and chat template, trained on stdlib text."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def test_learned_target_is_a_loadable_model_trained_on_real_text(tmp_path):
     """The saved target loads with transformers, templates a chat, and its record shows training steps on the corpus."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline import learned
+    from pipeline.demo import learned
 
     out = learned.build_learned_model(tmp_path / "model", seconds=5, conversations=64, seq_length=64, batch=2)
     record = json.loads((out / learned.RECORD).read_text())

@@ -1,4 +1,4 @@
-"""The online-acceptance arithmetic and inputs (pipeline/online_eval.py), without vLLM; serving is test_vllm_draft.py."""
+"""The online-acceptance arithmetic and inputs (pipeline/train/online_eval.py), without vLLM; serving is test_vllm_draft.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from pipeline import formats
 from pipeline.errors import StageError
-from pipeline.online_eval import OnlineConfig, acceptance_from_counters, measure, prompts_of
+from pipeline.train.online_eval import OnlineConfig, acceptance_from_counters, measure, prompts_of
 
 
 def test_acceptance_length_is_vllms_definition():
@@ -51,7 +51,7 @@ def test_without_vllm_is_a_one_line_error(tmp_path):
 
 def test_a_failed_vllm_run_is_reported_by_its_root_cause():
     """vLLM's worker error is the line shown, not the wrappers that point back at it (seen with an MLA target)."""
-    from pipeline.online_eval import root_cause
+    from pipeline.train.online_eval import root_cause
 
     log = "\n".join([
         "INFO 12-01 20:31:05 [core.py:90] Initializing engine",

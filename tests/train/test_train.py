@@ -7,7 +7,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from pipeline.train import read_metrics, run
+from pipeline.train.stage import read_metrics, run
 
 
 def test_checkpoint_per_epoch_and_export(trained):

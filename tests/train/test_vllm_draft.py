@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from pipeline.train import TrainConfig, run
+from pipeline.train.stage import TrainConfig, run
 
 pytestmark = pytest.mark.vllm
 
@@ -50,7 +50,7 @@ def test_vllm_serves_the_draft_with_the_targets_greedy_output(served):
 
 def test_closing_table_prints_online_next_to_offline(served, capsys):
     """The acceptance table shows the offline estimate and vLLM's online acceptance length of the same draft."""
-    from pipeline.train_cli import print_table
+    from pipeline.train.cli import print_table
 
     _, summary = served
     print_table(summary)
@@ -86,7 +86,7 @@ def test_served_config_is_in_vllms_convention(served, tiny_llama):
 def served_deepseek(tmp_path_factory, conversations):
     """The same stages and train run on a tiny DeepseekV3 target with MLA on in vLLM: its latent head is the real
     model's 512 + 64 (the only size the CPU MLA kernel takes), so vLLM serves it with MLA as a GPU would."""
-    from pipeline.tiny import build_tiny_model
+    from pipeline.demo.tiny import build_tiny_model
     from tests.train.conftest import run_stages
 
     root = tmp_path_factory.mktemp("dsv3-draft")

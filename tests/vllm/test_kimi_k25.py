@@ -1,7 +1,7 @@
 """A Kimi-K2.5-layout wrapper target on the real vLLM 0.32.0 (CPU build) against `--backend hf`, and the stated
 bf16 tolerance of vllm vs hf.
 
-The tiny Kimi-K2.5 (pipeline/tiny.py, kind "kimi_k25") is the real checkpoint's layout: `Kimi_K25Config` with the
+The tiny Kimi-K2.5 (pipeline/demo/tiny.py, kind "kimi_k25") is the real checkpoint's layout: `Kimi_K25Config` with the
 DeepseekV3 (MLA + MoE, noaux_tc/sigmoid routing) as `text_config`, a one-block vision tower, untied embeddings,
 weights under `language_model.`, `vision_tower.`, `mm_projector.`, the media tokens in the tokenizer and the
 image processor file vLLM's Kimi-K2.5 processing reads at engine start. vLLM runs it as
@@ -79,7 +79,7 @@ def show(title: str, stats: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_kimi(tmp_path_factory) -> Path:
-    from pipeline.tiny import build_tiny_model
+    from pipeline.demo.tiny import build_tiny_model
 
     return build_tiny_model("kimi_k25", tmp_path_factory.mktemp("assets-kimi") / "model")
 

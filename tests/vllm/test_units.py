@@ -163,7 +163,7 @@ def test_ngram_baseline_is_vllms_own_prompt_lookup():
     import numpy as np
     from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as vllm_lookup
 
-    from pipeline.evaluate import NGRAM_MAX, NGRAM_MIN, ngram_continuations
+    from pipeline.train.evaluate import NGRAM_MAX, NGRAM_MIN, ngram_continuations
 
     rng = random.Random(0)
     for _ in range(200):

@@ -1,8 +1,8 @@
 """Online acceptance of a trained draft: vLLM serving the target with real EAGLE-3 speculative decoding.
 
-Owns the measurement that the offline estimate (pipeline/evaluate.py) predicts. The held-out samples'
+Owns the measurement that the offline estimate (pipeline/train/evaluate.py) predicts. The held-out samples'
 prompts (their tokens up to the first assistant token) are generated greedily twice, each run in its own
-``python -m pipeline.online_eval`` process (vLLM spawns workers and keeps the device until exit): the
+``python -m pipeline.train.online_eval`` process (vLLM spawns workers and keeps the device until exit): the
 target alone, then the target with ``speculative_config={"model": DRAFT, "method": "eagle3",
 "num_speculative_tokens": k}``. Reported: whether both runs produced the same tokens (speculative decoding
 must not change greedy output) and vLLM's own spec-decode counters (``vllm:spec_decode_num_drafts``,
@@ -115,7 +115,7 @@ def _child(cfg: OnlineConfig, prompts: list[list[int]], with_draft: bool, out: P
     request = out.with_suffix(".request.json")
     write_json(request, {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
                          "prompts": prompts, "with_draft": with_draft})
-    argv = [sys.executable, "-m", "pipeline.online_eval", "--request", str(request), "--out", str(out)]
+    argv = [sys.executable, "-m", "pipeline.train.online_eval", "--request", str(request), "--out", str(out)]
     # its own session: vLLM's engine-core process outlives a killed parent and would hold our pipes open
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
                             start_new_session=True)

@@ -1,4 +1,4 @@
-"""What the train stage writes into its ``--out``: the names (the layout is in pipeline/train.py's
+"""What the train stage writes into its ``--out``: the names (the layout is in pipeline/train/stage.py's
 docstring) and the reading of its per-step metrics. Imported by train, evaluate, plots and the checkpoint
 checks, so none of them imports another for a file name."""
 

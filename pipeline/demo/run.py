@@ -2,8 +2,8 @@
 
 Owns the sequence of stage invocations and their arguments for the demo (every stage runs through its
 real command line, ``python -m pipeline ...``, in a subprocess, exactly as an operator would run it) and
-``pipeline demo-assets``, which builds the demo's model and conversations (pipeline/tiny.py for the random
-kinds, pipeline/learned.py for the learned one).
+``pipeline demo-assets``, which builds the demo's model and conversations (pipeline/demo/tiny.py for the random
+kinds, pipeline/demo/learned.py for the learned one).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from contract.stages import STAGES
-from pipeline import learned, tiny
+from pipeline.demo import learned, tiny
 
 
 def stage(args: list[str]) -> None:
@@ -57,7 +57,7 @@ def steps(work: Path, kind: str, samples: int, seq_length: int, train: bool) -> 
 @click.command("demo-assets")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Directory to create.")
 @click.option("--kind", type=click.Choice([*tiny.KINDS, "learned"]), default="llama", show_default=True,
-              help="learned: a Llama trained for --train-seconds on the stdlib's sources (pipeline/learned.py).")
+              help="learned: a Llama trained for --train-seconds on the stdlib's sources (pipeline/demo/learned.py).")
 @click.option("--conversations", type=int, default=300, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--train-seconds", type=float, default=60.0, show_default=True, help="Training time of --kind learned.")
@@ -87,6 +87,3 @@ def main(workdir: Path, kind: str, samples: int, seq_length: int, train: bool) -
         stage(args)
     click.secho(f"\ndemo finished in {time.perf_counter() - t0:.0f} s; outputs under {workdir}/", fg="green", bold=True)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""``python -m pipeline train``: flags -> TrainConfig -> pipeline.train.run, and the acceptance table.
+"""``python -m pipeline train``: flags -> TrainConfig -> pipeline.train.stage.run, and the acceptance table.
 
 Owns the command line of the train stage only. Data parallel: ``torchrun --nproc-per-node N -m pipeline train ...``.
 """
@@ -11,7 +11,7 @@ import sys
 import click
 
 from pipeline.options import options
-from pipeline.train_config import TrainConfig
+from pipeline.train.config import TrainConfig
 
 
 def quiet_libraries() -> None:
@@ -30,7 +30,7 @@ def print_table(summary: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from pipeline.evaluate import table_rows
+    from pipeline.train.evaluate import table_rows
 
     ev = summary.get("eval")
     if not ev:
@@ -62,7 +62,7 @@ def print_table(summary: dict) -> None:
 @options(TrainConfig)
 def command(**kwargs) -> None:
     """Train an EAGLE-3 draft with speculators; measure its offline acceptance against trivial baselines."""
-    from pipeline.train import run
+    from pipeline.train.stage import run
 
     quiet_libraries()
     summary = run(TrainConfig(**kwargs), log=lambda m: click.echo(m, err=True))

@@ -4,9 +4,9 @@ Owns the training run on speculators 0.9.0: checking every input before the firs
 split, speculators' ``Trainer`` (subclassed only for what it lacks: any device, CPU included; full-precision
 checkpoints so that a resumed run equals an uninterrupted one; atomic per-epoch checkpoint directories;
 stopping after N epochs of an invocation; a throughput figure), per-step metrics in ``metrics.jsonl``, the
-servable export ``draft/`` and the final ``summary.json`` with the offline acceptance (pipeline/evaluate.py)
-and the plots (pipeline/plots.py). The data loaders (our ``data_{i}.pt`` files through speculators'
-sampler and collate) are pipeline/train_data.py; its options (``TrainConfig``) pipeline/train_config.py.
+servable export ``draft/`` and the final ``summary.json`` with the offline acceptance (pipeline/train/evaluate.py)
+and the plots (pipeline/train/plots.py). The data loaders (our ``data_{i}.pt`` files through speculators'
+sampler and collate) are pipeline/train/data.py; its options (``TrainConfig``) pipeline/train/config.py.
 
 Output directory::
 
@@ -25,7 +25,7 @@ rank 0 holds the output's lock while the run writes it, so that a second train i
 
 Data parallel: started by ``torchrun --nproc-per-node N -m pipeline train ...`` each process trains on its
 shard through speculators' DDP setup (one GPU per process); rank 0 writes everything else. The draft architecture and its
-config live in pipeline/draft.py.
+config live in pipeline/train/draft.py.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ import torch
 
 from pipeline import formats
 from pipeline.atomic import write_json
-from pipeline.draft import TargetFacts, read_target_facts
+from pipeline.train.draft import TargetFacts, read_target_facts
 from pipeline.errors import StageError
 from pipeline.layers import NUM_CAPTURED, to_vllm_aux_ids, validate_layer_ids
 from pipeline.outdir import output_lock, refuse_overlap
-from pipeline.train_config import TrainConfig
-from pipeline.train_data import seed_everything
-from pipeline.train_files import (CHECKPOINTS, DRAFT, EVAL, METRICS, SUMMARY, TRAIN_CONFIG, VERIFIER_VIEW,  # noqa: F401
+from pipeline.train.config import TrainConfig
+from pipeline.train.data import seed_everything
+from pipeline.train.files import (CHECKPOINTS, DRAFT, EVAL, METRICS, SUMMARY, TRAIN_CONFIG, VERIFIER_VIEW,  # noqa: F401
                                   last_metrics, read_metrics)
 from pipeline.vocab import vocab_mapping_problems
 
@@ -417,7 +417,7 @@ def _trainer_class():
 
 
 def make_loader(files: list[Path], cfg: TrainConfig, rt: Runtime, *, shuffle_seed: int, hidden_size: int):
-    from pipeline.train_data import make_loader as loader
+    from pipeline.train.data import make_loader as loader
 
     workers = cfg.num_workers if cfg.num_workers is not None else (4 if rt.device.type == "cuda" else 0)
     return loader(files, max_len=cfg.max_len, hidden_size=hidden_size, world_size=rt.world_size, rank=rt.rank,
@@ -510,7 +510,7 @@ def _check_resumable(previous: dict, now: dict, out: Path) -> None:
 
 def run(cfg: TrainConfig, log=print) -> dict:
     """Train, export, evaluate; return the summary (rank 0) or {} (other ranks)."""
-    from pipeline import draft as draft_mod
+    from pipeline.train import draft as draft_mod
 
     rt = setup_runtime(cfg.device)
     if rt.device.type == "cuda":
@@ -603,7 +603,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             "train_metrics": last_metrics(out / METRICS),
         }
         if cfg.evaluate:
-            from pipeline.evaluate import EvalConfig, evaluate_run
+            from pipeline.train.evaluate import EvalConfig, evaluate_run
 
             ev = evaluate_run(EvalConfig(out=out, k=cfg.eval_k or cfg.ttt_steps, max_samples=cfg.eval_max_samples,
                                          seed=cfg.seed, device=str(rt.device), attention=attention), inputs)
@@ -613,7 +613,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             summary["eval"] = ev
         write_json(out / SUMMARY, summary)
         if cfg.plots:
-            from pipeline import plots
+            from pipeline.train import plots
 
             plots.draw_all(out)
         return summary
@@ -626,8 +626,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
 
 def _online(cfg: TrainConfig, inputs: TrainInputs, out: Path) -> dict:
-    """vLLM's own acceptance of the exported draft on the held-out prompts (pipeline/online_eval.py)."""
-    from pipeline import online_eval
+    """vLLM's own acceptance of the exported draft on the held-out prompts (pipeline/train/online_eval.py)."""
+    from pipeline.train import online_eval
 
     k = cfg.eval_k or cfg.ttt_steps
     ocfg = online_eval.OnlineConfig(target=inputs.model_dir, draft=out / DRAFT, k=k, max_tokens=cfg.online_max_tokens,

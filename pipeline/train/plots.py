@@ -1,7 +1,7 @@
 """PNG plots of a train run: the loss curve and the per-position acceptance (matplotlib, Agg backend).
 
-Owns the figures only; it reads metrics.jsonl and eval.json written by pipeline/train.py and
-pipeline/evaluate.py and computes nothing beyond what it draws.
+Owns the figures only; it reads metrics.jsonl and eval.json written by pipeline/train/stage.py and
+pipeline/train/evaluate.py and computes nothing beyond what it draws.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def acceptance_bars(ev: dict, target: Path) -> Path:
 
 def draw_all(out: Path) -> list[Path]:
     """Draw every plot whose inputs exist in a train output dir; return the files written."""
-    from pipeline.train_files import EVAL, METRICS, read_metrics
+    from pipeline.train.files import EVAL, METRICS, read_metrics
 
     out = Path(out)
     written = []

@@ -12,7 +12,7 @@ Owns the recipe of issue #17 item 4, at two sizes:
 Both share:
 
 * conversations made from the corpus: "continue this file" prompts whose answers are the lines that follow;
-* a byte-level BPE tokenizer trained on the corpus, with the demo's chat template (pipeline/tiny.py);
+* a byte-level BPE tokenizer trained on the corpus, with the demo's chat template (pipeline/demo/tiny.py);
 * the model saved in bf16 with the tokenizer; ``learned.json`` records the steps, tokens and loss before and after;
 * ``regenerate``: the target's own greedy answers to the prompts, which is what EAGLE drafts are trained on and
   what the offline acceptance measures against (docs/train.md: offline equals the target's own words only then).
@@ -216,12 +216,12 @@ def build_learned_model(out_dir: Path, *, seconds: float = 60.0, seed: int = 0, 
     The demo's call (the defaults) trains in fp32 on ``conversations`` padded rows at a constant ``lr``.
     ``packed=True`` (the benchmark) draws conversations without end (ConversationSampler), packs them into
     [batch, seq_length] rows, and follows a warm-up + cosine schedule over the ``seconds`` budget; on a GPU
-    it runs in bf16 autocast with fused AdamW. ``texts``: the corpus already read (else ``corpus_texts``). ``overrides`` go to the LlamaConfig (pipeline/tiny.py's defaults).
+    it runs in bf16 autocast with fused AdamW. ``texts``: the corpus already read (else ``corpus_texts``). ``overrides`` go to the LlamaConfig (pipeline/demo/tiny.py's defaults).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.tiny import VOCAB_SIZE, _llama_config, train_tokenizer
+    from pipeline.demo.tiny import VOCAB_SIZE, _llama_config, train_tokenizer
 
     say = log or (lambda m: None)
     out_dir = Path(out_dir)

@@ -2,8 +2,8 @@
 
 Owns the fields, their defaults and help texts, and the checks a config makes at construction; nothing
 here imports torch, so that ``pipeline train --help`` and ``pipeline check-args train ...`` refuse or
-answer before the training stack loads. The run itself is pipeline/train.py's; the command line
-pipeline/train_cli.py's.
+answer before the training stack loads. The run itself is pipeline/train/stage.py's; the command line
+pipeline/train/cli.py's.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class TrainConfig:
     scheduler: str = opt("linear", choices=("linear", "cosine", "none"), help="Learning-rate schedule.")
     warmup_steps: int | None = opt(None, help="Scheduler warmup steps [default: 1% of all steps].")
     device: str = opt("auto", help="auto | cpu | cuda | cuda:N")  # torchrun: the local rank's GPU
-    # see pipeline/draft.py
+    # see pipeline/train/draft.py
     attention: str = opt("auto", choices=("auto", "flex", "dense"),
                          help="Draft attention: flex (GPUs) or dense (any device); auto: flex on a GPU.")
     num_workers: int | None = opt(None, help="Data loader workers [default: 0 on CPU, 4 on GPU].")

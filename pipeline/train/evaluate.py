@@ -103,7 +103,7 @@ class HeldOut:
     """Held-out samples in the draft's alignment (speculators' dataset + shift), with the target's greedy tokens."""
 
     def __init__(self, files: list[Path], verifier: dict, eps: float, device: torch.device):
-        from pipeline.train_data import sample_dataset
+        from pipeline.train.data import sample_dataset
 
         self.dataset = sample_dataset(files, max_len=1 << 30)
         self.norm = verifier["norm.weight"].to(device)
@@ -226,9 +226,9 @@ def draft_vocab_coverage(samples: HeldOut, t2d: torch.Tensor, k: int) -> float:
 
 def evaluate_run(cfg: EvalConfig, inputs) -> dict:
     """Measure the exported draft of a train run and the baselines on its held-out samples."""
-    from pipeline import draft as draft_mod
-    from pipeline.train_data import seed_everything
-    from pipeline.train_files import DRAFT, VERIFIER_VIEW
+    from pipeline.train import draft as draft_mod
+    from pipeline.train.data import seed_everything
+    from pipeline.train.files import DRAFT, VERIFIER_VIEW
 
     device = torch.device(cfg.device)
     k = int(cfg.k)

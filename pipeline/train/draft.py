@@ -16,7 +16,7 @@ Owns how a draft is described and instantiated with speculators' ``Eagle3DraftMo
   one through speculators' ``from_pretrained``. When the draft vocab equals the target vocab speculators
   keeps no ``d2t``/``t2d`` (vLLM refuses a ``d2t`` then: it has no ``draft_id_to_target_id``).
 
-It does not train (pipeline/train.py) or measure (pipeline/evaluate.py).
+It does not train (pipeline/train/stage.py) or measure (pipeline/train/evaluate.py).
 """
 
 from __future__ import annotations
