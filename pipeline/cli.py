@@ -35,6 +35,9 @@ COMMANDS = {
     "import-speculators": "pipeline.interop:import_command",
 }
 
+# commands the pipeline starts itself, never listed: the data-parallel extract's workers
+INTERNAL = {"extract-worker": "pipeline.extract:worker_command"}
+
 
 # command name -> the first paragraph of its command's docstring: what `pipeline --help` lists it with, so
 # that the list imports no stage module (tests/pipeline/test_cli_imports.py holds each equal to its command's)
@@ -65,9 +68,10 @@ class LazyGroup(click.Group):
         click.Group.format_commands(click.Group(commands=stand_ins), ctx, formatter)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in COMMANDS:
+        target = COMMANDS.get(name) or INTERNAL.get(name)
+        if target is None:
             return None
-        module, attr = COMMANDS[name].split(":")
+        module, attr = target.split(":")
         return getattr(importlib.import_module(module), attr)
 
 

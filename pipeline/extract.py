@@ -9,7 +9,6 @@ is the backend's business (pipeline/backends/).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import shutil
@@ -31,7 +30,7 @@ from pipeline.backends import BACKENDS, Backend, BackendOptions, get_backend
 from pipeline.errors import StageError
 from pipeline.layers import validate_layer_ids
 from pipeline.modeldir import check_checkpoint, read_model_dir
-from pipeline.options import opt, options, validate
+from pipeline.options import from_json, opt, options, to_json, validate
 from pipeline.outdir import output_lock, refuse_overlap
 
 # torch only in annotations here: the functions that use it import it, so that a command that only parses its
@@ -77,7 +76,8 @@ class ExtractConfig:
     # host `rank` owns samples i with i % world_size == rank
     world_size: int = opt(1, help="Hosts sharing the set (sample i -> host i %% W).")
     rank: int = opt(0, help="This host's rank in --world-size.")
-    local_rank: int | None = opt(None, hidden=True, help="Internal: this worker's slot in a --data-parallel run.")
+    # set by the launcher for each of its --data-parallel workers (worker_config), never on the command line
+    local_rank: int | None = opt(None, cli=False, help="This worker's slot in a --data-parallel run.")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -561,26 +561,15 @@ def record_missing_checksums(out: Path, done: set[int]) -> None:
         journal.close()
 
 
-def worker_argv(cfg: ExtractConfig, local_rank: int, tensor_parallel_size: int = 1) -> list[str]:
-    """The command line of one data-parallel worker: the same stage, told which slice of the plan is its own
-    (and, for vllm, the tensor parallel size over its GPUs)."""
-    argv = [sys.executable, "-m", "pipeline", "extract", "--prepared", str(cfg.prepared), "--model", str(cfg.model),
-            "--out", str(cfg.out), "--backend", cfg.backend, "--dtype", cfg.dtype,
-            "--max-batch-tokens", str(cfg.max_batch_tokens), "--max-batch-size", str(cfg.max_batch_size),
-            "--world-size", str(cfg.world_size), "--rank", str(cfg.rank), "--data-parallel", str(cfg.data_parallel),
-            "--writer-threads", str(cfg.writer_threads), "--compile", cfg.compile,
-            "--local-rank", str(local_rank), "--no-verify", "--no-progress", "--json-stats"]
-    if cfg.layer_ids:
-        argv += ["--layer-ids", ",".join(map(str, cfg.layer_ids))]
-    if cfg.limit is not None:
-        argv += ["--limit", str(cfg.limit)]
-    if cfg.device != "auto":
-        argv += ["--device", cfg.device]
-    if cfg.trust_remote_code:
-        argv.append("--trust-remote-code")
-    if cfg.backend == "vllm":
-        argv += ["--tensor-parallel-size", str(tensor_parallel_size)] + (["--enforce-eager"] if cfg.enforce_eager else [])
-    return argv
+def worker_config(cfg: ExtractConfig, local_rank: int, tensor_parallel_size: int = 1) -> ExtractConfig:
+    """One data-parallel worker's config: the launcher's own, told which slice of the plan is its
+    (``local_rank``) and, for vllm, the tensor parallel size over its GPUs; the closing check and the bar
+    stay with the launcher."""
+    tp = tensor_parallel_size if cfg.backend == "vllm" else cfg.tensor_parallel_size
+    return replace(cfg, local_rank=local_rank, tensor_parallel_size=tp, verify=False, progress=False)
+
+
+WORKER_ARGV = [sys.executable, "-m", "pipeline", "extract-worker"]  # its config on stdin (worker_command)
 
 
 def launch_workers(cfg: ExtractConfig, owned: set[int], done: set[int], lengths: Sequence[int], startup: dict) -> dict:
@@ -603,7 +592,10 @@ def launch_workers(cfg: ExtractConfig, owned: set[int], done: set[int], lengths:
         # each worker's OpenMP pool gets its share of the cores (host copies, CPU forward): N pools of
         # all cores oversubscribe the machine
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.data_parallel)))
-        procs.append(subprocess.Popen(worker_argv(cfg, k, per), env=env, stdout=subprocess.PIPE, text=True))
+        proc = subprocess.Popen(WORKER_ARGV, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        proc.stdin.write(to_json(worker_config(cfg, k, per)))
+        proc.stdin.close()
     startup["workers_started_seconds"] = process_age()
     failed = []
     try:
@@ -614,7 +606,9 @@ def launch_workers(cfg: ExtractConfig, owned: set[int], done: set[int], lengths:
                 time.sleep(0.5)
                 count, tps = rate.update(formats.existing_data_indices(cfg.out), time.perf_counter())
                 bar.update(task, completed=count, tps=tps)
-        outputs = [p.communicate()[0] for p in procs]
+        outputs = [p.stdout.read() for p in procs]  # each ended; its stdin (the config) is closed already
+        for p in procs:
+            p.wait()
     except BaseException:
         for p in procs:
             p.terminate()
@@ -682,7 +676,7 @@ def command(json_stats: bool, **kwargs) -> None:
     """Capture the outputs of 4 decoder layers for every prepared sample."""
     cfg = ExtractConfig(**kwargs)
     shard = f"rank-{cfg.rank}" if cfg.world_size > 1 else ""
-    with output_lock(cfg.out, shard) if cfg.local_rank is None else contextlib.nullcontext():  # workers: the launcher's
+    with output_lock(cfg.out, shard):
         stats = run(cfg)
     if json_stats:
         import json
@@ -698,3 +692,16 @@ def command(json_stats: bool, **kwargs) -> None:
     )
     if cfg.verify:
         verify.report(verify.VerifyConfig(path=cfg.out, world_size=cfg.world_size, rank=cfg.rank, closing_check=cfg.closing_check))
+
+
+@click.command("extract-worker", hidden=True)
+def worker_command() -> None:
+    """One data-parallel worker of `pipeline extract` (launch_workers starts it): its ExtractConfig as JSON on
+    stdin, its figures as one JSON line on stdout."""
+    import json
+
+    cfg = from_json(ExtractConfig, sys.stdin.read())
+    if cfg.local_rank is None:
+        raise StageError("extract-worker runs one worker of a --data-parallel extract: its config has no local_rank")
+    stats = run(cfg)
+    click.echo(json.dumps({k: v for k, v in stats.items() if k != "config"}))

@@ -7,12 +7,14 @@ field has no default, a flag for a bool), and the check of a constructed config 
 declarations (``validate``, called from the config's ``__post_init__``), whose one-line errors are the
 ones the command line gives: click's own text where click enforces a choice or a range, the pipeline's
 ``require_range`` text otherwise. Checks that join two fields, or need a file, stay with the stage.
+A config also crosses to a child process as its fields (``to_json``/``from_json``), never as a command line.
 Imports click and the standard library only, never torch: a config module's weight stays its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Callable
@@ -160,3 +162,37 @@ def validate(cfg: Any) -> None:
                 raise StageError(f"Invalid value for '{flag_of(f)}': {exc.message}") from None
         else:
             require_range(flag_of(f), value, spec.low if spec.low is not None else float("-inf"), spec.high)
+
+
+def to_json(cfg: Any) -> str:
+    """Every field of a config as JSON (a path as its text, a tuple as a list): what ``from_json`` rebuilds."""
+    def plain(value: Any) -> Any:
+        return str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+
+    return json.dumps({f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)})
+
+
+def from_json(cls: type, text: str) -> Any:
+    """The config ``to_json`` wrote, each field of its annotated type again, checked at construction as any
+    other; a field the class does not have is refused (a launcher and a worker of two versions)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise StageError(f"{cls.__name__} as JSON expected, got {text[:40]!r} ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise StageError(f"{cls.__name__} as a JSON object expected, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(data) - {f.name for f in fields})
+    missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
+    if unknown or missing:
+        raise StageError(f"{cls.__name__}: no field {', '.join(unknown) or '-'}, missing {', '.join(missing) or '-'}"
+                         " (a launcher and a worker of different versions?)")
+
+    def typed(name: str, value: Any) -> Any:
+        base = _base_type(hints[name])
+        if value is None:
+            return None
+        return Path(value) if base is Path else tuple(value) if typing.get_origin(base) is tuple else value
+
+    return cls(**{name: typed(name, value) for name, value in data.items()})

@@ -186,3 +186,19 @@ def test_extract_refuses_at_construction_what_check_args_can_see():
     assert ctx.params["layer_ids"] == (2, 4, 5, 7)
     with pytest.raises(StageError, match=r"^bad --layer-ids '2,x': expected comma-separated integers"):
         command.make_context("extract", ["--prepared", "p", "--model", "m", "--out", "o", "--layer-ids", "2,x"])
+
+
+def test_a_config_crosses_to_a_child_as_json_fields():
+    """to_json/from_json rebuild the same config (paths and tuples typed again); a field of another version,
+    a missing required one or text that is not JSON is a one-line StageError."""
+    from pipeline.extract import ExtractConfig
+    from pipeline.options import from_json, to_json
+
+    cfg = ExtractConfig(prepared=Path("p"), model=Path("m"), out=Path("o"), layer_ids=(2, 5), local_rank=1)
+    again = from_json(ExtractConfig, to_json(cfg))
+    assert again == cfg and isinstance(again.out, Path) and again.layer_ids == (2, 5)
+    for text, words in (('{"prepared": "p", "model": "m", "out": "o", "speed": 1}', "no field speed"),
+                        ('{"prepared": "p", "out": "o"}', "missing model"), ("not json", "as JSON expected"),
+                        ('{"prepared": "p", "model": "m", "out": "o", "limit": 0}', "--limit")):
+        with pytest.raises(StageError, match=words):
+            from_json(ExtractConfig, text)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 
 from pipeline import formats
-from pipeline.extract import deal, plan_batches, plan_shard, shard_indices
+from pipeline.extract import ExtractConfig, deal, plan_batches, plan_shard, shard_indices, worker_config
 from tests.conftest import run_pipeline
 
 
@@ -35,6 +37,22 @@ def test_deal_balances_padded_tokens():
         assert max(loads) - min(loads) <= biggest, loads
         dealt = [b for w in range(workers) for b in deal(plan, workers, w)]
         assert sorted(dealt, key=plan.index) == plan  # every batch to exactly one worker
+
+
+def test_a_worker_gets_every_field_of_the_launchers_config():
+    """A worker's config is the launcher's with only its slot, its tensor parallel size (vllm) and the closing
+    check and bar (the launcher's) changed; it reaches the worker as fields, through JSON, unchanged."""
+    from pipeline.options import from_json, to_json
+
+    launcher = ExtractConfig(prepared=Path("p"), model=Path("m"), out=Path("o"), backend="vllm", layer_ids=(1, 3),
+                             dtype="float32", max_batch_tokens=999, compile="off", max_batch_size=3, limit=7,
+                             resume=True, enforce_eager=True, trust_remote_code=True, closing_check="full",
+                             writer_threads=2, data_parallel=2, world_size=3, rank=2)
+    worker = worker_config(launcher, 1, tensor_parallel_size=4)
+    changed = {k: v for k, v in asdict(worker).items() if asdict(launcher)[k] != v}
+    assert changed == {"local_rank": 1, "tensor_parallel_size": 4, "verify": False, "progress": False}
+    assert worker_config(replace(launcher, backend="hf"), 0, 4).tensor_parallel_size is None  # hf: no TP
+    assert from_json(ExtractConfig, to_json(worker)) == worker
 
 
 def test_data_parallel_files_equal_single_process(tmp_path, tiny_llama, prepared_llama):
