@@ -92,3 +92,18 @@ STAGES: dict[str, StageSpec] = {
         compose_vars=((f"{DATA}/hidden_states", "VERIFY_PATH", f"{DATA}/hidden_states"),),
     ),
 }
+
+
+def markdown_table() -> str:
+    """The table as docs/ops.md shows it (between its `stages:begin`/`stages:end` markers; a test holds the
+    two equal): inputs, output, GPUs, the container command and what ops runs after it."""
+    rows = [
+        "| stage | inputs under data root | output | GPUs | container command | after it |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, spec in STAGES.items():
+        command = " ".join(("pipeline", name, *spec.args))
+        after = f"`pipeline verify {DATA}/{spec.output}`" if spec.verify_after else "—"
+        inputs, gpus = ", ".join(spec.inputs) or "—", "yes" if spec.gpus else "no"
+        rows.append(f"| {name} | {inputs} | {spec.output} | {gpus} | `{command}` | {after} |")
+    return "\n".join(rows) + "\n"

@@ -37,3 +37,14 @@ def test_a_host_of_several_needs_its_share_rounded_up():
     whole = sizes.hidden_states_bytes(1001, 3, 7, "float32")
     share = sizes.hidden_states_bytes(1001, 3, 7, "float32", world_size=2)
     assert share * 2 >= whole > (share - 1) * 2
+
+
+def test_the_stage_table_in_docs_is_the_contracts():
+    """docs/ops.md's stage table is contract.stages' own rendering, so the two cannot disagree."""
+    from pathlib import Path
+
+    from contract.stages import markdown_table
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "ops.md").read_text()
+    block = doc.split("<!-- stages:begin", 1)[1].split("-->\n", 1)[1].split("<!-- stages:end -->", 1)[0]
+    assert block == markdown_table(), "re-render it: python -c 'import contract.stages as s; print(s.markdown_table())'"
