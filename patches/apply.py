@@ -83,7 +83,9 @@ class Installed:
 
 def _dist_infos(site: Path):
     for meta in sorted(site.glob("*.dist-info/METADATA")):
-        headers = email.parser.Parser().parsestr(meta.read_text(encoding="utf-8", errors="replace"), headersonly=True)
+        headers = email.parser.Parser().parsestr(
+            meta.read_text(encoding="utf-8", errors="replace"), headersonly=True
+        )
         if headers.get("Name") and headers.get("Version"):
             record = meta.with_name("RECORD")
             files = len(record.read_text(errors="replace").splitlines()) if record.is_file() else 0
@@ -109,7 +111,9 @@ def find_installed(package: str, site_packages: Path | None) -> Installed:
             break
     where = site_packages or "this python's sys.path"
     if not found:
-        raise PatchError(f"{package} is not installed in {where} (install it first, e.g. pip install {PACKAGES[package][-1]}==VERSION)")
+        raise PatchError(
+            f"{package} is not installed in {where} (install it first, e.g. pip install {PACKAGES[package][-1]}==VERSION)"
+        )
     if len({inst.base_version for _, inst in found}) > 1:
         names = ", ".join(f"{inst.dist} {inst.version}" for _, inst in found)
         raise PatchError(f"{where} holds several versions of {package} ({names}): uninstall all but one")
@@ -147,7 +151,9 @@ def _strip_prefix(token: str) -> str:
 def _parse(text: str, path: Path) -> tuple[str, dict[str, list[Hunk]]]:
     lines = text.splitlines(keepends=True)
     i = 0
-    while i < len(lines) and not (lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ ")):
+    while i < len(lines) and not (
+        lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ ")
+    ):
         i += 1
     header = "".join(lines[:i]).strip()
     if not header:
@@ -161,7 +167,9 @@ def _parse(text: str, path: Path) -> tuple[str, dict[str, list[Hunk]]]:
             continue
         old, new = _strip_prefix(lines[i][4:]), _strip_prefix(lines[i + 1][4:])
         if old == "/dev/null" or new == "/dev/null" or old != new:
-            raise PatchError(f"{path}:{i + 1}: only in-place edits of existing files are supported ({old} -> {new})")
+            raise PatchError(
+                f"{path}:{i + 1}: only in-place edits of existing files are supported ({old} -> {new})"
+            )
         i += 2
         hunks = files.setdefault(new, [])
         while i < len(lines) and lines[i].startswith("@@"):
@@ -174,7 +182,9 @@ def _parse(text: str, path: Path) -> tuple[str, dict[str, list[Hunk]]]:
             old_lines: list[str] = []
             new_lines: list[str] = []
             last = ""
-            while i < len(lines) and (len(old_lines) < old_count or len(new_lines) < new_count or lines[i].startswith("\\")):
+            while i < len(lines) and (
+                len(old_lines) < old_count or len(new_lines) < new_count or lines[i].startswith("\\")
+            ):
                 line = lines[i]
                 tag, body = line[:1], line[1:]
                 if line.startswith("\\"):  # "\ No newline at end of file" applies to the previous line
@@ -260,7 +270,9 @@ def atomic_write(target: Path, data: bytes) -> None:
 
 
 def write_state(inst: Installed, state: dict) -> None:
-    atomic_write(state_dir(inst) / "state.json", (json.dumps(state, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write(
+        state_dir(inst) / "state.json", (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
+    )
 
 
 # ------------------------------------------------------------------ the three actions
@@ -286,7 +298,9 @@ def load_patches(patches_root: Path, inst: Installed) -> list[Patch]:
 def _file_bytes(inst: Installed, rel: str) -> bytes:
     path = inst.site / rel
     if not path.is_file():
-        raise PatchError(f"{path} not found: {inst.dist} {inst.version} lacks a file the patches edit (reinstall it)")
+        raise PatchError(
+            f"{path} not found: {inst.dist} {inst.version} lacks a file the patches edit (reinstall it)"
+        )
     return path.read_bytes()
 
 
@@ -303,7 +317,9 @@ def _pristine_bases(inst: Installed, state: dict | None, rels: set[str]) -> dict
             saved = state_dir(inst) / "pristine" / rel
             data = saved.read_bytes() if saved.is_file() else b""
             if sha256(data) != rec["pristine_sha256"]:
-                raise PatchError(f"pristine copy {saved} is missing or changed: reinstall {inst.dist}=={inst.version}, then re-run")
+                raise PatchError(
+                    f"pristine copy {saved} is missing or changed: reinstall {inst.dist}=={inst.version}, then re-run"
+                )
             bases[rel] = data
         else:
             raise PatchError(
@@ -319,7 +335,10 @@ def status(inst: Installed, patches: list[Patch]) -> tuple[bool, str]:
     if state is None:
         return False, "not patched (no marker)"
     if state.get("version") != inst.version:
-        return False, f"marker is for version {state.get('version')}, installed is {inst.version}: re-run apply.py"
+        return (
+            False,
+            f"marker is for version {state.get('version')}, installed is {inst.version}: re-run apply.py",
+        )
     if state.get("status") != "applied":
         return False, "an earlier apply was interrupted: re-run apply.py"
     wanted = [{"name": p.name, "sha256": p.sha256} for p in patches]
@@ -344,7 +363,10 @@ def apply(inst: Installed, patches: list[Patch]) -> str:
         for rel, hunks in patch.files.items():
             text = result[rel].decode("utf-8")
             result[rel] = apply_hunks(text, hunks, f"{patch.name} on {inst.site / rel}").encode("utf-8")
-    files = {rel: {"pristine_sha256": sha256(bases[rel]), "patched_sha256": sha256(result[rel])} for rel in sorted(result)}
+    files = {
+        rel: {"pristine_sha256": sha256(bases[rel]), "patched_sha256": sha256(result[rel])}
+        for rel in sorted(result)
+    }
     for rel in sorted(bases):
         saved = state_dir(inst) / "pristine" / rel
         if not saved.is_file() or saved.read_bytes() != bases[rel]:
@@ -387,9 +409,13 @@ def revert(inst: Installed) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="report only; exit 1 unless all applied and current")
+    mode.add_argument(
+        "--check", action="store_true", help="report only; exit 1 unless all applied and current"
+    )
     mode.add_argument("--revert", action="store_true", help="restore pristine files, drop the marker")
-    parser.add_argument("--site-packages", type=Path, help="site-packages folder to patch (default: this python's)")
+    parser.add_argument(
+        "--site-packages", type=Path, help="site-packages folder to patch (default: this python's)"
+    )
     parser.add_argument("--patches", type=Path, default=Path(__file__).resolve().parent, help="patch tree")
     args = parser.parse_args(argv)
     all_current = True

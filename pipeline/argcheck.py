@@ -38,7 +38,9 @@ def command(stage: str, args: tuple[str, ...]) -> None:
         click.echo(f"FAIL arguments: pipeline {stage}: {exc.format_message()}")
         sys.exit(2)
     except click.exceptions.Exit:  # --help printed the help text: that is no run
-        click.echo(f"FAIL arguments: pipeline {stage}: --help shows the help text instead of running the stage")
+        click.echo(
+            f"FAIL arguments: pipeline {stage}: --help shows the help text instead of running the stage"
+        )
         sys.exit(2)
     except StageError as exc:  # the config refused a value (a range, two options that contradict)
         click.echo(f"FAIL arguments: pipeline {stage}: {exc}")

@@ -47,29 +47,47 @@ def _config_checks(ckpt: Path, s: Summary):
         s.checks.append(ok("config", "parses as speculators Eagle3SpeculatorConfig"))
     except Exception as exc:  # noqa: BLE001 - any parse failure is the finding
         s.checks.append(fail("config", f"speculators cannot parse config.json: {type(exc).__name__}: {exc}"))
-    s.checks.append(check("algorithm", raw.get("speculators_model_type") == "eagle3",
-                          "eagle3", f"speculators_model_type is {raw.get('speculators_model_type')!r}, not 'eagle3'"))
+    s.checks.append(
+        check(
+            "algorithm",
+            raw.get("speculators_model_type") == "eagle3",
+            "eagle3",
+            f"speculators_model_type is {raw.get('speculators_model_type')!r}, not 'eagle3'",
+        )
+    )
     return raw
 
 
 def _layer_checks(raw: dict, run_cfg: dict | None, s: Summary) -> None:
     aux = raw.get("eagle_aux_hidden_state_layer_ids")
     if not isinstance(aux, list) or len(aux) != 3:
-        s.checks.append(fail("aux_layer_ids", f"eagle_aux_hidden_state_layer_ids is {aux!r}: 3 ids are needed"))
+        s.checks.append(
+            fail("aux_layer_ids", f"eagle_aux_hidden_state_layer_ids is {aux!r}: 3 ids are needed")
+        )
         return
     if aux != sorted(set(aux)):
-        s.checks.append(fail("aux_layer_ids", f"eagle_aux_hidden_state_layer_ids {aux} are not unique and ascending"))
+        s.checks.append(
+            fail("aux_layer_ids", f"eagle_aux_hidden_state_layer_ids {aux} are not unique and ascending")
+        )
         return
     if run_cfg is None:
-        s.checks.append(warn("aux_layer_ids", f"{aux}; no train_config.json beside the checkpoint to compare the capture ids with"))
+        s.checks.append(
+            warn(
+                "aux_layer_ids",
+                f"{aux}; no train_config.json beside the checkpoint to compare the capture ids with",
+            )
+        )
         return
     captured = run_cfg.get("layer_ids") or []
     expected = [k + 1 for k in captured[:-1]]
-    s.checks.append(check(
-        "aux_layer_ids", aux == expected,
-        f"{aux} = captured layer outputs {captured[:-1]} + 1 (vLLM captures layer inputs)",
-        f"{aux} but the hidden states captured the outputs of layers {captured[:-1]}: vLLM needs {expected}",
-    ))
+    s.checks.append(
+        check(
+            "aux_layer_ids",
+            aux == expected,
+            f"{aux} = captured layer outputs {captured[:-1]} + 1 (vLLM captures layer inputs)",
+            f"{aux} but the hidden states captured the outputs of layers {captured[:-1]}: vLLM needs {expected}",
+        )
+    )
 
 
 def _weight_checks(ckpt: Path, raw: dict, s: Summary) -> dict:
@@ -87,27 +105,65 @@ def _weight_checks(ckpt: Path, raw: dict, s: Summary) -> dict:
     h = int(layer.get("hidden_size", 0))
     v = int(layer.get("vocab_size", 0))
     dv = int(raw.get("draft_vocab_size", 0))
-    expected = {"fc.weight": (h, 3 * h), "lm_head.weight": (dv, h), "embed_tokens.weight": (v, h), "norm.weight": (h,)}
+    expected = {
+        "fc.weight": (h, 3 * h),
+        "lm_head.weight": (dv, h),
+        "embed_tokens.weight": (v, h),
+        "norm.weight": (h,),
+    }
     if dv != v:  # a full-vocab draft has no mapping (speculators stores none, vLLM loads none)
         expected.update({"d2t": (dv,), "t2d": (v,)})
-    bad = [f"{k} {tuple(w[k].shape) if k in w else 'missing'} != {shape}" for k, shape in expected.items()
-           if k not in w or tuple(w[k].shape) != shape]
+    bad = [
+        f"{k} {tuple(w[k].shape) if k in w else 'missing'} != {shape}"
+        for k, shape in expected.items()
+        if k not in w or tuple(w[k].shape) != shape
+    ]
     n_layers = int(layer.get("num_hidden_layers", 1))
     missing_layers = [i for i in range(n_layers) if not any(k.startswith(f"layers.{i}.") for k in w)]
     if missing_layers:
         bad.append(f"decoder layers {missing_layers} missing")
-    s.checks.append(check("shapes", not bad, f"hidden {h}, draft vocab {dv}, target vocab {v}, {n_layers} layer(s)", "; ".join(bad)))
+    s.checks.append(
+        check(
+            "shapes",
+            not bad,
+            f"hidden {h}, draft vocab {dv}, target vocab {v}, {n_layers} layer(s)",
+            "; ".join(bad),
+        )
+    )
     nonfinite = [k for k, t in w.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    s.checks.append(check("finite", not nonfinite, f"{len(w)} tensors, no NaN/Inf", f"NaN/Inf in {', '.join(nonfinite[:5])}"))
+    s.checks.append(
+        check(
+            "finite", not nonfinite, f"{len(w)} tensors, no NaN/Inf", f"NaN/Inf in {', '.join(nonfinite[:5])}"
+        )
+    )
     if dv == v and "d2t" in w:
-        s.checks.append(fail("vocab_mapping", f"d2t stored although the draft vocab is the target's ({v}): vLLM refuses to load it "
-                             "(no draft_id_to_target_id in Eagle3LlamaForCausalLM); re-export with `pipeline train`"))
+        s.checks.append(
+            fail(
+                "vocab_mapping",
+                f"d2t stored although the draft vocab is the target's ({v}): vLLM refuses to load it "
+                "(no draft_id_to_target_id in Eagle3LlamaForCausalLM); re-export with `pipeline train`",
+            )
+        )
     elif "d2t" in w and "t2d" in w:
         problems = vocab_mapping_problems(w["d2t"].numpy().astype(np.int64), w["t2d"].numpy(), dv, v)
-        s.checks.append(check("vocab_mapping", not problems, f"d2t/t2d map {dv} draft ids into {v} target ids", "; ".join(problems)))
-    s.stats.update(hidden_size=h, draft_vocab_size=dv, target_vocab_size=v, draft_layers=n_layers,
-                   parameters=int(sum(t.numel() for k, t in w.items() if t.is_floating_point() and k != "embed_tokens.weight")),
-                   dtype=str(w.get("fc.weight", torch.empty(0)).dtype).removeprefix("torch."))
+        s.checks.append(
+            check(
+                "vocab_mapping",
+                not problems,
+                f"d2t/t2d map {dv} draft ids into {v} target ids",
+                "; ".join(problems),
+            )
+        )
+    s.stats.update(
+        hidden_size=h,
+        draft_vocab_size=dv,
+        target_vocab_size=v,
+        draft_layers=n_layers,
+        parameters=int(
+            sum(t.numel() for k, t in w.items() if t.is_floating_point() and k != "embed_tokens.weight")
+        ),
+        dtype=str(w.get("fc.weight", torch.empty(0)).dtype).removeprefix("torch."),
+    )
     return w
 
 
@@ -120,18 +176,32 @@ def _acceptance_checks(run_dir: Path | None, s: Summary) -> None:
     draft = ev["draft"]["acceptance_length"]
     best = ev["best_baseline"]
     base = ev["baselines"][best]["acceptance_length"]
-    s.checks.append(check(
-        "acceptance", bool(ev["beats_baseline"]),
-        f"acceptance length {draft:.3f} > best trivial baseline {best} {base:.3f} (k={ev['k']}, {ev['positions']} positions)",
-        f"acceptance length {draft:.3f} does not beat the trivial baseline {best} {base:.3f}: the draft is not usable",
-    ))
+    s.checks.append(
+        check(
+            "acceptance",
+            bool(ev["beats_baseline"]),
+            f"acceptance length {draft:.3f} > best trivial baseline {best} {base:.3f} (k={ev['k']}, {ev['positions']} positions)",
+            f"acceptance length {draft:.3f} does not beat the trivial baseline {best} {base:.3f}: the draft is not usable",
+        )
+    )
     coverage = ev.get("greedy_in_draft_vocab")
     if coverage is not None:
-        s.checks.append(ok("draft_vocab_coverage", f"{coverage:.1%} of the target's greedy tokens are in the draft vocab") if coverage >= 0.5
-                        else warn("draft_vocab_coverage", f"only {coverage:.1%} of the target's greedy tokens are in the draft vocab: it was chosen "
-                                  "from data the target does not reproduce; regenerate responses with the target or raise --draft-vocab-size"))
-    s.stats.update(acceptance_length=round(draft, 4), baseline=best, baseline_acceptance_length=round(base, 4),
-                   per_position=[round(x, 4) for x in ev["draft"]["per_position"]], eval_k=ev["k"])
+        s.checks.append(
+            ok("draft_vocab_coverage", f"{coverage:.1%} of the target's greedy tokens are in the draft vocab")
+            if coverage >= 0.5
+            else warn(
+                "draft_vocab_coverage",
+                f"only {coverage:.1%} of the target's greedy tokens are in the draft vocab: it was chosen "
+                "from data the target does not reproduce; regenerate responses with the target or raise --draft-vocab-size",
+            )
+        )
+    s.stats.update(
+        acceptance_length=round(draft, 4),
+        baseline=best,
+        baseline_acceptance_length=round(base, 4),
+        per_position=[round(x, 4) for x in ev["draft"]["per_position"]],
+        eval_k=ev["k"],
+    )
 
 
 def verify_checkpoint(path: Path) -> Summary:
@@ -140,7 +210,9 @@ def verify_checkpoint(path: Path) -> Summary:
     s = Summary("checkpoint", str(ckpt))
     for name in ("config.json", "model.safetensors"):
         if not (ckpt / name).is_file():
-            s.checks.append(fail("files", f"{ckpt / name} missing: not a draft checkpoint (run `pipeline train`)"))
+            s.checks.append(
+                fail("files", f"{ckpt / name} missing: not a draft checkpoint (run `pipeline train`)")
+            )
             return s
     s.checks.append(ok("files", "config.json, model.safetensors"))
     raw = _config_checks(ckpt, s)
@@ -148,12 +220,19 @@ def verify_checkpoint(path: Path) -> Summary:
     _layer_checks(raw, run_cfg, s)
     _weight_checks(ckpt, raw, s)
     verifier = Path((raw.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or "")
-    s.checks.append(ok("verifier", f"{verifier} (the target `vllm serve` of this dir would load)") if (verifier / "config.json").is_file()
-                    else warn("verifier", f"recorded target {verifier} is not present here (pass --model to vllm serve)"))
+    s.checks.append(
+        ok("verifier", f"{verifier} (the target `vllm serve` of this dir would load)")
+        if (verifier / "config.json").is_file()
+        else warn("verifier", f"recorded target {verifier} is not present here (pass --model to vllm serve)")
+    )
     _acceptance_checks(run_dir, s)
     if run_dir and (run_dir / "summary.json").is_file():
         train = json.loads((run_dir / "summary.json").read_text()).get("train") or {}
-        names = {"train_tokens_per_s": "train_tokens_per_s", "last_epoch": "train_last_epoch", "device": "train_device",
-                 "world_size": "train_world_size"}
+        names = {
+            "train_tokens_per_s": "train_tokens_per_s",
+            "last_epoch": "train_last_epoch",
+            "device": "train_device",
+            "world_size": "train_world_size",
+        }
         s.stats.update({names[k]: v for k, v in train.items() if k in names})
     return s

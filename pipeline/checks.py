@@ -37,7 +37,9 @@ def warn(name: str, detail: str, file: str | None = None) -> CheckResult:
     return CheckResult(name, WARN, detail, file)
 
 
-def check(name: str, condition: bool, detail_ok: str, detail_fail: str, file: str | None = None) -> CheckResult:
+def check(
+    name: str, condition: bool, detail_ok: str, detail_fail: str, file: str | None = None
+) -> CheckResult:
     return ok(name, detail_ok, file) if condition else fail(name, detail_fail, file)
 
 
@@ -57,8 +59,14 @@ class Summary:
         return [c for c in self.checks if c.failed]
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "path": self.path, "ok": self.ok, "stats": self.stats,
-                "failures": len(self.failures), "checks": [asdict(c) for c in self.checks]}
+        return {
+            "kind": self.kind,
+            "path": self.path,
+            "ok": self.ok,
+            "stats": self.stats,
+            "failures": len(self.failures),
+            "checks": [asdict(c) for c in self.checks],
+        }
 
     def write(self, target: Path) -> None:
         write_json(target, self.to_json())
@@ -66,7 +74,11 @@ class Summary:
     def first_failure_line(self) -> str:
         first = self.failures[0]
         where = f"{first.file}: " if first.file else ""
-        more = f" (+{len(self.failures) - 1} more failed checks, see summary.json)" if len(self.failures) > 1 else ""
+        more = (
+            f" (+{len(self.failures) - 1} more failed checks, see summary.json)"
+            if len(self.failures) > 1
+            else ""
+        )
         return f"verify {self.path} failed: {where}{first.name}: {first.detail}{more}"
 
 
@@ -98,5 +110,7 @@ def render(summary: Summary, console=None, max_rows: int = 40) -> None:
         if not isinstance(v, (dict, list)):
             table.add_row(k, "", str(v))
     console.print(table)
-    console.print(f"[bold {'green' if summary.ok else 'red'}]{'OK' if summary.ok else 'FAILED'}[/] "
-                  f"({len(summary.failures)} failed checks)")
+    console.print(
+        f"[bold {'green' if summary.ok else 'red'}]{'OK' if summary.ok else 'FAILED'}[/] "
+        f"({len(summary.failures)} failed checks)"
+    )

@@ -48,13 +48,13 @@ SUMMARIES = {
     "verify": "Check any stage's output; write PATH/summary.json; exit non-zero on a failed check.",
     "preflight": "Check model, data, devices, disk and the installed vLLM before any model load.",
     "train": "Train an EAGLE-3 draft with speculators; measure its offline acceptance against trivial "
-             "baselines.",
+    "baselines.",
     "demo-assets": "Build a tiny model (OUT/model) and conversations (OUT/conversations.jsonl) for it.",
     "check-args": "Parse ARGS as `pipeline STAGE` would; invoke nothing.",
     "export-speculators": "Write what `speculators train` reads (Arrow dataset + "
-                          "hidden_states/hs_{i}.safetensors) from our set.",
+    "hidden_states/hs_{i}.safetensors) from our set.",
     "import-speculators": "Write our prepared + hidden-states dirs (what `pipeline train` reads) from a "
-                          "speculators data dir.",
+    "speculators data dir.",
 }
 
 

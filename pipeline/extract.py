@@ -51,28 +51,44 @@ class ExtractConfig:
     model: Path = opt(help="Target model directory.")
     # data_{i}.pt, data_config.json, sample_lengths.json
     out: Path = opt(help="Hidden-states directory to write.")
-    backend: str = opt("hf", choices=BACKENDS, help="hf: transformers with hooks; vllm: vLLM's extract_hidden_states.")
-    layer_ids: tuple[int, ...] | None = opt(None, help="Comma-separated decoder layer ids (default 2,L//2,L-3,L-1).")
+    backend: str = opt(
+        "hf", choices=BACKENDS, help="hf: transformers with hooks; vllm: vLLM's extract_hidden_states."
+    )
+    layer_ids: tuple[int, ...] | None = opt(
+        None, help="Comma-separated decoder layer ids (default 2,L//2,L-3,L-1)."
+    )
     device: str = opt("auto", help="auto, cpu, cuda, cuda:N (hf backend).")
     dtype: str = opt("auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
     max_batch_tokens: int = opt(32768, help="Padded tokens per forward.")
-    compile: str = opt("auto", choices=("auto", "on", "off"),
-                       help="hf: torch.compile the decoder layers (auto: on a GPU, for runs long enough to repay it).")
+    compile: str = opt(
+        "auto",
+        choices=("auto", "on", "off"),
+        help="hf: torch.compile the decoder layers (auto: on a GPU, for runs long enough to repay it).",
+    )
     max_batch_size: int = opt(64, help="Samples per forward at most.")
     limit: int | None = opt(None, low=1, help="Only the first N samples.")
     resume: bool = opt(False, help="Continue an interrupted run in --out.")
     repair: bool = opt(False, help="With --resume: check existing files and regenerate damaged ones.")
     overwrite: bool = opt(False, help="Delete --out first.")
-    tensor_parallel_size: int | None = opt(None, low=1, high=4096, help="vllm backend: default all visible devices.")
-    enforce_eager: bool = opt(False, help="vllm backend: no CUDA graphs or torch.compile (faster start, slower loop).")
+    tensor_parallel_size: int | None = opt(
+        None, low=1, high=4096, help="vllm backend: default all visible devices."
+    )
+    enforce_eager: bool = opt(
+        False, help="vllm backend: no CUDA graphs or torch.compile (faster start, slower loop)."
+    )
     trust_remote_code: bool = opt(False, help="Allow the model's own Python code (e.g. Kimi-K2.5).")
     verify: bool = opt(True, decls="--no-verify", help="Skip the summary.json check at the end.")
-    closing_check: str = opt("record", help="The check writing summary.json: record (each file's size and mtime, and "
-                                            "the values its writer recorded; reads no state back) or full (reads "
-                                            "and hashes every byte, as `pipeline verify`).")
+    closing_check: str = opt(
+        "record",
+        help="The check writing summary.json: record (each file's size and mtime, and "
+        "the values its writer recorded; reads no state back) or full (reads "
+        "and hashes every byte, as `pipeline verify`).",
+    )
     progress: bool = opt(True, decls="--no-progress", help="No progress bar (logs, CI).")
     writer_threads: int = opt(4, help="Threads writing files, per process.")
-    data_parallel: int = opt(1, help="Processes on this host: hf one per GPU; vllm one per --tensor-parallel-size GPUs.")
+    data_parallel: int = opt(
+        1, help="Processes on this host: hf one per GPU; vllm one per --tensor-parallel-size GPUs."
+    )
     # host `rank` owns samples i with i % world_size == rank
     world_size: int = opt(1, help="Hosts sharing the set (sample i -> host i %% W).")
     rank: int = opt(0, help="This host's rank in --world-size.")
@@ -82,18 +98,26 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         validate(self)
         if self.max_batch_tokens < 1 or self.max_batch_size < 1:
-            raise StageError(f"--max-batch-tokens {self.max_batch_tokens} and --max-batch-size {self.max_batch_size} must be at least 1")
+            raise StageError(
+                f"--max-batch-tokens {self.max_batch_tokens} and --max-batch-size {self.max_batch_size} must be at least 1"
+            )
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise StageError(f"--rank {self.rank} must be in 0..{self.world_size - 1} for --world-size {self.world_size}")
+            raise StageError(
+                f"--rank {self.rank} must be in 0..{self.world_size - 1} for --world-size {self.world_size}"
+            )
         if self.closing_check not in CLOSING_CHECKS:
-            raise StageError(f"unknown --closing-check {self.closing_check!r}: choose {' or '.join(CLOSING_CHECKS)}")
+            raise StageError(
+                f"unknown --closing-check {self.closing_check!r}: choose {' or '.join(CLOSING_CHECKS)}"
+            )
         if self.writer_threads < 1:
             raise StageError(f"--writer-threads {self.writer_threads} must be at least 1")
         if self.data_parallel < 1:
             raise StageError(f"--data-parallel {self.data_parallel} must be at least 1")
         if self.data_parallel > 1 and self.device.startswith("cuda:"):
-            raise StageError(f"--data-parallel gives each worker one GPU of its own; drop --device {self.device} "
-                             "(choose the GPUs with CUDA_VISIBLE_DEVICES)")
+            raise StageError(
+                f"--data-parallel gives each worker one GPU of its own; drop --device {self.device} "
+                "(choose the GPUs with CUDA_VISIBLE_DEVICES)"
+            )
 
 
 @dataclass(frozen=True)
@@ -130,7 +154,9 @@ def shard_indices(num_samples: int, world_size: int, rank: int) -> list[int]:
     return list(shard(num_samples, rank, world_size))
 
 
-def plan_shard(lengths: Sequence[int], world_size: int, rank: int, max_batch_tokens: int, max_batch_size: int) -> list[Batch]:
+def plan_shard(
+    lengths: Sequence[int], world_size: int, rank: int, max_batch_tokens: int, max_batch_size: int
+) -> list[Batch]:
     """The batch plan of one host: its shard's samples, bucketed; global sample indices."""
     owned = shard_indices(len(lengths), world_size, rank)
     local = plan_batches([lengths[i] for i in owned], max_batch_tokens, max_batch_size)
@@ -172,13 +198,18 @@ class Writer:
         self._pending = 0
         self._room = threading.Condition()
         self.journal = formats.ChecksumJournal(out)  # each file's sha256, recorded once the file is complete
-        self.threads = [threading.Thread(target=self._loop, name=f"extract-writer-{n}", daemon=True) for n in range(threads)]
+        self.threads = [
+            threading.Thread(target=self._loop, name=f"extract-writer-{n}", daemon=True)
+            for n in range(threads)
+        ]
         for t in self.threads:
             t.start()
 
     def _loop(self) -> None:
         while (item := self.queue.get()) is not None:
-            index, ids, states, mask, ready, *scales = item  # scales: the backend's token_scales, when it made them
+            index, ids, states, mask, ready, *scales = (
+                item  # scales: the backend's token_scales, when it made them
+            )
             nbytes = _nbytes(states)
             try:
                 if self.error is None:
@@ -187,7 +218,9 @@ class Writer:
                     # what the closing check judges, from the tensors in hand
                     facts = verify.written_facts(ids, states, mask, scales[0] if scales else None)
                     digest = formats.write_sample(target, ids, states, mask)
-                    self.journal.record(target.name, replace(digest, mtime_ns=target.stat().st_mtime_ns, facts=facts))
+                    self.journal.record(
+                        target.name, replace(digest, mtime_ns=target.stat().st_mtime_ns, facts=facts)
+                    )
                     size = digest.bytes
                     with self._room:
                         self.bytes += size
@@ -205,7 +238,9 @@ class Writer:
         if items:
             t0 = time.perf_counter()
             with self._room:
-                while self._pending and self._pending + nbytes > self.max_pending_bytes and self.error is None:
+                while (
+                    self._pending and self._pending + nbytes > self.max_pending_bytes and self.error is None
+                ):
                     self._room.wait()
                 self._pending += nbytes
             self.wait_seconds += time.perf_counter() - t0
@@ -241,7 +276,9 @@ class Writer:
         if self.error is not None:
             err = self.error
             if isinstance(err, OSError):
-                raise StageError(f"writing to {self.out} failed: {err.strerror or err} (free space, then re-run with --resume)") from err
+                raise StageError(
+                    f"writing to {self.out} failed: {err.strerror or err} (free space, then re-run with --resume)"
+                ) from err
             raise err
 
 
@@ -249,17 +286,29 @@ def _nbytes(states: list[torch.Tensor]) -> int:
     return sum(h.nbytes for h in states)
 
 
-def _expected_config(cfg: ExtractConfig, model, layer_ids, num_samples, seq_length, dtype: torch.dtype) -> formats.DataConfig:
+def _expected_config(
+    cfg: ExtractConfig, model, layer_ids, num_samples, seq_length, dtype: torch.dtype
+) -> formats.DataConfig:
     return formats.DataConfig(
-        model=str(model.path.resolve()), layer_ids=list(layer_ids), num_layers=model.num_layers,
-        hidden_size=model.hidden_size, dtype=str(dtype).removeprefix("torch."), num_samples=num_samples,
-        seq_length=seq_length, prepared=str(cfg.prepared.resolve()), backend=cfg.backend,
+        model=str(model.path.resolve()),
+        layer_ids=list(layer_ids),
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        dtype=str(dtype).removeprefix("torch."),
+        num_samples=num_samples,
+        seq_length=seq_length,
+        prepared=str(cfg.prepared.resolve()),
+        backend=cfg.backend,
         provenance=provenance.record("extract"),
     )
 
 
-def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig, prepared: formats.PreparedSamples | None = None,
-                       owned: set[int] | None = None) -> set[int]:
+def prepare_output_dir(
+    cfg: ExtractConfig,
+    expected: formats.DataConfig,
+    prepared: formats.PreparedSamples | None = None,
+    owned: set[int] | None = None,
+) -> set[int]:
     """Apply the --resume/--overwrite policy; return the sample indices already complete.
 
     --resume continues a run only if its data_config.json is this run's and each existing file it would skip
@@ -278,8 +327,12 @@ def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig, prepare
         raise StageError("--repair works on an existing run: pass it together with --resume")
     if out.exists() and not out.is_dir():
         raise StageError(f"output {out} exists and is not a directory: choose another --out")
-    if (existing or has_config or (out.is_dir() and any(out.iterdir()))) and not (cfg.resume or cfg.overwrite):
-        raise StageError(f"output dir {out} is not empty: pass --resume to continue it or --overwrite to replace it")
+    if (existing or has_config or (out.is_dir() and any(out.iterdir()))) and not (
+        cfg.resume or cfg.overwrite
+    ):
+        raise StageError(
+            f"output dir {out} is not empty: pass --resume to continue it or --overwrite to replace it"
+        )
     if cfg.resume and has_config:
         found = formats.read_data_config(out)
         keys = ("model", "layer_ids", "hidden_size", "dtype", "num_samples", "seq_length", "prepared")
@@ -290,7 +343,10 @@ def prepare_output_dir(cfg: ExtractConfig, expected: formats.DataConfig, prepare
                 f"cannot --resume {out}: its data_config.json has {k}={getattr(found, k)!r} but this run has "
                 f"{getattr(expected, k)!r}; use --overwrite or another --out"
             )
-        expected.provenance_history = [*found.provenance_history, *([found.provenance] if found.provenance else [])]
+        expected.provenance_history = [
+            *found.provenance_history,
+            *([found.provenance] if found.provenance else []),
+        ]
     kept = [i for i in existing if i < expected.num_samples and (owned is None or i in owned)]
     if prepared is None and kept and cfg.resume:
         prepared = formats.read_prepared(cfg.prepared)[0]
@@ -336,14 +392,31 @@ def _progress(enabled: bool):
     )
 
     return Progress(
-        TextColumn("[bold]extract"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
-        TextColumn("{task.fields[tps]:>9,.0f} tok/s"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        disable=not enabled, transient=False,
+        TextColumn("[bold]extract"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("samples"),
+        TextColumn("{task.fields[tps]:>9,.0f} tok/s"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        disable=not enabled,
+        transient=False,
     )
 
 
-def run_loop(backend: Backend, prepared: formats.PreparedSamples, batches: list[Batch], out: Path, hidden_size: int,
-             num_layers: int, total: int, done: set[int], progress: bool, writer_threads: int = 4) -> dict:
+def run_loop(
+    backend: Backend,
+    prepared: formats.PreparedSamples,
+    batches: list[Batch],
+    out: Path,
+    hidden_size: int,
+    num_layers: int,
+    total: int,
+    done: set[int],
+    progress: bool,
+    writer_threads: int = 4,
+) -> dict:
     """Capture every pending batch (whole, so results never depend on what was done before) and write the
     samples not already on disk; return throughput figures."""
     writer = Writer(out, threads=writer_threads)
@@ -377,11 +450,17 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
         writer.close()
         bar.update(task, completed=len(done) + writer.written)
     elapsed = time.perf_counter() - t0
-    stats = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else 0.0, "bytes": writer.bytes,
-             # main-thread seconds inside the backend (queuing on a GPU; the whole computation on the CPU)
-             "capture_seconds": capture_s, "non_capture_fraction": 1 - capture_s / elapsed if elapsed else 0.0,
-             # main-thread seconds waiting for the writer: the share of the run that was write-bound
-             "writer_wait_seconds": writer.wait_seconds}
+    stats = {
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed if elapsed else 0.0,
+        "bytes": writer.bytes,
+        # main-thread seconds inside the backend (queuing on a GPU; the whole computation on the CPU)
+        "capture_seconds": capture_s,
+        "non_capture_fraction": 1 - capture_s / elapsed if elapsed else 0.0,
+        # main-thread seconds waiting for the writer: the share of the run that was write-bound
+        "writer_wait_seconds": writer.wait_seconds,
+    }
     if backend.clock is not None:
         stats.update(device_idle(backend.clock.seconds, elapsed))
     return stats
@@ -403,7 +482,9 @@ def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_la
     for i, seq, sample_states, sample_scales in zip(batch.indices, seqs, states, scales, strict=True):
         for h in sample_states:
             if h.shape != (len(seq), hidden_size):
-                raise StageError(f"sample {i}: backend returned a state of shape {tuple(h.shape)}, expected ({len(seq)}, {hidden_size})")
+                raise StageError(
+                    f"sample {i}: backend returned a state of shape {tuple(h.shape)}, expected ({len(seq)}, {hidden_size})"
+                )
         if i in done:
             continue
         ids = torch.from_numpy(seq.astype("int64"))
@@ -415,7 +496,10 @@ def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_la
 def device_idle(busy_seconds: float, wall_seconds: float, devices: int = 1) -> dict:
     """The device's busy seconds and the fraction of the run's wall time (x devices) it sat idle."""
     span = wall_seconds * devices
-    return {"device_busy_seconds": busy_seconds, "device_idle_fraction": max(0.0, 1 - busy_seconds / span) if span else 0.0}
+    return {
+        "device_busy_seconds": busy_seconds,
+        "device_idle_fraction": max(0.0, 1 - busy_seconds / span) if span else 0.0,
+    }
 
 
 def _check_parallel(cfg: ExtractConfig) -> None:
@@ -425,8 +509,10 @@ def _check_parallel(cfg: ExtractConfig) -> None:
     if cfg.data_parallel > 1 and cfg.local_rank is None and torch.cuda.is_available():
         per = gpus_per_worker(cfg, len(visible_devices()))
         if per < 1 or cfg.data_parallel * per > len(visible_devices()):
-            raise StageError(f"--data-parallel {cfg.data_parallel} x {per} GPU(s) per worker but only "
-                             f"{len(visible_devices())} GPUs are visible: lower --data-parallel or --tensor-parallel-size")
+            raise StageError(
+                f"--data-parallel {cfg.data_parallel} x {per} GPU(s) per worker but only "
+                f"{len(visible_devices())} GPUs are visible: lower --data-parallel or --tensor-parallel-size"
+            )
 
 
 def gpus_per_worker(cfg: ExtractConfig, visible: int) -> int:
@@ -467,7 +553,9 @@ def run(cfg: ExtractConfig) -> dict:
     model = read_model_dir(cfg.model)
     check_checkpoint(model)  # every layer the config claims has weights, none is left unused
     if meta.target_vocab_size != model.vocab_size:
-        raise StageError(f"{cfg.prepared} was prepared for a vocab of {meta.target_vocab_size}, but {cfg.model} has {model.vocab_size}: re-run prepare with this model")
+        raise StageError(
+            f"{cfg.prepared} was prepared for a vocab of {meta.target_vocab_size}, but {cfg.model} has {model.vocab_size}: re-run prepare with this model"
+        )
     layer_ids = validate_layer_ids(cfg.layer_ids, model.num_layers)
     if cfg.backend not in BACKENDS:
         raise StageError(f"unknown --backend {cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -476,15 +564,25 @@ def run(cfg: ExtractConfig) -> dict:
         raise StageError(f"--limit {cfg.limit} selects no samples")
     lengths = prepared.lengths()[:n]
     options = BackendOptions(
-        model=model, layer_ids=tuple(layer_ids), device=cfg.device, dtype=cfg.dtype, seq_length=meta.seq_length,
-        tensor_parallel_size=cfg.tensor_parallel_size, max_batch_tokens=cfg.max_batch_tokens,
-        trust_remote_code=cfg.trust_remote_code, enforce_eager=cfg.enforce_eager, scratch_dir=cfg.out,
+        model=model,
+        layer_ids=tuple(layer_ids),
+        device=cfg.device,
+        dtype=cfg.dtype,
+        seq_length=meta.seq_length,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        max_batch_tokens=cfg.max_batch_tokens,
+        trust_remote_code=cfg.trust_remote_code,
+        enforce_eager=cfg.enforce_eager,
+        scratch_dir=cfg.out,
         compile={"auto": None, "on": True, "off": False}[cfg.compile],
     )
     from pipeline.backends.base import resolve_device, resolve_dtype
 
-    dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device)) if cfg.backend == "hf" else resolve_dtype(
-        "bfloat16" if cfg.dtype == "auto" else cfg.dtype, torch.device("cpu"))
+    dtype = (
+        resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+        if cfg.backend == "hf"
+        else resolve_dtype("bfloat16" if cfg.dtype == "auto" else cfg.dtype, torch.device("cpu"))
+    )
     expected = _expected_config(cfg, model, layer_ids, n, meta.seq_length, dtype)
     plan = plan_shard(lengths, cfg.world_size, cfg.rank, cfg.max_batch_tokens, cfg.max_batch_size)
     owned = {i for b in plan for i in b.indices}
@@ -511,14 +609,26 @@ def run(cfg: ExtractConfig) -> dict:
         options = replace(options, planned_tokens=sum(int(lengths[i]) for b in batches for i in b.indices))
         with get_backend(cfg.backend, options) as backend:
             startup.update(model_load_seconds=time.perf_counter() - load0, loop_start_seconds=process_age())
-            stats = run_loop(backend, prepared, batches, cfg.out, model.hidden_size, len(layer_ids), len(owned),
-                             done, cfg.progress, cfg.writer_threads)
+            stats = run_loop(
+                backend,
+                prepared,
+                batches,
+                cfg.out,
+                model.hidden_size,
+                len(layer_ids),
+                len(owned),
+                done,
+                cfg.progress,
+                cfg.writer_threads,
+            )
     if cfg.local_rank is None:
         formats.write_sample_lengths(cfg.out, {i: int(lengths[i]) for i in range(n)})
         formats.fold_checksums(cfg.out, owned, cfg.world_size, cfg.rank)
         expected.provenance = provenance.record("extract")  # its finished time: now
         formats.write_data_config(cfg.out, expected)
-    stats.update(samples=n, owned=len(owned), batches_run=len(batches), resumed_from=len(done), config=asdict(expected))
+    stats.update(
+        samples=n, owned=len(owned), batches_run=len(batches), resumed_from=len(done), config=asdict(expected)
+    )
     stats.setdefault("startup", startup)
     return stats
 
@@ -543,7 +653,10 @@ def record_missing_checksums(out: Path, done: set[int]) -> None:
     missing = sorted(i for i in done if stale(i))
     if not missing:
         return
-    click.echo(f"resume: recording the checksums of {len(missing)} files written without one (or changed since)", err=True)
+    click.echo(
+        f"resume: recording the checksums of {len(missing)} files written without one (or changed since)",
+        err=True,
+    )
     journal, load = formats.ChecksumJournal(out), verify.reader_loads()
     try:
         for i in missing:
@@ -556,7 +669,9 @@ def record_missing_checksums(out: Path, done: set[int]) -> None:
                 digest, facts = formats.file_digest(path), None
             if (want := recorded.get(path.name)) is not None and digest.sha256 != want.sha256:
                 continue  # other bytes than recorded under an old mtime (not hashed by the resume check): kept as named
-            journal.record(path.name, replace(digest, mtime_ns=mtime if facts is not None else None, facts=facts))
+            journal.record(
+                path.name, replace(digest, mtime_ns=mtime if facts is not None else None, facts=facts)
+            )
     finally:
         journal.close()
 
@@ -572,7 +687,9 @@ def worker_config(cfg: ExtractConfig, local_rank: int, tensor_parallel_size: int
 WORKER_ARGV = [sys.executable, "-m", "pipeline", "extract-worker"]  # its config on stdin (worker_command)
 
 
-def launch_workers(cfg: ExtractConfig, owned: set[int], done: set[int], lengths: Sequence[int], startup: dict) -> dict:
+def launch_workers(
+    cfg: ExtractConfig, owned: set[int], done: set[int], lengths: Sequence[int], startup: dict
+) -> dict:
     """Run one worker process per GPU (or per CPU slot), show their combined progress, fail if any fails.
     ``startup`` (this process's timeline) gains the moment the workers were started. The figures are a
     single process's: tok/s over the slowest worker's loop; the workers' start-up is in ``startup``."""
@@ -592,7 +709,9 @@ def launch_workers(cfg: ExtractConfig, owned: set[int], done: set[int], lengths:
         # each worker's OpenMP pool gets its share of the cores (host copies, CPU forward): N pools of
         # all cores oversubscribe the machine
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.data_parallel)))
-        proc = subprocess.Popen(WORKER_ARGV, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            WORKER_ARGV, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         procs.append(proc)
         proc.stdin.write(to_json(worker_config(cfg, k, per)))
         proc.stdin.close()
@@ -619,15 +738,27 @@ def launch_workers(cfg: ExtractConfig, owned: set[int], done: set[int], lengths:
         if p.returncode != 0:
             failed.append(f"worker {k} exited {p.returncode}")
     if failed:
-        raise StageError(f"data-parallel extraction failed: {'; '.join(failed)} (re-run with --resume to redo what is missing)")
+        raise StageError(
+            f"data-parallel extraction failed: {'; '.join(failed)} (re-run with --resume to redo what is missing)"
+        )
     per = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
     tokens = sum(w["tokens"] for w in per)
-    loop = max(w["seconds"] for w in per)  # the workers' loops run side by side: the slowest one's is the run's
-    stats = {"tokens": tokens, "seconds": loop, "tokens_per_s": tokens / loop if loop else 0.0,
-             "wall_seconds": time.perf_counter() - t0, "bytes": sum(w["bytes"] for w in per), "workers": per,
-             "startup": startup}
+    loop = max(
+        w["seconds"] for w in per
+    )  # the workers' loops run side by side: the slowest one's is the run's
+    stats = {
+        "tokens": tokens,
+        "seconds": loop,
+        "tokens_per_s": tokens / loop if loop else 0.0,
+        "wall_seconds": time.perf_counter() - t0,
+        "bytes": sum(w["bytes"] for w in per),
+        "workers": per,
+        "startup": startup,
+    }
     busy = [w["device_busy_seconds"] for w in per if "device_busy_seconds" in w]
-    if len(busy) == len(per):  # over the workers' loops: their start-up and model loads are not the loop's idle time
+    if len(busy) == len(
+        per
+    ):  # over the workers' loops: their start-up and model loads are not the loop's idle time
         stats.update(device_idle(sum(busy), sum(w["seconds"] for w in per)))
     return stats
 
@@ -662,7 +793,11 @@ def first_batch_after(stats: dict) -> tuple[float, float] | None:
     if startup.get("loop_start_seconds") is not None:
         return startup["loop_start_seconds"], startup["model_load_seconds"]
     spawned = startup.get("workers_started_seconds")
-    ran = [t for w in stats.get("workers", []) if (t := w.get("startup") or {}).get("loop_start_seconds") is not None]
+    ran = [
+        t
+        for w in stats.get("workers", [])
+        if (t := w.get("startup") or {}).get("loop_start_seconds") is not None
+    ]
     if spawned is None or not ran:
         return None
     slowest = max(ran, key=lambda t: t["loop_start_seconds"])
@@ -671,7 +806,9 @@ def first_batch_after(stats: dict) -> tuple[float, float] | None:
 
 @click.command("extract")
 @options(ExtractConfig)
-@click.option("--json-stats", is_flag=True, hidden=True, help="Print the run's figures as JSON (worker protocol).")
+@click.option(
+    "--json-stats", is_flag=True, hidden=True, help="Print the run's figures as JSON (worker protocol)."
+)
 def command(json_stats: bool, **kwargs) -> None:
     """Capture the outputs of 4 decoder layers for every prepared sample."""
     cfg = ExtractConfig(**kwargs)
@@ -688,10 +825,18 @@ def command(json_stats: bool, **kwargs) -> None:
         f"extracted {stats['samples']} samples into {cfg.out} ({stats['batches_run']} batches run, "
         f"{stats['resumed_from']} already done; {stats['tokens_per_s']:,.0f} tok/s"
         + (f", device idle {stats['device_idle_fraction']:.0%}" if "device_idle_fraction" in stats else "")
-        + (f"; first batch {started[0]:.1f} s after start, model load {started[1]:.1f} s)" if started else ")")
+        + (
+            f"; first batch {started[0]:.1f} s after start, model load {started[1]:.1f} s)"
+            if started
+            else ")"
+        )
     )
     if cfg.verify:
-        verify.report(verify.VerifyConfig(path=cfg.out, world_size=cfg.world_size, rank=cfg.rank, closing_check=cfg.closing_check))
+        verify.report(
+            verify.VerifyConfig(
+                path=cfg.out, world_size=cfg.world_size, rank=cfg.rank, closing_check=cfg.closing_check
+            )
+        )
 
 
 @click.command("extract-worker", hidden=True)
@@ -702,6 +847,8 @@ def worker_command() -> None:
 
     cfg = from_json(ExtractConfig, sys.stdin.read())
     if cfg.local_rank is None:
-        raise StageError("extract-worker runs one worker of a --data-parallel extract: its config has no local_rank")
+        raise StageError(
+            "extract-worker runs one worker of a --data-parallel extract: its config has no local_rank"
+        )
     stats = run(cfg)
     click.echo(json.dumps({k: v for k, v in stats.items() if k != "config"}))

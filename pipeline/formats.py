@@ -174,17 +174,23 @@ def read_prepared(directory: Path) -> tuple[PreparedSamples, PreparedMetadata]:
     directory = Path(directory)
     missing = [n for n in PREPARED_FILES if not (directory / n).is_file()]
     if missing:
-        raise StageError(f"{directory} is not a prepared dataset: missing {', '.join(missing)} (run `pipeline prepare`)")
+        raise StageError(
+            f"{directory} is not a prepared dataset: missing {', '.join(missing)} (run `pipeline prepare`)"
+        )
     metadata = readers.read_record(directory / "metadata.json", PreparedMetadata, readers.PREPARED_REMEDY)
     if metadata.format_version != FORMAT_VERSION:
-        raise StageError(f"{directory}/metadata.json has format_version {metadata.format_version}, expected {FORMAT_VERSION}")
+        raise StageError(
+            f"{directory}/metadata.json has format_version {metadata.format_version}, expected {FORMAT_VERSION}"
+        )
     samples = PreparedSamples(
         tokens=readers.read_npy(directory / "tokens.npy", readers.PREPARED_REMEDY, mmap=True),
         loss_mask=readers.read_npy(directory / "loss_mask.npy", readers.PREPARED_REMEDY, mmap=True),
         offsets=readers.read_npy(directory / "offsets.npy", readers.PREPARED_REMEDY),
     )
     if len(samples) != metadata.num_samples or int(samples.offsets[-1]) != len(samples.tokens):
-        raise StageError(f"{directory}: offsets.npy does not match tokens.npy/metadata.json (re-run `pipeline prepare --overwrite`)")
+        raise StageError(
+            f"{directory}: offsets.npy does not match tokens.npy/metadata.json (re-run `pipeline prepare --overwrite`)"
+        )
     return samples, metadata
 
 
@@ -212,8 +218,10 @@ def read_vocab(directory: Path) -> tuple[np.ndarray, np.ndarray]:
     for name in (D2T, T2D):
         if not (directory / name).is_file():
             raise StageError(f"{directory / name} not found (run `pipeline prepare --draft-vocab-size N`)")
-    return (readers.read_npy(directory / D2T, readers.PREPARED_REMEDY, ndim=None),
-            readers.read_npy(directory / T2D, readers.PREPARED_REMEDY, ndim=None))
+    return (
+        readers.read_npy(directory / D2T, readers.PREPARED_REMEDY, ndim=None),
+        readers.read_npy(directory / T2D, readers.PREPARED_REMEDY, ndim=None),
+    )
 
 
 # ---------------------------------------------------------------- hidden states
@@ -245,7 +253,9 @@ def write_data_config(directory: Path, config: DataConfig) -> None:
 def read_data_config(directory: Path) -> DataConfig:
     path = directory / DATA_CONFIG
     if not path.is_file():
-        raise StageError(f"{path} not found: {directory} is not a hidden-states directory (run `pipeline extract`)")
+        raise StageError(
+            f"{path} not found: {directory} is not a hidden-states directory (run `pipeline extract`)"
+        )
     return readers.read_record(path, DataConfig, readers.STATES_REMEDY)
 
 
@@ -291,11 +301,17 @@ class FileDigest:
 
 def _digest_of(entry: dict) -> FileDigest:
     mtime, facts = entry.get("mtime_ns"), entry.get("facts")
-    return FileDigest(str(entry["sha256"]), int(entry["bytes"]), int(mtime) if mtime is not None else None,
-                      facts if isinstance(facts, dict) else None)
+    return FileDigest(
+        str(entry["sha256"]),
+        int(entry["bytes"]),
+        int(mtime) if mtime is not None else None,
+        facts if isinstance(facts, dict) else None,
+    )
 
 
-def write_sample(target: Path, input_ids: torch.Tensor, hidden_states: list[torch.Tensor], loss_mask: torch.Tensor) -> FileDigest:
+def write_sample(
+    target: Path, input_ids: torch.Tensor, hidden_states: list[torch.Tensor], loss_mask: torch.Tensor
+) -> FileDigest:
     """Write one ``data_{i}.pt`` atomically; return the sha256 and size of the bytes written. Tensors must own
     their storage (no views of a padded batch).
 
@@ -444,7 +460,9 @@ def read_checksums(directory: Path) -> dict[str, FileDigest]:
     found: dict[str, FileDigest] = {}
     for path in sorted(Path(directory).glob(CHECKSUM_INDEX_GLOB)):
         found.update(read_checksum_index(path))
-    journals = sorted(Path(directory).glob(CHECKSUM_JOURNAL_GLOB), key=lambda p: (p.stat().st_mtime_ns, p.name))
+    journals = sorted(
+        Path(directory).glob(CHECKSUM_JOURNAL_GLOB), key=lambda p: (p.stat().st_mtime_ns, p.name)
+    )
     for path in journals:
         found.update(_journal_entries(path))
     return found
@@ -472,8 +490,10 @@ def fold_checksums(directory: Path, owned: set[int], world_size: int = 1, rank: 
     recorded = read_checksums(directory)
     present = {f"data_{i}.pt" for i in existing_data_indices(directory) if i in owned}
     files = {k: v.entry() for k, v in sorted(recorded.items()) if k in present}
-    write_json(directory / checksum_index_name(world_size, rank),
-               {"schema": CHECKSUM_SCHEMA, "version": CHECKSUM_VERSION, "algorithm": "sha256", "files": files})
+    write_json(
+        directory / checksum_index_name(world_size, rank),
+        {"schema": CHECKSUM_SCHEMA, "version": CHECKSUM_VERSION, "algorithm": "sha256", "files": files},
+    )
     for journal in directory.glob(CHECKSUM_JOURNAL_GLOB):
         names = _journal_entries(journal)
         if all((m := DATA_FILE_RE.match(n)) and int(m.group(1)) in owned for n in names):

@@ -119,8 +119,11 @@ def order_problem(stats: list[LayerStats], ref: Reference, tokens: int) -> str |
     cost = sum(d[j][best[j]] for j in range(n))
     if not math.isfinite(in_order) or cost > in_order - max(ORDER_MARGIN, ORDER_GAIN * in_order):
         return None
-    wrong = [f"hidden_states[{j}] (layer {ref.layer_ids[j]}) looks like layer {ref.layer_ids[best[j]]}"
-             for j in range(n) if best[j] != j]
+    wrong = [
+        f"hidden_states[{j}] (layer {ref.layer_ids[j]}) looks like layer {ref.layer_ids[best[j]]}"
+        for j in range(n)
+        if best[j] != j
+    ]
     return "; ".join(wrong) + ": layers swapped or out of order"
 
 
@@ -157,6 +160,8 @@ def scale_problem(stats: list[LayerStats], ref: Reference) -> str | None:
             out.append(f"hidden_states[{j}] (layer {ref.layer_ids[j]}) is all zeros")
         elif math.isfinite(x.log_rms) and abs(x.log_rms - ref.log_rms[j]) > math.log(SCALE_FACTOR):
             ratio = math.exp(x.log_rms - ref.log_rms[j])
-            out.append(f"hidden_states[{j}] (layer {ref.layer_ids[j]}) has RMS {math.exp(x.log_rms):.3g}, "
-                       f"{ratio:.3g}x the set's {math.exp(ref.log_rms[j]):.3g}")
+            out.append(
+                f"hidden_states[{j}] (layer {ref.layer_ids[j]}) has RMS {math.exp(x.log_rms):.3g}, "
+                f"{ratio:.3g}x the set's {math.exp(ref.log_rms[j]):.3g}"
+            )
     return "; ".join(out) or None

@@ -40,10 +40,14 @@ def read_model_dir(path: Path | str) -> ModelDir:
     """Read ``config.json`` of a model directory; raise a one-line StageError if it is not usable."""
     path = Path(path)
     if not path.is_dir():
-        raise StageError(f"model dir {path} does not exist (pass --model DIR with config.json, tokenizer and safetensors)")
+        raise StageError(
+            f"model dir {path} does not exist (pass --model DIR with config.json, tokenizer and safetensors)"
+        )
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
-        raise StageError(f"{path} has no config.json: not a model directory (pass the directory saved by save_pretrained)")
+        raise StageError(
+            f"{path} has no config.json: not a model directory (pass the directory saved by save_pretrained)"
+        )
     raw = read_model_config(cfg_path)
     text = raw.get("text_config") or raw
     archs = raw.get("architectures") or []
@@ -65,11 +69,16 @@ def decoder_layers_in(names: list[str]) -> tuple[str, set[int]]:
     """The decoder's name prefix (of the embed_tokens with the most numbered layers beside it; ties: the
     shortest name) and the layer numbers that have weights under it; vision towers and other modules'
     layers are not counted (a wrapper's vision tower may have an embed_tokens of its own)."""
+
     def layers_under(prefix: str) -> set[int]:
         pattern = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
         return {int(m.group(1)) for n in names if (m := pattern.match(n))}
 
-    prefixes = [n[: -len("embed_tokens.weight")] for n in names if n.endswith("embed_tokens.weight") and ".layers." not in n]
+    prefixes = [
+        n[: -len("embed_tokens.weight")]
+        for n in names
+        if n.endswith("embed_tokens.weight") and ".layers." not in n
+    ]
     if not prefixes:
         return "", layers_under("")
     found = {p: layers_under(p) for p in prefixes}
@@ -101,7 +110,9 @@ def resolve_names(names: list[str], tie_word_embeddings: bool) -> VerifierNames:
     """Pick the top-level embed/norm/lm_head names; MTP and vision-tower copies are ignored."""
     embed, head = _embed_and_head(names)
     if embed is None:
-        raise StageError("no embed_tokens.weight in the checkpoint outside decoder layers: unsupported model layout")
+        raise StageError(
+            "no embed_tokens.weight in the checkpoint outside decoder layers: unsupported model layout"
+        )
     prefix = embed[: -len("embed_tokens.weight")]
     norm = prefix + "norm.weight"
     if norm not in names:
@@ -110,7 +121,9 @@ def resolve_names(names: list[str], tie_word_embeddings: bool) -> VerifierNames:
         return VerifierNames(embed, norm, head, tied=False)
     if tie_word_embeddings:
         return VerifierNames(embed, norm, embed, tied=True)
-    raise StageError("no lm_head.weight in the checkpoint and tie_word_embeddings is false: cannot build the verifier")
+    raise StageError(
+        "no lm_head.weight in the checkpoint and tie_word_embeddings is false: cannot build the verifier"
+    )
 
 
 def check_tied(embed_name: str, head_name: str, src: dict) -> None:

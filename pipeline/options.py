@@ -46,8 +46,13 @@ class Spec:
     cli: bool = True  # False: set only by code, never on the command line
 
 
-def opt(default: Any = dataclasses.MISSING, *, help: str | None = None, decls: tuple[str, ...] | str = (),
-        **spec: Any) -> Any:
+def opt(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str | None = None,
+    decls: tuple[str, ...] | str = (),
+    **spec: Any,
+) -> Any:
     """A config field with its default and command-line Spec (no default: a required option)."""
     decls = (decls,) if isinstance(decls, str) else tuple(decls)
     if "choices" in spec and spec["choices"] is not None:
@@ -80,7 +85,9 @@ class IntTuple(click.ParamType):
 
     name = "text"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...] | None:
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, ...] | None:
         if value is None or isinstance(value, tuple):
             return value
         flag = param.opts[0] if param is not None and param.opts else "value"
@@ -166,6 +173,7 @@ def validate(cfg: Any) -> None:
 
 def to_json(cfg: Any) -> str:
     """Every field of a config as JSON (a path as its text, a tuple as a list): what ``from_json`` rebuilds."""
+
     def plain(value: Any) -> Any:
         return str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
 
@@ -186,8 +194,10 @@ def from_json(cls: type, text: str) -> Any:
     unknown = sorted(set(data) - {f.name for f in fields})
     missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
     if unknown or missing:
-        raise StageError(f"{cls.__name__}: no field {', '.join(unknown) or '-'}, missing {', '.join(missing) or '-'}"
-                         " (a launcher and a worker of different versions?)")
+        raise StageError(
+            f"{cls.__name__}: no field {', '.join(unknown) or '-'}, missing {', '.join(missing) or '-'}"
+            " (a launcher and a worker of different versions?)"
+        )
 
     def typed(name: str, value: Any) -> Any:
         base = _base_type(hints[name])

@@ -55,16 +55,26 @@ def refuse_overlap(out: Path, inputs: dict[str, Path]) -> None:
     """Raise before anything is written or deleted when the output overlaps an input."""
     problem = overlap(out, inputs)
     if problem:
-        raise StageError(f"{problem}: writing there would destroy an input; choose an --out outside the inputs")
+        raise StageError(
+            f"{problem}: writing there would destroy an input; choose an --out outside the inputs"
+        )
 
 
-def check_output_dir(path: Path, *, overwrite: bool, resume: bool = False, flag_hint: str = "--overwrite",
-                     inputs: dict[str, Path] | None = None) -> None:
+def check_output_dir(
+    path: Path,
+    *,
+    overwrite: bool,
+    resume: bool = False,
+    flag_hint: str = "--overwrite",
+    inputs: dict[str, Path] | None = None,
+) -> None:
     refuse_overlap(path, inputs or {})
     if path.exists() and not path.is_dir():
         raise StageError(f"output {path} exists and is not a directory: choose another --out")
     if is_nonempty_dir(path) and not (overwrite or resume):
-        raise StageError(f"output dir {path} is not empty: pass {flag_hint} to replace it, or choose another --out")
+        raise StageError(
+            f"output dir {path} is not empty: pass {flag_hint} to replace it, or choose another --out"
+        )
 
 
 def lock_path(target: Path, part: str = "") -> Path:
@@ -88,8 +98,10 @@ def output_lock(target: Path | str, part: str = "") -> Iterator[None]:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
-            raise StageError(f"output {target} is being written by {holder}: wait for it to finish, "
-                             "or choose another --out") from None
+            raise StageError(
+                f"output {target} is being written by {holder}: wait for it to finish, "
+                "or choose another --out"
+            ) from None
         command = " ".join(Path(a).name if i == 0 else a for i, a in enumerate(sys.argv[:4]))
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
         os.ftruncate(fd, 0)
@@ -117,9 +129,11 @@ def _swap_in(staging: Path, target: Path) -> None:
             with contextlib.suppress(OSError):
                 os.replace(old, target)
         shutil.rmtree(staging, ignore_errors=True)
-        raise StageError(f"cannot move the finished output into place at {target}: {exc.strerror or exc} "
-                         f"(the previous output, if any, is unchanged; make {target} a plain directory this user "
-                         "can replace, or choose another --out)") from None
+        raise StageError(
+            f"cannot move the finished output into place at {target}: {exc.strerror or exc} "
+            f"(the previous output, if any, is unchanged; make {target} a plain directory this user "
+            "can replace, or choose another --out)"
+        ) from None
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -45,8 +45,13 @@ CONNECTOR = "ExampleHiddenStatesConnector"
 # The vLLM release from which each capability extraction relies on exists (DESIGN.md section 10).
 SINCE = {"extract_hidden_states": (0, 17), "deepseek final layer": (0, 25), "tp-safe connector": (0, 31)}
 # Targets whose decoder is vLLM's DeepseekV2Model (Kimi-K2.5's text model is a DeepseekV3).
-DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekForCausalLM",
-                   "KimiK25ForConditionalGeneration", "KimiVLForConditionalGeneration")
+DEEPSEEK_FAMILY = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekForCausalLM",
+    "KimiK25ForConditionalGeneration",
+    "KimiVLForConditionalGeneration",
+)
 EMBED_SUFFIX = "embed_tokens.weight"
 
 
@@ -106,10 +111,20 @@ def check_model(cfg: PreflightConfig) -> Iterator[CheckResult]:
         return
     text = model.raw.get("text_config") or model.raw
     if not model.architecture:
-        yield fail("model config", f"{cfg.model}/config.json has no `architectures`: vLLM cannot choose a model class")
+        yield fail(
+            "model config",
+            f"{cfg.model}/config.json has no `architectures`: vLLM cannot choose a model class",
+        )
         return
-    wrapper = f", wrapper (decoder config under text_config, model_type {model.model_type})" if model.is_wrapper else ""
-    yield ok("model config", f"{model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size}{wrapper}")
+    wrapper = (
+        f", wrapper (decoder config under text_config, model_type {model.model_type})"
+        if model.is_wrapper
+        else ""
+    )
+    yield ok(
+        "model config",
+        f"{model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size}{wrapper}",
+    )
     if model.architecture.startswith("KimiK25") and not model.is_wrapper:
         yield fail("model config", f"{model.architecture} needs a text_config section in config.json")
     yield from check_checkpoint(cfg.model, model, text)
@@ -132,7 +147,10 @@ def check_checkpoint(model_dir: Path, model: ModelDir, text: dict) -> Iterator[C
     except StageError as exc:
         yield fail("layer count", str(exc))
     else:
-        yield ok("layer count", f"{model.num_layers} decoder layers in config.json and in the checkpoint ({source})")
+        yield ok(
+            "layer count",
+            f"{model.num_layers} decoder layers in config.json and in the checkpoint ({source})",
+        )
     if model.tie_word_embeddings:
         try:
             modeldir.check_tied_head(model, names)
@@ -196,23 +214,36 @@ def check_tokenizer(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResu
 
         tok = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any load failure is the finding
-        hint = " (pass --trust-remote-code if the tokenizer is custom code)" if not cfg.trust_remote_code else ""
-        yield fail("tokenizer", f"cannot load the tokenizer of {cfg.model}: {str(exc).splitlines()[0][:200]}{hint}")
+        hint = (
+            " (pass --trust-remote-code if the tokenizer is custom code)" if not cfg.trust_remote_code else ""
+        )
+        yield fail(
+            "tokenizer", f"cannot load the tokenizer of {cfg.model}: {str(exc).splitlines()[0][:200]}{hint}"
+        )
         return
     size = len(tok)
     if size > model.vocab_size:
-        yield fail("tokenizer", f"tokenizer has {size} tokens but the model's vocab_size is {model.vocab_size}: wrong tokenizer")
+        yield fail(
+            "tokenizer",
+            f"tokenizer has {size} tokens but the model's vocab_size is {model.vocab_size}: wrong tokenizer",
+        )
     else:
         yield ok("tokenizer", f"{type(tok).__name__}, {size} tokens <= vocab_size {model.vocab_size}")
     if not getattr(tok, "chat_template", None):
-        yield fail("chat template", f"the tokenizer of {cfg.model} has no chat_template: prepare cannot build loss masks")
+        yield fail(
+            "chat template",
+            f"the tokenizer of {cfg.model} has no chat_template: prepare cannot build loss masks",
+        )
         return
     try:
         ids = tok.apply_chat_template(
             [{"role": "user", "content": "preflight"}, {"role": "assistant", "content": "ok"}], tokenize=True
         )
     except Exception as exc:  # noqa: BLE001
-        yield fail("chat template", f"the chat template does not render a user/assistant turn: {str(exc).splitlines()[0][:200]}")
+        yield fail(
+            "chat template",
+            f"the chat template does not render a user/assistant turn: {str(exc).splitlines()[0][:200]}",
+        )
         return
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
     if not ids or max(ids) >= model.vocab_size:
@@ -238,12 +269,21 @@ def check_prepared(prepared: Path, model: ModelDir) -> Iterator[CheckResult]:
     else:
         top = int(samples.tokens.max()) if len(samples.tokens) else -1
         if top >= model.vocab_size:
-            yield fail("prepared data", f"token id {top} in {prepared}/tokens.npy is outside the vocab of {model.vocab_size}")
+            yield fail(
+                "prepared data",
+                f"token id {top} in {prepared}/tokens.npy is outside the vocab of {model.vocab_size}",
+            )
         else:
-            yield ok("prepared data", f"{len(samples)} samples, {int(samples.offsets[-1])} tokens, seq_length {meta.seq_length}")
+            yield ok(
+                "prepared data",
+                f"{len(samples)} samples, {int(samples.offsets[-1])} tokens, seq_length {meta.seq_length}",
+            )
     have_d2t, have_t2d = (prepared / formats.D2T).is_file(), (prepared / formats.T2D).is_file()
     if not (have_d2t or have_t2d):
-        yield warn("vocab files", f"no {formats.D2T}/{formats.T2D} in {prepared} (needed for training: prepare --draft-vocab-size N)")
+        yield warn(
+            "vocab files",
+            f"no {formats.D2T}/{formats.T2D} in {prepared} (needed for training: prepare --draft-vocab-size N)",
+        )
         return
     try:
         d2t, t2d = formats.read_vocab(prepared)
@@ -274,9 +314,12 @@ def cuda_usable(devices: int) -> CheckResult:
 
     if torch.cuda.is_available():
         return ok("cuda", f"{devices} GPU(s), torch {torch.__version__} (CUDA {torch.version.cuda})")
-    return fail("cuda", f"{devices} GPU(s) listed by NVML but torch {torch.__version__} (CUDA {torch.version.cuda}) "
-                        "cannot use them: the NVIDIA driver is older than this CUDA build (CUDA 13.x needs a driver "
-                        ">= 580); update the driver or use an image built for the driver's CUDA")
+    return fail(
+        "cuda",
+        f"{devices} GPU(s) listed by NVML but torch {torch.__version__} (CUDA {torch.version.cuda}) "
+        "cannot use them: the NVIDIA driver is older than this CUDA build (CUDA 13.x needs a driver "
+        ">= 580); update the driver or use an image built for the driver's CUDA",
+    )
 
 
 def check_parallel(cfg: PreflightConfig, model: ModelDir, text: dict) -> Iterator[CheckResult]:
@@ -294,11 +337,15 @@ def check_parallel(cfg: PreflightConfig, model: ModelDir, text: dict) -> Iterato
     if devices and tp > devices:
         problems.append(f"tensor parallel size {tp} > {devices} visible GPU(s)")
     if not devices and tp > (os.cpu_count() or 1):
-        problems.append(f"tensor parallel size {tp} > {os.cpu_count()} CPU cores (no GPU visible: vLLM CPU backend)")
+        problems.append(
+            f"tensor parallel size {tp} > {os.cpu_count()} CPU cores (no GPU visible: vLLM CPU backend)"
+        )
     if heads and heads % tp:
         problems.append(f"num_attention_heads {heads} is not divisible by tensor parallel size {tp}")
     if kv_heads and not (kv_heads % tp == 0 or tp % kv_heads == 0):
-        problems.append(f"num_key_value_heads {kv_heads} and tensor parallel size {tp} do not divide each other")
+        problems.append(
+            f"num_key_value_heads {kv_heads} and tensor parallel size {tp} do not divide each other"
+        )
     where = f"{devices} visible GPU(s)" if devices else "no GPU visible (vLLM CPU backend)"
     if problems:
         yield fail("tensor parallel", "; ".join(problems))
@@ -312,19 +359,31 @@ def check_disk(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
     from pipeline import formats
 
     out = cfg.out
-    stray = sorted(p.name for p in out.glob("*pt") if not formats.DATA_FILE_RE.match(p.name)) if out.is_dir() else []
+    stray = (
+        sorted(p.name for p in out.glob("*pt") if not formats.DATA_FILE_RE.match(p.name))
+        if out.is_dir()
+        else []
+    )
     if stray:
-        yield fail("output dir", f"{out} holds {stray[:3]}: speculators loads every file ending in 'pt' there; move them out")
+        yield fail(
+            "output dir",
+            f"{out} holds {stray[:3]}: speculators loads every file ending in 'pt' there; move them out",
+        )
     probe = out
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if cfg.prepared is None or not formats.is_prepared_dir(cfg.prepared):
-        yield warn("free disk", f"{free / 2**30:.1f} GiB free at {probe}; pass --prepared to compare with the expected size")
+        yield warn(
+            "free disk",
+            f"{free / 2**30:.1f} GiB free at {probe}; pass --prepared to compare with the expected size",
+        )
         return
     meta = json.loads((cfg.prepared / "metadata.json").read_text())
     dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
-    need = sizes.hidden_states_bytes(int(meta["num_tokens"]), int(meta["num_samples"]), model.hidden_size, dtype)
+    need = sizes.hidden_states_bytes(
+        int(meta["num_tokens"]), int(meta["num_samples"]), model.hidden_size, dtype
+    )
     detail = f"{need / 2**30:.2f} GiB expected ({meta['num_tokens']} tokens x 4 layers x {model.hidden_size} x {dtype}), {free / 2**30:.1f} GiB free at {probe}"
     yield (ok if free >= need * 1.05 else fail)("free disk", detail)
 
@@ -351,13 +410,19 @@ def check_vllm_version() -> Iterator[CheckResult]:
     """vLLM installed, new enough for native extraction, and patched with the set for its version."""
     found = installed_version("vllm")
     if found is None:
-        yield fail("vllm version", f"vLLM is not installed (need >= {_dotted(SINCE['extract_hidden_states'])} "
-                                   "with a patch set in patches/vllm/)")
+        yield fail(
+            "vllm version",
+            f"vLLM is not installed (need >= {_dotted(SINCE['extract_hidden_states'])} "
+            "with a patch set in patches/vllm/)",
+        )
         return
     dist, version = found
     if version_tuple(version) < SINCE["extract_hidden_states"]:
-        yield fail("vllm version", f"{dist} {version} predates native hidden-state extraction "
-                                   f"(vLLM >= {_dotted(SINCE['extract_hidden_states'])}): install vllm=={PINNED_VLLM}")
+        yield fail(
+            "vllm version",
+            f"{dist} {version} predates native hidden-state extraction "
+            f"(vLLM >= {_dotted(SINCE['extract_hidden_states'])}): install vllm=={PINNED_VLLM}",
+        )
         return
     yield ok("vllm version", f"{dist} {version}")
     yield patch_status("vllm")
@@ -390,19 +455,44 @@ def _source(obj: object) -> str:
 # name, what extraction needs, a predicate over the imported modules
 def _api_checks() -> list[tuple[str, str, Callable[[dict], bool]]]:
     return [
-        ("vllm: extract_hidden_states", "the speculative method exists and builds its proposer",
-         lambda m: '"extract_hidden_states"' in _source(m["speculative"]) and hasattr(m["proposer"], "ExtractHiddenStatesProposer")),
-        ("vllm: hidden-states connector", f"{CONNECTOR} is registered with the KV connector factory",
-         lambda m: CONNECTOR in m["factory"].KVConnectorFactory._registry),
-        ("vllm: hidden-states files", "each request's file holds hidden_states and token_ids, read under its .lock",
-         lambda m: all(s in _source(m["connector"]) for s in ('"hidden_states":', '"token_ids":', "LOCK_SH"))
-         and callable(getattr(m["connector"], "load_hidden_states", None))),
-        ("vllm: forced settings exist", "EngineArgs takes enable_prefix_caching and enable_chunked_prefill",
-         lambda m: {"enable_prefix_caching", "enable_chunked_prefill"} <= set(_params(m["arg_utils"].EngineArgs))),
-        ("vllm: connector writes without CUDA", "patch vllm 0001: a KV cache off CUDA is copied synchronously",
-         lambda m: hasattr(m["connector"], "_CopyDone")),
-        ("vllm: DeepseekV2 MHA rope on CPU", "patch vllm 0002: the non-MLA DeepSeek attention passes 2-D tensors to the rotary kernel",
-         lambda m: "q_pe.reshape(q_pe.shape[0], -1)" in _source(m["deepseek"].DeepseekV2Attention.forward)),
+        (
+            "vllm: extract_hidden_states",
+            "the speculative method exists and builds its proposer",
+            lambda m: (
+                '"extract_hidden_states"' in _source(m["speculative"])
+                and hasattr(m["proposer"], "ExtractHiddenStatesProposer")
+            ),
+        ),
+        (
+            "vllm: hidden-states connector",
+            f"{CONNECTOR} is registered with the KV connector factory",
+            lambda m: CONNECTOR in m["factory"].KVConnectorFactory._registry,
+        ),
+        (
+            "vllm: hidden-states files",
+            "each request's file holds hidden_states and token_ids, read under its .lock",
+            lambda m: (
+                all(s in _source(m["connector"]) for s in ('"hidden_states":', '"token_ids":', "LOCK_SH"))
+                and callable(getattr(m["connector"], "load_hidden_states", None))
+            ),
+        ),
+        (
+            "vllm: forced settings exist",
+            "EngineArgs takes enable_prefix_caching and enable_chunked_prefill",
+            lambda m: (
+                {"enable_prefix_caching", "enable_chunked_prefill"} <= set(_params(m["arg_utils"].EngineArgs))
+            ),
+        ),
+        (
+            "vllm: connector writes without CUDA",
+            "patch vllm 0001: a KV cache off CUDA is copied synchronously",
+            lambda m: hasattr(m["connector"], "_CopyDone"),
+        ),
+        (
+            "vllm: DeepseekV2 MHA rope on CPU",
+            "patch vllm 0002: the non-MLA DeepSeek attention passes 2-D tensors to the rotary kernel",
+            lambda m: "q_pe.reshape(q_pe.shape[0], -1)" in _source(m["deepseek"].DeepseekV2Attention.forward),
+        ),
     ]
 
 
@@ -424,7 +514,12 @@ def _import_modules() -> tuple[dict, list[CheckResult]]:
         try:
             modules[key] = importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - an import failure is the finding
-            failures.append(fail(f"import {name}", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"))
+            failures.append(
+                fail(
+                    f"import {name}",
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+                )
+            )
     return modules, failures
 
 
@@ -450,31 +545,51 @@ def check_target(cfg: PreflightConfig, model: ModelDir, modules: dict) -> Iterat
     except KeyError:
         return
     except Exception as exc:  # noqa: BLE001
-        yield fail("eagle-3 capture", f"vLLM cannot load the model class of {arch}: {str(exc).splitlines()[0][:200]}")
+        yield fail(
+            "eagle-3 capture", f"vLLM cannot load the model class of {arch}: {str(exc).splitlines()[0][:200]}"
+        )
         return
     if cls is None:
         yield fail("eagle-3 capture", f"{arch} is not a model architecture the installed vLLM knows")
         return
     if not modules["interfaces"].supports_eagle3(cls):
-        yield fail("eagle-3 capture", f"vLLM's {cls.__name__} does not implement SupportsEagle3: it cannot capture "
-                                      "intermediate layers for this target")
+        yield fail(
+            "eagle-3 capture",
+            f"vLLM's {cls.__name__} does not implement SupportsEagle3: it cannot capture "
+            "intermediate layers for this target",
+        )
         return
     yield ok("eagle-3 capture", f"{cls.__name__} implements SupportsEagle3")
     if arch in DEEPSEEK_FAMILY:
         forward = _source(modules["deepseek"].DeepseekV2Model.forward)
-        if version < SINCE["deepseek final layer"] or "self.end_layer in self.aux_hidden_state_layers" not in forward:
-            yield fail("final-layer capture", f"this vLLM's DeepseekV2Model never captures the last layer's output "
-                                              f"(silently one state short; fixed in {_dotted(SINCE['deepseek final layer'])})")
+        if (
+            version < SINCE["deepseek final layer"]
+            or "self.end_layer in self.aux_hidden_state_layers" not in forward
+        ):
+            yield fail(
+                "final-layer capture",
+                f"this vLLM's DeepseekV2Model never captures the last layer's output "
+                f"(silently one state short; fixed in {_dotted(SINCE['deepseek final layer'])})",
+            )
         else:
-            yield ok("final-layer capture", "DeepseekV2Model captures the last layer's output (vLLM id num_hidden_layers)")
+            yield ok(
+                "final-layer capture",
+                "DeepseekV2Model captures the last layer's output (vLLM id num_hidden_layers)",
+            )
     tp = cfg.tensor_parallel_size or 1
     if tp > 1:
         connector = modules["connector"].ExampleHiddenStatesConnector
         if version < SINCE["tp-safe connector"] or "get_finished_count" not in vars(connector):
-            yield fail("tensor-parallel connector", f"this vLLM's {CONNECTOR} waits for every TP rank's write and hangs at "
-                                                    f"tensor parallel {tp} (fixed in {_dotted(SINCE['tp-safe connector'])})")
+            yield fail(
+                "tensor-parallel connector",
+                f"this vLLM's {CONNECTOR} waits for every TP rank's write and hangs at "
+                f"tensor parallel {tp} (fixed in {_dotted(SINCE['tp-safe connector'])})",
+            )
         else:
-            yield ok("tensor-parallel connector", f"{CONNECTOR} reports one write per request at tensor parallel {tp}")
+            yield ok(
+                "tensor-parallel connector",
+                f"{CONNECTOR} reports one write per request at tensor parallel {tp}",
+            )
 
 
 def installed_vllm_checks() -> list[CheckResult]:
@@ -515,19 +630,36 @@ def _write_json(path: Path, results: list[CheckResult], seconds: float) -> None:
 
     from pipeline.atomic import write_json
 
-    write_json(path, {"ok": not any(r.failed for r in results), "seconds": round(seconds, 3), "checks": [asdict(r) for r in results]})
+    write_json(
+        path,
+        {
+            "ok": not any(r.failed for r in results),
+            "seconds": round(seconds, 3),
+            "checks": [asdict(r) for r in results],
+        },
+    )
 
 
 @click.command("preflight")
 @click.option("--model", type=click.Path(path_type=Path), required=True, help="Target model directory.")
-@click.option("--prepared", type=click.Path(path_type=Path), default=None, help="Output of `pipeline prepare`.")
-@click.option("--out", type=click.Path(path_type=Path), default=None, help="Hidden-states directory the run will write.")
+@click.option(
+    "--prepared", type=click.Path(path_type=Path), default=None, help="Output of `pipeline prepare`."
+)
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=None, help="Hidden-states directory the run will write."
+)
 @click.option("--backend", type=click.Choice(["vllm", "hf"]), default="vllm", show_default=True)
 @click.option("--layer-ids", default=None, help="Comma-separated decoder layer ids (default 2,L//2,L-3,L-1).")
 @click.option("--tensor-parallel-size", type=int, default=None, help="Default: all visible devices.")
-@click.option("--dtype", default="auto", show_default=True, help="For the disk estimate (auto counts as bfloat16).")
-@click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer's own Python code (e.g. Kimi-K2.5).")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the results here.")
+@click.option(
+    "--dtype", default="auto", show_default=True, help="For the disk estimate (auto counts as bfloat16)."
+)
+@click.option(
+    "--trust-remote-code", is_flag=True, help="Allow the tokenizer's own Python code (e.g. Kimi-K2.5)."
+)
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the results here."
+)
 def command(layer_ids: str | None, json_path: Path | None, **kwargs) -> None:
     """Check model, data, devices, disk and the installed vLLM before any model load."""
     t0 = time.perf_counter()
@@ -544,7 +676,9 @@ def command(layer_ids: str | None, json_path: Path | None, **kwargs) -> None:
         _write_json(json_path, results, seconds)
     failed = [r.name for r in results if r.failed]
     if failed:
-        raise CheckFailed(f"preflight: {len(failed)} check(s) failed in {seconds:.1f}s: {', '.join(dict.fromkeys(failed))}")
+        raise CheckFailed(
+            f"preflight: {len(failed)} check(s) failed in {seconds:.1f}s: {', '.join(dict.fromkeys(failed))}"
+        )
     click.echo(f"preflight: all {len(results)} checks passed in {seconds:.1f}s")
 
 

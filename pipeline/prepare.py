@@ -50,8 +50,16 @@ from pipeline.outdir import staged_dir
 from pipeline.vocab import build_vocab_mapping, token_frequencies
 
 ROLE_ALIASES = {
-    "system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-    "chatgpt": "assistant", "model": "assistant", "bing": "assistant", "bard": "assistant", "tool": "tool",
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "tool": "tool",
 }
 PROBE = "\ue000"  # a private-use character: replaces a turn's content to find which characters depend on it
 MAX_ROW_BYTES = 16 * 1024 * 1024
@@ -65,16 +73,19 @@ class PrepareConfig:
     data: Path = opt(help="Conversations, one JSON object per line.")
     model: Path = opt(help="Target model dir (tokenizer + chat template + config.json).")
     out: Path = opt(help="Output directory.")  # must be empty unless overwrite
-    seq_length: int = opt(2048, low=2, high=MAX_SEQ_LENGTH,
-                          help="Samples keep at most seq_length - 1 tokens.")
+    seq_length: int = opt(
+        2048, low=2, high=MAX_SEQ_LENGTH, help="Samples keep at most seq_length - 1 tokens."
+    )
     # checked against the target's vocab size in run(): it needs the model
     draft_vocab_size: int | None = opt(None, help="Also write d2t.npy/t2d.npy for this draft vocab size.")
     overwrite: bool = opt(False, help="Replace an existing output directory (token_freq.pt included).")
     max_samples: int | None = opt(None, help="Keep at most this many samples.", low=1)
-    skip_invalid: bool = opt(False,
-                             help="Skip malformed rows (counted in metadata.json) instead of stopping.")
-    mask_check_rows: int = opt(64, cli=False,
-                               help="If none of the first N rows yields an assistant token, stop.")
+    skip_invalid: bool = opt(
+        False, help="Skip malformed rows (counted in metadata.json) instead of stopping."
+    )
+    mask_check_rows: int = opt(
+        64, cli=False, help="If none of the first N rows yields an assistant token, stop."
+    )
     trust_remote_code: bool = opt(False, help="Allow the tokenizer's own Python code (e.g. Kimi-K2.5).")
 
     def __post_init__(self) -> None:
@@ -123,10 +134,19 @@ def _message(j: int, role: str, turn: dict, text_key: str) -> dict:
             raise ValueError(f"turn {j} has reasoning_content that is not an assistant turn's string")
         message["reasoning_content"] = reasoning
     if calls is not None:
-        if role != "assistant" or not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-                for c in calls):
-            raise ValueError(f"turn {j} tool_calls must be an assistant turn's list of {{'function': {{'name', 'arguments'}}}}")
+        if (
+            role != "assistant"
+            or not isinstance(calls, list)
+            or not all(
+                isinstance(c, dict)
+                and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str)
+                for c in calls
+            )
+        ):
+            raise ValueError(
+                f"turn {j} tool_calls must be an assistant turn's list of {{'function': {{'name', 'arguments'}}}}"
+            )
         message["tool_calls"] = calls
     if role == "tool":
         for key in ("tool_call_id", "name"):
@@ -175,20 +195,33 @@ class TemplateMasker:
         from jinja2 import TemplateError
 
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
         except TemplateError as exc:
-            raise ValueError(f"the chat template fails on this row: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+            raise ValueError(
+                f"the chat template fails on this row: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
 
     def end_of_turn(self) -> str:
         """The special token the template writes right after an assistant's content ("" if none)."""
         if not hasattr(self, "_eot"):
             text = self.render([{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE}])
-            tail = text[text.rindex(PROBE) + 1:] if PROBE in text else ""
-            enc = self.tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True) if tail else None
+            tail = text[text.rindex(PROBE) + 1 :] if PROBE in text else ""
+            enc = (
+                self.tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True) if tail else None
+            )
             special = set(self.tokenizer.all_special_ids) | {
-                i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+                i
+                for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()
+                if getattr(t, "special", False)
+            }
             first = enc["input_ids"][0] if enc and enc["input_ids"] else None
-            self._eot = tail[slice(*enc["offset_mapping"][0])] if first in special and enc["offset_mapping"][0][0] == 0 else ""
+            self._eot = (
+                tail[slice(*enc["offset_mapping"][0])]
+                if first in special and enc["offset_mapping"][0][0] == 0
+                else ""
+            )
         return self._eot
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
@@ -199,16 +232,21 @@ class TemplateMasker:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            probe = [*messages[:i], {k: v for k, v in m.items() if k != "reasoning_content"} | {"content": PROBE},
-                     *messages[i + 1:]]
+            probe = [
+                *messages[:i],
+                {k: v for k, v in m.items() if k != "reasoning_content"} | {"content": PROBE},
+                *messages[i + 1 :],
+            ]
             other = self.render(probe)
             first = _common_prefix(full, other)
             content_end = len(full) - _common_suffix(full[first:], other[first:])
             start = self._turn_start(messages, i, full, first)
             end = full.find(eot, content_end) + len(eot) if eot else content_end
             if start < (spans[-1][1] if spans else 0) or (eot and end < len(eot)):
-                raise StageError(f"cannot find assistant turn {i} in the rendered conversation: the chat template "
-                                 f"does not write the generation prompt before it or {eot or 'an end'} after it")
+                raise StageError(
+                    f"cannot find assistant turn {i} in the rendered conversation: the chat template "
+                    f"does not write the generation prompt before it or {eot or 'an end'} after it"
+                )
             spans.append((start, end))
         return full, spans
 
@@ -219,12 +257,14 @@ class TemplateMasker:
             return 0
         prompt = self.render(messages[:i], generation_prompt=True)
         plain = self.render(messages[:i])
-        header = prompt[len(plain):] if prompt.startswith(plain) else ""
+        header = prompt[len(plain) :] if prompt.startswith(plain) else ""
         if not header:
             return first
         at = full.rfind(header, 0, first)  # the last occurrence that ends at or before ``first``
         if at < 0:
-            raise StageError(f"the chat template's generation prompt {header!r} does not precede assistant turn {i}")
+            raise StageError(
+                f"the chat template's generation prompt {header!r} does not precede assistant turn {i}"
+            )
         return at + len(header)
 
     def refuse_unrendered_tools(self, messages: list[dict]) -> None:
@@ -233,8 +273,10 @@ class TemplateMasker:
             return
         bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
         if self.render(bare) == self.render(messages):
-            raise ValueError("row has tool_calls, but the chat template does not render them: tool-call rows are "
-                             "supported only with a template that writes tool calls")
+            raise ValueError(
+                "row has tool_calls, but the chat template does not render them: tool-call rows are "
+                "supported only with a template that writes tool calls"
+            )
 
     def __call__(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         self.refuse_unrendered_tools(messages)
@@ -269,7 +311,9 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool):
 def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
     model = read_model_dir(cfg.model)
     if cfg.draft_vocab_size is not None and not 0 < cfg.draft_vocab_size <= model.vocab_size:
-        raise StageError(f"--draft-vocab-size {cfg.draft_vocab_size} must be between 1 and the target vocab size {model.vocab_size}")
+        raise StageError(
+            f"--draft-vocab-size {cfg.draft_vocab_size} must be between 1 and the target vocab size {model.vocab_size}"
+        )
     masker = TemplateMasker(load_tokenizer(cfg.model, cfg.trust_remote_code))
     max_tokens = cfg.seq_length - 1
     rows, skipped, truncated, no_loss, seen = [], 0, 0, 0, 0
@@ -282,14 +326,18 @@ def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
             ids, mask = masker(messages)
         except ValueError as exc:
             if not cfg.skip_invalid:
-                raise StageError(f"{cfg.data}:{lineno}: {exc} (drop the row or pass --skip-invalid)") from None
+                raise StageError(
+                    f"{cfg.data}:{lineno}: {exc} (drop the row or pass --skip-invalid)"
+                ) from None
             skipped += 1
             continue
         if len(ids) > max_tokens:
             ids, mask = ids[:max_tokens], mask[:max_tokens]
             truncated += 1
         if max(ids, default=0) >= model.vocab_size:
-            raise StageError(f"{cfg.data}:{lineno}: token id {max(ids)} >= model vocab size {model.vocab_size}: tokenizer and config.json disagree")
+            raise StageError(
+                f"{cfg.data}:{lineno}: token id {max(ids)} >= model vocab size {model.vocab_size}: tokenizer and config.json disagree"
+            )
         if sum(mask) == 0:
             no_loss += 1
         else:
@@ -302,17 +350,30 @@ def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
         if cfg.max_samples is not None and len(rows) >= cfg.max_samples:
             break
     if not rows:
-        raise StageError(f"no usable samples in {cfg.data} ({seen} rows read, {skipped} invalid, {no_loss} without assistant tokens)")
+        raise StageError(
+            f"no usable samples in {cfg.data} ({seen} rows read, {skipped} invalid, {no_loss} without assistant tokens)"
+        )
     samples = formats.PreparedSamples.from_rows(rows)
     freq = token_frequencies(samples.tokens, samples.loss_mask)
     metadata = formats.PreparedMetadata(
-        model=str(cfg.model.resolve()), seq_length=cfg.seq_length, max_tokens=max_tokens,
-        num_samples=len(samples), num_tokens=int(samples.offsets[-1]), num_loss_tokens=int(samples.loss_mask.sum()),
-        target_vocab_size=model.vocab_size, draft_vocab_size=cfg.draft_vocab_size, source=str(cfg.data.resolve()),
-        mask_method="chat-template-render-spans", skipped_rows=skipped, truncated_rows=truncated,
-        extra={"rows_without_assistant_tokens": no_loss}, provenance=provenance.record("prepare"),
+        model=str(cfg.model.resolve()),
+        seq_length=cfg.seq_length,
+        max_tokens=max_tokens,
+        num_samples=len(samples),
+        num_tokens=int(samples.offsets[-1]),
+        num_loss_tokens=int(samples.loss_mask.sum()),
+        target_vocab_size=model.vocab_size,
+        draft_vocab_size=cfg.draft_vocab_size,
+        source=str(cfg.data.resolve()),
+        mask_method="chat-template-render-spans",
+        skipped_rows=skipped,
+        truncated_rows=truncated,
+        extra={"rows_without_assistant_tokens": no_loss},
+        provenance=provenance.record("prepare"),
     )
-    with staged_dir(cfg.out, overwrite=cfg.overwrite, inputs={"--data": cfg.data, "--model": cfg.model}) as staging:
+    with staged_dir(
+        cfg.out, overwrite=cfg.overwrite, inputs={"--data": cfg.data, "--model": cfg.model}
+    ) as staging:
         formats.write_token_freq(staging / formats.TOKEN_FREQ, freq)
         if cfg.draft_vocab_size is not None:
             d2t, t2d = build_vocab_mapping(freq, model.vocab_size, cfg.draft_vocab_size)

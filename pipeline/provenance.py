@@ -51,7 +51,11 @@ def process_started() -> float:
     """This process's start (epoch seconds) from /proc; now where that cannot be read."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
+        )
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
@@ -71,11 +75,20 @@ def product() -> dict:
     commit, dirty = os.environ.get(COMMIT_ENV) or None, None
     if (REPO / ".git").exists():
         try:
-            head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-            status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                                    capture_output=True, text=True, timeout=10)
+            head = subprocess.run(
+                ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            )
+            status = subprocess.run(
+                ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             if head.returncode == 0:
-                commit, dirty = head.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
+                commit, dirty = (
+                    head.stdout.strip(),
+                    bool(status.stdout.strip()) if status.returncode == 0 else None,
+                )
         except (OSError, subprocess.TimeoutExpired):
             pass
     return {"version": version, "commit": commit, "dirty": dirty}
@@ -106,20 +119,33 @@ def patches() -> dict:
             out[package] = {"status": "not patched"}
             continue
         listed = json.dumps(state.get("patches", []), sort_keys=True).encode()
-        out[package] = {"version": state.get("version"), "status": state.get("status"),
-                        "patches": [p.get("name") for p in state.get("patches", []) if isinstance(p, dict)],
-                        "sha256": hashlib.sha256(listed).hexdigest()}
+        out[package] = {
+            "version": state.get("version"),
+            "status": state.get("status"),
+            "patches": [p.get("name") for p in state.get("patches", []) if isinstance(p, dict)],
+            "sha256": hashlib.sha256(listed).hexdigest(),
+        }
     hashed = {k: v.get("sha256") for k, v in out.items() if v.get("sha256")}
-    out["sha256"] = hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest() if hashed else None
+    out["sha256"] = (
+        hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest() if hashed else None
+    )
     return out
 
 
 def record(stage: str) -> dict:
     """The provenance of the running stage, as of now."""
     return {
-        "schema": SCHEMA, "version": VERSION, "stage": stage, "argv": list(sys.argv), "host": socket.gethostname(),
-        "python": sys.version.split()[0], "started": _iso(process_started()), "finished": _iso(time.time()),
-        "product": product(), "packages": packages(), "patches": patches(),
+        "schema": SCHEMA,
+        "version": VERSION,
+        "stage": stage,
+        "argv": list(sys.argv),
+        "host": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "started": _iso(process_started()),
+        "finished": _iso(time.time()),
+        "product": product(),
+        "packages": packages(),
+        "patches": patches(),
         "image_digest": os.environ.get(IMAGE_DIGEST_ENV) or None,
     }
 

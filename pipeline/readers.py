@@ -63,7 +63,8 @@ def read_json(path: Path, remedy: str, *, expect: type = dict) -> object:
 
 def _json_kind(obj: object) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(obj), "number")
+        type(obj), "number"
+    )
 
 
 def _matches(value: object, hint: object) -> bool:
@@ -91,12 +92,19 @@ def read_record(path: Path, cls: type, remedy: str):
     raw = read_json(path, remedy)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    required = [n for n, f in fields.items()
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    required = [
+        n
+        for n, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     missing = [n for n in required if n not in raw]
     if missing:
         raise damaged(path, f"lacks {', '.join(missing)}", remedy)
-    bad = [f"{n} is {_json_kind(raw[n])} {raw[n]!r:.40}" for n in fields if n in raw and not _matches(raw[n], hints[n])]
+    bad = [
+        f"{n} is {_json_kind(raw[n])} {raw[n]!r:.40}"
+        for n in fields
+        if n in raw and not _matches(raw[n], hints[n])
+    ]
     if bad:
         raise damaged(path, f"wrong value types: {'; '.join(bad)}", remedy)
     return cls(**{k: v for k, v in raw.items() if k in fields})
@@ -131,7 +139,11 @@ def read_model_config(path: Path) -> dict:
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
     if missing:
         raise StageError(f"{path} lacks {', '.join(missing)}: not a decoder-only language model config")
-    bad = [f"{k} = {text[k]!r}" for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not _positive_int(text[k])]
+    bad = [
+        f"{k} = {text[k]!r}"
+        for k in ("num_hidden_layers", "hidden_size", "vocab_size")
+        if not _positive_int(text[k])
+    ]
     archs = raw.get("architectures", [])
     if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         bad.append(f"architectures = {archs!r:.40} (expected a list of names)")
@@ -143,7 +155,9 @@ def read_model_config(path: Path) -> dict:
             if where.get(key) is not None and not isinstance(where[key], str):
                 bad.append(f"{key} = {where[key]!r} (expected a string)")
     if bad:
-        raise damaged(path, f"wrong values: {'; '.join(dict.fromkeys(bad))}", "fix config.json or " + MODEL_REMEDY)
+        raise damaged(
+            path, f"wrong values: {'; '.join(dict.fromkeys(bad))}", "fix config.json or " + MODEL_REMEDY
+        )
     return raw
 
 
@@ -154,8 +168,10 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool):
     try:
         return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exception on a damaged file
-        raise StageError(f"cannot load the tokenizer from {model_dir}: {_first_line(exc)} "
-                         f"(check tokenizer.json / tokenizer_config.json, or {MODEL_REMEDY})") from None
+        raise StageError(
+            f"cannot load the tokenizer from {model_dir}: {_first_line(exc)} "
+            f"(check tokenizer.json / tokenizer_config.json, or {MODEL_REMEDY})"
+        ) from None
 
 
 def read_weight_map(model_dir: Path) -> dict[str, str]:
@@ -168,7 +184,9 @@ def read_weight_map(model_dir: Path) -> dict[str, str]:
             raise damaged(index, "is not a safetensors index (no weight_map object)", MODEL_REMEDY)
         bad = [k for k, v in wmap.items() if not isinstance(v, str) or not v or "/" in v or v in (".", "..")]
         if bad:
-            raise damaged(index, f"weight_map[{bad[0]!r}] = {wmap[bad[0]]!r} is not a shard file name", MODEL_REMEDY)
+            raise damaged(
+                index, f"weight_map[{bad[0]!r}] = {wmap[bad[0]]!r} is not a shard file name", MODEL_REMEDY
+            )
         return dict(wmap)
     single = model_dir / "model.safetensors"
     if single.is_file():
@@ -205,13 +223,17 @@ def read_shard_tensors(model_dir: Path, wmap: dict[str, str], names: list[str]) 
                 present = set(fh.keys())
                 absent = [n for n in shard_names if n not in present]
                 if absent:
-                    raise damaged(path, f"has no tensor {absent[0]!r} although {INDEX} puts it there", MODEL_REMEDY)
+                    raise damaged(
+                        path, f"has no tensor {absent[0]!r} although {INDEX} puts it there", MODEL_REMEDY
+                    )
                 for n in shard_names:
                     tensors[n] = fh.get_tensor(n)
         except StageError:
             raise
         except Exception as exc:  # noqa: BLE001 - truncated or random bytes
-            raise damaged(path, f"not a readable safetensors file ({_first_line(exc)})", MODEL_REMEDY) from None
+            raise damaged(
+                path, f"not a readable safetensors file ({_first_line(exc)})", MODEL_REMEDY
+            ) from None
     return tensors
 
 
@@ -261,7 +283,9 @@ def read_token_freq(path: Path) -> dict[int, int]:
     """token_freq.pt: a dict of token id -> count, both non-negative integers."""
     freq = read_torch(path, PREPARED_REMEDY)
     if not isinstance(freq, dict):
-        raise damaged(path, f"holds a {type(freq).__name__}, expected a dict of token id -> count", PREPARED_REMEDY)
+        raise damaged(
+            path, f"holds a {type(freq).__name__}, expected a dict of token id -> count", PREPARED_REMEDY
+        )
     ok = all(isinstance(k, int) and isinstance(v, int) and k >= 0 and v >= 0 for k, v in freq.items())
     if not ok:
         raise damaged(path, "has an entry that is not a non-negative integer id -> count", PREPARED_REMEDY)

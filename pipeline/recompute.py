@@ -44,22 +44,34 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def compare(stored: list[torch.Tensor], fresh: list[torch.Tensor], layer_ids: list[int], tol: float) -> Comparison:
-    errors = [rel_err(s, f) if s.shape == f.shape else float("inf") for s, f in zip(stored, fresh, strict=True)]
+def compare(
+    stored: list[torch.Tensor], fresh: list[torch.Tensor], layer_ids: list[int], tol: float
+) -> Comparison:
+    errors = [
+        rel_err(s, f) if s.shape == f.shape else float("inf") for s, f in zip(stored, fresh, strict=True)
+    ]
     if all(e <= tol for e in errors):
         return Comparison(errors, None)
     notes = []
     for j, s in enumerate(stored):
         if errors[j] <= tol:
             continue
-        others = [k for k in range(len(fresh)) if k != j and fresh[k].shape == s.shape and rel_err(s, fresh[k]) <= tol]
+        others = [
+            k
+            for k in range(len(fresh))
+            if k != j and fresh[k].shape == s.shape and rel_err(s, fresh[k]) <= tol
+        ]
         if others:
-            notes.append(f"hidden_states[{j}] (layer {layer_ids[j]}) equals the recomputed layer {layer_ids[others[0]]}")
+            notes.append(
+                f"hidden_states[{j}] (layer {layer_ids[j]}) equals the recomputed layer {layer_ids[others[0]]}"
+            )
             continue
         shift = _shift(s, fresh[j], tol)
         if shift is not None:
-            notes.append(f"hidden_states[{j}] (layer {layer_ids[j]}) matches the recomputation shifted by "
-                         f"{shift:+d} token{'s' if abs(shift) > 1 else ''} (stored row t is row t{shift:+d})")
+            notes.append(
+                f"hidden_states[{j}] (layer {layer_ids[j]}) matches the recomputation shifted by "
+                f"{shift:+d} token{'s' if abs(shift) > 1 else ''} (stored row t is row t{shift:+d})"
+            )
         else:
             notes.append(f"hidden_states[{j}] (layer {layer_ids[j]}) differs by {errors[j]:.3g} > {tol:g}")
     return Comparison(errors, "; ".join(notes))
@@ -81,8 +93,15 @@ def pick(indices: list[int], k: int, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(indices, min(k, len(indices))))
 
 
-def spot_recompute(load, directory, picked: list[int], layer_ids: list[int], dtype: str, backend,
-                   tolerance: float | None = None) -> tuple[list[CheckResult], dict]:
+def spot_recompute(
+    load,
+    directory,
+    picked: list[int],
+    layer_ids: list[int],
+    dtype: str,
+    backend,
+    tolerance: float | None = None,
+) -> tuple[list[CheckResult], dict]:
     """Recompute ``picked`` files through ``backend`` (an HFBackend over the set's layer ids) and compare."""
     tol = tolerance if tolerance is not None else TOLERANCE.get(dtype, 0.1)
     out, stats = [], {}
@@ -93,12 +112,20 @@ def spot_recompute(load, directory, picked: list[int], layer_ids: list[int], dty
         stored = [h.clone() for h in d["hidden_states"]]
         fresh = backend.capture([ids])[0]
         if len(stored) != len(fresh):
-            out.append(check("recompute", False, "", f"{len(stored)} stored tensors for {len(fresh)} layers", name))
+            out.append(
+                check("recompute", False, "", f"{len(stored)} stored tensors for {len(fresh)} layers", name)
+            )
             continue
         c = compare(stored, fresh, layer_ids, tol)
         stats[name] = [round(e, 6) for e in c.errors]
         worst = max(c.errors)
-        out.append(check("recompute", c.diagnosis is None,
-                         f"max relative error {worst:.3g} <= {tol:g} over layers {layer_ids}",
-                         f"stored states differ from the recomputation: {c.diagnosis}", name))
+        out.append(
+            check(
+                "recompute",
+                c.diagnosis is None,
+                f"max relative error {worst:.3g} <= {tol:g} over layers {layer_ids}",
+                f"stored states differ from the recomputation: {c.diagnosis}",
+                name,
+            )
+        )
     return out, stats

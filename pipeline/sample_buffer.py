@@ -33,8 +33,12 @@ import torch
 from pipeline import formats
 
 _ZipReader = torch._C.PyTorchFileReader  # the reader torch.load uses; by name here so tests can age it
-_DTYPES = {"BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16, "FloatStorage": torch.float32,
-           "LongStorage": torch.int64}
+_DTYPES = {
+    "BFloat16Storage": torch.bfloat16,
+    "HalfStorage": torch.float16,
+    "FloatStorage": torch.float32,
+    "LongStorage": torch.int64,
+}
 
 
 class NotFastPath(Exception):
@@ -62,7 +66,7 @@ class _View(io.RawIOBase):
 
     def readinto(self, b) -> int:
         n = max(0, min(len(b), len(self._view) - self._pos))
-        b[:n] = self._view[self._pos:self._pos + n]
+        b[:n] = self._view[self._pos : self._pos + n]
         self._pos += n
         return n
 
@@ -92,8 +96,15 @@ class _Unpickler(pickle.Unpickler):
         raise NotFastPath(f"{module}.{name}")
 
     def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)
-                and isinstance(pid[2], str) and isinstance(pid[4], int) and pid[4] >= 0):
+        if not (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], torch.dtype)
+            and isinstance(pid[2], str)
+            and isinstance(pid[4], int)
+            and pid[4] >= 0
+        ):
             raise NotFastPath("storage id")
         _, dtype, key, _, numel = pid
         record = f"data/{key}"
@@ -103,14 +114,20 @@ class _Unpickler(pickle.Unpickler):
         start = self._reader.get_record_offset(record)
         if start + nbytes > self._data.numel():  # the view stays inside this file's bytes
             raise NotFastPath(f"record {record} past the end")
-        return self._data[start:start + nbytes].view(dtype)
+        return self._data[start : start + nbytes].view(dtype)
 
 
 def _rebuild(storage, offset, size, stride, requires_grad=False, hooks=None, *_):
     size, stride = tuple(size), tuple(stride)
-    if offset != 0 or stride != _contiguous(size) or math.prod(size) > storage.numel() or requires_grad or hooks:
+    if (
+        offset != 0
+        or stride != _contiguous(size)
+        or math.prod(size) > storage.numel()
+        or requires_grad
+        or hooks
+    ):
         raise NotFastPath("tensor layout")
-    return storage[:math.prod(size)].view(size)
+    return storage[: math.prod(size)].view(size)
 
 
 class SampleBuffer:
@@ -122,7 +139,9 @@ class SampleBuffer:
 
     def digest(self) -> formats.FileDigest:
         """The sha256 and size of the bytes the last ``read`` took in (the file's checksum, no second read)."""
-        return formats.FileDigest(hashlib.sha256(memoryview(self._buffer.numpy())[: self._size]).hexdigest(), self._size)
+        return formats.FileDigest(
+            hashlib.sha256(memoryview(self._buffer.numpy())[: self._size]).hexdigest(), self._size
+        )
 
     def read(self, path: Path) -> dict:
         if formats.weights_only_forced():

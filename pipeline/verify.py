@@ -55,27 +55,44 @@ class VerifyConfig:
     # hidden states: compare input_ids with these rows (default: from data_config)
     prepared: Path | None = opt(None, help="Prepared dir to compare input_ids with.")
     verifier: Path | None = opt(None, help="Dir with verifier.safetensors (alignment check).")
-    model: Path | None = opt(None, help="Target model dir: recompute --recompute-samples files through it, "
-                                        "compare with its own argmax.")
-    recompute_samples: int = opt(recompute.DEFAULT_SAMPLES, low=0, click_range=True,
-                                 help="With --model: K random files whose states are computed again and "
-                                      "compared layer by layer (0 = none).")
+    model: Path | None = opt(
+        None,
+        help="Target model dir: recompute --recompute-samples files through it, compare with its own argmax.",
+    )
+    recompute_samples: int = opt(
+        recompute.DEFAULT_SAMPLES,
+        low=0,
+        click_range=True,
+        help="With --model: K random files whose states are computed again and "
+        "compared layer by layer (0 = none).",
+    )
     # None: a fresh seed, reported in summary.json
-    recompute_seed: int | None = opt(None, low=0, click_range=True,
-                                     help="Seed choosing them (default: fresh, reported).")
+    recompute_seed: int | None = opt(
+        None, low=0, click_range=True, help="Seed choosing them (default: fresh, reported)."
+    )
     # None: by the stored dtype (recompute.TOLERANCE)
     recompute_tolerance: float | None = opt(
-        None, low=0, low_open=True, click_range=True,
-        help="Largest relative error per layer (default 0.1 for bf16/fp16 states, 1e-3 for fp32).")
-    trust_remote_code: bool = opt(False,
-                                  help="With --model: allow the model's own Python code (e.g. Kimi-K2.5).")
+        None,
+        low=0,
+        low_open=True,
+        click_range=True,
+        help="Largest relative error per layer (default 0.1 for bf16/fp16 states, 1e-3 for fp32).",
+    )
+    trust_remote_code: bool = opt(
+        False, help="With --model: allow the model's own Python code (e.g. Kimi-K2.5)."
+    )
     alignment_samples: int = opt(4, low=1, high=1 << 20, help="With --model: files checked for alignment.")
-    min_agreement: float = opt(0.95, low=0.0, high=1.0,
-                               help="With --model: the argmax agreement each of those files needs.")
+    min_agreement: float = opt(
+        0.95, low=0.0, high=1.0, help="With --model: the argmax agreement each of those files needs."
+    )
     # 0 = default_workers(), bounded by memory (_readers)
-    workers: int = opt(0, low=0, click_range=True,
-                       help="Parallel file readers (0 = 8, fewer with fewer cores, or when their buffers "
-                            "would take over a quarter of the free memory).")
+    workers: int = opt(
+        0,
+        low=0,
+        click_range=True,
+        help="Parallel file readers (0 = 8, fewer with fewer cores, or when their buffers "
+        "would take over a quarter of the free memory).",
+    )
     # hidden states written by several hosts: check only this host's shard
     world_size: int = opt(1, help="Check only one host's shard: i %% W == rank.", low=1, high=1 << 16)
     rank: int = opt(0, help="This host's rank in --world-size.")  # 0..world_size-1, checked in __post_init__
@@ -101,7 +118,9 @@ def detect_kind(path: Path) -> str:
         return "checkpoint"
     if (path / "draft" / "config.json").is_file():  # a train output dir: its draft/ is checked
         return "checkpoint"
-    raise StageError(f"{path} is not a stage output (no data_config.json, metadata.json, verifier.safetensors or draft config.json)")
+    raise StageError(
+        f"{path} is not a stage output (no data_config.json, metadata.json, verifier.safetensors or draft config.json)"
+    )
 
 
 # ---------------------------------------------------------------- prepared data
@@ -116,24 +135,53 @@ def verify_prepared(path: Path) -> Summary:
         return s
     s.checks.append(ok("readable", f"{len(samples)} samples, {int(samples.offsets[-1])} tokens"))
     lengths = samples.lengths()
-    s.checks.append(check("lengths", bool(lengths.min() >= 1 and lengths.max() <= meta.max_tokens),
-                          f"1..{int(lengths.max())} <= {meta.max_tokens}", f"lengths {int(lengths.min())}..{int(lengths.max())} outside 1..{meta.max_tokens}"))
-    s.checks.append(check("token_ids", bool(samples.tokens.max() < meta.target_vocab_size and samples.tokens.min() >= 0),
-                          f"all < {meta.target_vocab_size}", f"ids up to {int(samples.tokens.max())} >= vocab {meta.target_vocab_size}"))
+    s.checks.append(
+        check(
+            "lengths",
+            bool(lengths.min() >= 1 and lengths.max() <= meta.max_tokens),
+            f"1..{int(lengths.max())} <= {meta.max_tokens}",
+            f"lengths {int(lengths.min())}..{int(lengths.max())} outside 1..{meta.max_tokens}",
+        )
+    )
+    s.checks.append(
+        check(
+            "token_ids",
+            bool(samples.tokens.max() < meta.target_vocab_size and samples.tokens.min() >= 0),
+            f"all < {meta.target_vocab_size}",
+            f"ids up to {int(samples.tokens.max())} >= vocab {meta.target_vocab_size}",
+        )
+    )
     loss = int(samples.loss_mask.sum())
-    s.checks.append(check("loss_mask", loss > 0 and set(np.unique(samples.loss_mask).tolist()) <= {0, 1},
-                          f"{loss} assistant tokens ({loss / max(1, len(samples.tokens)):.1%})", "no assistant tokens, or values other than 0/1"))
+    s.checks.append(
+        check(
+            "loss_mask",
+            loss > 0 and set(np.unique(samples.loss_mask).tolist()) <= {0, 1},
+            f"{loss} assistant tokens ({loss / max(1, len(samples.tokens)):.1%})",
+            "no assistant tokens, or values other than 0/1",
+        )
+    )
     freq_path = path / formats.TOKEN_FREQ
     if freq_path.is_file():
         freq = formats.read_token_freq(freq_path)
-        s.checks.append(check("token_freq", freq == token_frequencies(samples.tokens, samples.loss_mask),
-                              f"{len(freq)} distinct tokens", "token_freq.pt differs from counts over the loss mask"))
+        s.checks.append(
+            check(
+                "token_freq",
+                freq == token_frequencies(samples.tokens, samples.loss_mask),
+                f"{len(freq)} distinct tokens",
+                "token_freq.pt differs from counts over the loss mask",
+            )
+        )
     else:
         s.checks.append(fail("token_freq", "token_freq.pt missing"))
     if (path / formats.D2T).is_file() or (path / formats.T2D).is_file() or meta.draft_vocab_size:
         s.checks.append(_vocab_check(path, meta.draft_vocab_size, meta.target_vocab_size))
-    s.stats = {"samples": len(samples), "tokens": int(samples.offsets[-1]), "loss_tokens": loss,
-               "max_length": int(lengths.max()), "mean_length": round(float(lengths.mean()), 1)}
+    s.stats = {
+        "samples": len(samples),
+        "tokens": int(samples.offsets[-1]),
+        "loss_tokens": loss,
+        "max_length": int(lengths.max()),
+        "mean_length": round(float(lengths.mean()), 1),
+    }
     return s
 
 
@@ -170,12 +218,35 @@ def reader_loads():
 
 
 #: the per-file checks of a full read, and of the record check (which reads no file: no checksum, no layer order)
-FULL_CHECKS = ("checksum", "loadable", "keys", "ids_mask", "layers", "shape_dtype", "nan_inf", "layer_order", "layer_scale",
-               "length", "sample_lengths", "prepared_match")
-RECORD_CHECKS = ("unchanged", "layers", "shape_dtype", "nan_inf", "layer_scale", "length", "sample_lengths", "prepared_match")
+FULL_CHECKS = (
+    "checksum",
+    "loadable",
+    "keys",
+    "ids_mask",
+    "layers",
+    "shape_dtype",
+    "nan_inf",
+    "layer_order",
+    "layer_scale",
+    "length",
+    "sample_lengths",
+    "prepared_match",
+)
+RECORD_CHECKS = (
+    "unchanged",
+    "layers",
+    "shape_dtype",
+    "nan_inf",
+    "layer_scale",
+    "length",
+    "sample_lengths",
+    "prepared_match",
+)
 FULL_NOTE = "every byte read back and hashed"
-RECORD_NOTE = ("judged by the writer's record: each file's size and mtime (one stat), its values as the writer "
-               "saw them; no byte read back, layer order not judged: `pipeline verify` re-reads every byte")
+RECORD_NOTE = (
+    "judged by the writer's record: each file's size and mtime (one stat), its values as the writer "
+    "saw them; no byte read back, layer order not judged: `pipeline verify` re-reads every byte"
+)
 #: per-file checks that say the file cannot be read as a sample at all (the others judge its content)
 STRUCTURAL = ("loadable", "keys", "ids_mask", "layers", "shape_dtype", "nan_inf")
 
@@ -196,27 +267,46 @@ class SetContext:
         return next((n for n, d in self.recorded.items() if d.sha256 == sha256), None)
 
 
-def _checksum_finding(name: str, digest: formats.FileDigest | None, ctx: SetContext, damaged: bool) -> CheckResult | None:
+def _checksum_finding(
+    name: str, digest: formats.FileDigest | None, ctx: SetContext, damaged: bool
+) -> CheckResult | None:
     """A failed ``checksum`` check naming how the file's bytes differ from what extract recorded, or None."""
     if not ctx.recorded or digest is None:
         return None
     want = ctx.recorded.get(name)
     if want is None:
-        return fail("checksum", "no checksum recorded for this file: not written by this set's extract "
-                    "(or its run was killed before recording it: run extract --resume, which records it)", name)
+        return fail(
+            "checksum",
+            "no checksum recorded for this file: not written by this set's extract "
+            "(or its run was killed before recording it: run extract --resume, which records it)",
+            name,
+        )
     if digest.sha256 == want.sha256:
         return None
     twin = ctx.owner_of(digest.sha256)
     if twin is not None:
-        return fail("checksum", f"holds the bytes extract wrote as {twin}: files renamed or copied over each other", name)
+        return fail(
+            "checksum",
+            f"holds the bytes extract wrote as {twin}: files renamed or copied over each other",
+            name,
+        )
     if damaged and digest.bytes < want.bytes:
         return fail("checksum", f"truncated: {digest.bytes} bytes, extract wrote {want.bytes}", name)
-    what = ("bytes differ from what extract wrote (damaged: see this file's other checks)" if damaged else
-            "a well-formed sample whose bytes are not what extract wrote: a file from another set (or rewritten since)")
-    return fail("checksum", f"{what}; {digest.bytes} bytes, sha256 {digest.sha256[:12]}, recorded {want.sha256[:12]}", name)
+    what = (
+        "bytes differ from what extract wrote (damaged: see this file's other checks)"
+        if damaged
+        else "a well-formed sample whose bytes are not what extract wrote: a file from another set (or rewritten since)"
+    )
+    return fail(
+        "checksum",
+        f"{what}; {digest.bytes} bytes, sha256 {digest.sha256[:12]}, recorded {want.sha256[:12]}",
+        name,
+    )
 
 
-def _check_file(directory: Path, i: int, ctx: SetContext, load, judge=None) -> tuple[list[CheckResult], list | None]:
+def _check_file(
+    directory: Path, i: int, ctx: SetContext, load, judge=None
+) -> tuple[list[CheckResult], list | None]:
     """The findings of one file, and its layer signatures (None where the file is not a readable sample).
     ``load(path)`` gives the sample and its digest (None: not hashed); ``judge`` its findings
     (default ``_sample_findings``, every per-file check)."""
@@ -228,7 +318,13 @@ def _check_file(directory: Path, i: int, ctx: SetContext, load, judge=None) -> t
             digest = formats.file_digest(directory / name)
         except OSError:
             digest = None
-        found = [fail("loadable", f"cannot load: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", name)]
+        found = [
+            fail(
+                "loadable",
+                f"cannot load: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                name,
+            )
+        ]
         return [c for c in [_checksum_finding(name, digest, ctx, True)] if c] + found, None
     out, stats = (judge or _sample_findings)(name, i, d, ctx)
     checksum = _checksum_finding(name, digest, ctx, any(c.name in STRUCTURAL for c in out))
@@ -247,13 +343,17 @@ def _sample_findings(name: str, i: int, d, ctx: SetContext) -> tuple[list[CheckR
     return out + _value_findings(name, bad, stats, t, ctx) + _identity_findings(name, i, d, t, ctx), stats
 
 
-def _value_findings(name: str, bad: list[int], stats: list | None, t: int, ctx: SetContext, order: bool = True) -> list[CheckResult]:
+def _value_findings(
+    name: str, bad: list[int], stats: list | None, t: int, ctx: SetContext, order: bool = True
+) -> list[CheckResult]:
     """The judges of a file's values, from its per-state non-finite counts and layer signatures (None where
     any state has a non-finite entry): NaN/Inf, and against the set's profile layer scale and (``order``)
     layer order. The same for a file read (``_sample_findings``) and for its writer's record (``_record_findings``)."""
     dc, ref = ctx.dc, ctx.reference
     if any(bad):
-        named = ", ".join(f"hidden_states[{j}] (layer {dc.layer_ids[j]}): {n}" for j, n in enumerate(bad) if n)
+        named = ", ".join(
+            f"hidden_states[{j}] (layer {dc.layer_ids[j]}): {n}" for j, n in enumerate(bad) if n
+        )
         return [fail("nan_inf", f"non-finite values: {named}", name)]
     out = []
     if ref is not None and stats is not None:
@@ -271,23 +371,48 @@ def _form_findings(name: str, d, ctx: SetContext) -> tuple[list[CheckResult], in
 
     dc, ref = ctx.dc, ctx.reference
     if not isinstance(d, dict) or set(d) != set(formats.DATA_KEYS):
-        return [fail("keys", f"keys {sorted(d) if isinstance(d, dict) else type(d).__name__}, expected {list(formats.DATA_KEYS)}", name)], -1
+        return [
+            fail(
+                "keys",
+                f"keys {sorted(d) if isinstance(d, dict) else type(d).__name__}, expected {list(formats.DATA_KEYS)}",
+                name,
+            )
+        ], -1
     ids, mask, hs = d["input_ids"], d["loss_mask"], d["hidden_states"]
     t = int(ids.shape[0]) if ids.ndim == 1 else -1
     if ids.dtype != torch.int64 or ids.ndim != 1 or mask.dtype != torch.int64 or tuple(mask.shape) != (t,):
-        return [fail("ids_mask", f"input_ids {ids.dtype}{tuple(ids.shape)}, loss_mask {mask.dtype}{tuple(mask.shape)}; expected int64[T] both", name)], t
+        return [
+            fail(
+                "ids_mask",
+                f"input_ids {ids.dtype}{tuple(ids.shape)}, loss_mask {mask.dtype}{tuple(mask.shape)}; expected int64[T] both",
+                name,
+            )
+        ], t
     if not isinstance(hs, list) or len(hs) != len(dc.layer_ids):
         detail = f"{len(hs) if isinstance(hs, list) else type(hs).__name__} hidden-state tensors, expected {len(dc.layer_ids)}"
-        if ref is not None and isinstance(hs, list) and 0 < len(hs) < len(dc.layer_ids) and all(
-                tuple(h.shape) == (t, dc.hidden_size) for h in hs):
+        if (
+            ref is not None
+            and isinstance(hs, list)
+            and 0 < len(hs) < len(dc.layer_ids)
+            and all(tuple(h.shape) == (t, dc.hidden_size) for h in hs)
+        ):
             detail += ": " + layer_profile.dropped_problem([layer_profile.layer_stats(h) for h in hs], ref)
         return [fail("layers", detail, name)], t
     want_dtype = getattr(torch, dc.dtype)
-    return [fail("shape_dtype", f"hidden_states[{j}] is {str(h.dtype).removeprefix('torch.')}{list(h.shape)}, expected {dc.dtype}[{t}, {dc.hidden_size}]", name)
-            for j, h in enumerate(hs) if tuple(h.shape) != (t, dc.hidden_size) or h.dtype != want_dtype], t
+    return [
+        fail(
+            "shape_dtype",
+            f"hidden_states[{j}] is {str(h.dtype).removeprefix('torch.')}{list(h.shape)}, expected {dc.dtype}[{t}, {dc.hidden_size}]",
+            name,
+        )
+        for j, h in enumerate(hs)
+        if tuple(h.shape) != (t, dc.hidden_size) or h.dtype != want_dtype
+    ], t
 
 
-def _identity_findings(name: str, i: int, d: dict, t: int, ctx: SetContext, ids_mask_sha256: str | None = None) -> list[CheckResult]:
+def _identity_findings(
+    name: str, i: int, d: dict, t: int, ctx: SetContext, ids_mask_sha256: str | None = None
+) -> list[CheckResult]:
     """Whether a sample of the right form is sample ``i`` of this set: its length, and its input_ids and loss_mask
     against the prepared row (only those two small tensors are read; or, given ``ids_mask_sha256``, the
     writer's digest of them, compared with the row's)."""
@@ -302,7 +427,9 @@ def _identity_findings(name: str, i: int, d: dict, t: int, ctx: SetContext, ids_
             same = ids_mask_sha256 == ids_mask_digest(prepared.ids(i), prepared.mask(i))
         else:
             ids, mask = d["input_ids"], d["loss_mask"]
-            same = np.array_equal(ids.numpy(), prepared.ids(i).astype(np.int64)) and np.array_equal(mask.numpy(), prepared.mask(i).astype(np.int64))
+            same = np.array_equal(ids.numpy(), prepared.ids(i).astype(np.int64)) and np.array_equal(
+                mask.numpy(), prepared.mask(i).astype(np.int64)
+            )
         if not same:
             out.append(fail("prepared_match", f"input_ids/loss_mask differ from prepared row {i}", name))
     return out
@@ -320,7 +447,9 @@ def ids_mask_digest(ids, mask) -> str:
 FACTS_VERSION = 1  # of the ``facts`` of a checksum record (formats.py): what ``written_facts`` records
 
 
-def written_facts(ids: torch.Tensor, states: list[torch.Tensor], mask: torch.Tensor, scales: list | None = None) -> dict:
+def written_facts(
+    ids: torch.Tensor, states: list[torch.Tensor], mask: torch.Tensor, scales: list | None = None
+) -> dict:
     """What the record check judges a data file by, computed by its writer from the tensors in hand before
     the write (no file is read): the tokens and each state's dtype and shape, each state's non-finite count
     (``_nonfinite``), each state's log RMS (``_log_rms``: layer_stats's figure; None for an all-zero state, and
@@ -336,9 +465,14 @@ def written_facts(ids: torch.Tensor, states: list[torch.Tensor], mask: torch.Ten
     else:
         bad = [int(count.sum()) for _, count in scales]
         log_rms = None if any(bad) else [_log_median(rms) for rms, _ in scales]
-    return {"version": FACTS_VERSION, "tokens": int(ids.shape[0]),
-            "states": [[str(h.dtype).removeprefix("torch."), *map(int, h.shape)] for h in states],
-            "nonfinite": bad, "log_rms": log_rms, "ids_mask_sha256": ids_mask_digest(ids.numpy(), mask.numpy())}
+    return {
+        "version": FACTS_VERSION,
+        "tokens": int(ids.shape[0]),
+        "states": [[str(h.dtype).removeprefix("torch."), *map(int, h.shape)] for h in states],
+        "nonfinite": bad,
+        "log_rms": log_rms,
+        "ids_mask_sha256": ids_mask_digest(ids.numpy(), mask.numpy()),
+    }
 
 
 def _log_rms(h: torch.Tensor) -> float | None:
@@ -356,8 +490,12 @@ def _log_median(rms: torch.Tensor) -> float | None:
 
 def has_facts(digest: formats.FileDigest | None) -> bool:
     """Whether a record carries what the record check needs (a version 2 entry with facts it knows)."""
-    return (digest is not None and digest.mtime_ns is not None and isinstance(digest.facts, dict)
-            and digest.facts.get("version") == FACTS_VERSION)
+    return (
+        digest is not None
+        and digest.mtime_ns is not None
+        and isinstance(digest.facts, dict)
+        and digest.facts.get("version") == FACTS_VERSION
+    )
 
 
 def _record_signatures(facts: dict) -> list | None:
@@ -376,9 +514,15 @@ def _stand_in(facts: dict) -> dict:
     import torch
 
     t = int(facts["tokens"])
-    states = [torch.empty(tuple(int(n) for n in shape), dtype=getattr(torch, dtype), device="meta") for dtype, *shape in facts["states"]]
-    return {"input_ids": torch.empty((t,), dtype=torch.int64, device="meta"), "hidden_states": states,
-            "loss_mask": torch.empty((t,), dtype=torch.int64, device="meta")}
+    states = [
+        torch.empty(tuple(int(n) for n in shape), dtype=getattr(torch, dtype), device="meta")
+        for dtype, *shape in facts["states"]
+    ]
+    return {
+        "input_ids": torch.empty((t,), dtype=torch.int64, device="meta"),
+        "hidden_states": states,
+        "loss_mask": torch.empty((t,), dtype=torch.int64, device="meta"),
+    }
 
 
 def _record_findings(directory: Path, i: int, ctx: SetContext) -> list[CheckResult]:
@@ -392,26 +536,59 @@ def _record_findings(directory: Path, i: int, ctx: SetContext) -> list[CheckResu
         return [fail("unchanged", f"cannot stat: {exc.strerror or exc}", name)]
     if st.st_size != rec.bytes:
         how = "truncated" if st.st_size < rec.bytes else "grown"
-        return [fail("unchanged", f"{how} since extract wrote it: {st.st_size} bytes, extract wrote {rec.bytes}", name)]
+        return [
+            fail(
+                "unchanged",
+                f"{how} since extract wrote it: {st.st_size} bytes, extract wrote {rec.bytes}",
+                name,
+            )
+        ]
     if st.st_mtime_ns != rec.mtime_ns:
-        return [fail("unchanged", "modified since extract wrote it (its mtime is not the recorded one): replaced or rewritten", name)]
+        return [
+            fail(
+                "unchanged",
+                "modified since extract wrote it (its mtime is not the recorded one): replaced or rewritten",
+                name,
+            )
+        ]
     try:
         d, stats, bad, digest = _read_facts(rec.facts)
     except _BAD_FACTS as exc:
-        return [fail("record", f"its record entry is not one extract writes ({type(exc).__name__}): run `pipeline verify`", name)]
-    out, t = _form_findings(name, d, replace(ctx, reference=None))  # no profile: a dropped layer's detail reads values
+        return [
+            fail(
+                "record",
+                f"its record entry is not one extract writes ({type(exc).__name__}): run `pipeline verify`",
+                name,
+            )
+        ]
+    out, t = _form_findings(
+        name, d, replace(ctx, reference=None)
+    )  # no profile: a dropped layer's detail reads values
     if out:
         return out
-    return _value_findings(name, bad, stats, t, ctx, order=False) + _identity_findings(name, i, d, t, ctx, digest)
+    return _value_findings(name, bad, stats, t, ctx, order=False) + _identity_findings(
+        name, i, d, t, ctx, digest
+    )
 
 
-_BAD_FACTS = (KeyError, TypeError, ValueError, AttributeError, RuntimeError)  # a record entry damaged or not ours
+_BAD_FACTS = (
+    KeyError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    RuntimeError,
+)  # a record entry damaged or not ours
 
 
 def _read_facts(facts: dict) -> tuple[dict, list | None, list[int], str]:
     """A record's stand-in sample, layer signatures, non-finite counts and ids+mask digest (``_BAD_FACTS``
     for an entry that does not have them)."""
-    return _stand_in(facts), _record_signatures(facts), [int(n) for n in facts["nonfinite"]], str(facts["ids_mask_sha256"])
+    return (
+        _stand_in(facts),
+        _record_signatures(facts),
+        [int(n) for n in facts["nonfinite"]],
+        str(facts["ids_mask_sha256"]),
+    )
 
 
 def _record_reference(indices: list[int], ctx: SetContext) -> layer_profile.Reference | None:
@@ -472,7 +649,9 @@ def available_memory() -> int | None:
 def _readers(workers: int, dc: formats.DataConfig):
     """The reader count (``workers``, or the default bounded by the largest file a data config allows and
     the memory available) and a loader for them."""
-    itemsize = {"bfloat16": 2, "float16": 2}.get(dc.dtype, 4)  # a dtype the file check will report counts as 4
+    itemsize = {"bfloat16": 2, "float16": 2}.get(
+        dc.dtype, 4
+    )  # a dtype the file check will report counts as 4
     largest = dc.seq_length * dc.hidden_size * len(dc.layer_ids) * itemsize
     return workers or default_workers(largest, available_memory()), reader_loads()
 
@@ -491,8 +670,16 @@ def _threads_per_reader(readers: int):
         torch.set_num_threads(before)
 
 
-def set_context(directory: Path, indices: list[int], dc: formats.DataConfig, pool, load, lengths=None, prepared=None,
-                sample: int = 16) -> SetContext:
+def set_context(
+    directory: Path,
+    indices: list[int],
+    dc: formats.DataConfig,
+    pool,
+    load,
+    lengths=None,
+    prepared=None,
+    sample: int = 16,
+) -> SetContext:
     """The context files are judged in: recorded checksums, and the layer profile of up to ``sample`` of
     ``indices`` spread over the set (their files read once more for it)."""
     picked = _profile_picks(indices, sample)
@@ -506,8 +693,13 @@ def set_context(directory: Path, indices: list[int], dc: formats.DataConfig, poo
             return None
 
     sigs = [s for s in pool.map(signature, picked) if s is not None]
-    return SetContext(dc, lengths or {}, prepared, formats.read_checksums(directory),
-                      layer_profile.build_reference(sigs, dc.layer_ids))
+    return SetContext(
+        dc,
+        lengths or {},
+        prepared,
+        formats.read_checksums(directory),
+        layer_profile.build_reference(sigs, dc.layer_ids),
+    )
 
 
 def _profile_picks(indices: list[int], sample: int = 16) -> list[int]:
@@ -516,7 +708,9 @@ def _profile_picks(indices: list[int], sample: int = 16) -> list[int]:
     return indices[::step][:sample]
 
 
-def damaged_files(directory: Path, indices: list[int], dc: formats.DataConfig, prepared, workers: int = 0) -> dict[int, str]:
+def damaged_files(
+    directory: Path, indices: list[int], dc: formats.DataConfig, prepared, workers: int = 0
+) -> dict[int, str]:
     """Files among ``indices`` that fail any per-file check, with the first reason: what --repair redoes."""
     workers, load = _readers(workers, dc)
     with _threads_per_reader(workers), ThreadPoolExecutor(max_workers=workers) as pool:
@@ -525,7 +719,9 @@ def damaged_files(directory: Path, indices: list[int], dc: formats.DataConfig, p
     return {i: f"{cs[0].name}: {cs[0].detail}" for i, cs in results if cs}
 
 
-def foreign_files(directory: Path, indices: list[int], dc: formats.DataConfig, prepared, workers: int = 0) -> dict[int, str]:
+def foreign_files(
+    directory: Path, indices: list[int], dc: formats.DataConfig, prepared, workers: int = 0
+) -> dict[int, str]:
     """Files among ``indices`` that are not this run's sample i, with their reasons: what ``extract --resume``
     refuses to skip. Cheap, unlike ``damaged_files``: each file is mapped, not read (its zip directory and
     pickle, then input_ids and loss_mask, compared with prepared row i; the states' count, shapes and dtypes
@@ -545,7 +741,9 @@ def foreign_files(directory: Path, indices: list[int], dc: formats.DataConfig, p
         return d, formats.file_digest(path) if changed else None
 
     with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
-        results = list(pool.map(lambda i: (i, _check_file(directory, i, ctx, load, _ownership_findings)[0]), indices))
+        results = list(
+            pool.map(lambda i: (i, _check_file(directory, i, ctx, load, _ownership_findings)[0]), indices)
+        )
     return {i: _reasons(cs) for i, cs in results if cs}
 
 
@@ -597,8 +795,15 @@ def _open_target(cfg: VerifyConfig, dc: formats.DataConfig):
     model = read_model_dir(cfg.model)
     check_checkpoint(model)  # config vs checkpoint, as extract checks it: a model that is not what it claims
     dtype = dc.dtype if resolve_device("auto").type == "cuda" else "float32"
-    return HFBackend(BackendOptions(model=model, layer_ids=tuple(dc.layer_ids), dtype=dtype,
-                                    seq_length=dc.seq_length, trust_remote_code=cfg.trust_remote_code))
+    return HFBackend(
+        BackendOptions(
+            model=model,
+            layer_ids=tuple(dc.layer_ids),
+            dtype=dtype,
+            seq_length=dc.seq_length,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    )
 
 
 def _target_argmax(model, ids: torch.Tensor) -> torch.Tensor:
@@ -619,27 +824,54 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
     except StageError as exc:
         s.checks.append(fail("data_config", str(exc)))
         return s
-    s.checks.append(ok("data_config", f"{dc.num_samples} samples, layers {dc.layer_ids}, H={dc.hidden_size}, {dc.dtype}"))
+    s.checks.append(
+        ok("data_config", f"{dc.num_samples} samples, layers {dc.layer_ids}, H={dc.hidden_size}, {dc.dtype}")
+    )
     expected = set(shard(dc.num_samples, cfg.rank, cfg.world_size))
     if not expected:  # a shard that selects no file has nothing to be OK about
-        s.checks.append(fail("shard", f"--rank {cfg.rank} of --world-size {cfg.world_size} selects none of the "
-                                      f"{dc.num_samples} samples: check --world-size"))
+        s.checks.append(
+            fail(
+                "shard",
+                f"--rank {cfg.rank} of --world-size {cfg.world_size} selects none of the "
+                f"{dc.num_samples} samples: check --world-size",
+            )
+        )
         return s
     present = formats.existing_data_indices(path)
     extra = sorted(set(present) - set(range(dc.num_samples)))
     indices = sorted(set(present) & expected)
     missing = sorted(expected - set(indices))
     which = f" (shard {cfg.rank}/{cfg.world_size})" if cfg.world_size > 1 else ""
-    s.checks.append(check("contiguity", not missing and not extra, f"data_0..data_{dc.num_samples - 1}{which}",
-                          f"missing {_ranges(missing)}" + (f"; unexpected {_ranges(extra)}" if extra else "")))
-    s.checks.append(check("count", len(indices) == len(expected) and not extra, f"{len(indices)} files{which}",
-                          f"{len(indices)} data files{which}, expected {len(expected)} of data_config.json's {dc.num_samples}"))
+    s.checks.append(
+        check(
+            "contiguity",
+            not missing and not extra,
+            f"data_0..data_{dc.num_samples - 1}{which}",
+            f"missing {_ranges(missing)}" + (f"; unexpected {_ranges(extra)}" if extra else ""),
+        )
+    )
+    s.checks.append(
+        check(
+            "count",
+            len(indices) == len(expected) and not extra,
+            f"{len(indices)} files{which}",
+            f"{len(indices)} data files{which}, expected {len(expected)} of data_config.json's {dc.num_samples}",
+        )
+    )
     partials = [p.name for p in path.glob(".*.partial")]
     if partials:
         s.checks.append(warn("partials", f"{len(partials)} leftover partial files (removed by --resume)"))
     lengths = formats.read_sample_lengths(path)
-    s.checks.append(check("sample_lengths", bool(lengths) and len(lengths) == dc.num_samples, f"{len(lengths)} entries",
-                          "sample_lengths.json missing" if not lengths else f"{len(lengths)} entries for {dc.num_samples} samples"))
+    s.checks.append(
+        check(
+            "sample_lengths",
+            bool(lengths) and len(lengths) == dc.num_samples,
+            f"{len(lengths)} entries",
+            "sample_lengths.json missing"
+            if not lengths
+            else f"{len(lengths)} entries for {dc.num_samples} samples",
+        )
+    )
     prepared_dir = cfg.prepared or (Path(dc.prepared) if dc.prepared and Path(dc.prepared).is_dir() else None)
     prepared = formats.read_prepared(prepared_dir)[0] if prepared_dir else None
     checked = sorted(set(indices) & set(range(dc.num_samples)))
@@ -671,22 +903,39 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
         elif n == "checksum" and not ctx.recorded:
             continue  # said once by the checksums row
         elif n in ("layer_order", "layer_scale") and ctx.reference is None:
-            s.checks.append(warn(n, f"fewer than {layer_profile.MIN_REFERENCE_FILES} intact files to build the "
-                                 "set's layer profile from: not checked"))
+            s.checks.append(
+                warn(
+                    n,
+                    f"fewer than {layer_profile.MIN_REFERENCE_FILES} intact files to build the "
+                    "set's layer profile from: not checked",
+                )
+            )
         elif n not in failed_names:
             detail = f"all {len(per_file)} files"
             if n == "unchanged":
                 detail += ": size and mtime as extract recorded them (not read back)"
             s.checks.append(ok(n if n != "sample_lengths" else "lengths_match", detail))
-    s.stats = {"samples": dc.num_samples, "files": len(indices), "layer_ids": dc.layer_ids, "dtype": dc.dtype,
-               "world_size": cfg.world_size, "rank": cfg.rank, "missing": missing,
-               "tokens": sum(lengths.get(i, 0) for i in indices), "checksums_recorded": len(ctx.recorded)}
+    s.stats = {
+        "samples": dc.num_samples,
+        "files": len(indices),
+        "layer_ids": dc.layer_ids,
+        "dtype": dc.dtype,
+        "world_size": cfg.world_size,
+        "rank": cfg.rank,
+        "missing": missing,
+        "tokens": sum(lengths.get(i, 0) for i in indices),
+        "checksums_recorded": len(ctx.recorded),
+    }
     if ctx.reference is not None:
-        s.stats["layer_profile"] = {"files": ctx.reference.files,
-                                    "median_rms": [round(math.exp(x), 6) for x in ctx.reference.log_rms]}
+        s.stats["layer_profile"] = {
+            "files": ctx.reference.files,
+            "median_rms": [round(math.exp(x), 6) for x in ctx.reference.log_rms],
+        }
     if cfg.closing_check is not None:
         s.stats["closing_check"] = "record" if by_record else "full"
-        s.stats["closing_check_note"] = (RECORD_NOTE if by_record else FULL_NOTE) + (f" ({fallback})" if fallback else "")
+        s.stats["closing_check_note"] = (RECORD_NOTE if by_record else FULL_NOTE) + (
+            f" ({fallback})" if fallback else ""
+        )
         s.stats["closing_check_seconds"] = round(time.perf_counter() - t0, 3)
     if cfg.verifier or cfg.model:
         unreadable = {c.file for c in findings if c.file and c.name in STRUCTURAL}
@@ -703,7 +952,13 @@ def _renamed(path: Path, extra: list[int], ctx: SetContext) -> list[CheckResult]
         except OSError:
             continue
         if owner is not None:
-            out.append(fail("renumbered", f"holds the bytes extract wrote as {owner}: renamed out of its place", f"data_{i}.pt"))
+            out.append(
+                fail(
+                    "renumbered",
+                    f"holds the bytes extract wrote as {owner}: renamed out of its place",
+                    f"data_{i}.pt",
+                )
+            )
     return out
 
 
@@ -714,26 +969,44 @@ def _record_gap(indices: list[int], recorded: dict[str, formats.FileDigest]) -> 
     bare = [i for i in indices if not has_facts(recorded.get(f"data_{i}.pt"))]
     if not bare:
         return None
-    return (f"read in full: {len(bare)} of {len(indices)} files, {_ranges(bare, 3)}, have no writer's record of "
-            "their values (written before extract recorded them)")
+    return (
+        f"read in full: {len(bare)} of {len(indices)} files, {_ranges(bare, 3)}, have no writer's record of "
+        "their values (written before extract recorded them)"
+    )
 
 
 def _checksums_summary(path: Path, ctx: SetContext, files: int, hashed: bool = True) -> CheckResult:
-    damaged = [p.name for p in sorted(path.glob(formats.CHECKSUM_INDEX_GLOB)) if not formats.read_checksum_index(p)
-               and p.stat().st_size > 0 and formats.CHECKSUM_SCHEMA not in p.read_text(errors="replace")[:200]]
+    damaged = [
+        p.name
+        for p in sorted(path.glob(formats.CHECKSUM_INDEX_GLOB))
+        if not formats.read_checksum_index(p)
+        and p.stat().st_size > 0
+        and formats.CHECKSUM_SCHEMA not in p.read_text(errors="replace")[:200]
+    ]
     if damaged:
-        return fail("checksums", f"{', '.join(damaged)} is not a checksum index (damaged): "
-                    "re-run extract --resume to record the files' checksums again")
+        return fail(
+            "checksums",
+            f"{', '.join(damaged)} is not a checksum index (damaged): "
+            "re-run extract --resume to record the files' checksums again",
+        )
     if not ctx.recorded:
-        return warn("checksums", "no checksums recorded (a set written before extract recorded them): "
-                    "file contents not compared with what was written")
+        return warn(
+            "checksums",
+            "no checksums recorded (a set written before extract recorded them): "
+            "file contents not compared with what was written",
+        )
     if not hashed:
-        return ok("checksums", f"{len(ctx.recorded)} recorded (sha256 of the bytes as written), {files} files judged by "
-                  "their record: not read back")
+        return ok(
+            "checksums",
+            f"{len(ctx.recorded)} recorded (sha256 of the bytes as written), {files} files judged by "
+            "their record: not read back",
+        )
     return ok("checksums", f"{len(ctx.recorded)} recorded (sha256), {files} files hashed")
 
 
-def _model_checks(cfg: VerifyConfig, dc: formats.DataConfig, readable: list[int], s: Summary) -> list[CheckResult]:
+def _model_checks(
+    cfg: VerifyConfig, dc: formats.DataConfig, readable: list[int], s: Summary
+) -> list[CheckResult]:
     """The spot re-computation of K readable files (with --model) and the alignment check (on readable files:
     one whose bytes or profile are off is still worth its agreement figure), with one model load."""
     target = None
@@ -743,17 +1016,32 @@ def _model_checks(cfg: VerifyConfig, dc: formats.DataConfig, readable: list[int]
             try:
                 target = _open_target(cfg, dc)
             except StageError as exc:
-                hint = "" if cfg.trust_remote_code else " (pass --trust-remote-code if the model needs its own code)"
+                hint = (
+                    ""
+                    if cfg.trust_remote_code
+                    else " (pass --trust-remote-code if the model needs its own code)"
+                )
                 return [fail("recompute", f"cannot load --model: {exc}{hint}")]
         if target is not None and cfg.recompute_samples > 0:
             if not readable:
                 out.append(fail("recompute", "no readable files to recompute"))
             else:
-                seed = cfg.recompute_seed if cfg.recompute_seed is not None else int.from_bytes(os.urandom(4), "little")
+                seed = (
+                    cfg.recompute_seed
+                    if cfg.recompute_seed is not None
+                    else int.from_bytes(os.urandom(4), "little")
+                )
                 picked = recompute.pick(readable, cfg.recompute_samples, seed)
                 load = reader_loads()
-                checks, errors = recompute.spot_recompute(lambda p: load(p)[0], cfg.path, picked, dc.layer_ids,
-                                                          dc.dtype, target, cfg.recompute_tolerance)
+                checks, errors = recompute.spot_recompute(
+                    lambda p: load(p)[0],
+                    cfg.path,
+                    picked,
+                    dc.layer_ids,
+                    dc.dtype,
+                    target,
+                    cfg.recompute_tolerance,
+                )
                 out.extend(checks)
                 s.stats["recompute"] = {"samples": len(picked), "seed": seed, "relative_errors": errors}
         out.extend(_alignment_checks(cfg, dc, readable, s, target.model if target is not None else None))
@@ -763,7 +1051,9 @@ def _model_checks(cfg: VerifyConfig, dc: formats.DataConfig, readable: list[int]
     return out
 
 
-def _alignment_checks(cfg: VerifyConfig, dc: formats.DataConfig, good: list[int], s: Summary, target) -> list[CheckResult]:
+def _alignment_checks(
+    cfg: VerifyConfig, dc: formats.DataConfig, good: list[int], s: Summary, target
+) -> list[CheckResult]:
     from pipeline.weights import load_verifier
 
     if not good:
@@ -789,12 +1079,23 @@ def _alignment_checks(cfg: VerifyConfig, dc: formats.DataConfig, good: list[int]
     out = []
     for i, r in rows.items():
         if "agreement" in r:
-            out.append(check("alignment", r["agreement"] >= cfg.min_agreement,
-                             f"argmax agreement {r['agreement']:.3f}, next-token {r['next_token_rate']:.3f}",
-                             f"argmax agreement {r['agreement']:.3f} < {cfg.min_agreement}: states are not the last layer's pre-norm output",
-                             f"data_{i}.pt"))
+            out.append(
+                check(
+                    "alignment",
+                    r["agreement"] >= cfg.min_agreement,
+                    f"argmax agreement {r['agreement']:.3f}, next-token {r['next_token_rate']:.3f}",
+                    f"argmax agreement {r['agreement']:.3f} < {cfg.min_agreement}: states are not the last layer's pre-norm output",
+                    f"data_{i}.pt",
+                )
+            )
         else:
-            out.append(ok("next_token_rate", f"{r['next_token_rate']:.3f} (no --model: target argmax not compared)", f"data_{i}.pt"))
+            out.append(
+                ok(
+                    "next_token_rate",
+                    f"{r['next_token_rate']:.3f} (no --model: target argmax not compared)",
+                    f"data_{i}.pt",
+                )
+            )
     return out
 
 
@@ -826,21 +1127,42 @@ def verify_verifier(path: Path) -> Summary:
     except Exception as exc:  # noqa: BLE001
         s.checks.append(fail("loadable", f"{type(exc).__name__}: {exc}"))
         return s
-    s.checks.append(check("keys", set(tensors) == set(KEYS), ", ".join(sorted(tensors)), f"keys {sorted(tensors)}, expected {list(KEYS)}"))
+    s.checks.append(
+        check(
+            "keys",
+            set(tensors) == set(KEYS),
+            ", ".join(sorted(tensors)),
+            f"keys {sorted(tensors)}, expected {list(KEYS)}",
+        )
+    )
     if set(tensors) != set(KEYS):
         return s
     e, n, h = tensors["embed_tokens.weight"], tensors["norm.weight"], tensors["lm_head.weight"]
     shapes_ok = e.ndim == 2 and h.shape == e.shape and tuple(n.shape) == (e.shape[1],)
-    s.checks.append(check("shapes", shapes_ok, f"embed {list(e.shape)}, norm {list(n.shape)}, lm_head {list(h.shape)}",
-                          f"embed {list(e.shape)}, norm {list(n.shape)}, lm_head {list(h.shape)} are inconsistent"))
+    s.checks.append(
+        check(
+            "shapes",
+            shapes_ok,
+            f"embed {list(e.shape)}, norm {list(n.shape)}, lm_head {list(h.shape)}",
+            f"embed {list(e.shape)}, norm {list(n.shape)}, lm_head {list(h.shape)} are inconsistent",
+        )
+    )
     bad = {k: int((~torch.isfinite(t)).sum()) for k, t in tensors.items()}
     s.checks.append(check("nan_inf", not any(bad.values()), "all finite", f"non-finite values: {bad}"))
     meta_path = path / VERIFIER_META
     if meta_path.is_file():
         meta = readers.read_json(meta_path, "run `pipeline weights --overwrite`")
         same = all(list(tensors[k].shape) == v for k, v in meta.get("shapes", {}).items())
-        s.checks.append(check("metadata", same, f"from {meta.get('source')}", "verifier.json shapes differ from the tensors"))
-        s.stats = {"source": meta.get("source"), "tied": meta.get("tied_word_embeddings"), "dtype": meta.get("dtype")}
+        s.checks.append(
+            check(
+                "metadata", same, f"from {meta.get('source')}", "verifier.json shapes differ from the tensors"
+            )
+        )
+        s.stats = {
+            "source": meta.get("source"),
+            "tied": meta.get("tied_word_embeddings"),
+            "dtype": meta.get("dtype"),
+        }
     else:
         s.checks.append(fail("metadata", "verifier.json missing"))
     return s
@@ -868,8 +1190,10 @@ def verify(cfg: VerifyConfig) -> Summary:
         from pipeline import provenance
         from pipeline.atomic import write_json
 
-        write_json(Path(summary.path) / SUMMARY,
-                   provenance.stamp(summary.to_json(), "verify", provenance.of_output(Path(summary.path))))
+        write_json(
+            Path(summary.path) / SUMMARY,
+            provenance.stamp(summary.to_json(), "verify", provenance.of_output(Path(summary.path))),
+        )
     return summary
 
 

@@ -20,16 +20,22 @@ def token_frequencies(token_ids: np.ndarray, loss_mask: np.ndarray) -> dict[int,
     return {int(t): int(counts[t]) for t in nz}
 
 
-def build_vocab_mapping(freq: dict[int, int], target_vocab: int, draft_vocab: int) -> tuple[np.ndarray, np.ndarray]:
+def build_vocab_mapping(
+    freq: dict[int, int], target_vocab: int, draft_vocab: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Pick the ``draft_vocab`` most frequent tokens (ties: lower id first; unseen tokens fill up by id).
 
     Returns ``d2t`` (int64[draft_vocab], target id = i + d2t[i]) and ``t2d`` (bool[target_vocab]).
     """
     if not 0 < draft_vocab <= target_vocab:
-        raise StageError(f"--draft-vocab-size {draft_vocab} must be between 1 and the target vocab size {target_vocab}")
+        raise StageError(
+            f"--draft-vocab-size {draft_vocab} must be between 1 and the target vocab size {target_vocab}"
+        )
     bad = [t for t in freq if not 0 <= t < target_vocab]
     if bad:
-        raise StageError(f"token ids {bad[:5]} are outside the target vocab of {target_vocab}: tokenizer and model config disagree")
+        raise StageError(
+            f"token ids {bad[:5]} are outside the target vocab of {target_vocab}: tokenizer and model config disagree"
+        )
     ranked = sorted(Counter(freq).items(), key=lambda kv: (-kv[1], kv[0]))
     chosen = [t for t, _ in ranked[:draft_vocab]]
     if len(chosen) < draft_vocab:
@@ -43,7 +49,9 @@ def build_vocab_mapping(freq: dict[int, int], target_vocab: int, draft_vocab: in
     return d2t, t2d
 
 
-def vocab_mapping_problems(d2t: np.ndarray, t2d: np.ndarray, draft_vocab: int | None, target_vocab: int | None) -> list[str]:
+def vocab_mapping_problems(
+    d2t: np.ndarray, t2d: np.ndarray, draft_vocab: int | None, target_vocab: int | None
+) -> list[str]:
     """Every broken invariant of a mapping, as short sentences; empty when the mapping is sound."""
     problems = []
     if d2t.ndim != 1 or t2d.ndim != 1:
@@ -69,7 +77,9 @@ def vocab_mapping_problems(d2t: np.ndarray, t2d: np.ndarray, draft_vocab: int | 
     return problems
 
 
-def check_vocab_mapping(d2t: np.ndarray, t2d: np.ndarray, draft_vocab: int | None, target_vocab: int | None) -> None:
+def check_vocab_mapping(
+    d2t: np.ndarray, t2d: np.ndarray, draft_vocab: int | None, target_vocab: int | None
+) -> None:
     problems = vocab_mapping_problems(d2t, t2d, draft_vocab, target_vocab)
     if problems:
         raise StageError("vocab mapping invalid: " + "; ".join(problems))

@@ -53,17 +53,25 @@ def run(model_dir: Path, out: Path, overwrite: bool = False) -> dict:
     tensors = {
         "embed_tokens.weight": src[names.embed_tokens].contiguous(),
         "norm.weight": src[names.norm].contiguous(),
-        "lm_head.weight": src[names.lm_head].contiguous().clone() if names.tied else src[names.lm_head].contiguous(),
+        "lm_head.weight": src[names.lm_head].contiguous().clone()
+        if names.tied
+        else src[names.lm_head].contiguous(),
     }
     v, h = model.vocab_size, model.hidden_size
     expected = {"embed_tokens.weight": (v, h), "norm.weight": (h,), "lm_head.weight": (v, h)}
     for k, shape in expected.items():
         if tuple(tensors[k].shape) != shape:
-            raise StageError(f"{k} has shape {tuple(tensors[k].shape)} in the checkpoint, config.json implies {shape}")
+            raise StageError(
+                f"{k} has shape {tuple(tensors[k].shape)} in the checkpoint, config.json implies {shape}"
+            )
     meta = {
         "source": str(model_dir.resolve()),
         "architecture": model.architecture,
-        "names": {"embed_tokens.weight": names.embed_tokens, "norm.weight": names.norm, "lm_head.weight": names.lm_head},
+        "names": {
+            "embed_tokens.weight": names.embed_tokens,
+            "norm.weight": names.norm,
+            "lm_head.weight": names.lm_head,
+        },
         "tied_word_embeddings": names.tied,
         "shapes": {k: list(t.shape) for k, t in tensors.items()},
         "dtype": str(tensors["lm_head.weight"].dtype).removeprefix("torch."),

@@ -35,7 +35,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pipeline.backends.base import Backend, BackendOptions, Captured, DeviceClock, resolve_device, resolve_dtype
+from pipeline.backends.base import (
+    Backend,
+    BackendOptions,
+    Captured,
+    DeviceClock,
+    resolve_device,
+    resolve_dtype,
+)
 from pipeline.errors import StageError
 from pipeline.layer_profile import token_scales
 
@@ -50,7 +57,9 @@ def flash_fits(config) -> bool:
     return v is None or v == (getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None))
 
 
-def should_compile(option: bool | None, on_gpu: bool, decoder_params: int, planned_tokens: int | None) -> bool:
+def should_compile(
+    option: bool | None, on_gpu: bool, decoder_params: int, planned_tokens: int | None
+) -> bool:
     """The compile decision: as asked; else on a GPU when the run's dense decoder FLOPs (or, unknown, always)
     reach ``COMPILE_MIN_FLOPS``; never on the CPU by default (inductor's C++ build takes minutes there)."""
     if option is not None:
@@ -63,10 +72,16 @@ def find_decoder(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.Modul
     candidates = []
     for name, module in model.named_modules():
         layers = getattr(module, "layers", None)
-        if isinstance(layers, nn.ModuleList) and len(layers) == num_layers and hasattr(module, "embed_tokens"):
+        if (
+            isinstance(layers, nn.ModuleList)
+            and len(layers) == num_layers
+            and hasattr(module, "embed_tokens")
+        ):
             candidates.append((name.count("."), name, module, layers))
     if not candidates:
-        raise StageError(f"found no decoder with {num_layers} layers and embed_tokens in {type(model).__name__}")
+        raise StageError(
+            f"found no decoder with {num_layers} layers and embed_tokens in {type(model).__name__}"
+        )
     _, _, module, layers = min(candidates, key=lambda c: (c[0], c[1]))
     return module, layers
 
@@ -77,23 +92,40 @@ def load_causal_lm(options: BackendOptions, device: torch.device, dtype: torch.d
     ``language_model`` (``find_decoder`` finds it; the vision tower is loaded and never run)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    auto_classes = [AutoModelForCausalLM] + ([AutoModelForImageTextToText] if options.model.is_wrapper else [])
+    auto_classes = [AutoModelForCausalLM] + (
+        [AutoModelForImageTextToText] if options.model.is_wrapper else []
+    )
     for i, auto in enumerate(auto_classes):
         try:
             model = auto.from_pretrained(
-                options.model.path, dtype=dtype, trust_remote_code=options.trust_remote_code, low_cpu_mem_usage=True
+                options.model.path,
+                dtype=dtype,
+                trust_remote_code=options.trust_remote_code,
+                low_cpu_mem_usage=True,
             )
             break
         except (OSError, ValueError, KeyError) as exc:
             unregistered = isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc)
             if unregistered and i + 1 < len(auto_classes):
                 continue
-            raise StageError(f"cannot load {options.model.path} with transformers: {str(exc).splitlines()[0]}") from None
+            raise StageError(
+                f"cannot load {options.model.path} with transformers: {str(exc).splitlines()[0]}"
+            ) from None
     return model.to(device).eval()
 
 
-def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
-                     max_length_q=None, **kwargs):
+def packed_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    cu_seq_lens_q=None,
+    max_length_q=None,
+    **kwargs,
+):
     """Causal attention within each sample of a packed row: query [1, heads, N, D], key/value
     [1, kv_heads, N, D], samples delimited by ``cu_seq_lens_q`` (int32 offsets, first 0, last N).
     Returns [1, N, heads, D] as transformers' attention functions do."""
@@ -102,14 +134,16 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, D]
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == v.shape[-1]:
         out = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, 0.0, True, False, scale=scaling)[0]
+            q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, 0.0, True, False, scale=scaling
+        )[0]
         return out[None], None
     bounds = cu_seq_lens_q.tolist()
     parts = []
     for start, end in itertools.pairwise(bounds):
         qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, T, D]
-        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling,
-                                                             enable_gqa=ks.shape[1] != qs.shape[1])
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=ks.shape[1] != qs.shape[1]
+        )
         parts.append(o[0].transpose(0, 1))
     return torch.cat(parts)[None], None
 
@@ -140,7 +174,9 @@ class HFBackend(Backend):
         self._layers, self._attn_before = layers, self.decoder.config._attn_implementation
         on_gpu = self.device.type == "cuda"
         self.packed = on_gpu and flash_fits(self.decoder.config) if options.packed is None else options.packed
-        decoder_params = sum(p.numel() for name, p in self.decoder.named_parameters() if "embed_tokens" not in name)
+        decoder_params = sum(
+            p.numel() for name, p in self.decoder.named_parameters() if "embed_tokens" not in name
+        )
         self.compiled = should_compile(options.compile, on_gpu, decoder_params, options.planned_tokens)
         if self.packed:
             use_packed_attention(self.decoder)
@@ -174,7 +210,9 @@ class HFBackend(Backend):
             for i, s in enumerate(batch):
                 ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
             # causal attention: right padding needs no mask
-            return {"input_ids": ids.to(**to), "use_cache": False}, [(i, slice(0, n)) for i, n in enumerate(lengths)]
+            return {"input_ids": ids.to(**to), "use_cache": False}, [
+                (i, slice(0, n)) for i, n in enumerate(lengths)
+            ]
         ids = torch.empty((2, sum(lengths)), dtype=torch.long, pin_memory=pinned)  # token ids, position ids
         cu = torch.zeros(len(batch) + 1, dtype=torch.int32, pin_memory=pinned)
         rows, offset = [], 0
@@ -185,11 +223,18 @@ class HFBackend(Backend):
             offset += len(s)
             cu[i + 1] = offset
         ids = ids.to(**to)
-        return {"input_ids": ids[:1], "position_ids": ids[1:], "use_cache": False, "cu_seq_lens_q": cu.to(**to),
-                "max_length_q": max(lengths)}, rows
+        return {
+            "input_ids": ids[:1],
+            "position_ids": ids[1:],
+            "use_cache": False,
+            "cu_seq_lens_q": cu.to(**to),
+            "max_length_q": max(lengths),
+        }, rows
 
     @torch.inference_mode()
-    def forward_layers(self, batch: Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], list[tuple[int, slice]]]:
+    def forward_layers(
+        self, batch: Sequence[Sequence[int]]
+    ) -> tuple[list[torch.Tensor], list[tuple[int, slice]]]:
         """Queue one batch; return the captured outputs (on the device) and where each sample's rows are."""
         kwargs, rows = self.inputs(batch)
         self._captured.clear()
@@ -239,8 +284,12 @@ class HFBackend(Backend):
             torch.cuda.empty_cache()
 
 
-def split_rows(outs: list[torch.Tensor], rows: list[tuple[int, slice]], scales: list[tuple[torch.Tensor, torch.Tensor]],
-               copy) -> tuple[list[list[torch.Tensor]], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+def split_rows(
+    outs: list[torch.Tensor],
+    rows: list[tuple[int, slice]],
+    scales: list[tuple[torch.Tensor, torch.Tensor]],
+    copy,
+) -> tuple[list[list[torch.Tensor]], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
     """Each sample's states (one ``copy`` per sample and layer: padding never leaves the device) and its
     per-token scales (each layer's ``copy``'d whole, once: T floats against T x H states, then viewed per
     sample), from a batch's captured outputs and where each sample's rows are in them (``inputs``)."""

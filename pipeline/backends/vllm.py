@@ -75,7 +75,9 @@ def cpu_environment(tensor_parallel_size: int) -> dict[str, str]:
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KVCACHE_GIB_DEFAULT
     if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size, sorted(os.sched_getaffinity(0)))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
+            tensor_parallel_size, sorted(os.sched_getaffinity(0))
+        )
     return env
 
 
@@ -121,7 +123,9 @@ def engine_arguments(options: BackendOptions, tensor_parallel_size: int, storage
         speculative_config={
             "method": METHOD,
             "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(options.layer_ids)}},
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(options.layer_ids)}
+            },
         },
         kv_transfer_config={
             "kv_connector": CONNECTOR,
@@ -145,7 +149,9 @@ class VllmBackend(Backend):
     name = "vllm"
 
     def __init__(self, options: BackendOptions):
-        if options.device not in ("auto", "cuda") and not (options.device == "cpu" and visible_device_count() == 0):
+        if options.device not in ("auto", "cuda") and not (
+            options.device == "cpu" and visible_device_count() == 0
+        ):
             raise StageError(
                 f"--device {options.device} is not supported by the vllm backend: it uses all visible devices "
                 "(set CUDA_VISIBLE_DEVICES to choose them) and --tensor-parallel-size"
@@ -195,8 +201,10 @@ class VllmBackend(Backend):
             wrong["aux_layer_ids"] = self.settings["aux_layer_ids"]
         if wrong:
             self.close()
-            raise StageError(f"vLLM did not take the extraction settings: {wrong} (expected {FORCED_SETTINGS} and "
-                             f"aux layers {vllm_layer_ids(self.layer_ids)})")
+            raise StageError(
+                f"vLLM did not take the extraction settings: {wrong} (expected {FORCED_SETTINGS} and "
+                f"aux layers {vllm_layer_ids(self.layer_ids)})"
+            )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -217,10 +225,15 @@ class VllmBackend(Backend):
                 f"sample {i} of the batch has {len(seqs[i])} tokens; the vllm backend takes 1..{limit} "
                 "(seq_length - 1): re-run prepare with this --seq-length"
             )
-        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
-                                     SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        outputs = self._llm.generate(
+            [TokensPrompt(prompt_token_ids=s) for s in seqs],
+            SamplingParams(max_tokens=1, temperature=0.0),
+            use_tqdm=False,
+        )
         if len(outputs) != len(seqs):
-            raise StageError(f"vLLM returned {len(outputs)} results for a batch of {len(seqs)}: requests were lost or duplicated")
+            raise StageError(
+                f"vLLM returned {len(outputs)} results for a batch of {len(seqs)}: requests were lost or duplicated"
+            )
         return [self._read(i, seq, out) for i, (seq, out) in enumerate(zip(seqs, outputs, strict=True))]
 
     def _read(self, i: int, seq: list[int], output) -> list[torch.Tensor]:
@@ -231,28 +244,38 @@ class VllmBackend(Backend):
         )
 
         if list(output.prompt_token_ids or []) != seq:
-            raise StageError(f"vLLM result {i} belongs to another input (prompt tokens differ): results out of input order")
+            raise StageError(
+                f"vLLM result {i} belongs to another input (prompt tokens differ): results out of input order"
+            )
         path = (output.kv_transfer_params or {}).get("hidden_states_path")
         if not path:
-            raise StageError(f"vLLM result {i} names no hidden-states file (kv_transfer_params={output.kv_transfer_params}): "
-                             f"is the {CONNECTOR} connector active?")
+            raise StageError(
+                f"vLLM result {i} names no hidden-states file (kv_transfer_params={output.kv_transfer_params}): "
+                f"is the {CONNECTOR} connector active?"
+            )
         try:
             data = load_hidden_states(path)
         except (OSError, ValueError) as exc:
-            raise StageError(f"cannot read vLLM's hidden states of sample {i} from {path}: {exc} "
-                             "(vLLM's log says why the write failed: 'Hidden-states write failed')") from None
+            raise StageError(
+                f"cannot read vLLM's hidden states of sample {i} from {path}: {exc} "
+                "(vLLM's log says why the write failed: 'Hidden-states write failed')"
+            ) from None
         finally:
             cleanup_hidden_states(path)
         ids, states = data.get("token_ids"), data.get("hidden_states")
         if ids is None or states is None:
             raise StageError(f"vLLM's file {path} lacks token_ids or hidden_states (has {sorted(data)})")
         if ids.tolist() != seq:
-            raise StageError(f"vLLM's states of sample {i} are for other tokens ({len(ids)} ids, expected {len(seq)}): "
-                             "results out of input order or a prefix-cache hit")
+            raise StageError(
+                f"vLLM's states of sample {i} are for other tokens ({len(ids)} ids, expected {len(seq)}): "
+                "results out of input order or a prefix-cache hit"
+            )
         want = (len(seq), len(self.layer_ids), self.options.model.hidden_size)
         if tuple(states.shape) != want:
-            raise StageError(f"vLLM's states of sample {i} have shape {tuple(states.shape)}, expected {want} "
-                             f"(tokens, one per layer {self.layer_ids}, hidden)")
+            raise StageError(
+                f"vLLM's states of sample {i} have shape {tuple(states.shape)}, expected {want} "
+                f"(tokens, one per layer {self.layer_ids}, hidden)"
+            )
         return [states[:, j].contiguous() for j in range(len(self.layer_ids))]
 
     def close(self) -> None:

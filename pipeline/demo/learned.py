@@ -35,9 +35,22 @@ from pathlib import Path
 
 from pipeline.atomic import atomic_path, write_json
 
-STDLIB_PACKAGES = ("json", "email", "http", "logging", "urllib", "concurrent", "importlib", "xml", "sqlite3", "asyncio")
+STDLIB_PACKAGES = (
+    "json",
+    "email",
+    "http",
+    "logging",
+    "urllib",
+    "concurrent",
+    "importlib",
+    "xml",
+    "sqlite3",
+    "asyncio",
+)
 INSTALLED_SUFFIXES = (".py", ".md", ".rst")
-MAX_FILE_CHARS = 400_000  # larger files are generated tables or vendored bundles, not prose or code worth learning
+MAX_FILE_CHARS = (
+    400_000  # larger files are generated tables or vendored bundles, not prose or code worth learning
+)
 SYSTEM = "You are a Python expert. Continue the code exactly as the standard library writes it."
 RECORD = "learned.json"
 CORPORA = ("stdlib", "installed")
@@ -83,8 +96,14 @@ def corpus_texts(max_chars: int = 600_000, corpus: str = "stdlib") -> list[tuple
 class ConversationSampler:
     """Draws "continue this file" conversations, each window position equally likely over the whole corpus."""
 
-    def __init__(self, texts: list[tuple[str, str]], seed: int = 0, prompt_lines: int = 6, answer_lines: int = 10,
-                 max_window_chars: int = 3000):
+    def __init__(
+        self,
+        texts: list[tuple[str, str]],
+        seed: int = 0,
+        prompt_lines: int = 6,
+        answer_lines: int = 10,
+        max_window_chars: int = 3000,
+    ):
         self.rng = random.Random(seed)
         self.max_window_chars = max_window_chars  # windows of minified or data lines are drawn again
         self.prompt_lines, self.answer_lines = prompt_lines, answer_lines
@@ -107,13 +126,23 @@ class ConversationSampler:
             shown = "\n".join(lines[start:cut])
             answer = "\n".join(lines[cut : cut + self.answer_lines])
             if answer.strip() and len(shown) + len(answer) <= self.max_window_chars:
-                return {"messages": [{"role": "system", "content": SYSTEM},
-                                     {"role": "user", "content": f"Continue {name}:\n{shown}"},
-                                     {"role": "assistant", "content": answer}]}
+                return {
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": f"Continue {name}:\n{shown}"},
+                        {"role": "assistant", "content": answer},
+                    ]
+                }
 
 
-def make_conversations(texts: list[tuple[str, str]], n: int, seed: int = 0, prompt_lines: int = 6,
-                       answer_lines: int = 10, weighted: bool = False) -> list[dict]:
+def make_conversations(
+    texts: list[tuple[str, str]],
+    n: int,
+    seed: int = 0,
+    prompt_lines: int = 6,
+    answer_lines: int = 10,
+    weighted: bool = False,
+) -> list[dict]:
     """``n`` conversations: the user shows ``prompt_lines`` lines of a file, the assistant writes the next ones.
 
     ``weighted``: every window of the corpus equally likely (ConversationSampler); else a file uniformly first
@@ -124,7 +153,9 @@ def make_conversations(texts: list[tuple[str, str]], n: int, seed: int = 0, prom
         return [sampler.draw() for _ in range(n)]
     rng = random.Random(seed)
     rows = []
-    files = [(name, text.splitlines()) for name, text in texts if text.count("\n") > prompt_lines + answer_lines]
+    files = [
+        (name, text.splitlines()) for name, text in texts if text.count("\n") > prompt_lines + answer_lines
+    ]
     while len(rows) < n:
         name, lines = files[rng.randrange(len(files))]
         start = rng.randrange(len(lines) - prompt_lines - answer_lines)
@@ -132,9 +163,15 @@ def make_conversations(texts: list[tuple[str, str]], n: int, seed: int = 0, prom
         answer = "\n".join(lines[start + prompt_lines : start + prompt_lines + answer_lines])
         if not answer.strip():
             continue
-        rows.append({"messages": [{"role": "system", "content": SYSTEM},
-                                  {"role": "user", "content": f"Continue {name}:\n{shown}"},
-                                  {"role": "assistant", "content": answer}]})
+        rows.append(
+            {
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Continue {name}:\n{shown}"},
+                    {"role": "assistant", "content": answer},
+                ]
+            }
+        )
     return rows
 
 
@@ -178,7 +215,10 @@ def _packed_batches(tokenizer, sampler: ConversationSampler, seq_length: int, ba
         stream: list[int] = []
         need = batch * seq_length
         while not stop.is_set():
-            texts = [tokenizer.apply_chat_template(sampler.draw()["messages"], tokenize=False) for _ in range(chunk)]
+            texts = [
+                tokenizer.apply_chat_template(sampler.draw()["messages"], tokenize=False)
+                for _ in range(chunk)
+            ]
             for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
                 stream.extend(ids)
             while len(stream) >= need and not stop.is_set():
@@ -206,11 +246,27 @@ def _lr_at(step_frac: float, warmup: float) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * x))
 
 
-def build_learned_model(out_dir: Path, *, seconds: float = 60.0, seed: int = 0, conversations: int = 2000,
-                        seq_length: int = 256, batch: int = 8, lr: float = 3e-3, corpus: str = "stdlib",
-                        max_chars: int = 600_000, tokenizer_chars: int | None = None, vocab_size: int | None = None,
-                        device: str = "cpu", packed: bool = False, prompt_lines: int = 6, answer_lines: int = 10,
-                        texts: list[tuple[str, str]] | None = None, log=None, **overrides) -> Path:
+def build_learned_model(
+    out_dir: Path,
+    *,
+    seconds: float = 60.0,
+    seed: int = 0,
+    conversations: int = 2000,
+    seq_length: int = 256,
+    batch: int = 8,
+    lr: float = 3e-3,
+    corpus: str = "stdlib",
+    max_chars: int = 600_000,
+    tokenizer_chars: int | None = None,
+    vocab_size: int | None = None,
+    device: str = "cpu",
+    packed: bool = False,
+    prompt_lines: int = 6,
+    answer_lines: int = 10,
+    texts: list[tuple[str, str]] | None = None,
+    log=None,
+    **overrides,
+) -> Path:
     """Train and save the learned Llama (with tokenizer, chat template and ``learned.json``) into ``out_dir``.
 
     The demo's call (the defaults) trains in fp32 on ``conversations`` padded rows at a constant ``lr``.
@@ -250,8 +306,12 @@ def build_learned_model(out_dir: Path, *, seconds: float = 60.0, seed: int = 0, 
     params = sum(p.numel() for p in model.parameters())
     say(f"model: {params / 1e6:.1f} M parameters on {dev}")
     if packed:
-        data = _packed_batches(tokenizer, ConversationSampler(texts, seed, prompt_lines, answer_lines), seq_length, batch)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), fused=dev.type == "cuda")
+        data = _packed_batches(
+            tokenizer, ConversationSampler(texts, seed, prompt_lines, answer_lines), seq_length, batch
+        )
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), fused=dev.type == "cuda"
+        )
     else:
         rows = make_conversations(texts, conversations, seed, prompt_lines, answer_lines)
         data = _batches(tokenizer, rows, seq_length, batch, random.Random(seed))
@@ -275,25 +335,49 @@ def build_learned_model(out_dir: Path, *, seconds: float = 60.0, seed: int = 0, 
         losses.append(loss)
         tokens_seen += tokens.numel()
         if time.monotonic() - start >= next_log:
-            say(f"  step {len(losses)}: loss {loss.item():.3f}, {tokens_seen / (time.monotonic() - start):,.0f} tok/s")
+            say(
+                f"  step {len(losses)}: loss {loss.item():.3f}, {tokens_seen / (time.monotonic() - start):,.0f} tok/s"
+            )
             next_log += max(5.0, seconds / 10)
     losses = [float(x) for x in losses]
     seconds_run = time.monotonic() - start
     model.to(torch.bfloat16).save_pretrained(staging, safe_serialization=True)
     head = min(10, len(losses))
-    write_json(staging / RECORD, {"steps": len(losses), "seconds": round(seconds_run, 1), "tokens": tokens_seen,
-                                  "tokens_per_s": round(tokens_seen / seconds_run, 1), "parameters": params,
-                                  "loss_first": sum(losses[:head]) / head, "loss_last": sum(losses[-head:]) / head,
-                                  "corpus": corpus, "corpus_files": len(texts), "corpus_chars": chars,
-                                  "packages": list(STDLIB_PACKAGES), "device": str(dev), "packed": packed,
-                                  "seq_length": seq_length, "batch": batch, "lr": lr})
+    write_json(
+        staging / RECORD,
+        {
+            "steps": len(losses),
+            "seconds": round(seconds_run, 1),
+            "tokens": tokens_seen,
+            "tokens_per_s": round(tokens_seen / seconds_run, 1),
+            "parameters": params,
+            "loss_first": sum(losses[:head]) / head,
+            "loss_last": sum(losses[-head:]) / head,
+            "corpus": corpus,
+            "corpus_files": len(texts),
+            "corpus_chars": chars,
+            "packages": list(STDLIB_PACKAGES),
+            "device": str(dev),
+            "packed": packed,
+            "seq_length": seq_length,
+            "batch": batch,
+            "lr": lr,
+        },
+    )
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
     return out_dir
 
 
-def regenerate(model_dir: Path, rows: list[dict], *, max_new_tokens: int = 256, batch: int = 128,
-               device: str = "cpu", batch_tokens: int = 131072) -> tuple[list[dict], dict]:
+def regenerate(
+    model_dir: Path,
+    rows: list[dict],
+    *,
+    max_new_tokens: int = 256,
+    batch: int = 128,
+    device: str = "cpu",
+    batch_tokens: int = 131072,
+) -> tuple[list[dict], dict]:
     """``rows`` with each last assistant turn replaced by the target's own greedy answer to what precedes it.
 
     Prompts go shortest first, at most ``batch`` a batch and ``batch_tokens`` padded prompt + new tokens.
@@ -307,25 +391,42 @@ def regenerate(model_dir: Path, rows: list[dict], *, max_new_tokens: int = 256, 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     dev = torch.device(device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).to(dev).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32
+        )
+        .to(dev)
+        .eval()
+    )
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
     out, ended, new_tokens = [], 0, 0
-    prompts = [tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True) for r in rows]
+    prompts = [
+        tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True) for r in rows
+    ]
     lengths = [len(x) for x in tok(prompts, add_special_tokens=False)["input_ids"]]
     order = sorted(range(len(rows)), key=lambda i: lengths[i])  # similar lengths share a batch
     batches, current = [], []
     for i in order:
-        if current and (len(current) >= batch or (len(current) + 1) * (lengths[i] + max_new_tokens) > batch_tokens):
+        if current and (
+            len(current) >= batch or (len(current) + 1) * (lengths[i] + max_new_tokens) > batch_tokens
+        ):
             batches.append(current)
             current = []
         current.append(i)
     batches.append(current)
     answers: dict[int, str] = {}
     for idx in batches:
-        enc = tok([prompts[i] for i in idx], add_special_tokens=False, return_tensors="pt", padding=True).to(dev)
+        enc = tok([prompts[i] for i in idx], add_special_tokens=False, return_tensors="pt", padding=True).to(
+            dev
+        )
         with torch.no_grad():
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eot,
-                                 pad_token_id=tok.pad_token_id)
+            gen = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eot,
+                pad_token_id=tok.pad_token_id,
+            )
         for i, seq in zip(idx, gen[:, enc["input_ids"].shape[1] :].tolist()):
             if eot in seq:
                 seq = seq[: seq.index(eot)]
@@ -337,7 +438,12 @@ def regenerate(model_dir: Path, rows: list[dict], *, max_new_tokens: int = 256, 
         messages = [dict(m) for m in row["messages"]]
         messages[-1]["content"] = answers[i] if answers[i].strip() else row["messages"][-1]["content"]
         out.append({"messages": messages})
-    return out, {"rows": len(rows), "ended_with_eot": ended / max(1, len(rows)),
-                 "mean_new_tokens": new_tokens / max(1, len(rows)), "generate_seconds": round(time.monotonic() - t0, 1),
-                 "empty_kept_original": sum(1 for i in range(len(rows)) if not answers[i].strip()),
-                 "batches": len(batches), "max_prompt_tokens": max(lengths)}
+    return out, {
+        "rows": len(rows),
+        "ended_with_eot": ended / max(1, len(rows)),
+        "mean_new_tokens": new_tokens / max(1, len(rows)),
+        "generate_seconds": round(time.monotonic() - t0, 1),
+        "empty_kept_original": sum(1 for i in range(len(rows)) if not answers[i].strip()),
+        "batches": len(batches),
+        "max_prompt_tokens": max(lengths),
+    }

@@ -33,13 +33,37 @@ def stage(args: list[str]) -> None:
 def steps(work: Path, kind: str, samples: int, seq_length: int, train: bool) -> list[list[str]]:
     # the host's layout (contract/stages.py): what ops and compose would name each stage's output
     assets = work / "assets"
-    prepared, states, verifier, draft = (work / STAGES[s].output for s in ("prepare", "extract", "weights", "train"))
+    prepared, states, verifier, draft = (
+        work / STAGES[s].output for s in ("prepare", "extract", "weights", "train")
+    )
     model = assets / "model"
     plan = [
         ["demo-assets", "--out", str(assets), "--kind", kind, "--conversations", str(samples)],
-        ["prepare", "--data", str(assets / "conversations.jsonl"), "--model", str(model), "--out", str(prepared),
-         "--seq-length", str(seq_length), "--draft-vocab-size", "1024", "--overwrite"],
-        ["extract", "--prepared", str(prepared), "--model", str(model), "--out", str(states), "--overwrite", "--no-verify"],
+        [
+            "prepare",
+            "--data",
+            str(assets / "conversations.jsonl"),
+            "--model",
+            str(model),
+            "--out",
+            str(prepared),
+            "--seq-length",
+            str(seq_length),
+            "--draft-vocab-size",
+            "1024",
+            "--overwrite",
+        ],
+        [
+            "extract",
+            "--prepared",
+            str(prepared),
+            "--model",
+            str(model),
+            "--out",
+            str(states),
+            "--overwrite",
+            "--no-verify",
+        ],
         ["weights", "--model", str(model), "--out", str(verifier), "--overwrite"],
         ["verify", str(prepared)],
         ["verify", str(states), "--verifier", str(verifier), "--model", str(model)],
@@ -47,20 +71,46 @@ def steps(work: Path, kind: str, samples: int, seq_length: int, train: bool) -> 
     if train:
         # the tiny random target's greedy tokens are spread over its whole vocab: a smaller draft vocab
         # (the real-model default) would leave the draft nothing it can predict
-        plan.append(["train", "--data", str(states), "--prepared", str(prepared), "--verifier", str(verifier),
-                     "--model", str(model), "--out", str(draft), "--overwrite", "--epochs", "2", "--max-len", "1024",
-                     "--lr", "1e-3"])
+        plan.append(
+            [
+                "train",
+                "--data",
+                str(states),
+                "--prepared",
+                str(prepared),
+                "--verifier",
+                str(verifier),
+                "--model",
+                str(model),
+                "--out",
+                str(draft),
+                "--overwrite",
+                "--epochs",
+                "2",
+                "--max-len",
+                "1024",
+                "--lr",
+                "1e-3",
+            ]
+        )
         plan.append(["verify", str(draft)])
     return plan
 
 
 @click.command("demo-assets")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Directory to create.")
-@click.option("--kind", type=click.Choice([*tiny.KINDS, "learned"]), default="llama", show_default=True,
-              help="learned: a Llama trained for --train-seconds on the stdlib's sources (pipeline/demo/learned.py).")
+@click.option(
+    "--kind",
+    type=click.Choice([*tiny.KINDS, "learned"]),
+    default="llama",
+    show_default=True,
+    help="learned: a Llama trained for --train-seconds on the stdlib's sources (pipeline/demo/learned.py).",
+)
 @click.option("--conversations", type=int, default=300, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--train-seconds", type=float, default=60.0, show_default=True, help="Training time of --kind learned.")
+@click.option(
+    "--train-seconds", type=float, default=60.0, show_default=True, help="Training time of --kind learned."
+)
 def assets_command(out_dir: Path, kind: str, conversations: int, seed: int, train_seconds: float) -> None:
     """Build a tiny model (OUT/model) and conversations (OUT/conversations.jsonl) for it."""
     if kind == "learned":
@@ -75,8 +125,13 @@ def assets_command(out_dir: Path, kind: str, conversations: int, seed: int, trai
 
 @click.command()
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("demo"), show_default=True)
-@click.option("--kind", type=click.Choice(["llama", "deepseek_v3", "learned"]), default="llama", show_default=True,
-              help="learned: a tiny Llama trained for a minute on real text, so the acceptance table means something.")
+@click.option(
+    "--kind",
+    type=click.Choice(["llama", "deepseek_v3", "learned"]),
+    default="llama",
+    show_default=True,
+    help="learned: a tiny Llama trained for a minute on real text, so the acceptance table means something.",
+)
 @click.option("--samples", type=int, default=300, show_default=True)
 @click.option("--seq-length", type=int, default=256, show_default=True)
 @click.option("--train/--no-train", default=True, show_default=True)
@@ -85,5 +140,8 @@ def main(workdir: Path, kind: str, samples: int, seq_length: int, train: bool) -
     t0 = time.perf_counter()
     for args in steps(workdir, kind, samples, seq_length, train):
         stage(args)
-    click.secho(f"\ndemo finished in {time.perf_counter() - t0:.0f} s; outputs under {workdir}/", fg="green", bold=True)
-
+    click.secho(
+        f"\ndemo finished in {time.perf_counter() - t0:.0f} s; outputs under {workdir}/",
+        fg="green",
+        bold=True,
+    )

@@ -24,7 +24,14 @@ from pathlib import Path
 
 from pipeline.atomic import atomic_path
 
-SPECIAL_TOKENS = ["<|pad|>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+SPECIAL_TOKENS = [
+    "<|pad|>",
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -35,14 +42,28 @@ CHAT_TEMPLATE = (
 VOCAB_SIZE = 1024
 KINDS = ("llama", "deepseek_v3", "kimi_k25")
 # Kimi-K2.5's media tokens (its tokenizer's names; vLLM reads <|media_pad|> from the tokenizer)
-KIMI_MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
-                     "<|kimi_k25_video_placeholder|>"]
+KIMI_MEDIA_TOKENS = [
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_end|>",
+    "<|media_pad|>",
+    "<|kimi_k25_video_placeholder|>",
+]
 # preprocessor_config.json as Kimi-K2.5 ships it (the media_proc_cfg vLLM's image processor reads)
 KIMI_MEDIA_PROC_CFG = {
-    "in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512,
-    "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None, "sample_fps": 2.0,
-    "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff",
+    "in_patch_limit": 16384,
+    "patch_size": 14,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "merge_kernel_size": 2,
+    "fixed_output_tokens": None,
+    "patch_limit_on_one_side": 512,
+    "in_patch_limit_each_frame": 4096,
+    "in_patch_limit_video": None,
+    "sample_fps": 2.0,
+    "max_num_frames_each_video": None,
+    "temporal_merge_kernel_size": 4,
+    "timestamp_mode": "hh:mm:ss.fff",
     "config_type": "media_proc",
 }
 
@@ -54,13 +75,29 @@ _SYSTEM = [
     "あなたは親切なアシスタントです。",
 ]
 _TOPICS = [
-    "GPU memory", "speculative decoding", "the draft model", "hidden states", "tensor parallelism",
-    "a Kubernetes node", "the inference server", "prefix caching", "la météo à Zürich", "東京の天気",
-    "a Python traceback", "the batch size", "NCCL timeouts", "über-fast kernels", "café ☕ orders",
+    "GPU memory",
+    "speculative decoding",
+    "the draft model",
+    "hidden states",
+    "tensor parallelism",
+    "a Kubernetes node",
+    "the inference server",
+    "prefix caching",
+    "la météo à Zürich",
+    "東京の天気",
+    "a Python traceback",
+    "the batch size",
+    "NCCL timeouts",
+    "über-fast kernels",
+    "café ☕ orders",
 ]
 _QUESTIONS = [
-    "How do I check {t}?", "Why is {t} slow today?", "Can you explain {t} in simple words?",
-    "What is the best way to debug {t}?", "Qu'est-ce que {t} ?", "Tell me three facts about {t}.",
+    "How do I check {t}?",
+    "Why is {t} slow today?",
+    "Can you explain {t} in simple words?",
+    "What is the best way to debug {t}?",
+    "Qu'est-ce que {t} ?",
+    "Tell me three facts about {t}.",
 ]
 _WORDS = (
     "the model loads layers and the server answers requests while memory stays within the budget "
@@ -89,7 +126,12 @@ def make_conversations(n: int = 300, seed: int = 0) -> list[dict]:
             messages.append({"role": "assistant", "content": _answer(rng, topic)})
         if i % 3 == 2:
             roles = {"system": "system", "user": "human", "assistant": "gpt"}
-            rows.append({"id": f"conv-{i}", "conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in messages]})
+            rows.append(
+                {
+                    "id": f"conv-{i}",
+                    "conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in messages],
+                }
+            )
         else:
             rows.append({"id": f"conv-{i}", "messages": messages})
     return rows
@@ -112,7 +154,9 @@ def _corpus(rows: list[dict]) -> list[str]:
     return texts
 
 
-def train_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE, texts: list[str] | None = None):
+def train_tokenizer(
+    out_dir: Path, seed: int = 0, vocab_size: int = VOCAB_SIZE, texts: list[str] | None = None
+):
     """Train a byte-level BPE tokenizer on the synthetic text (or ``texts``); save it with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -144,9 +188,19 @@ def _llama_config(vocab_size: int, **overrides):
     from transformers import LlamaConfig
 
     cfg = dict(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=5, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=5,
+        pad_token_id=0,
         dtype="bfloat16",
     )
     cfg.update(overrides)
@@ -157,12 +211,32 @@ def _deepseek_config(vocab_size: int, **overrides):
     from transformers import DeepseekV3Config
 
     cfg = dict(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-        first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=32, qk_nope_head_dim=32,
-        v_head_dim=64, max_position_embeddings=4096, rope_scaling=None, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=5, pad_token_id=0, dtype="bfloat16",
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        kv_lora_rank=64,
+        q_lora_rank=96,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=64,
+        max_position_embeddings=4096,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=5,
+        pad_token_id=0,
+        dtype="bfloat16",
     )
     cfg.update(overrides)
     config = DeepseekV3Config(**cfg)
@@ -176,13 +250,30 @@ def _kimi_k25_config(vocab_size: int, media_ids: dict[str, int], **overrides):
     from transformers import Kimi_K25Config
 
     text = _deepseek_config(vocab_size, **overrides).to_dict()
-    vision = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=2,
-                  num_hidden_layers=1, hidden_size=64, intermediate_size=128, merge_kernel_size=[2, 2])
+    vision = dict(
+        patch_size=14,
+        pos_emb_height=8,
+        pos_emb_width=8,
+        pos_emb_time=4,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        hidden_size=64,
+        intermediate_size=128,
+        merge_kernel_size=[2, 2],
+    )
     return Kimi_K25Config(
-        text_config=text, vision_config=vision, projection_hidden_size=64, tie_word_embeddings=False,
-        image_token_id=media_ids["<|media_pad|>"], video_token_id=media_ids["<|kimi_k25_video_placeholder|>"],
-        vision_start_token_id=media_ids["<|media_begin|>"], vision_end_token_id=media_ids["<|media_end|>"],
-        bos_token_id=1, eos_token_id=5, pad_token_id=0, dtype="bfloat16",
+        text_config=text,
+        vision_config=vision,
+        projection_hidden_size=64,
+        tie_word_embeddings=False,
+        image_token_id=media_ids["<|media_pad|>"],
+        video_token_id=media_ids["<|kimi_k25_video_placeholder|>"],
+        vision_start_token_id=media_ids["<|media_begin|>"],
+        vision_end_token_id=media_ids["<|media_end|>"],
+        bos_token_id=1,
+        eos_token_id=5,
+        pad_token_id=0,
+        dtype="bfloat16",
     )
 
 
@@ -250,7 +341,10 @@ def build_tiny_model(kind: str, out_dir: Path, *, seed: int = 0, **overrides) ->
     cfg_path = staging / "config.json"
     raw = json.loads(cfg_path.read_text())
     text = raw["text_config"] if kind == "kimi_k25" else raw
-    if kind in ("deepseek_v3", "kimi_k25"):  # what transformers hard-codes, spelled out for vLLM (softmax by default)
+    if kind in (
+        "deepseek_v3",
+        "kimi_k25",
+    ):  # what transformers hard-codes, spelled out for vLLM (softmax by default)
         text["topk_method"] = "noaux_tc"
         text["scoring_func"] = "sigmoid"
     if kind == "kimi_k25":  # the real checkpoint's class name, the one vLLM registers

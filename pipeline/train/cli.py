@@ -35,7 +35,9 @@ def print_table(summary: dict) -> None:
     ev = summary.get("eval")
     if not ev:
         return
-    table = Table(title=f"offline acceptance, k={ev['k']}, {ev['samples']} held-out samples, {ev['positions']} positions")
+    table = Table(
+        title=f"offline acceptance, k={ev['k']}, {ev['samples']} held-out samples, {ev['positions']} positions"
+    )
     table.add_column("proposer")
     table.add_column("acceptance length")
     for j in range(ev["k"]):
@@ -45,17 +47,25 @@ def print_table(summary: dict) -> None:
     online = ev.get("online")
     if online and online.get("acceptance_length") is not None:
         rates = [f"{x:.3f}" for x in online["per_position"]] + [""] * (ev["k"] - len(online["per_position"]))
-        table.add_row(f"trained draft, online (vLLM, {online['prompts']} prompts)", f"{online['acceptance_length']:.3f}", *rates[: ev["k"]])
+        table.add_row(
+            f"trained draft, online (vLLM, {online['prompts']} prompts)",
+            f"{online['acceptance_length']:.3f}",
+            *rates[: ev["k"]],
+        )
     console = Console()
     console.print(table)
     if online:
         same = "equals" if online["greedy_equal"] else "DIFFERS from"
-        console.print(f"vLLM greedy output with the draft {same} the target alone "
-                      f"({online['greedy_equal_prompts']}/{online['prompts']} prompts, {online['drafts']} drafts)")
+        console.print(
+            f"vLLM greedy output with the draft {same} the target alone "
+            f"({online['greedy_equal_prompts']}/{online['prompts']} prompts, {online['drafts']} drafts)"
+        )
     console.print(f"target's greedy tokens inside the draft vocab: {ev['greedy_in_draft_vocab']:.1%}")
     verdict = "beats" if ev["beats_baseline"] else "does NOT beat"
-    console.print(f"trained draft {verdict} the best trivial baseline ({ev['best_baseline']}): "
-                  f"{ev['draft']['acceptance_length']:.3f} vs {ev['baselines'][ev['best_baseline']]['acceptance_length']:.3f}")
+    console.print(
+        f"trained draft {verdict} the best trivial baseline ({ev['best_baseline']}): "
+        f"{ev['draft']['acceptance_length']:.3f} vs {ev['baselines'][ev['best_baseline']]['acceptance_length']:.3f}"
+    )
 
 
 @click.command("train")

@@ -26,7 +26,8 @@ class TrainConfig:
     # layout: the module docstring
     out: Path = opt(help="Output dir: checkpoints/, draft/, summary.json, plots.")
     prepared: Path | None = opt(
-        None, help="Dir with d2t.npy/t2d.npy/token_freq.pt [default: from data_config.json].")
+        None, help="Dir with d2t.npy/t2d.npy/token_freq.pt [default: from data_config.json]."
+    )
     # then data_config's `model`
     model: Path | None = opt(None, help="Target model dir, config.json only [default: verifier.json source].")
     epochs: int = opt(3, help="Total epochs of the run (a resumed run counts the epochs already done).")
@@ -36,8 +37,11 @@ class TrainConfig:
     ttt_step_loss_decay: float = opt(1.0, help="The loss of TTT step j weighs decay**j.")
     num_layers: int = opt(1, help="Draft decoder layers.")
     intermediate_size: int | None = opt(None, help="Draft MLP width [default: the target's].")
-    norm_before_residual: bool = opt(False, decls="--norm-before-residual/--no-norm-before-residual",
-                                     help="speculators' Eagle3 option of that name.")
+    norm_before_residual: bool = opt(
+        False,
+        decls="--norm-before-residual/--no-norm-before-residual",
+        help="speculators' Eagle3 option of that name.",
+    )
     max_len: int = opt(2048, help="Tokens per packed batch.")  # samples are packed up to this length
     eval_fraction: float = opt(0.1, help="Share of samples held out.")  # for validation and acceptance
     eval_k: int | None = opt(None, help="Draft tokens per position when measuring [default: --ttt-steps].")
@@ -45,22 +49,32 @@ class TrainConfig:
     seed: int = opt(0, help="Seeds python, numpy, torch, the split and the sampler.")
     resume: bool = opt(False, help="Continue from the last complete epoch in OUT/checkpoints.")
     overwrite: bool = opt(False, help="Replace an existing output dir.")
-    stop_after_epochs: int | None = opt(None,
-                                        help="Train at most N epochs now; continue later with --resume.")
+    stop_after_epochs: int | None = opt(
+        None, help="Train at most N epochs now; continue later with --resume."
+    )
     scheduler: str = opt("linear", choices=("linear", "cosine", "none"), help="Learning-rate schedule.")
     warmup_steps: int | None = opt(None, help="Scheduler warmup steps [default: 1% of all steps].")
     device: str = opt("auto", help="auto | cpu | cuda | cuda:N")  # torchrun: the local rank's GPU
     # see pipeline/train/draft.py
-    attention: str = opt("auto", choices=("auto", "flex", "dense"),
-                         help="Draft attention: flex (GPUs) or dense (any device); auto: flex on a GPU.")
+    attention: str = opt(
+        "auto",
+        choices=("auto", "flex", "dense"),
+        help="Draft attention: flex (GPUs) or dense (any device); auto: flex on a GPU.",
+    )
     num_workers: int | None = opt(None, help="Data loader workers [default: 0 on CPU, 4 on GPU].")
-    save_dtype: str = opt("bfloat16", choices=("bfloat16", "float16", "float32"),
-                          help="Dtype of the exported draft/ weights.")
+    save_dtype: str = opt(
+        "bfloat16", choices=("bfloat16", "float16", "float32"), help="Dtype of the exported draft/ weights."
+    )
     draft_vocab_size: int | None = opt(None, help="Expected draft vocab size (checked against d2t).")
-    trust_remote_code: bool = opt(False, help="Read the target's config.json through its own Python code "
-                                              "(e.g. Kimi-K2.5), not as plain JSON.")
-    online_eval: bool = opt(False, help="Also serve the draft with vLLM (EAGLE-3 speculative decoding) on "
-                                        "held-out prompts and report vLLM's acceptance.")
+    trust_remote_code: bool = opt(
+        False,
+        help="Read the target's config.json through its own Python code (e.g. Kimi-K2.5), not as plain JSON.",
+    )
+    online_eval: bool = opt(
+        False,
+        help="Also serve the draft with vLLM (EAGLE-3 speculative decoding) on "
+        "held-out prompts and report vLLM's acceptance.",
+    )
     online_prompts: int = opt(16, help="With --online-eval: held-out prompts to generate from.")
     online_max_tokens: int = opt(32, help="With --online-eval: greedy tokens per prompt.")
     evaluate: bool = opt(True, decls="--no-eval", help="Skip the acceptance measurement.")  # and the plots
@@ -72,4 +86,3 @@ class TrainConfig:
             raise StageError(f"--ttt-steps {self.ttt_steps} must be at least 1")
         if self.epochs < 1:
             raise StageError(f"--epochs {self.epochs} must be at least 1")
-

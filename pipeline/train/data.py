@@ -39,7 +39,11 @@ def _dataset_class():
             lengths = []
             for f in self.files:
                 index = int(f.stem.rsplit("_", 1)[-1])
-                lengths.append(known[index] if index in known else int(formats.read_sample(f, mmap=True)["input_ids"].shape[0]))
+                lengths.append(
+                    known[index]
+                    if index in known
+                    else int(formats.read_sample(f, mmap=True)["input_ids"].shape[0])
+                )
             return lengths
 
         def _get_raw_data(self, index: int) -> dict:
@@ -61,8 +65,17 @@ def sample_dataset(files: list[Path], max_len: int, hidden_states_dtype: torch.d
     return _dataset_class()(files, max_len, hidden_states_dtype)
 
 
-def make_loader(files: list[Path], *, max_len: int, hidden_size: int, world_size: int, rank: int, seed: int,
-                workers: int, pin_memory: bool):
+def make_loader(
+    files: list[Path],
+    *,
+    max_len: int,
+    hidden_size: int,
+    world_size: int,
+    rank: int,
+    seed: int,
+    workers: int,
+    pin_memory: bool,
+):
     """Packed batches of ``files`` for one data-parallel rank, speculators' sampler and collate."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
@@ -71,12 +84,23 @@ def make_loader(files: list[Path], *, max_len: int, hidden_size: int, world_size
 
     dataset = sample_dataset(files, max_len)
     sampler = MultipackDistributedBatchSamplerV2(
-        batch_max_length=max_len, lengths=dataset.approx_lengths, num_replicas=world_size, rank=rank, seed=seed,
+        batch_max_length=max_len,
+        lengths=dataset.approx_lengths,
+        num_replicas=world_size,
+        rank=rank,
+        seed=seed,
     )
-    collate = CollateFn(max_len, hidden_size, num_target_layers=NUM_CAPTURED - 1, dtype=torch.float32,
-                        preprocess=shift_batch)
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory, collate_fn=collate,
-                      persistent_workers=workers > 0)
+    collate = CollateFn(
+        max_len, hidden_size, num_target_layers=NUM_CAPTURED - 1, dtype=torch.float32, preprocess=shift_batch
+    )
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        collate_fn=collate,
+        persistent_workers=workers > 0,
+    )
 
 
 def seed_everything(seed: int) -> None:

@@ -36,13 +36,32 @@ DENSE_ATTENTION = "sdpa"  # transformers' SDPA on speculators' dense mask
 VIEW_CONFIG = "config.json"
 VIEW_WEIGHTS = "model.safetensors"
 # the key names speculators' load_model_layers() finds by suffix
-VIEW_KEYS = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "lm_head.weight": "lm_head.weight"}
+VIEW_KEYS = {
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # the config fields TargetFacts reads
-CONFIG_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
-               "max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id")
+CONFIG_KEYS = (
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+)
 
 
 @dataclass(frozen=True)
@@ -73,7 +92,9 @@ class TargetFacts:
         heads = int(text["num_attention_heads"])
         hidden = int(text["hidden_size"])
         # MLA models (DeepSeek/Kimi) have no plain head_dim: the draft uses hidden // heads, as speculators does
-        head_dim = int(text.get("head_dim") or hidden // heads) if model_type in LLAMA_FAMILY else hidden // heads
+        head_dim = (
+            int(text.get("head_dim") or hidden // heads) if model_type in LLAMA_FAMILY else hidden // heads
+        )
         return cls(
             model_type=model_type,
             architectures=tuple(raw.get("architectures") or ()),
@@ -109,7 +130,11 @@ def _rope_parameters(text: dict, model_type: str) -> dict:
         scaling = dict(text.get("rope_scaling") or {})
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
-    if model_type not in LLAMA_FAMILY or not scaling.get("rope_type") or scaling.get("rope_type") == "default":
+    if (
+        model_type not in LLAMA_FAMILY
+        or not scaling.get("rope_type")
+        or scaling.get("rope_type") == "default"
+    ):
         scaling = {"rope_type": "default"}
     return {**scaling, "rope_theta": float(theta or 10000.0)}
 
@@ -121,8 +146,10 @@ def _resolved_config(model_dir: Path) -> dict:
     try:
         config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=True)
     except Exception as exc:  # noqa: BLE001 - any failure of the model's own code is the same operator problem
-        raise StageError(f"{model_dir}/config.json does not load with its own code ({type(exc).__name__}: {exc}): "
-                         "fix the model dir or drop --trust-remote-code (then config.json is read as plain JSON)") from None
+        raise StageError(
+            f"{model_dir}/config.json does not load with its own code ({type(exc).__name__}: {exc}): "
+            "fix the model dir or drop --trust-remote-code (then config.json is read as plain JSON)"
+        ) from None
 
     def flat(cfg) -> dict:  # to_dict() leaves aliased names (attribute_map) out; getattr resolves them
         out = cfg.to_dict()
@@ -140,7 +167,9 @@ def read_target_facts(model_dir: Path, trust_remote_code: bool = False) -> Targe
     """The target's facts from its config.json: as plain JSON, or through its own config code if trusted."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise StageError(f"{path} not found: pass --model with the target model dir (its config.json is read)")
+        raise StageError(
+            f"{path} not found: pass --model with the target model dir (its config.json is read)"
+        )
     try:
         raw = json.loads(path.read_text())
     except ValueError as exc:
@@ -205,8 +234,9 @@ def build_speculator_config(
             algorithm="eagle3",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
             default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=str(Path(verifier_view).resolve()),
-                                    architectures=list(target.architectures)),
+            verifier=VerifierConfig(
+                name_or_path=str(Path(verifier_view).resolve()), architectures=list(target.architectures)
+            ),
         ),
     )
 
@@ -249,7 +279,9 @@ def choose_attention(device: torch.device, requested: str = "auto") -> str:
         return FLEX_ATTENTION if device.type == "cuda" else DENSE_ATTENTION
     if requested == "flex":
         if device.type == "cpu":
-            raise StageError("--attention flex has no backward pass on the CPU (torch: FlexAttention does not support backward on CPU): use --attention dense or auto")
+            raise StageError(
+                "--attention flex has no backward pass on the CPU (torch: FlexAttention does not support backward on CPU): use --attention dense or auto"
+            )
         return FLEX_ATTENTION
     if requested == "dense":
         return DENSE_ATTENTION
@@ -271,7 +303,9 @@ def new_draft(config, d2t: np.ndarray, t2d: np.ndarray):
     from speculators.models.eagle3 import Eagle3DraftModel
 
     model = Eagle3DraftModel(config=config)
-    model.load_vocab_mappings(torch.from_numpy(np.asarray(t2d, dtype=bool)), torch.from_numpy(np.asarray(d2t, dtype=np.int64)))
+    model.load_vocab_mappings(
+        torch.from_numpy(np.asarray(t2d, dtype=bool)), torch.from_numpy(np.asarray(d2t, dtype=np.int64))
+    )
     model.load_verifier_weights()
     return model
 
@@ -301,12 +335,21 @@ def load_draft(path: Path, *, attention: str | None = None, verifier_view: Path 
     path = Path(path)
     config = Eagle3SpeculatorConfig.from_pretrained(str(path))
     if verifier_view is None:
-        verifier_view = next((d / "verifier" for d in (path.parent, path.parent.parent) if (d / "verifier" / VIEW_CONFIG).is_file()), None)
+        verifier_view = next(
+            (
+                d / "verifier"
+                for d in (path.parent, path.parent.parent)
+                if (d / "verifier" / VIEW_CONFIG).is_file()
+            ),
+            None,
+        )
     if verifier_view is not None:
         config.speculators_config.verifier.name_or_path = str(Path(verifier_view).resolve())
     view = Path(config.speculators_config.verifier.name_or_path or "")
     if not (view / VIEW_CONFIG).is_file():
-        raise StageError(f"verifier {view} recorded in {path}/config.json does not exist here: pass the train output's verifier/ dir")
+        raise StageError(
+            f"verifier {view} recorded in {path}/config.json does not exist here: pass the train output's verifier/ dir"
+        )
     set_attention(config, attention or DENSE_ATTENTION)
     d2t, t2d = read_checkpoint_vocab(path)
     model = Eagle3DraftModel.from_pretrained(str(path), config=config, t2d=t2d, d2t=d2t, dtype=torch.float32)

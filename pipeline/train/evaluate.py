@@ -64,7 +64,9 @@ class Tally:
         prefix = self.prefix if self.prefix is not None else np.zeros(self.k, dtype=np.int64)
         n = max(1, self.positions)
         per_position = [float(c) / n for c in prefix]
-        conditional = [float(prefix[0]) / n] + [float(prefix[j]) / float(prefix[j - 1]) if prefix[j - 1] else 0.0 for j in range(1, self.k)]
+        conditional = [float(prefix[0]) / n] + [
+            float(prefix[j]) / float(prefix[j - 1]) if prefix[j - 1] else 0.0 for j in range(1, self.k)
+        ]
         return {
             "acceptance_length": 1.0 + sum(per_position),
             "per_position": per_position,
@@ -78,7 +80,9 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)) * weight.float()
 
 
-def greedy_tokens(last_hidden: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
+def greedy_tokens(
+    last_hidden: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float
+) -> torch.Tensor:
     """The target's greedy next token at each position, from its last decoder layer's output."""
     return (rms_norm(last_hidden, norm, eps) @ lm_head.float().T).argmax(-1)
 
@@ -120,8 +124,12 @@ class HeldOut:
         for i in range(len(self.dataset)):
             sample = self.dataset[i]
             item = {k: v.to(self.device) for k, v in shift_batch(sample).items()}
-            item["context_ids"] = sample["input_ids"]  # unshifted: at shifted index i the context is [: i + 2]
-            item["greedy"] = greedy_tokens(item["verifier_last_hidden_states"], self.norm, self.lm_head, self.eps)
+            item["context_ids"] = sample[
+                "input_ids"
+            ]  # unshifted: at shifted index i the context is [: i + 2]
+            item["greedy"] = greedy_tokens(
+                item["verifier_last_hidden_states"], self.norm, self.lm_head, self.eps
+            )
             yield item
 
 
@@ -166,7 +174,9 @@ def target_unigram(samples: HeldOut, limit: int) -> int:
 
 def constant(token: int, k: int):
     def propose(item: dict) -> torch.Tensor:
-        return torch.full((k, item["input_ids"].shape[0]), token, dtype=torch.long, device=item["input_ids"].device)
+        return torch.full(
+            (k, item["input_ids"].shape[0]), token, dtype=torch.long, device=item["input_ids"].device
+        )
 
     return propose
 
@@ -174,25 +184,29 @@ def constant(token: int, k: int):
 NGRAM_MIN, NGRAM_MAX = 1, 4
 
 
-def ngram_continuations(tokens: list[int], k: int, n_min: int = NGRAM_MIN, n_max: int = NGRAM_MAX) -> list[list[int]]:
+def ngram_continuations(
+    tokens: list[int], k: int, n_min: int = NGRAM_MIN, n_max: int = NGRAM_MAX
+) -> list[list[int]]:
     """Prompt lookup at every context length: entry L - 1 holds what vLLM's ngram proposer gives ``tokens[:L]``.
 
     For each prefix the longest suffix of n_min..n_max tokens that also occurs earlier (its occurrence
     ending before the prefix does), taken at its earliest occurrence; the proposal is the up to k tokens
     that followed it, never past the prefix's end; [] when nothing matches. One pass, O(len x n_max).
     """
-    first_end: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]  # n-gram -> end of its first occurrence
+    first_end: list[dict[tuple[int, ...], int]] = [
+        {} for _ in range(n_max + 1)
+    ]  # n-gram -> end of its first occurrence
     out: list[list[int]] = []
     for length in range(1, len(tokens) + 1):
         end = length - 1  # occurrences ending here are strictly before the suffix and have a continuation
         for n in range(1, n_max + 1):
             if end - n >= 0:
-                first_end[n].setdefault(tuple(tokens[end - n:end]), end)
+                first_end[n].setdefault(tuple(tokens[end - n : end]), end)
         proposal: list[int] = []
         for n in range(min(n_max, length), n_min - 1, -1):
-            e = first_end[n].get(tuple(tokens[length - n:length]))
+            e = first_end[n].get(tuple(tokens[length - n : length]))
             if e is not None:
-                proposal = tokens[e:min(e + k, length)]
+                proposal = tokens[e : min(e + k, length)]
                 break
         out.append(proposal)
     return out
@@ -238,11 +252,15 @@ def evaluate_run(cfg: EvalConfig, inputs) -> dict:
     held_out = HeldOut(eval_files, inputs.verifier, eps, device)
     d2t = torch.from_numpy(inputs.d2t).to(device)
 
-    trained = draft_mod.load_draft(Path(cfg.out) / DRAFT, attention=attention, verifier_view=Path(cfg.out) / VERIFIER_VIEW).to(device)
+    trained = draft_mod.load_draft(
+        Path(cfg.out) / DRAFT, attention=attention, verifier_view=Path(cfg.out) / VERIFIER_VIEW
+    ).to(device)
     seed_everything(cfg.seed)
     untrained = draft_mod.new_draft(trained.config, inputs.d2t, inputs.t2d).to(device).eval()
 
-    unigram = target_unigram(HeldOut(inputs.train_files[: cfg.max_samples], inputs.verifier, eps, device), cfg.max_samples)
+    unigram = target_unigram(
+        HeldOut(inputs.train_files[: cfg.max_samples], inputs.verifier, eps, device), cfg.max_samples
+    )
     proposers = {
         "draft": lambda item: draft_proposals(trained, item, k, d2t),
         "untrained_draft": lambda item: draft_proposals(untrained, item, k, d2t),
@@ -270,7 +288,15 @@ def evaluate_run(cfg: EvalConfig, inputs) -> dict:
 
 def table_rows(ev: dict) -> list[tuple[str, str, list[str]]]:
     """(name, acceptance length, per-position rates) for the draft and each baseline, for printing."""
-    rows = [("trained draft", f"{ev['draft']['acceptance_length']:.3f}", [f"{x:.3f}" for x in ev["draft"]["per_position"]])]
+    rows = [
+        (
+            "trained draft",
+            f"{ev['draft']['acceptance_length']:.3f}",
+            [f"{x:.3f}" for x in ev["draft"]["per_position"]],
+        )
+    ]
     for name, r in ev["baselines"].items():
-        rows.append((f"baseline: {name}", f"{r['acceptance_length']:.3f}", [f"{x:.3f}" for x in r["per_position"]]))
+        rows.append(
+            (f"baseline: {name}", f"{r['acceptance_length']:.3f}", [f"{x:.3f}" for x in r["per_position"]])
+        )
     return rows

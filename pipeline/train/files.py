@@ -15,8 +15,17 @@ VERIFIER_VIEW = "verifier"
 TRAIN_CONFIG = "train_config.json"
 METRICS = "metrics.jsonl"
 EVAL = "eval.json"
-__all__ = ["CHECKPOINTS", "DRAFT", "EVAL", "METRICS", "SUMMARY", "TRAIN_CONFIG", "VERIFIER_VIEW", "last_metrics",
-           "read_metrics"]
+__all__ = [
+    "CHECKPOINTS",
+    "DRAFT",
+    "EVAL",
+    "METRICS",
+    "SUMMARY",
+    "TRAIN_CONFIG",
+    "VERIFIER_VIEW",
+    "last_metrics",
+    "read_metrics",
+]
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -31,4 +40,8 @@ def last_metrics(path: Path) -> dict:
     rows = read_metrics(path)
     train = [r for r in rows if "train" in r]
     val = [r for r in rows if "val" in r]
-    return {"last_train": train[-1] if train else None, "last_val": val[-1] if val else None, "steps": len(train)}
+    return {
+        "last_train": train[-1] if train else None,
+        "last_val": val[-1] if val else None,
+        "steps": len(train),
+    }

@@ -28,7 +28,11 @@ import click
 from pipeline.atomic import write_json
 from pipeline.errors import StageError
 
-SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+SPEC_METRICS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
@@ -78,10 +82,21 @@ def _serve_once(cfg: OnlineConfig, prompts: list[list[int]], with_draft: bool) -
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = dict(model=str(cfg.target), dtype=cfg.dtype, max_model_len=cfg.max_model_len, enforce_eager=True,
-                  disable_log_stats=False, enable_prefix_caching=False, seed=0)
+    kwargs = dict(
+        model=str(cfg.target),
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        enforce_eager=True,
+        disable_log_stats=False,
+        enable_prefix_caching=False,
+        seed=0,
+    )
     if with_draft:
-        kwargs["speculative_config"] = {"model": str(cfg.draft), "method": "eagle3", "num_speculative_tokens": cfg.k}
+        kwargs["speculative_config"] = {
+            "model": str(cfg.draft),
+            "method": "eagle3",
+            "num_speculative_tokens": cfg.k,
+        }
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -90,7 +105,10 @@ def _serve_once(cfg: OnlineConfig, prompts: list[list[int]], with_draft: bool) -
         if metric.name in SPEC_METRICS:
             counters[metric.name] = counters.get(metric.name, 0) + int(metric.value)
         elif metric.name == PER_POS:
-            counters[PER_POS] = [a + b for a, b in zip(counters.get(PER_POS, [0] * len(metric.values)), metric.values, strict=True)]
+            counters[PER_POS] = [
+                a + b
+                for a, b in zip(counters.get(PER_POS, [0] * len(metric.values)), metric.values, strict=True)
+            ]
     return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "counters": counters}
 
 
@@ -113,18 +131,32 @@ def root_cause(output: str) -> str:
 def _child(cfg: OnlineConfig, prompts: list[list[int]], with_draft: bool, out: Path) -> dict:
     """One vLLM run in a fresh process; its result comes back through a JSON file."""
     request = out.with_suffix(".request.json")
-    write_json(request, {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
-                         "prompts": prompts, "with_draft": with_draft})
+    write_json(
+        request,
+        {
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
+            "prompts": prompts,
+            "with_draft": with_draft,
+        },
+    )
     argv = [sys.executable, "-m", "pipeline.train.online_eval", "--request", str(request), "--out", str(out)]
     # its own session: vLLM's engine-core process outlives a killed parent and would hold our pipes open
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=cfg.timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise StageError(f"vLLM did not finish within {cfg.timeout:.0f} s serving {cfg.target}: raise the timeout") from None
+        raise StageError(
+            f"vLLM did not finish within {cfg.timeout:.0f} s serving {cfg.target}: raise the timeout"
+        ) from None
     except BaseException:  # Ctrl-C, or any other way out: leave no engine behind
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -143,17 +175,25 @@ def measure(cfg: OnlineConfig, prompts: list[list[int]], workdir: Path) -> dict:
     try:
         from vllm import LLM  # noqa: F401
     except ImportError:
-        raise StageError("online acceptance needs vLLM in this environment (the image, or .venv-vllm): "
-                         "drop --online-eval or run where vLLM is installed") from None
+        raise StageError(
+            "online acceptance needs vLLM in this environment (the image, or .venv-vllm): "
+            "drop --online-eval or run where vLLM is installed"
+        ) from None
     if not prompts:
-        raise StageError("no held-out sample has a prompt before its first assistant token: nothing to generate from")
+        raise StageError(
+            "no held-out sample has a prompt before its first assistant token: nothing to generate from"
+        )
     workdir.mkdir(parents=True, exist_ok=True)
     alone = _child(cfg, prompts, False, workdir / "target.json")
     spec = _child(cfg, prompts, True, workdir / "speculative.json")
     same = [a == b for a, b in zip(alone["tokens"], spec["tokens"], strict=True)]
     return {
-        "k": cfg.k, "prompts": len(prompts), "max_tokens": cfg.max_tokens, "dtype": cfg.dtype,
-        "greedy_equal": all(same), "greedy_equal_prompts": sum(same),
+        "k": cfg.k,
+        "prompts": len(prompts),
+        "max_tokens": cfg.max_tokens,
+        "dtype": cfg.dtype,
+        "greedy_equal": all(same),
+        "greedy_equal_prompts": sum(same),
         **acceptance_from_counters(spec["counters"]),
     }
 

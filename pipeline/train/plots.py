@@ -38,12 +38,26 @@ def loss_curve(rows: list[dict], target: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         steps = [r["step"] for r in train]
-        ax.plot(steps, [r["train"]["loss"] for r in train], label="train loss (sum over TTT steps)", color="black")
+        ax.plot(
+            steps, [r["train"]["loss"] for r in train], label="train loss (sum over TTT steps)", color="black"
+        )
         ttt = sorted(int(k.split("_")[1]) for k in train[0]["train"] if k.startswith("loss_"))
         for j in ttt:
-            ax.plot(steps, [r["train"][f"loss_{j}"] for r in train], label=f"train loss, TTT step {j}", alpha=0.5, linewidth=0.8)
+            ax.plot(
+                steps,
+                [r["train"][f"loss_{j}"] for r in train],
+                label=f"train loss, TTT step {j}",
+                alpha=0.5,
+                linewidth=0.8,
+            )
     if val:
-        ax.plot([r["step"] for r in val], [r["val"]["loss_epoch"] for r in val], "o-", label="held-out loss (per epoch)", color="tab:red")
+        ax.plot(
+            [r["step"] for r in val],
+            [r["val"]["loss_epoch"] for r in val],
+            "o-",
+            label="held-out loss (per epoch)",
+            color="tab:red",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("KL loss")
     ax.set_yscale("log")
@@ -64,7 +78,12 @@ def acceptance_bars(ev: dict, target: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     for n, (name, r) in enumerate(series.items()):
         xs = [j + n * width for j in range(k)]
-        ax.bar(xs, r["per_position"], width=width, label=f"{name} (acceptance length {r['acceptance_length']:.2f})")
+        ax.bar(
+            xs,
+            r["per_position"],
+            width=width,
+            label=f"{name} (acceptance length {r['acceptance_length']:.2f})",
+        )
     ax.set_xticks([j + 0.4 - width / 2 for j in range(k)], [f"token {j + 1}" for j in range(k)])
     ax.set_ylabel("share of positions with tokens 1..j accepted")
     ax.set_ylim(0, 1)

@@ -52,8 +52,17 @@ from pipeline.layers import NUM_CAPTURED, to_vllm_aux_ids, validate_layer_ids
 from pipeline.outdir import output_lock, refuse_overlap
 from pipeline.train.config import TrainConfig
 from pipeline.train.data import seed_everything
-from pipeline.train.files import (CHECKPOINTS, DRAFT, EVAL, METRICS, SUMMARY, TRAIN_CONFIG, VERIFIER_VIEW,  # noqa: F401
-                                  last_metrics, read_metrics)
+from pipeline.train.files import (
+    CHECKPOINTS,
+    DRAFT,
+    EVAL,
+    METRICS,
+    SUMMARY,
+    TRAIN_CONFIG,
+    VERIFIER_VIEW,  # noqa: F401
+    last_metrics,
+    read_metrics,
+)
 from pipeline.vocab import vocab_mapping_problems
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,7 +97,9 @@ def _resolve_prepared(cfg: TrainConfig, dc: formats.DataConfig) -> Path:
         return Path(cfg.prepared)
     if dc.prepared and Path(dc.prepared).is_dir():
         return Path(dc.prepared)
-    raise StageError(f"{cfg.data}/data_config.json names prepared dir {dc.prepared!r}, which does not exist: pass --prepared DIR (with d2t.npy, t2d.npy)")
+    raise StageError(
+        f"{cfg.data}/data_config.json names prepared dir {dc.prepared!r}, which does not exist: pass --prepared DIR (with d2t.npy, t2d.npy)"
+    )
 
 
 def _resolve_model(cfg: TrainConfig, meta: dict, dc: formats.DataConfig) -> Path:
@@ -96,7 +107,9 @@ def _resolve_model(cfg: TrainConfig, meta: dict, dc: formats.DataConfig) -> Path
     for c in candidates:
         if c and (Path(c) / "config.json").is_file():
             return Path(c)
-    raise StageError(f"no target config.json found (tried --model, verifier.json source {meta.get('source')!r}, data_config model {dc.model!r}): pass --model DIR")
+    raise StageError(
+        f"no target config.json found (tried --model, verifier.json source {meta.get('source')!r}, data_config model {dc.model!r}): pass --model DIR"
+    )
 
 
 def _read_verifier(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -105,7 +118,9 @@ def _read_verifier(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     tensors = load_verifier(Path(directory))
     missing = [k for k in KEYS if k not in tensors]
     if missing:
-        raise StageError(f"{directory}/verifier.safetensors lacks {', '.join(missing)}: re-run `pipeline weights`")
+        raise StageError(
+            f"{directory}/verifier.safetensors lacks {', '.join(missing)}: re-run `pipeline weights`"
+        )
     meta_path = Path(directory) / VERIFIER_META
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     return tensors, meta
@@ -114,7 +129,9 @@ def _read_verifier(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
 def split_indices(n: int, eval_fraction: float, seed: int, min_eval: int = 1) -> tuple[list[int], list[int]]:
     """Seeded shuffle of 0..n-1 into (train, held-out); both non-empty."""
     if n < 2:
-        raise StageError(f"{n} sample(s) in the hidden-states dir: at least 2 are needed (one to train on, one held out)")
+        raise StageError(
+            f"{n} sample(s) in the hidden-states dir: at least 2 are needed (one to train on, one held out)"
+        )
     if not 0.0 < eval_fraction < 1.0:
         raise StageError(f"--eval-fraction {eval_fraction} must be between 0 and 1 (exclusive)")
     order = list(range(n))
@@ -127,7 +144,9 @@ def _check_sample(path: Path, dc: formats.DataConfig, vocab: int) -> None:
     try:
         sample = formats.read_sample(path)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same operator problem
-        raise StageError(f"{path} cannot be read ({type(exc).__name__}: {exc}): re-run `pipeline extract`") from None
+        raise StageError(
+            f"{path} cannot be read ({type(exc).__name__}: {exc}): re-run `pipeline extract`"
+        ) from None
     missing = [k for k in formats.DATA_KEYS if k not in sample]
     if missing:
         raise StageError(f"{path} lacks {', '.join(missing)}: not a hidden-states sample")
@@ -141,11 +160,15 @@ def _check_sample(path: Path, dc: formats.DataConfig, vocab: int) -> None:
     t = int(sample["input_ids"].shape[0])
     for j, h in enumerate(hs):
         if tuple(h.shape) != (t, dc.hidden_size):
-            raise StageError(f"{path}: hidden_states[{j}] has shape {tuple(h.shape)}, expected ({t}, {dc.hidden_size}) (hidden size from data_config.json)")
+            raise StageError(
+                f"{path}: hidden_states[{j}] has shape {tuple(h.shape)}, expected ({t}, {dc.hidden_size}) (hidden size from data_config.json)"
+            )
     if t < 2:
         raise StageError(f"{path} has {t} token(s): at least 2 are needed")
     if int(sample["input_ids"].max()) >= vocab or int(sample["input_ids"].min()) < 0:
-        raise StageError(f"{path}: token ids outside the target vocab of {vocab}: hidden states and model disagree")
+        raise StageError(
+            f"{path}: token ids outside the target vocab of {vocab}: hidden states and model disagree"
+        )
 
 
 def check_inputs(cfg: TrainConfig) -> TrainInputs:
@@ -157,9 +180,13 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
         raise StageError(f"{data} has no data_*.pt files: run `pipeline extract` first")
     if indices != list(range(len(indices))):
         gaps = sorted(set(range(indices[-1] + 1)) - set(indices))[:5]
-        raise StageError(f"{data}: data files are not numbered 0..N-1 (missing e.g. {gaps}): resume `pipeline extract`")
+        raise StageError(
+            f"{data}: data files are not numbered 0..N-1 (missing e.g. {gaps}): resume `pipeline extract`"
+        )
     if len(indices) != dc.num_samples:
-        raise StageError(f"{data} holds {len(indices)} data files but data_config.json says {dc.num_samples}: extraction incomplete, resume `pipeline extract`")
+        raise StageError(
+            f"{data} holds {len(indices)} data files but data_config.json says {dc.num_samples}: extraction incomplete, resume `pipeline extract`"
+        )
     if len(dc.layer_ids) != NUM_CAPTURED:
         raise StageError(
             f"{data}/data_config.json lists {len(dc.layer_ids)} layer ids {dc.layer_ids}, EAGLE-3 needs {NUM_CAPTURED} "
@@ -171,22 +198,43 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
     model_dir = _resolve_model(cfg, meta, dc)
     target = read_target_facts(model_dir, cfg.trust_remote_code)
     emb, norm, head = verifier["embed_tokens.weight"], verifier["norm.weight"], verifier["lm_head.weight"]
-    sizes = {"data_config.json": dc.hidden_size, "target config.json": target.hidden_size,
-             "verifier embed_tokens": int(emb.shape[-1]), "verifier lm_head": int(head.shape[-1]), "verifier norm": int(norm.shape[0])}
+    sizes = {
+        "data_config.json": dc.hidden_size,
+        "target config.json": target.hidden_size,
+        "verifier embed_tokens": int(emb.shape[-1]),
+        "verifier lm_head": int(head.shape[-1]),
+        "verifier norm": int(norm.shape[0]),
+    }
     if len(set(sizes.values())) != 1:
-        raise StageError("hidden size mismatch: " + ", ".join(f"{k} {v}" for k, v in sizes.items()) + ": hidden states, verifier and target must come from the same model")
+        raise StageError(
+            "hidden size mismatch: "
+            + ", ".join(f"{k} {v}" for k, v in sizes.items())
+            + ": hidden states, verifier and target must come from the same model"
+        )
     if dc.num_layers != target.num_layers:
-        raise StageError(f"data_config.json says {dc.num_layers} decoder layers, the target config {target.num_layers}: hidden states come from another model")
-    vocab = {"target config.json": target.vocab_size, "verifier embed_tokens": int(emb.shape[0]), "verifier lm_head": int(head.shape[0])}
+        raise StageError(
+            f"data_config.json says {dc.num_layers} decoder layers, the target config {target.num_layers}: hidden states come from another model"
+        )
+    vocab = {
+        "target config.json": target.vocab_size,
+        "verifier embed_tokens": int(emb.shape[0]),
+        "verifier lm_head": int(head.shape[0]),
+    }
     if len(set(vocab.values())) != 1:
-        raise StageError("target vocab mismatch: " + ", ".join(f"{k} {v}" for k, v in vocab.items()) + ": re-run `pipeline weights` for this target")
+        raise StageError(
+            "target vocab mismatch: "
+            + ", ".join(f"{k} {v}" for k, v in vocab.items())
+            + ": re-run `pipeline weights` for this target"
+        )
 
     prepared = _resolve_prepared(cfg, dc)
     d2t, t2d = formats.read_vocab(prepared)
     expected_draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else len(d2t)
     problems = vocab_mapping_problems(d2t, t2d, expected_draft, target.vocab_size)
     if problems:
-        raise StageError(f"vocab mapping in {prepared} does not fit this draft: {'; '.join(problems)} (re-run `pipeline prepare --draft-vocab-size N`)")
+        raise StageError(
+            f"vocab mapping in {prepared} does not fit this draft: {'; '.join(problems)} (re-run `pipeline prepare --draft-vocab-size N`)"
+        )
     freq_path = prepared / formats.TOKEN_FREQ
     token_freq = formats.read_token_freq(freq_path) if freq_path.is_file() else {}
 
@@ -241,9 +289,16 @@ def setup_runtime(device: str) -> Runtime:
         from speculators.train import distributed as dist_state
 
         if not torch.cuda.is_available():
-            raise StageError("torchrun data parallel needs GPUs (one per process) and none is visible: run without torchrun")
+            raise StageError(
+                "torchrun data parallel needs GPUs (one per process) and none is visible: run without torchrun"
+            )
         dist_state.maybe_setup_distributed()
-        return Runtime(torch.device("cuda", dist_state.get_local_rank()), dist_state.get_rank(), dist_state.get_world_size(), True)
+        return Runtime(
+            torch.device("cuda", dist_state.get_local_rank()),
+            dist_state.get_rank(),
+            dist_state.get_world_size(),
+            True,
+        )
     if device == "auto":
         return Runtime(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     dev = torch.device(device)
@@ -293,8 +348,12 @@ def loss_implementation(device: torch.device) -> str:
 
 def get_trainer_kwargs(model, cfg: TrainConfig, device: torch.device) -> tuple[dict, dict]:
     """The forward arguments of a training and a validation step (TTT unroll, loss), speculators' way."""
-    return type(model).get_trainer_kwargs(ttt_steps=cfg.ttt_steps, ttt_step_loss_decay=cfg.ttt_step_loss_decay,
-                                          loss_fn=LOSS, loss_implementation=loss_implementation(device))
+    return type(model).get_trainer_kwargs(
+        ttt_steps=cfg.ttt_steps,
+        ttt_step_loss_decay=cfg.ttt_step_loss_decay,
+        loss_fn=LOSS,
+        loss_implementation=loss_implementation(device),
+    )
 
 
 @contextlib.contextmanager
@@ -319,7 +378,9 @@ def _on_host(device: torch.device):
     trainer_mod._StepTimer = HostStepTimer
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+            warnings.filterwarnings(
+                "ignore", message="In CPU autocast, but the target dtype is not supported"
+            )
             yield
     finally:
         trainer_mod._StepTimer = original
@@ -348,9 +409,13 @@ def _trainer_class():
 
         def load_optimizer_state_dict(self, model, optimizer, float_dtype=None):
             raw = model.module if isinstance(model, DistributedDataParallel) else model
-            state = torch.load(self.optimizer_path(self.previous_epoch), weights_only=True, map_location=self.device)
+            state = torch.load(
+                self.optimizer_path(self.previous_epoch), weights_only=True, map_location=self.device
+            )
             states = state if isinstance(state, list) else [state]
-            for optim, st in zip(optimizer if isinstance(optimizer, list) else [optimizer], states, strict=True):
+            for optim, st in zip(
+                optimizer if isinstance(optimizer, list) else [optimizer], states, strict=True
+            ):
                 optim.load_state_dict(convert_float_dtype(st, float_dtype or raw.dtype))
 
     class PipelineTrainer(Trainer):
@@ -376,10 +441,14 @@ def _trainer_class():
             self.checkpointer.path = staging_root
             try:
                 # full precision: a resumed run must continue from exactly the weights and moments it stopped at
-                self.checkpointer.save_checkpoint(self.model, self.optimizers, epoch, float_dtype=torch.float32)
+                self.checkpointer.save_checkpoint(
+                    self.model, self.optimizers, epoch, float_dtype=torch.float32
+                )
                 if self.schedulers:
                     self.checkpointer.save_scheduler_state_dict(self.schedulers, epoch)
-                if self.runtime.is_main:  # end of epoch: speculators' own --resume continues with the next one
+                if (
+                    self.runtime.is_main
+                ):  # end of epoch: speculators' own --resume continues with the next one
                     self._save_training_state(epoch, 0)
             finally:
                 self.checkpointer.path = final_root
@@ -391,8 +460,10 @@ def _trainer_class():
             _barrier(self.runtime)
 
         def _save_training_state(self, epoch: int, local_step: int) -> None:
-            write_json(self.checkpointer.path / str(epoch) / "training_state.json",
-                       {"epoch": epoch, "local_step": local_step, "global_step": self.global_step})
+            write_json(
+                self.checkpointer.path / str(epoch) / "training_state.json",
+                {"epoch": epoch, "local_step": local_step, "global_step": self.global_step},
+            )
 
         def run_training(self):
             done = 0
@@ -420,8 +491,16 @@ def make_loader(files: list[Path], cfg: TrainConfig, rt: Runtime, *, shuffle_see
     from pipeline.train.data import make_loader as loader
 
     workers = cfg.num_workers if cfg.num_workers is not None else (4 if rt.device.type == "cuda" else 0)
-    return loader(files, max_len=cfg.max_len, hidden_size=hidden_size, world_size=rt.world_size, rank=rt.rank,
-                  seed=shuffle_seed, workers=workers, pin_memory=rt.device.type == "cuda")
+    return loader(
+        files,
+        max_len=cfg.max_len,
+        hidden_size=hidden_size,
+        world_size=rt.world_size,
+        rank=rt.rank,
+        seed=shuffle_seed,
+        workers=workers,
+        pin_memory=rt.device.type == "cuda",
+    )
 
 
 def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
@@ -431,14 +510,30 @@ def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
     if out.exists() and not out.is_dir():
         raise StageError(f"output {out} exists and is not a directory: choose another --out")
     if cfg.resume and cfg.overwrite:
-        raise StageError("--resume and --overwrite exclude each other: resume keeps the checkpoints, overwrite deletes them")
+        raise StageError(
+            "--resume and --overwrite exclude each other: resume keeps the checkpoints, overwrite deletes them"
+        )
     if out.is_dir() and any(out.iterdir()) and not (cfg.resume or cfg.overwrite):
-        raise StageError(f"output dir {out} is not empty: pass --resume to continue its checkpoints, --overwrite to replace it, or choose another --out")
+        raise StageError(
+            f"output dir {out} is not empty: pass --resume to continue its checkpoints, --overwrite to replace it, or choose another --out"
+        )
     if cfg.resume and not has_epochs and rt.is_main:
-        logging.getLogger("pipeline.train").warning("--resume: no checkpoint in %s, starting from scratch", ckpt)
+        logging.getLogger("pipeline.train").warning(
+            "--resume: no checkpoint in %s, starting from scratch", ckpt
+        )
     if rt.is_main:
         if cfg.overwrite and out.is_dir():
-            for name in (CHECKPOINTS, DRAFT, VERIFIER_VIEW, METRICS, EVAL, SUMMARY, TRAIN_CONFIG, "loss.png", "acceptance.png"):
+            for name in (
+                CHECKPOINTS,
+                DRAFT,
+                VERIFIER_VIEW,
+                METRICS,
+                EVAL,
+                SUMMARY,
+                TRAIN_CONFIG,
+                "loss.png",
+                "acceptance.png",
+            ):
                 p = out / name
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         shutil.rmtree(ckpt / ".staging", ignore_errors=True)  # an interrupted save
@@ -496,16 +591,30 @@ def _config_record(cfg: TrainConfig, inputs: TrainInputs, rt: Runtime, attention
     return rec
 
 
-RESUME_KEYS = ("layer_ids", "draft_vocab_size", "target_vocab_size", "hidden_size", "num_layers", "ttt_steps",
-               "train_files", "eval_files", "seed", "max_len", "intermediate_size", "norm_before_residual")
+RESUME_KEYS = (
+    "layer_ids",
+    "draft_vocab_size",
+    "target_vocab_size",
+    "hidden_size",
+    "num_layers",
+    "ttt_steps",
+    "train_files",
+    "eval_files",
+    "seed",
+    "max_len",
+    "intermediate_size",
+    "norm_before_residual",
+)
 
 
 def _check_resumable(previous: dict, now: dict, out: Path) -> None:
     """A resumed run must continue the same model on the same split; epochs and lr may change."""
     changed = [k for k in RESUME_KEYS if previous.get(k) != now.get(k)]
     if changed:
-        raise StageError(f"--resume: {', '.join(changed)} differ from the run in {out} (train_config.json): "
-                         "resume with the same inputs and options, or start over with --overwrite")
+        raise StageError(
+            f"--resume: {', '.join(changed)} differ from the run in {out} (train_config.json): "
+            "resume with the same inputs and options, or start over with --overwrite"
+        )
 
 
 def run(cfg: TrainConfig, log=print) -> dict:
@@ -520,11 +629,22 @@ def run(cfg: TrainConfig, log=print) -> dict:
         inputs = check_inputs(cfg)
         attention = draft_mod.choose_attention(rt.device, cfg.attention)
         if attention == draft_mod.FLEX_ATTENTION and cfg.max_len % FLEX_BLOCK:
-            raise StageError(f"--max-len {cfg.max_len} must be a multiple of {FLEX_BLOCK} with flex attention (speculators' block mask)")
+            raise StageError(
+                f"--max-len {cfg.max_len} must be a multiple of {FLEX_BLOCK} with flex attention (speculators' block mask)"
+            )
         if len(inputs.eval_files) < rt.world_size:
-            raise StageError(f"{len(inputs.eval_files)} held-out samples for {rt.world_size} processes: raise --eval-fraction")
-        refuse_overlap(Path(cfg.out), {"--data": cfg.data, "--verifier": cfg.verifier, "--model": inputs.model_dir,
-                                       "--prepared": _resolve_prepared(cfg, inputs.data_config)})
+            raise StageError(
+                f"{len(inputs.eval_files)} held-out samples for {rt.world_size} processes: raise --eval-fraction"
+            )
+        refuse_overlap(
+            Path(cfg.out),
+            {
+                "--data": cfg.data,
+                "--verifier": cfg.verifier,
+                "--model": inputs.model_dir,
+                "--prepared": _resolve_prepared(cfg, inputs.data_config),
+            },
+        )
         if rt.is_main:  # for the whole torchrun job: the other ranks are its processes, not other writers
             held.enter_context(output_lock(cfg.out))
         _prepare_out(cfg, rt)
@@ -540,9 +660,14 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
         seed_everything(cfg.seed)
         spec_config = draft_mod.build_speculator_config(
-            target=inputs.target, verifier_view=view, draft_vocab_size=len(inputs.d2t),
-            vllm_aux_layer_ids=inputs.vllm_aux_layer_ids, ttt_steps=cfg.ttt_steps, num_layers=cfg.num_layers,
-            norm_before_residual=cfg.norm_before_residual, intermediate_size=cfg.intermediate_size,
+            target=inputs.target,
+            verifier_view=view,
+            draft_vocab_size=len(inputs.d2t),
+            vllm_aux_layer_ids=inputs.vllm_aux_layer_ids,
+            ttt_steps=cfg.ttt_steps,
+            num_layers=cfg.num_layers,
+            norm_before_residual=cfg.norm_before_residual,
+            intermediate_size=cfg.intermediate_size,
         )
         draft_mod.set_attention(spec_config, attention)
         model = draft_mod.new_draft(spec_config, inputs.d2t, inputs.t2d)
@@ -551,13 +676,20 @@ def run(cfg: TrainConfig, log=print) -> dict:
         train_loader = make_loader(inputs.train_files, cfg, rt, shuffle_seed=cfg.seed, hidden_size=hidden)
         val_loader = make_loader(inputs.eval_files, cfg, rt, shuffle_seed=cfg.seed, hidden_size=hidden)
         if len(train_loader) == 0:
-            raise StageError(f"no training batch could be formed from {len(inputs.train_files)} samples on {rt.world_size} processes")
+            raise StageError(
+                f"no training batch could be formed from {len(inputs.train_files)} samples on {rt.world_size} processes"
+            )
         from speculators.train.trainer import TrainerConfig
 
         call, val_call = get_trainer_kwargs(model, cfg, rt.device)
         tconfig = TrainerConfig(
-            lr=cfg.lr, num_epochs=cfg.epochs, save_path=str(out / CHECKPOINTS), resume_from_checkpoint=cfg.resume,
-            train_call_kwargs=call, val_call_kwargs=val_call, scheduler_type=cfg.scheduler,
+            lr=cfg.lr,
+            num_epochs=cfg.epochs,
+            save_path=str(out / CHECKPOINTS),
+            resume_from_checkpoint=cfg.resume,
+            train_call_kwargs=call,
+            val_call_kwargs=val_call,
+            scheduler_type=cfg.scheduler,
             scheduler_warmup_steps=cfg.warmup_steps,
             # autocast dtype: bf16 on GPUs (speculators' default); the CPU trains in fp32
             hidden_states_dtype=torch.bfloat16 if rt.device.type == "cuda" else torch.float32,
@@ -568,10 +700,14 @@ def run(cfg: TrainConfig, log=print) -> dict:
         if handler:
             metric_logger.addHandler(handler)
         try:
-            trainer = _trainer_class()(model, tconfig, train_loader, val_loader, runtime=rt, stop_after=cfg.stop_after_epochs)
+            trainer = _trainer_class()(
+                model, tconfig, train_loader, val_loader, runtime=rt, stop_after=cfg.stop_after_epochs
+            )
             start_epoch = trainer.current_epoch
-            log(f"training epochs {start_epoch}..{cfg.epochs - 1} on {rt.device} x{rt.world_size}: "
-                f"{len(inputs.train_files)} train / {len(inputs.eval_files)} held-out samples, {len(train_loader)} steps per epoch")
+            log(
+                f"training epochs {start_epoch}..{cfg.epochs - 1} on {rt.device} x{rt.world_size}: "
+                f"{len(inputs.train_files)} train / {len(inputs.eval_files)} held-out samples, {len(train_loader)} steps per epoch"
+            )
             epochs_run = trainer.run_training()
         finally:
             if handler:
@@ -582,8 +718,13 @@ def run(cfg: TrainConfig, log=print) -> dict:
         tokens = inputs.train_tokens * epochs_run
         seconds = sum(trainer.epoch_seconds)
         train_stats = {
-            "epochs_run_now": epochs_run, "last_epoch": final, "complete": complete, "world_size": rt.world_size,
-            "device": str(rt.device), "train_tokens_per_epoch": inputs.train_tokens, "train_seconds": round(seconds, 3),
+            "epochs_run_now": epochs_run,
+            "last_epoch": final,
+            "complete": complete,
+            "world_size": rt.world_size,
+            "device": str(rt.device),
+            "train_tokens_per_epoch": inputs.train_tokens,
+            "train_seconds": round(seconds, 3),
             "train_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
             "steps_per_epoch": len(train_loader),
         }
@@ -594,19 +735,37 @@ def run(cfg: TrainConfig, log=print) -> dict:
             summary = {"stage": "train", "out": str(out), "train": train_stats, "complete": False}
             write_json(out / SUMMARY, summary)
             return summary
-        export_draft(out / CHECKPOINTS / str(final), out / DRAFT, DTYPES[cfg.save_dtype], str(inputs.model_dir))
+        export_draft(
+            out / CHECKPOINTS / str(final), out / DRAFT, DTYPES[cfg.save_dtype], str(inputs.model_dir)
+        )
         log(f"draft checkpoint: {out / DRAFT}")
         summary = {
-            "stage": "train", "out": str(out), "draft": str(out / DRAFT), "complete": True,
-            "layer_ids": inputs.layer_ids, "eagle_aux_hidden_state_layer_ids": inputs.vllm_aux_layer_ids,
-            "draft_vocab_size": len(inputs.d2t), "ttt_steps": cfg.ttt_steps, "epochs": cfg.epochs, "train": train_stats,
+            "stage": "train",
+            "out": str(out),
+            "draft": str(out / DRAFT),
+            "complete": True,
+            "layer_ids": inputs.layer_ids,
+            "eagle_aux_hidden_state_layer_ids": inputs.vllm_aux_layer_ids,
+            "draft_vocab_size": len(inputs.d2t),
+            "ttt_steps": cfg.ttt_steps,
+            "epochs": cfg.epochs,
+            "train": train_stats,
             "train_metrics": last_metrics(out / METRICS),
         }
         if cfg.evaluate:
             from pipeline.train.evaluate import EvalConfig, evaluate_run
 
-            ev = evaluate_run(EvalConfig(out=out, k=cfg.eval_k or cfg.ttt_steps, max_samples=cfg.eval_max_samples,
-                                         seed=cfg.seed, device=str(rt.device), attention=attention), inputs)
+            ev = evaluate_run(
+                EvalConfig(
+                    out=out,
+                    k=cfg.eval_k or cfg.ttt_steps,
+                    max_samples=cfg.eval_max_samples,
+                    seed=cfg.seed,
+                    device=str(rt.device),
+                    attention=attention,
+                ),
+                inputs,
+            )
             if cfg.online_eval:
                 ev["online"] = _online(cfg, inputs, out)
             write_json(out / EVAL, ev)
@@ -630,9 +789,14 @@ def _online(cfg: TrainConfig, inputs: TrainInputs, out: Path) -> dict:
     from pipeline.train import online_eval
 
     k = cfg.eval_k or cfg.ttt_steps
-    ocfg = online_eval.OnlineConfig(target=inputs.model_dir, draft=out / DRAFT, k=k, max_tokens=cfg.online_max_tokens,
-                                    max_model_len=max(cfg.max_len, inputs.data_config.seq_length) + cfg.online_max_tokens,
-                                    dtype="float32" if cfg.save_dtype == "float32" else "auto")
-    return online_eval.measure(ocfg, online_eval.prompts_of(inputs.eval_files, cfg.online_prompts), out / "online")
-
-
+    ocfg = online_eval.OnlineConfig(
+        target=inputs.model_dir,
+        draft=out / DRAFT,
+        k=k,
+        max_tokens=cfg.online_max_tokens,
+        max_model_len=max(cfg.max_len, inputs.data_config.seq_length) + cfg.online_max_tokens,
+        dtype="float32" if cfg.save_dtype == "float32" else "auto",
+    )
+    return online_eval.measure(
+        ocfg, online_eval.prompts_of(inputs.eval_files, cfg.online_prompts), out / "online"
+    )
