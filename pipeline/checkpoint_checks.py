@@ -3,9 +3,9 @@
 Owns what makes a trained draft servable and sound: its config parses as speculators' Eagle-3 config,
 ``eagle_aux_hidden_state_layer_ids`` are in vLLM's convention (the captured layer ids + 1, last layer
 excluded), the weights have the shapes the config implies, every float is finite, d2t/t2d are a valid
-mapping for a reduced draft vocab and absent for a full one (vLLM refuses a d2t there), and, when the train run's eval.json is at hand, the draft's offline acceptance
-beats the trivial baselines. Accepts a train output dir (uses its draft/), a draft dir, or
-checkpoints/<epoch>/. It reads; it writes nothing.
+mapping for a reduced draft vocab and absent for a full one (vLLM refuses a d2t there), and, when the
+train run's eval.json is at hand, the draft's offline acceptance beats the trivial baselines. Accepts a
+train output dir (uses its draft/), a draft dir, or checkpoints/<epoch>/. It reads; it writes nothing.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def _layer_checks(raw: dict, run_cfg: dict | None, s: Summary) -> None:
             "aux_layer_ids",
             aux == expected,
             f"{aux} = captured layer outputs {captured[:-1]} + 1 (vLLM captures layer inputs)",
-            f"{aux} but the hidden states captured the outputs of layers {captured[:-1]}: vLLM needs {expected}",
+            f"{aux} but the hidden states captured the outputs of layers {captured[:-1]}: "
+            f"vLLM needs {expected}",
         )
     )
 
@@ -180,8 +181,10 @@ def _acceptance_checks(run_dir: Path | None, s: Summary) -> None:
         check(
             "acceptance",
             bool(ev["beats_baseline"]),
-            f"acceptance length {draft:.3f} > best trivial baseline {best} {base:.3f} (k={ev['k']}, {ev['positions']} positions)",
-            f"acceptance length {draft:.3f} does not beat the trivial baseline {best} {base:.3f}: the draft is not usable",
+            f"acceptance length {draft:.3f} > best trivial baseline {best} {base:.3f} "
+            f"(k={ev['k']}, {ev['positions']} positions)",
+            f"acceptance length {draft:.3f} does not beat the trivial baseline {best} {base:.3f}: "
+            "the draft is not usable",
         )
     )
     coverage = ev.get("greedy_in_draft_vocab")
@@ -192,7 +195,8 @@ def _acceptance_checks(run_dir: Path | None, s: Summary) -> None:
             else warn(
                 "draft_vocab_coverage",
                 f"only {coverage:.1%} of the target's greedy tokens are in the draft vocab: it was chosen "
-                "from data the target does not reproduce; regenerate responses with the target or raise --draft-vocab-size",
+                "from data the target does not reproduce; "
+                "regenerate responses with the target or raise --draft-vocab-size",
             )
         )
     s.stats.update(

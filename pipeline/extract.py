@@ -1,10 +1,10 @@
 """The ``extract`` stage: prepared samples in, one ``data_{i}.pt`` of captured hidden states per sample out.
 
 Owns the extraction loop shared by every backend: the batch plan (length-bucketed, deterministic),
-resume (skip batches whose files all exist and belong to this run; a batch is always recomputed whole, so a resumed run writes
-the same bytes as an uninterrupted one), the background writer, the progress bar, and the output
-directory's bookkeeping (data_config.json, sample_lengths.json, summary.json). How states are computed
-is the backend's business (pipeline/backends/).
+resume (skip batches whose files all exist and belong to this run; a batch is always recomputed whole, so
+a resumed run writes the same bytes as an uninterrupted one), the background writer, the progress bar, and
+the output directory's bookkeeping (data_config.json, sample_lengths.json, summary.json). How states are
+computed is the backend's business (pipeline/backends/).
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ class ExtractConfig:
         validate(self)
         if self.max_batch_tokens < 1 or self.max_batch_size < 1:
             raise StageError(
-                f"--max-batch-tokens {self.max_batch_tokens} and --max-batch-size {self.max_batch_size} must be at least 1"
+                f"--max-batch-tokens {self.max_batch_tokens} and --max-batch-size {self.max_batch_size} "
+                "must be at least 1"
             )
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise StageError(
@@ -257,7 +258,8 @@ class Writer:
         self._raise()
 
     def abort(self) -> None:
-        """Stop the threads after an error on the main thread; queued samples are dropped, none half-written."""
+        """Stop the threads after an error on the main thread; queued samples are dropped, none
+        half-written."""
         with self._room:
             self.error = self.error or RuntimeError("aborted")
             self._room.notify_all()
@@ -277,7 +279,8 @@ class Writer:
             err = self.error
             if isinstance(err, OSError):
                 raise StageError(
-                    f"writing to {self.out} failed: {err.strerror or err} (free space, then re-run with --resume)"
+                    f"writing to {self.out} failed: {err.strerror or err} "
+                    "(free space, then re-run with --resume)"
                 ) from err
             raise err
 
@@ -376,7 +379,8 @@ def refuse_foreign_files(out: Path, indices: list[int], expected: formats.DataCo
         first = min(foreign)
         more = f" (and {len(foreign) - 1} more files)" if len(foreign) > 1 else ""
         raise StageError(
-            f"cannot --resume {out}: {formats.data_file(out, first).name} is not this run's file ({foreign[first]}){more}: "
+            f"cannot --resume {out}: {formats.data_file(out, first).name} is not this run's file "
+            f"({foreign[first]}){more}: "
             "pass --repair with --resume to regenerate such files, or --overwrite to start over"
         )
 
@@ -432,7 +436,8 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
     tokens, capture_s = 0, 0.0
     with _progress(progress) as bar:
         task = bar.add_task("extract", total=total, completed=len(done), tps=0.0)
-        in_flight: list = []  # the previous batch's samples: handed to the writer once the next batch is queued
+        # the previous batch's samples: handed to the writer once the next batch is queued
+        in_flight: list = []
         for batch in batches:
             seqs = [prepared.ids(i) for i in batch.indices]
             c0 = time.perf_counter()
@@ -444,7 +449,8 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
             in_flight = items
             tokens += sum(len(s) for s in seqs)
             elapsed = time.perf_counter() - t0
-            # samples on disk, not queued: an interrupted run has exactly what the bar said (tok/s is computed)
+            # samples on disk, not queued: an interrupted run has exactly what the bar said (tok/s is
+            # computed)
             bar.update(task, completed=len(done) + writer.written, tps=tokens / elapsed if elapsed else 0.0)
         writer.put(in_flight)
         writer.close()
@@ -483,7 +489,8 @@ def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_la
         for h in sample_states:
             if h.shape != (len(seq), hidden_size):
                 raise StageError(
-                    f"sample {i}: backend returned a state of shape {tuple(h.shape)}, expected ({len(seq)}, {hidden_size})"
+                    f"sample {i}: backend returned a state of shape {tuple(h.shape)}, "
+                    f"expected ({len(seq)}, {hidden_size})"
                 )
         if i in done:
             continue
@@ -554,7 +561,8 @@ def run(cfg: ExtractConfig) -> dict:
     check_checkpoint(model)  # every layer the config claims has weights, none is left unused
     if meta.target_vocab_size != model.vocab_size:
         raise StageError(
-            f"{cfg.prepared} was prepared for a vocab of {meta.target_vocab_size}, but {cfg.model} has {model.vocab_size}: re-run prepare with this model"
+            f"{cfg.prepared} was prepared for a vocab of {meta.target_vocab_size}, "
+            f"but {cfg.model} has {model.vocab_size}: re-run prepare with this model"
         )
     layer_ids = validate_layer_ids(cfg.layer_ids, model.num_layers)
     if cfg.backend not in BACKENDS:
@@ -668,7 +676,8 @@ def record_missing_checksums(out: Path, done: set[int]) -> None:
             except Exception:  # noqa: BLE001 - not a readable sample: its checksum only; the closing check reads it
                 digest, facts = formats.file_digest(path), None
             if (want := recorded.get(path.name)) is not None and digest.sha256 != want.sha256:
-                continue  # other bytes than recorded under an old mtime (not hashed by the resume check): kept as named
+                # other bytes than recorded under an old mtime (not hashed by the resume check): kept as named
+                continue
             journal.record(
                 path.name, replace(digest, mtime_ns=mtime if facts is not None else None, facts=facts)
             )
@@ -739,7 +748,8 @@ def launch_workers(
             failed.append(f"worker {k} exited {p.returncode}")
     if failed:
         raise StageError(
-            f"data-parallel extraction failed: {'; '.join(failed)} (re-run with --resume to redo what is missing)"
+            f"data-parallel extraction failed: {'; '.join(failed)} "
+            "(re-run with --resume to redo what is missing)"
         )
     per = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
     tokens = sum(w["tokens"] for w in per)

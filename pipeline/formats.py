@@ -18,7 +18,8 @@ hidden-states dir (``extract``)::
     data_config.json      model, layer ids, hidden size, dtype, sample count, format version, provenance
     sample_lengths.json   {"0": T0, "1": T1, ...}
     checksums.json        {"schema": "eagle-ops.checksums", "version": 2, "algorithm": "sha256",
-                           "files": {"data_0.pt": {"sha256": HEX, "bytes": N, "mtime_ns": M, "facts": {...}}, ...}}
+                           "files": {"data_0.pt": {"sha256": HEX, "bytes": N, "mtime_ns": M,
+                                                   "facts": {...}}, ...}}
     checksums.HOST.PID.journal  one {"file", "sha256", "bytes", "mtime_ns", "facts"} JSON line per file a
                           running extract wrote
 
@@ -180,7 +181,8 @@ def read_prepared(directory: Path) -> tuple[PreparedSamples, PreparedMetadata]:
     metadata = readers.read_record(directory / "metadata.json", PreparedMetadata, readers.PREPARED_REMEDY)
     if metadata.format_version != FORMAT_VERSION:
         raise StageError(
-            f"{directory}/metadata.json has format_version {metadata.format_version}, expected {FORMAT_VERSION}"
+            f"{directory}/metadata.json has format_version {metadata.format_version}, "
+            f"expected {FORMAT_VERSION}"
         )
     samples = PreparedSamples(
         tokens=readers.read_npy(directory / "tokens.npy", readers.PREPARED_REMEDY, mmap=True),
@@ -189,7 +191,8 @@ def read_prepared(directory: Path) -> tuple[PreparedSamples, PreparedMetadata]:
     )
     if len(samples) != metadata.num_samples or int(samples.offsets[-1]) != len(samples.tokens):
         raise StageError(
-            f"{directory}: offsets.npy does not match tokens.npy/metadata.json (re-run `pipeline prepare --overwrite`)"
+            f"{directory}: offsets.npy does not match tokens.npy/metadata.json "
+            "(re-run `pipeline prepare --overwrite`)"
         )
     return samples, metadata
 
@@ -417,7 +420,8 @@ def file_digest(path: Path) -> FileDigest:
 
 class ChecksumJournal:
     """The checksums of the data files one process wrote, appended one JSON line each once the file has its
-    final name (a line therefore never names a file that is not complete). Thread-safe; opened on first use."""
+    final name (a line therefore never names a file that is not complete). Thread-safe; opened on first
+    use."""
 
     def __init__(self, directory: Path):
         self.path = Path(directory) / f"checksums.{socket.gethostname()}.{os.getpid()}.journal"

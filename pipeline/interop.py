@@ -87,10 +87,12 @@ def _check_sets(
     if dc.num_samples != n or len(indices) != n or (indices and indices[-1] != n - 1):
         missing = sorted(set(range(n)) - set(indices))[:3]
         raise StageError(
-            f"{data} does not match {prepared}: {n} prepared samples, data_config.json says {dc.num_samples}, "
+            f"{data} does not match {prepared}: {n} prepared samples, "
+            f"data_config.json says {dc.num_samples}, "
             f"{len(indices)} data files"
             + (f" (missing {', '.join(f'data_{i}.pt' for i in missing)})" if missing else "")
-            + " (finish the set with `pipeline extract --resume`, or pass the prepared dir it was extracted from)"
+            + " (finish the set with `pipeline extract --resume`, "
+            "or pass the prepared dir it was extracted from)"
         )
     return samples, meta, dc
 
@@ -368,7 +370,8 @@ def import_speculators(
                 )
             if states.shape[0] != len(ids):
                 raise StageError(
-                    f"{path} has states for {states.shape[0]} tokens, its row {i} has {len(ids)}: re-extract it"
+                    f"{path} has states for {states.shape[0]} tokens, its row {i} has {len(ids)}: "
+                    "re-extract it"
                 )
             layers = [states[:, j].clone(memory_format=torch.contiguous_format) for j in range(NUM_CAPTURED)]
             digest = formats.write_sample(
@@ -452,7 +455,8 @@ def _samples(rows: list[tuple[np.ndarray, np.ndarray]]) -> formats.PreparedSampl
 )
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty --out.")
 def export_command(prepared: Path, data: Path, out: Path, overwrite: bool) -> None:
-    """Write what `speculators train` reads (Arrow dataset + hidden_states/hs_{i}.safetensors) from our set."""
+    """Write what `speculators train` reads (Arrow dataset + hidden_states/hs_{i}.safetensors) from our
+    set."""
     export_speculators(prepared, data, out, overwrite=overwrite, log=click.echo)
 
 

@@ -40,8 +40,8 @@ MIN_REFERENCE_FILES = 3
 
 
 def token_rms(h: torch.Tensor) -> torch.Tensor:
-    """Per token (over the last dim) of a [..., T, H] state: its RMS, in float32 (what ``layer_stats`` takes the
-    median of), on the state's device."""
+    """Per token (over the last dim) of a [..., T, H] state: its RMS, in float32 (what ``layer_stats`` takes
+    the median of), on the state's device."""
     import torch
 
     return torch.linalg.vector_norm(h, dim=-1, dtype=torch.float32) / math.sqrt(max(1, h.shape[-1]))

@@ -17,7 +17,8 @@ def default_layer_ids(num_layers: int) -> list[int]:
     """[2, L//2, L-3, L-1]: three intermediate layers and the last one."""
     if num_layers < 7:
         raise StageError(
-            f"model has {num_layers} decoder layers; the default layer ids need at least 7 (pass --layer-ids explicitly)"
+            f"model has {num_layers} decoder layers; the default layer ids need at least 7 "
+            "(pass --layer-ids explicitly)"
         )
     return [2, num_layers // 2, num_layers - 3, num_layers - 1]
 
@@ -52,7 +53,8 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 
 
 def parse_int_list(text: str | None, flag: str) -> list[int] | None:
-    """Comma-separated integers (spaces allowed) as given to ``flag``; None for no text; else a one-line error."""
+    """Comma-separated integers (spaces allowed) as given to ``flag``; None for no text; else a one-line
+    error."""
     if text is None or text.strip() == "":
         return None
     try:

@@ -97,7 +97,8 @@ class VerifierNames:
 
 
 def _embed_and_head(names: list[str]) -> tuple[str | None, str | None]:
-    """The top-level embed_tokens and lm_head names (MTP and vision-tower copies ignored), None where absent."""
+    """The top-level embed_tokens and lm_head names (MTP and vision-tower copies ignored), None where
+    absent."""
     top = [n for n in names if ".layers." not in n and "vision" not in n and "mm_projector" not in n]
 
     def first(suffix: str) -> str | None:
@@ -127,8 +128,9 @@ def resolve_names(names: list[str], tie_word_embeddings: bool) -> VerifierNames:
 
 
 def check_tied(embed_name: str, head_name: str, src: dict) -> None:
-    """With ``tie_word_embeddings: true`` the target computes logits with its embedding, whatever lm_head the
-    checkpoint also holds: a different lm_head would give a verifier (and states) that are not the target's."""
+    """With ``tie_word_embeddings: true`` the target computes logits with its embedding, whatever lm_head
+    the checkpoint also holds: a different lm_head would give a verifier (and states) that are not the
+    target's."""
     import torch
 
     embed, head = src[embed_name], src[head_name]
@@ -172,8 +174,10 @@ def check_layers(model: ModelDir, names: list[str]) -> None:
     missing = sorted(claimed - present)
     if missing:
         raise StageError(
-            f"{model.path / 'config.json'} claims {model.num_layers} decoder layers but the checkpoint has no "
-            f"weights for {_span(missing)} ({len(present)} layers under {prefix or '(top level)'}layers.): fix "
+            f"{model.path / 'config.json'} claims {model.num_layers} decoder layers "
+            "but the checkpoint has no "
+            f"weights for {_span(missing)} "
+            f"({len(present)} layers under {prefix or '(top level)'}layers.): fix "
             "num_hidden_layers, or complete the checkpoint"
         )
     unused = sorted(present - claimed - set(range(model.num_layers, model.num_layers + mtp)))

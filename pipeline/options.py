@@ -172,7 +172,8 @@ def validate(cfg: Any) -> None:
 
 
 def to_json(cfg: Any) -> str:
-    """Every field of a config as JSON (a path as its text, a tuple as a list): what ``from_json`` rebuilds."""
+    """Every field of a config as JSON (a path as its text, a tuple as a list): what ``from_json``
+    rebuilds."""
 
     def plain(value: Any) -> Any:
         return str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value

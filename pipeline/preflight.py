@@ -123,7 +123,8 @@ def check_model(cfg: PreflightConfig) -> Iterator[CheckResult]:
     )
     yield ok(
         "model config",
-        f"{model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size}{wrapper}",
+        f"{model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"vocab {model.vocab_size}{wrapper}",
     )
     if model.architecture.startswith("KimiK25") and not model.is_wrapper:
         yield fail("model config", f"{model.architecture} needs a text_config section in config.json")
@@ -169,7 +170,8 @@ def check_checkpoint(model_dir: Path, model: ModelDir, text: dict) -> Iterator[C
             if list(shape) != [model.vocab_size, model.hidden_size]:
                 yield fail(
                     "embedding",
-                    f"{embeds[0]} has shape {shape} but config.json says vocab_size {model.vocab_size}, hidden_size "
+                    f"{embeds[0]} has shape {shape} but config.json says "
+                    f"vocab_size {model.vocab_size}, hidden_size "
                     f"{model.hidden_size}: config and weights do not belong together",
                 )
             else:
@@ -185,13 +187,15 @@ def check_moe_routing(names: dict[str, str], text: dict) -> Iterator[CheckResult
     problems = []
     if biases and text.get("topk_method") != "noaux_tc":
         problems.append(
-            f"the checkpoint has e_score_correction_bias tensors but topk_method is {text.get('topk_method')!r} "
+            "the checkpoint has e_score_correction_bias tensors "
+            f"but topk_method is {text.get('topk_method')!r} "
             '(vLLM then fails on load with a KeyError): set "topk_method": "noaux_tc"'
         )
     if text.get("scoring_func", "softmax") != "sigmoid":
         problems.append(
             f"scoring_func is {text.get('scoring_func', '(missing)')!r}: vLLM then routes with softmax while "
-            'transformers\' DeepseekV3 and the checkpoint use sigmoid, silently changing every MoE layer: set "scoring_func": "sigmoid"'
+            "transformers' DeepseekV3 and the checkpoint use sigmoid, silently changing every MoE layer: "
+            'set "scoring_func": "sigmoid"'
         )
     if problems:
         yield fail("moe routing", "; ".join(problems))
@@ -263,7 +267,8 @@ def check_prepared(prepared: Path, model: ModelDir) -> Iterator[CheckResult]:
     if meta.target_vocab_size != model.vocab_size:
         yield fail(
             "prepared data",
-            f"{prepared} was prepared for a vocab of {meta.target_vocab_size}, the model has {model.vocab_size}: "
+            f"{prepared} was prepared for a vocab of {meta.target_vocab_size}, "
+            f"the model has {model.vocab_size}: "
             "re-run prepare with this model's tokenizer",
         )
     else:
@@ -282,7 +287,8 @@ def check_prepared(prepared: Path, model: ModelDir) -> Iterator[CheckResult]:
     if not (have_d2t or have_t2d):
         yield warn(
             "vocab files",
-            f"no {formats.D2T}/{formats.T2D} in {prepared} (needed for training: prepare --draft-vocab-size N)",
+            f"no {formats.D2T}/{formats.T2D} in {prepared} "
+            "(needed for training: prepare --draft-vocab-size N)",
         )
         return
     try:
@@ -308,8 +314,9 @@ def check_prepared(prepared: Path, model: ModelDir) -> Iterator[CheckResult]:
 
 
 def cuda_usable(devices: int) -> CheckResult:
-    """GPUs that NVML lists are usable by this torch: a driver older than torch's CUDA (vLLM 0.32's PyPI build is
-    CUDA 13.0: driver >= 580) lists the GPUs and then fails every CUDA call, after the server was stopped."""
+    """GPUs that NVML lists are usable by this torch: a driver older than torch's CUDA (vLLM 0.32's PyPI
+    build is CUDA 13.0: driver >= 580) lists the GPUs and then fails every CUDA call, after the server was
+    stopped."""
     import torch
 
     if torch.cuda.is_available():
@@ -384,7 +391,11 @@ def check_disk(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
     need = sizes.hidden_states_bytes(
         int(meta["num_tokens"]), int(meta["num_samples"]), model.hidden_size, dtype
     )
-    detail = f"{need / 2**30:.2f} GiB expected ({meta['num_tokens']} tokens x 4 layers x {model.hidden_size} x {dtype}), {free / 2**30:.1f} GiB free at {probe}"
+    detail = (
+        f"{need / 2**30:.2f} GiB expected "
+        f"({meta['num_tokens']} tokens x 4 layers x {model.hidden_size} x {dtype}), "
+        f"{free / 2**30:.1f} GiB free at {probe}"
+    )
     yield (ok if free >= need * 1.05 else fail)("free disk", detail)
 
 

@@ -118,7 +118,8 @@ def normalize_row(row: object) -> list[dict]:
 
 
 def _message(j: int, role: str, turn: dict, text_key: str) -> dict:
-    """One turn as the template receives it: role and content, and the reasoning and tool fields it may use."""
+    """One turn as the template receives it: role and content, and the reasoning and tool fields it may
+    use."""
     content = turn[text_key]
     calls = turn.get("tool_calls")
     if content is None and role == "assistant" and calls:
@@ -145,7 +146,8 @@ def _message(j: int, role: str, turn: dict, text_key: str) -> dict:
             )
         ):
             raise ValueError(
-                f"turn {j} tool_calls must be an assistant turn's list of {{'function': {{'name', 'arguments'}}}}"
+                f"turn {j} tool_calls must be an assistant turn's list of "
+                f"{{'function': {{'name', 'arguments'}}}}"
             )
         message["tool_calls"] = calls
     if role == "tool":
@@ -200,7 +202,8 @@ class TemplateMasker:
             )
         except TemplateError as exc:
             raise ValueError(
-                f"the chat template fails on this row: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                "the chat template fails on this row: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from None
 
     def end_of_turn(self) -> str:
@@ -312,7 +315,8 @@ def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
     model = read_model_dir(cfg.model)
     if cfg.draft_vocab_size is not None and not 0 < cfg.draft_vocab_size <= model.vocab_size:
         raise StageError(
-            f"--draft-vocab-size {cfg.draft_vocab_size} must be between 1 and the target vocab size {model.vocab_size}"
+            f"--draft-vocab-size {cfg.draft_vocab_size} must be between 1 "
+            f"and the target vocab size {model.vocab_size}"
         )
     masker = TemplateMasker(load_tokenizer(cfg.model, cfg.trust_remote_code))
     max_tokens = cfg.seq_length - 1
@@ -336,7 +340,8 @@ def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
             truncated += 1
         if max(ids, default=0) >= model.vocab_size:
             raise StageError(
-                f"{cfg.data}:{lineno}: token id {max(ids)} >= model vocab size {model.vocab_size}: tokenizer and config.json disagree"
+                f"{cfg.data}:{lineno}: token id {max(ids)} >= model vocab size {model.vocab_size}: "
+                "tokenizer and config.json disagree"
             )
         if sum(mask) == 0:
             no_loss += 1
@@ -351,7 +356,8 @@ def run(cfg: PrepareConfig) -> formats.PreparedMetadata:
             break
     if not rows:
         raise StageError(
-            f"no usable samples in {cfg.data} ({seen} rows read, {skipped} invalid, {no_loss} without assistant tokens)"
+            f"no usable samples in {cfg.data} "
+            f"({seen} rows read, {skipped} invalid, {no_loss} without assistant tokens)"
         )
     samples = formats.PreparedSamples.from_rows(rows)
     freq = token_frequencies(samples.tokens, samples.loss_mask)

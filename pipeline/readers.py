@@ -68,7 +68,8 @@ def _json_kind(obj: object) -> str:
 
 
 def _matches(value: object, hint: object) -> bool:
-    """Whether a JSON value has the type a dataclass field declares (int, str, bool, float, list, dict, X | None)."""
+    """Whether a JSON value has the type a dataclass field declares (int, str, bool, float, list, dict,
+    X | None)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, h) for h in typing.get_args(hint))

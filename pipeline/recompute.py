@@ -63,7 +63,8 @@ def compare(
         ]
         if others:
             notes.append(
-                f"hidden_states[{j}] (layer {layer_ids[j]}) equals the recomputed layer {layer_ids[others[0]]}"
+                f"hidden_states[{j}] (layer {layer_ids[j]}) "
+                f"equals the recomputed layer {layer_ids[others[0]]}"
             )
             continue
         shift = _shift(s, fresh[j], tol)

@@ -138,7 +138,8 @@ class SampleBuffer:
         self._size = 0
 
     def digest(self) -> formats.FileDigest:
-        """The sha256 and size of the bytes the last ``read`` took in (the file's checksum, no second read)."""
+        """The sha256 and size of the bytes the last ``read`` took in (the file's checksum, no second
+        read)."""
         return formats.FileDigest(
             hashlib.sha256(memoryview(self._buffer.numpy())[: self._size]).hexdigest(), self._size
         )

@@ -119,7 +119,8 @@ def detect_kind(path: Path) -> str:
     if (path / "draft" / "config.json").is_file():  # a train output dir: its draft/ is checked
         return "checkpoint"
     raise StageError(
-        f"{path} is not a stage output (no data_config.json, metadata.json, verifier.safetensors or draft config.json)"
+        f"{path} is not a stage output "
+        "(no data_config.json, metadata.json, verifier.safetensors or draft config.json)"
     )
 
 
@@ -217,7 +218,8 @@ def reader_loads():
     return load
 
 
-#: the per-file checks of a full read, and of the record check (which reads no file: no checksum, no layer order)
+#: the per-file checks of a full read, and of the record check (which reads no file: no checksum, no layer
+#: order)
 FULL_CHECKS = (
     "checksum",
     "loadable",
@@ -295,7 +297,8 @@ def _checksum_finding(
     what = (
         "bytes differ from what extract wrote (damaged: see this file's other checks)"
         if damaged
-        else "a well-formed sample whose bytes are not what extract wrote: a file from another set (or rewritten since)"
+        else "a well-formed sample whose bytes are not what extract wrote: "
+        "a file from another set (or rewritten since)"
     )
     return fail(
         "checksum",
@@ -348,7 +351,8 @@ def _value_findings(
 ) -> list[CheckResult]:
     """The judges of a file's values, from its per-state non-finite counts and layer signatures (None where
     any state has a non-finite entry): NaN/Inf, and against the set's profile layer scale and (``order``)
-    layer order. The same for a file read (``_sample_findings``) and for its writer's record (``_record_findings``)."""
+    layer order. The same for a file read (``_sample_findings``) and for its writer's record
+    (``_record_findings``)."""
     dc, ref = ctx.dc, ctx.reference
     if any(bad):
         named = ", ".join(
@@ -374,7 +378,8 @@ def _form_findings(name: str, d, ctx: SetContext) -> tuple[list[CheckResult], in
         return [
             fail(
                 "keys",
-                f"keys {sorted(d) if isinstance(d, dict) else type(d).__name__}, expected {list(formats.DATA_KEYS)}",
+                f"keys {sorted(d) if isinstance(d, dict) else type(d).__name__}, "
+                f"expected {list(formats.DATA_KEYS)}",
                 name,
             )
         ], -1
@@ -384,12 +389,16 @@ def _form_findings(name: str, d, ctx: SetContext) -> tuple[list[CheckResult], in
         return [
             fail(
                 "ids_mask",
-                f"input_ids {ids.dtype}{tuple(ids.shape)}, loss_mask {mask.dtype}{tuple(mask.shape)}; expected int64[T] both",
+                f"input_ids {ids.dtype}{tuple(ids.shape)}, loss_mask {mask.dtype}{tuple(mask.shape)}; "
+                "expected int64[T] both",
                 name,
             )
         ], t
     if not isinstance(hs, list) or len(hs) != len(dc.layer_ids):
-        detail = f"{len(hs) if isinstance(hs, list) else type(hs).__name__} hidden-state tensors, expected {len(dc.layer_ids)}"
+        detail = (
+            f"{len(hs) if isinstance(hs, list) else type(hs).__name__} hidden-state tensors, "
+            f"expected {len(dc.layer_ids)}"
+        )
         if (
             ref is not None
             and isinstance(hs, list)
@@ -402,7 +411,8 @@ def _form_findings(name: str, d, ctx: SetContext) -> tuple[list[CheckResult], in
     return [
         fail(
             "shape_dtype",
-            f"hidden_states[{j}] is {str(h.dtype).removeprefix('torch.')}{list(h.shape)}, expected {dc.dtype}[{t}, {dc.hidden_size}]",
+            f"hidden_states[{j}] is {str(h.dtype).removeprefix('torch.')}{list(h.shape)}, "
+            f"expected {dc.dtype}[{t}, {dc.hidden_size}]",
             name,
         )
         for j, h in enumerate(hs)
@@ -413,9 +423,9 @@ def _form_findings(name: str, d, ctx: SetContext) -> tuple[list[CheckResult], in
 def _identity_findings(
     name: str, i: int, d: dict, t: int, ctx: SetContext, ids_mask_sha256: str | None = None
 ) -> list[CheckResult]:
-    """Whether a sample of the right form is sample ``i`` of this set: its length, and its input_ids and loss_mask
-    against the prepared row (only those two small tensors are read; or, given ``ids_mask_sha256``, the
-    writer's digest of them, compared with the row's)."""
+    """Whether a sample of the right form is sample ``i`` of this set: its length, and its input_ids and
+    loss_mask against the prepared row (only those two small tensors are read; or, given
+    ``ids_mask_sha256``, the writer's digest of them, compared with the row's)."""
     dc, out = ctx.dc, []
     if t > dc.seq_length - 1 or t < 1:
         out.append(fail("length", f"T = {t} outside 1..seq_length-1 = {dc.seq_length - 1}", name))
@@ -442,7 +452,7 @@ def ids_mask_digest(ids, mask) -> str:
     return h.hexdigest()
 
 
-# ---------------------------------------------------------------- the writer's record (extract's closing check)
+# ---------------------------------------------------------- the writer's record (extract's closing check)
 
 FACTS_VERSION = 1  # of the ``facts`` of a checksum record (formats.py): what ``written_facts`` records
 
@@ -452,9 +462,9 @@ def written_facts(
 ) -> dict:
     """What the record check judges a data file by, computed by its writer from the tensors in hand before
     the write (no file is read): the tokens and each state's dtype and shape, each state's non-finite count
-    (``_nonfinite``), each state's log RMS (``_log_rms``: layer_stats's figure; None for an all-zero state, and
-    the list None where any state is non-finite, as verify keeps no signature then), and the digest of the
-    ids and mask (``ids_mask_digest``). Layer order needs each state's mean vector, which is not kept.
+    (``_nonfinite``), each state's log RMS (``_log_rms``: layer_stats's figure; None for an all-zero state,
+    and the list None where any state is non-finite, as verify keeps no signature then), and the digest of
+    the ids and mask (``ids_mask_digest``). Layer order needs each state's mean vector, which is not kept.
 
     ``scales``: per state, its ``layer_profile.token_scales`` computed where the state was made (the GPU,
     before the copy to the host): the same figures then cost the writer a median of T floats instead of two
@@ -703,7 +713,8 @@ def set_context(
 
 
 def _profile_picks(indices: list[int], sample: int = 16) -> list[int]:
-    """Up to ``sample`` of ``indices``, spread over the set: the files the set's layer profile is built from."""
+    """Up to ``sample`` of ``indices``, spread over the set: the files the set's layer profile is built
+    from."""
     step = max(1, len(indices) // sample)
     return indices[::step][:sample]
 
@@ -855,7 +866,8 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
             "count",
             len(indices) == len(expected) and not extra,
             f"{len(indices)} files{which}",
-            f"{len(indices)} data files{which}, expected {len(expected)} of data_config.json's {dc.num_samples}",
+            f"{len(indices)} data files{which}, "
+            f"expected {len(expected)} of data_config.json's {dc.num_samples}",
         )
     )
     partials = [p.name for p in path.glob(".*.partial")]
@@ -1084,7 +1096,8 @@ def _alignment_checks(
                     "alignment",
                     r["agreement"] >= cfg.min_agreement,
                     f"argmax agreement {r['agreement']:.3f}, next-token {r['next_token_rate']:.3f}",
-                    f"argmax agreement {r['agreement']:.3f} < {cfg.min_agreement}: states are not the last layer's pre-norm output",
+                    f"argmax agreement {r['agreement']:.3f} < {cfg.min_agreement}: "
+                    "states are not the last layer's pre-norm output",
                     f"data_{i}.pt",
                 )
             )

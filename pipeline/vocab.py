@@ -34,7 +34,8 @@ def build_vocab_mapping(
     bad = [t for t in freq if not 0 <= t < target_vocab]
     if bad:
         raise StageError(
-            f"token ids {bad[:5]} are outside the target vocab of {target_vocab}: tokenizer and model config disagree"
+            f"token ids {bad[:5]} are outside the target vocab of {target_vocab}: "
+            "tokenizer and model config disagree"
         )
     ranked = sorted(Counter(freq).items(), key=lambda kv: (-kv[1], kv[0]))
     chosen = [t for t, _ in ranked[:draft_vocab]]

@@ -138,8 +138,8 @@ class Captured:
 
     states: list[list[torch.Tensor]]
     ready: Callable[[], None] = field(default=_ready)
-    #: per sample, per state, its ``layer_profile.token_scales`` (host tensors, valid after ``ready()``) where the
-    #: backend computed them on the device; None: the writer computes them from the states
+    #: per sample, per state, its ``layer_profile.token_scales`` (host tensors, valid after ``ready()``)
+    #: where the backend computed them on the device; None: the writer computes them from the states
     scales: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
 

@@ -249,8 +249,9 @@ class HFBackend(Backend):
     @torch.inference_mode()
     def capture_async(self, batch: Sequence[Sequence[int]]) -> Captured:
         """Each sample's rows go straight from the device into a host tensor of its own (pinned, from torch's
-        caching host allocator, so reuse costs nothing): no host-side copy, padding never leaves the device. On a GPU the copies run on a second stream once the forward is done, so the next
-        batch's forward overlaps them; ``ready()`` waits for them."""
+        caching host allocator, so reuse costs nothing): no host-side copy, padding never leaves the device.
+        On a GPU the copies run on a second stream once the forward is done, so the next batch's forward
+        overlaps them; ``ready()`` waits for them."""
         self.clock.start()
         outs, rows = self.forward_layers(batch)
         self.clock.stop()

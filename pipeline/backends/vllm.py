@@ -1,4 +1,5 @@
-"""The vLLM backend: vLLM's own hidden-state extraction (``extract_hidden_states``, vLLM >= 0.17) behind Backend.
+"""The vLLM backend: vLLM's own hidden-state extraction (``extract_hidden_states``, vLLM >= 0.17)
+behind Backend.
 
 Owns the engine's construction (the speculative method, the KV connector that writes each request's states
 to a file, the settings extraction needs, tensor parallel size, the CPU build's defaults), the mapping of
@@ -93,8 +94,9 @@ def check_patched() -> None:
 
 
 def check_routing(options: BackendOptions) -> None:
-    """Refuse a DeepSeek-style MoE config whose routing keys vLLM reads with other defaults than the checkpoint
-    was trained with (vLLM would compute every MoE layer differently, silently): preflight's check, here too."""
+    """Refuse a DeepSeek-style MoE config whose routing keys vLLM reads with other defaults than the
+    checkpoint was trained with (vLLM would compute every MoE layer differently, silently): preflight's
+    check, here too."""
     from pipeline.preflight import check_moe_routing, checkpoint_tensor_names
 
     raw = options.model.raw
@@ -153,7 +155,8 @@ class VllmBackend(Backend):
             options.device == "cpu" and visible_device_count() == 0
         ):
             raise StageError(
-                f"--device {options.device} is not supported by the vllm backend: it uses all visible devices "
+                f"--device {options.device} is not supported by the vllm backend: "
+                "it uses all visible devices "
                 "(set CUDA_VISIBLE_DEVICES to choose them) and --tensor-parallel-size"
             )
         self.options = options
@@ -232,12 +235,14 @@ class VllmBackend(Backend):
         )
         if len(outputs) != len(seqs):
             raise StageError(
-                f"vLLM returned {len(outputs)} results for a batch of {len(seqs)}: requests were lost or duplicated"
+                f"vLLM returned {len(outputs)} results for a batch of {len(seqs)}: "
+                "requests were lost or duplicated"
             )
         return [self._read(i, seq, out) for i, (seq, out) in enumerate(zip(seqs, outputs, strict=True))]
 
     def _read(self, i: int, seq: list[int], output) -> list[torch.Tensor]:
-        """Sample i's states from the connector's file (waiting on its lock), checked, then the file removed."""
+        """Sample i's states from the connector's file (waiting on its lock), checked, then the file
+        removed."""
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
             load_hidden_states,
@@ -250,7 +255,8 @@ class VllmBackend(Backend):
         path = (output.kv_transfer_params or {}).get("hidden_states_path")
         if not path:
             raise StageError(
-                f"vLLM result {i} names no hidden-states file (kv_transfer_params={output.kv_transfer_params}): "
+                f"vLLM result {i} names no hidden-states file "
+                f"(kv_transfer_params={output.kv_transfer_params}): "
                 f"is the {CONNECTOR} connector active?"
             )
         try:

@@ -1,10 +1,11 @@
-"""A target that has learned something: a small Llama trained on real offline text, with tokenizer and chat template.
+"""A target that has learned something: a small Llama trained on real offline text, with tokenizer and chat
+template.
 
 Owns the recipe of issue #17 item 4, at two sizes:
 
 * the CPU version that ``make demo`` can use instead of the random target (a random target's greedy tokens are
-  noise no draft can predict, so its acceptance table means nothing): the Python standard library's own sources
-  (``sysconfig``'s stdlib dir, a fixed list of packages), a 4-layer Llama trained for about a minute;
+  noise no draft can predict, so its acceptance table means nothing): the Python standard library's own
+  sources (``sysconfig``'s stdlib dir, a fixed list of packages), a 4-layer Llama trained for about a minute;
 * the GPU version of ``bench/learned_bench.py``: the same stdlib packages plus every ``.py``/``.md``/``.rst``
   file of the installed packages (``corpus="installed"``), a 100-300M Llama trained for a few minutes in bf16
   autocast on packed rows.
@@ -13,9 +14,11 @@ Both share:
 
 * conversations made from the corpus: "continue this file" prompts whose answers are the lines that follow;
 * a byte-level BPE tokenizer trained on the corpus, with the demo's chat template (pipeline/demo/tiny.py);
-* the model saved in bf16 with the tokenizer; ``learned.json`` records the steps, tokens and loss before and after;
-* ``regenerate``: the target's own greedy answers to the prompts, which is what EAGLE drafts are trained on and
-  what the offline acceptance measures against (docs/train.md: offline equals the target's own words only then).
+* the model saved in bf16 with the tokenizer; ``learned.json`` records the steps, tokens and loss before and
+  after;
+* ``regenerate``: the target's own greedy answers to the prompts, which is what EAGLE drafts are trained on
+  and what the offline acceptance measures against (docs/train.md: offline equals the target's own words
+  only then).
 
 Deterministic up to the time budget (the number of steps depends on the machine) and, for ``installed``, up to
 the packages installed. It does not run any pipeline stage.
@@ -63,8 +66,9 @@ def _skipped(path: Path) -> bool:
 def corpus_texts(max_chars: int = 600_000, corpus: str = "stdlib") -> list[tuple[str, str]]:
     """(name, text) of corpus files, in a fixed order, up to ``max_chars`` in all.
 
-    ``stdlib``: the ``.py`` files of STDLIB_PACKAGES; ``installed``: those, then every ``.py``/``.md``/``.rst`` file
-    under the interpreter's site-packages (sorted paths), test folders and files over MAX_FILE_CHARS left out.
+    ``stdlib``: the ``.py`` files of STDLIB_PACKAGES; ``installed``: those, then every
+    ``.py``/``.md``/``.rst`` file under the interpreter's site-packages (sorted paths), test folders and files
+    over MAX_FILE_CHARS left out.
     """
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}: choose one of {', '.join(CORPORA)}")
@@ -143,7 +147,8 @@ def make_conversations(
     answer_lines: int = 10,
     weighted: bool = False,
 ) -> list[dict]:
-    """``n`` conversations: the user shows ``prompt_lines`` lines of a file, the assistant writes the next ones.
+    """``n`` conversations: the user shows ``prompt_lines`` lines of a file, the assistant writes the next
+    ones.
 
     ``weighted``: every window of the corpus equally likely (ConversationSampler); else a file uniformly first
     (the demo's draw, kept so its data stay the same).
@@ -205,7 +210,8 @@ def _batches(tokenizer, rows: list[dict], seq_length: int, batch: int, rng: rand
 
 
 def _packed_batches(tokenizer, sampler: ConversationSampler, seq_length: int, batch: int, chunk: int = 1024):
-    """Endless [batch, seq_length] rows of chat-templated conversations laid end to end (prefetched in a thread)."""
+    """Endless [batch, seq_length] rows of chat-templated conversations laid end to end (prefetched in a
+    thread)."""
     import torch
 
     out: queue.Queue = queue.Queue(maxsize=8)
@@ -272,7 +278,8 @@ def build_learned_model(
     The demo's call (the defaults) trains in fp32 on ``conversations`` padded rows at a constant ``lr``.
     ``packed=True`` (the benchmark) draws conversations without end (ConversationSampler), packs them into
     [batch, seq_length] rows, and follows a warm-up + cosine schedule over the ``seconds`` budget; on a GPU
-    it runs in bf16 autocast with fused AdamW. ``texts``: the corpus already read (else ``corpus_texts``). ``overrides`` go to the LlamaConfig (pipeline/demo/tiny.py's defaults).
+    it runs in bf16 autocast with fused AdamW. ``texts``: the corpus already read (else ``corpus_texts``).
+    ``overrides`` go to the LlamaConfig (pipeline/demo/tiny.py's defaults).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -336,7 +343,8 @@ def build_learned_model(
         tokens_seen += tokens.numel()
         if time.monotonic() - start >= next_log:
             say(
-                f"  step {len(losses)}: loss {loss.item():.3f}, {tokens_seen / (time.monotonic() - start):,.0f} tok/s"
+                f"  step {len(losses)}: loss {loss.item():.3f}, "
+                f"{tokens_seen / (time.monotonic() - start):,.0f} tok/s"
             )
             next_log += max(5.0, seconds / 10)
     losses = [float(x) for x in losses]

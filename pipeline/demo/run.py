@@ -2,8 +2,8 @@
 
 Owns the sequence of stage invocations and their arguments for the demo (every stage runs through its
 real command line, ``python -m pipeline ...``, in a subprocess, exactly as an operator would run it) and
-``pipeline demo-assets``, which builds the demo's model and conversations (pipeline/demo/tiny.py for the random
-kinds, pipeline/demo/learned.py for the learned one).
+``pipeline demo-assets``, which builds the demo's model and conversations (pipeline/demo/tiny.py for the
+random kinds, pipeline/demo/learned.py for the learned one).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """``python -m pipeline train``: flags -> TrainConfig -> pipeline.train.stage.run, and the acceptance table.
 
-Owns the command line of the train stage only. Data parallel: ``torchrun --nproc-per-node N -m pipeline train ...``.
+Owns the command line of the train stage only. Data parallel:
+``torchrun --nproc-per-node N -m pipeline train ...``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def print_table(summary: dict) -> None:
     if not ev:
         return
     table = Table(
-        title=f"offline acceptance, k={ev['k']}, {ev['samples']} held-out samples, {ev['positions']} positions"
+        title=f"offline acceptance, k={ev['k']}, {ev['samples']} held-out samples, "
+        f"{ev['positions']} positions"
     )
     table.add_column("proposer")
     table.add_column("acceptance length")
@@ -64,7 +66,8 @@ def print_table(summary: dict) -> None:
     verdict = "beats" if ev["beats_baseline"] else "does NOT beat"
     console.print(
         f"trained draft {verdict} the best trivial baseline ({ev['best_baseline']}): "
-        f"{ev['draft']['acceptance_length']:.3f} vs {ev['baselines'][ev['best_baseline']]['acceptance_length']:.3f}"
+        f"{ev['draft']['acceptance_length']:.3f} vs "
+        f"{ev['baselines'][ev['best_baseline']]['acceptance_length']:.3f}"
     )
 
 

@@ -91,7 +91,8 @@ class TargetFacts:
         model_type = str(text.get("model_type", raw.get("model_type", "")))
         heads = int(text["num_attention_heads"])
         hidden = int(text["hidden_size"])
-        # MLA models (DeepSeek/Kimi) have no plain head_dim: the draft uses hidden // heads, as speculators does
+        # MLA models (DeepSeek/Kimi) have no plain head_dim: the draft uses hidden // heads, as speculators
+        # does
         head_dim = (
             int(text.get("head_dim") or hidden // heads) if model_type in LLAMA_FAMILY else hidden // heads
         )
@@ -253,7 +254,8 @@ def write_verifier_view(view: Path, verifier: dict[str, torch.Tensor], target: T
     with atomic_path(view / VIEW_WEIGHTS) as tmp:
         save_file(tensors, str(tmp))
     config = {
-        "model_type": "llama",  # only read for vocab/hidden size, norm eps and pad id; llama needs no remote code
+        # only read for vocab/hidden size, norm eps and pad id; llama needs no remote code
+        "model_type": "llama",
         "architectures": list(target.architectures) or ["LlamaForCausalLM"],
         "vocab_size": target.vocab_size,
         "hidden_size": target.hidden_size,
@@ -280,7 +282,8 @@ def choose_attention(device: torch.device, requested: str = "auto") -> str:
     if requested == "flex":
         if device.type == "cpu":
             raise StageError(
-                "--attention flex has no backward pass on the CPU (torch: FlexAttention does not support backward on CPU): use --attention dense or auto"
+                "--attention flex has no backward pass on the CPU "
+                "(torch: FlexAttention does not support backward on CPU): use --attention dense or auto"
             )
         return FLEX_ATTENTION
     if requested == "dense":
@@ -348,7 +351,8 @@ def load_draft(path: Path, *, attention: str | None = None, verifier_view: Path 
     view = Path(config.speculators_config.verifier.name_or_path or "")
     if not (view / VIEW_CONFIG).is_file():
         raise StageError(
-            f"verifier {view} recorded in {path}/config.json does not exist here: pass the train output's verifier/ dir"
+            f"verifier {view} recorded in {path}/config.json does not exist here: "
+            "pass the train output's verifier/ dir"
         )
     set_attention(config, attention or DENSE_ATTENTION)
     d2t, t2d = read_checkpoint_vocab(path)

@@ -104,7 +104,8 @@ def valid_positions(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class HeldOut:
-    """Held-out samples in the draft's alignment (speculators' dataset + shift), with the target's greedy tokens."""
+    """Held-out samples in the draft's alignment (speculators' dataset + shift), with the target's greedy
+    tokens."""
 
     def __init__(self, files: list[Path], verifier: dict, eps: float, device: torch.device):
         from pipeline.train.data import sample_dataset
@@ -187,7 +188,8 @@ NGRAM_MIN, NGRAM_MAX = 1, 4
 def ngram_continuations(
     tokens: list[int], k: int, n_min: int = NGRAM_MIN, n_max: int = NGRAM_MAX
 ) -> list[list[int]]:
-    """Prompt lookup at every context length: entry L - 1 holds what vLLM's ngram proposer gives ``tokens[:L]``.
+    """Prompt lookup at every context length: entry L - 1 holds what vLLM's ngram proposer gives
+    ``tokens[:L]``.
 
     For each prefix the longest suffix of n_min..n_max tokens that also occurs earlier (its occurrence
     ending before the prefix does), taken at its earliest occurrence; the proposal is the up to k tokens
@@ -213,7 +215,8 @@ def ngram_continuations(
 
 
 def ngram_context(k: int):
-    """The ``ngram_context`` baseline: prompt lookup on the tokens known at each position (see ngram_continuations)."""
+    """The ``ngram_context`` baseline: prompt lookup on the tokens known at each position (see
+    ngram_continuations)."""
 
     def propose(item: dict) -> torch.Tensor:
         context = item["context_ids"].tolist()

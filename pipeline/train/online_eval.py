@@ -164,7 +164,8 @@ def _child(cfg: OnlineConfig, prompts: list[list[int]], with_draft: bool, out: P
         os.killpg(proc.pid, signal.SIGKILL)
     if proc.returncode != 0 or not out.is_file():
         what = "target + draft" if with_draft else "target alone"
-        # both streams: vLLM's logger (the engine's traceback) writes to stdout, the child's own error to stderr
+        # both streams: vLLM's logger (the engine's traceback) writes to stdout, the child's own error to
+        # stderr
         cause = root_cause(stderr + "\n" + stdout)
         raise StageError(f"vLLM failed serving the {what} (exit {proc.returncode}): {cause[:400]}")
     return json.loads(out.read_text())

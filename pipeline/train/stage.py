@@ -4,9 +4,10 @@ Owns the training run on speculators 0.9.0: checking every input before the firs
 split, speculators' ``Trainer`` (subclassed only for what it lacks: any device, CPU included; full-precision
 checkpoints so that a resumed run equals an uninterrupted one; atomic per-epoch checkpoint directories;
 stopping after N epochs of an invocation; a throughput figure), per-step metrics in ``metrics.jsonl``, the
-servable export ``draft/`` and the final ``summary.json`` with the offline acceptance (pipeline/train/evaluate.py)
-and the plots (pipeline/train/plots.py). The data loaders (our ``data_{i}.pt`` files through speculators'
-sampler and collate) are pipeline/train/data.py; its options (``TrainConfig``) pipeline/train/config.py.
+servable export ``draft/`` and the final ``summary.json`` with the offline acceptance
+(pipeline/train/evaluate.py) and the plots (pipeline/train/plots.py). The data loaders (our ``data_{i}.pt``
+files through speculators' sampler and collate) are pipeline/train/data.py; its options (``TrainConfig``)
+pipeline/train/config.py.
 
 Output directory::
 
@@ -14,7 +15,8 @@ Output directory::
     verifier/                the verifier view speculators loads embed_tokens / norm / lm_head from
     checkpoints/<epoch>/     per epoch: config.json, model.safetensors (fp32), optimizer + scheduler state
     draft/                   the final draft (config.json + model.safetensors in --save-dtype): serve this
-    metrics.jsonl            one JSON line per training step (loss, per-TTT-step accuracy, lr) and per validation
+    metrics.jsonl            one JSON line per training step (loss, per-TTT-step accuracy, lr) and per
+                             validation
     eval.json                offline acceptance of the draft and of the baselines on held-out samples
     summary.json             train figures + eval.json
     loss.png, acceptance.png
@@ -24,8 +26,8 @@ hidden states, the verifier, the target model, the prepared dir) is refused befo
 rank 0 holds the output's lock while the run writes it, so that a second train into it is refused.
 
 Data parallel: started by ``torchrun --nproc-per-node N -m pipeline train ...`` each process trains on its
-shard through speculators' DDP setup (one GPU per process); rank 0 writes everything else. The draft architecture and its
-config live in pipeline/train/draft.py.
+shard through speculators' DDP setup (one GPU per process); rank 0 writes everything else. The draft
+architecture and its config live in pipeline/train/draft.py.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def _resolve_prepared(cfg: TrainConfig, dc: formats.DataConfig) -> Path:
     if dc.prepared and Path(dc.prepared).is_dir():
         return Path(dc.prepared)
     raise StageError(
-        f"{cfg.data}/data_config.json names prepared dir {dc.prepared!r}, which does not exist: pass --prepared DIR (with d2t.npy, t2d.npy)"
+        f"{cfg.data}/data_config.json names prepared dir {dc.prepared!r}, which does not exist: "
+        "pass --prepared DIR (with d2t.npy, t2d.npy)"
     )
 
 
@@ -108,7 +111,9 @@ def _resolve_model(cfg: TrainConfig, meta: dict, dc: formats.DataConfig) -> Path
         if c and (Path(c) / "config.json").is_file():
             return Path(c)
     raise StageError(
-        f"no target config.json found (tried --model, verifier.json source {meta.get('source')!r}, data_config model {dc.model!r}): pass --model DIR"
+        "no target config.json found "
+        f"(tried --model, verifier.json source {meta.get('source')!r}, data_config model {dc.model!r}): "
+        "pass --model DIR"
     )
 
 
@@ -154,14 +159,16 @@ def _check_sample(path: Path, dc: formats.DataConfig, vocab: int) -> None:
     if not isinstance(hs, (list, tuple)) or len(hs) != NUM_CAPTURED:
         got = len(hs) if isinstance(hs, (list, tuple)) else type(hs).__name__
         raise StageError(
-            f"{path} has {got} captured hidden-state tensors, EAGLE-3 needs {NUM_CAPTURED} (3 auxiliary layers + the last): "
+            f"{path} has {got} captured hidden-state tensors, EAGLE-3 needs {NUM_CAPTURED} "
+            "(3 auxiliary layers + the last): "
             "re-run `pipeline extract` with 4 --layer-ids"
         )
     t = int(sample["input_ids"].shape[0])
     for j, h in enumerate(hs):
         if tuple(h.shape) != (t, dc.hidden_size):
             raise StageError(
-                f"{path}: hidden_states[{j}] has shape {tuple(h.shape)}, expected ({t}, {dc.hidden_size}) (hidden size from data_config.json)"
+                f"{path}: hidden_states[{j}] has shape {tuple(h.shape)}, expected ({t}, {dc.hidden_size}) "
+                "(hidden size from data_config.json)"
             )
     if t < 2:
         raise StageError(f"{path} has {t} token(s): at least 2 are needed")
@@ -185,11 +192,13 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
         )
     if len(indices) != dc.num_samples:
         raise StageError(
-            f"{data} holds {len(indices)} data files but data_config.json says {dc.num_samples}: extraction incomplete, resume `pipeline extract`"
+            f"{data} holds {len(indices)} data files but data_config.json says {dc.num_samples}: "
+            "extraction incomplete, resume `pipeline extract`"
         )
     if len(dc.layer_ids) != NUM_CAPTURED:
         raise StageError(
-            f"{data}/data_config.json lists {len(dc.layer_ids)} layer ids {dc.layer_ids}, EAGLE-3 needs {NUM_CAPTURED} "
+            f"{data}/data_config.json lists {len(dc.layer_ids)} layer ids {dc.layer_ids}, "
+            f"EAGLE-3 needs {NUM_CAPTURED} "
             "(3 auxiliary layers + the last): re-run `pipeline extract`"
         )
     layer_ids = validate_layer_ids(dc.layer_ids, dc.num_layers)
@@ -213,7 +222,8 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
         )
     if dc.num_layers != target.num_layers:
         raise StageError(
-            f"data_config.json says {dc.num_layers} decoder layers, the target config {target.num_layers}: hidden states come from another model"
+            f"data_config.json says {dc.num_layers} decoder layers, the target config {target.num_layers}: "
+            "hidden states come from another model"
         )
     vocab = {
         "target config.json": target.vocab_size,
@@ -233,7 +243,8 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
     problems = vocab_mapping_problems(d2t, t2d, expected_draft, target.vocab_size)
     if problems:
         raise StageError(
-            f"vocab mapping in {prepared} does not fit this draft: {'; '.join(problems)} (re-run `pipeline prepare --draft-vocab-size N`)"
+            f"vocab mapping in {prepared} does not fit this draft: {'; '.join(problems)} "
+            "(re-run `pipeline prepare --draft-vocab-size N`)"
         )
     freq_path = prepared / formats.TOKEN_FREQ
     token_freq = formats.read_token_freq(freq_path) if freq_path.is_file() else {}
@@ -290,7 +301,8 @@ def setup_runtime(device: str) -> Runtime:
 
         if not torch.cuda.is_available():
             raise StageError(
-                "torchrun data parallel needs GPUs (one per process) and none is visible: run without torchrun"
+                "torchrun data parallel needs GPUs (one per process) and none is visible: "
+                "run without torchrun"
             )
         dist_state.maybe_setup_distributed()
         return Runtime(
@@ -396,7 +408,8 @@ def _trainer_class():
     from torch.nn.parallel import DistributedDataParallel
 
     class DeviceCheckpointer(SingleGPUCheckpointer):
-        """speculators' checkpointer, loading onto the runtime's device (speculators assumes an accelerator)."""
+        """speculators' checkpointer, loading onto the runtime's device (speculators assumes an
+        accelerator)."""
 
         def __init__(self, path, device: torch.device):
             self.device = str(device)
@@ -440,7 +453,8 @@ def _trainer_class():
             staging_root = final_root / ".staging"
             self.checkpointer.path = staging_root
             try:
-                # full precision: a resumed run must continue from exactly the weights and moments it stopped at
+                # full precision: a resumed run must continue from exactly the weights and moments it
+                # stopped at
                 self.checkpointer.save_checkpoint(
                     self.model, self.optimizers, epoch, float_dtype=torch.float32
                 )
@@ -511,11 +525,13 @@ def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
         raise StageError(f"output {out} exists and is not a directory: choose another --out")
     if cfg.resume and cfg.overwrite:
         raise StageError(
-            "--resume and --overwrite exclude each other: resume keeps the checkpoints, overwrite deletes them"
+            "--resume and --overwrite exclude each other: "
+            "resume keeps the checkpoints, overwrite deletes them"
         )
     if out.is_dir() and any(out.iterdir()) and not (cfg.resume or cfg.overwrite):
         raise StageError(
-            f"output dir {out} is not empty: pass --resume to continue its checkpoints, --overwrite to replace it, or choose another --out"
+            f"output dir {out} is not empty: pass --resume to continue its checkpoints, "
+            "--overwrite to replace it, or choose another --out"
         )
     if cfg.resume and not has_epochs and rt.is_main:
         logging.getLogger("pipeline.train").warning(
@@ -578,7 +594,10 @@ def _config_record(cfg: TrainConfig, inputs: TrainInputs, rt: Runtime, attention
     rec.update(
         layer_ids=inputs.layer_ids,
         eagle_aux_hidden_state_layer_ids=inputs.vllm_aux_layer_ids,
-        layer_id_convention="layer_ids: OUTPUT of decoder layer k (extract); eagle_aux_hidden_state_layer_ids: INPUT of layer k+1 (vLLM)",
+        layer_id_convention=(
+            "layer_ids: OUTPUT of decoder layer k (extract); "
+            "eagle_aux_hidden_state_layer_ids: INPUT of layer k+1 (vLLM)"
+        ),
         draft_vocab_size=len(inputs.d2t),
         target_vocab_size=inputs.target.vocab_size,
         hidden_size=inputs.target.hidden_size,
@@ -630,11 +649,13 @@ def run(cfg: TrainConfig, log=print) -> dict:
         attention = draft_mod.choose_attention(rt.device, cfg.attention)
         if attention == draft_mod.FLEX_ATTENTION and cfg.max_len % FLEX_BLOCK:
             raise StageError(
-                f"--max-len {cfg.max_len} must be a multiple of {FLEX_BLOCK} with flex attention (speculators' block mask)"
+                f"--max-len {cfg.max_len} must be a multiple of {FLEX_BLOCK} with flex attention "
+                "(speculators' block mask)"
             )
         if len(inputs.eval_files) < rt.world_size:
             raise StageError(
-                f"{len(inputs.eval_files)} held-out samples for {rt.world_size} processes: raise --eval-fraction"
+                f"{len(inputs.eval_files)} held-out samples for {rt.world_size} processes: "
+                "raise --eval-fraction"
             )
         refuse_overlap(
             Path(cfg.out),
@@ -677,7 +698,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
         val_loader = make_loader(inputs.eval_files, cfg, rt, shuffle_seed=cfg.seed, hidden_size=hidden)
         if len(train_loader) == 0:
             raise StageError(
-                f"no training batch could be formed from {len(inputs.train_files)} samples on {rt.world_size} processes"
+                f"no training batch could be formed from {len(inputs.train_files)} samples "
+                f"on {rt.world_size} processes"
             )
         from speculators.train.trainer import TrainerConfig
 
@@ -706,7 +728,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
             start_epoch = trainer.current_epoch
             log(
                 f"training epochs {start_epoch}..{cfg.epochs - 1} on {rt.device} x{rt.world_size}: "
-                f"{len(inputs.train_files)} train / {len(inputs.eval_files)} held-out samples, {len(train_loader)} steps per epoch"
+                f"{len(inputs.train_files)} train / {len(inputs.eval_files)} held-out samples, "
+                f"{len(train_loader)} steps per epoch"
             )
             epochs_run = trainer.run_training()
         finally:
