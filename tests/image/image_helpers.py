@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "docker"))  # the image tests import docker/'s scripts (cudaarch, imageinfo, ...)
+sys.path.insert(
+    0, str(REPO / "docker")
+)  # the image tests import docker/'s scripts (cudaarch, imageinfo, ...)
 
 
 # Names derived from this checkout's path: test runs of two checkouts (a developer's and a CI clone) share

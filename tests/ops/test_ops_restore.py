@@ -34,6 +34,7 @@ def test_a_running_server_seen_before_the_stop_is_started_again():
         def run(self, cmd, **kw):
             calls.append(cmd)
             from ops.connection import Result
+
             return Result(cmd, 0, "", "")
 
     host = HostConfig(name="h", host="local", server=parse_strategy("container:vllm"))

@@ -127,16 +127,23 @@ def test_device_scales_of_each_sample_give_the_writers_facts(packed, tiny_llama)
     from pipeline.backends.hf import split_rows
 
     md = read_model_dir(tiny_llama)
-    backend = HFBackend(BackendOptions(model=md, layer_ids=(2, 4, 5, 7), device="cpu",
-                                       dtype="float32", compile=False, packed=packed))
+    backend = HFBackend(
+        BackendOptions(
+            model=md, layer_ids=(2, 4, 5, 7), device="cpu", dtype="float32", compile=False, packed=packed
+        )
+    )
     with torch.inference_mode():
         outs, rows = backend.forward_layers(SEQS)
-        states, scales = split_rows(outs, rows, [verify.layer_profile.token_scales(o) for o in outs], torch.clone)
+        states, scales = split_rows(
+            outs, rows, [verify.layer_profile.token_scales(o) for o in outs], torch.clone
+        )
     for seq, sample, sample_scales in zip(SEQS, states, scales, strict=True):
         ids, mask = torch.tensor(seq), torch.ones(len(seq), dtype=torch.long)
         assert [h.shape for h in sample] == [(len(seq), md.hidden_size)] * 4
         assert [rms.shape for rms, _ in sample_scales] == [(len(seq),)] * 4
-        assert verify.written_facts(ids, sample, mask, sample_scales) == verify.written_facts(ids, sample, mask)
+        assert verify.written_facts(ids, sample, mask, sample_scales) == verify.written_facts(
+            ids, sample, mask
+        )
     backend.close()
 
 
@@ -192,7 +199,9 @@ def test_batch_plan_is_length_bucketed_and_complete():
     assert sorted(flat) == list(range(len(lengths)))
     assert all(b.padded_tokens <= 200 or len(b.indices) == 1 for b in plan)
     assert all(len(b.indices) <= 3 for b in plan)
-    assert [lengths[b.indices[0]] for b in plan] == sorted((lengths[b.indices[0]] for b in plan), reverse=True)
+    assert [lengths[b.indices[0]] for b in plan] == sorted(
+        (lengths[b.indices[0]] for b in plan), reverse=True
+    )
     assert plan == plan_batches(lengths, 200, 3)
     assert pending_batches(plan, set(flat)) == []
     assert pending_batches([Batch((0, 1), 10)], {0}) == [Batch((0, 1), 10)]
@@ -216,15 +225,31 @@ def test_extract_output_verifies_and_matches_prepared(extracted_llama, prepared_
 
 def test_killed_run_resumes_to_identical_files(tmp_path, tiny_llama, prepared_llama):
     """SIGKILL mid-way, then --resume: every file is byte-identical to an uninterrupted run, none partial."""
-    common = ["extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 24,
-              "--max-batch-size", 3, "--no-progress", "--no-verify"]
+    common = [
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--limit",
+        24,
+        "--max-batch-size",
+        3,
+        "--no-progress",
+        "--no-verify",
+    ]
     reference_dir = tmp_path / "uninterrupted"
     run_pipeline(*common, "--out", reference_dir, check=True)
     out = tmp_path / "states"
     args = [*common, "--out", out]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *map(str, args)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while len(formats.existing_data_indices(out)) < 5 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -235,5 +260,7 @@ def test_killed_run_resumes_to_identical_files(tmp_path, tiny_llama, prepared_ll
     run_pipeline(*args, "--resume", check=True)
     assert formats.existing_data_indices(out) == list(range(24))
     for i in range(24):
-        assert (out / f"data_{i}.pt").read_bytes() == (reference_dir / f"data_{i}.pt").read_bytes(), f"data_{i}.pt differs"
+        assert (out / f"data_{i}.pt").read_bytes() == (reference_dir / f"data_{i}.pt").read_bytes(), (
+            f"data_{i}.pt differs"
+        )
     assert not list(out.glob(".*partial"))

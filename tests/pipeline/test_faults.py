@@ -24,8 +24,20 @@ def small_tmpfs(tmp_path):
 def test_disk_full_leaves_no_partial_file_and_resume_completes(small_tmpfs, tiny_llama, prepared_llama):
     """ENOSPC mid-run: one-line error, no partial file; after space is freed, --resume completes and verifies."""
     out = small_tmpfs / "states"
-    args = ["extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", out, "--limit", 16,
-            "--max-batch-size", 2, "--no-progress"]
+    args = [
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--out",
+        out,
+        "--limit",
+        16,
+        "--max-batch-size",
+        2,
+        "--no-progress",
+    ]
     proc = run_pipeline(*args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "No space left on device" in proc.stderr and "--resume" in proc.stderr
@@ -49,12 +61,27 @@ def test_repair_regenerates_exactly_the_damaged_files(tmp_path, tiny_llama, prep
     shutil.copytree(extracted_llama, out)
     (out / "data_2.pt").write_bytes((out / "data_2.pt").read_bytes()[:100])
     s = formats.read_sample(out / "data_4.pt")
-    formats.write_sample(out / "data_4.pt", s["input_ids"], [h.half() for h in s["hidden_states"]], s["loss_mask"])
+    formats.write_sample(
+        out / "data_4.pt", s["input_ids"], [h.half() for h in s["hidden_states"]], s["loss_mask"]
+    )
     (out / "data_6.pt").unlink()
     untouched = {i: (out / f"data_{i}.pt").stat().st_mtime_ns for i in (0, 1, 3, 5, 7)}
     assert run_pipeline("verify", out).returncode == 3
-    proc = run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", out, "--limit", 24,
-                        "--resume", "--repair", "--no-progress", check=True)
+    proc = run_pipeline(
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--out",
+        out,
+        "--limit",
+        24,
+        "--resume",
+        "--repair",
+        "--no-progress",
+        check=True,
+    )
     assert "data_2.pt will be regenerated" in proc.stderr and "data_4.pt will be regenerated" in proc.stderr
     assert run_pipeline("verify", out).returncode == 0
     for i, mtime in untouched.items():
@@ -67,7 +94,9 @@ def test_repair_regenerates_exactly_the_damaged_files(tmp_path, tiny_llama, prep
 
 def test_repair_needs_resume(tmp_path, tiny_llama, prepared_llama):
     """--repair alone is refused: it only makes sense on an existing run."""
-    proc = run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", tmp_path / "x", "--repair")
+    proc = run_pipeline(
+        "extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", tmp_path / "x", "--repair"
+    )
     assert proc.returncode == 2 and "--repair" in proc.stderr and not (tmp_path / "x").exists()
 
 
@@ -76,11 +105,23 @@ def test_full_disk_at_the_last_index_file_is_one_line(tmp_path, tiny_llama, prep
     """Out of inodes when the data files fit but an index file does not: one line, exit 2, no temp file left."""
     mnt = tmp_path / "inodes"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64m,nr_inodes={inodes}", "tmpfs", str(mnt)], check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size=64m,nr_inodes={inodes}", "tmpfs", str(mnt)], check=True
+    )
     try:
         out = mnt / "states"
-        proc = run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", out,
-                            "--limit", 2, "--no-progress")
+        proc = run_pipeline(
+            "extract",
+            "--prepared",
+            prepared_llama,
+            "--model",
+            tiny_llama,
+            "--out",
+            out,
+            "--limit",
+            2,
+            "--no-progress",
+        )
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
         assert "No space left on device" in proc.stderr and "--resume" in proc.stderr

@@ -70,7 +70,9 @@ def test_ngram_continuations_take_the_longest_earliest_match_and_stop_at_the_pre
     assert got[6] == [9, 1, 2]  # suffix 1,2,3 (length 3) first seen at 0..2, then 9, 1, 2
     assert got[10] == [9, 1, 2]  # 1,2,3 seen twice: the earliest occurrence's continuation
     assert ngram_continuations([5, 5], 3)[1] == [5]  # the continuation never runs past the prefix
-    assert ngram_continuations([1, 2, 3, 4, 7, 2, 3, 4], 2, n_min=4)[7] == []  # 2,3,4 is too short for n_min 4
+    assert (
+        ngram_continuations([1, 2, 3, 4, 7, 2, 3, 4], 2, n_min=4)[7] == []
+    )  # 2,3,4 is too short for n_min 4
 
 
 def test_ngram_baseline_proposes_from_the_context_in_the_shifted_alignment():

@@ -13,9 +13,14 @@ from pipeline.train.online_eval import OnlineConfig, acceptance_from_counters, m
 
 def test_acceptance_length_is_vllms_definition():
     """Mean acceptance length = 1 + accepted / drafts; per-position rates are per draft."""
-    r = acceptance_from_counters({"vllm:spec_decode_num_drafts": 27, "vllm:spec_decode_num_draft_tokens": 81,
-                                  "vllm:spec_decode_num_accepted_tokens": 36,
-                                  "vllm:spec_decode_num_accepted_tokens_per_pos": [20, 10, 6]})
+    r = acceptance_from_counters(
+        {
+            "vllm:spec_decode_num_drafts": 27,
+            "vllm:spec_decode_num_draft_tokens": 81,
+            "vllm:spec_decode_num_accepted_tokens": 36,
+            "vllm:spec_decode_num_accepted_tokens_per_pos": [20, 10, 6],
+        }
+    )
     assert r["acceptance_length"] == pytest.approx(1 + 36 / 27)
     assert r["per_position"] == pytest.approx([20 / 27, 10 / 27, 6 / 27]) and r["draft_tokens"] == 81
 
@@ -46,23 +51,28 @@ def test_without_vllm_is_a_one_line_error(tmp_path):
     """Asking for the online measurement where vLLM is missing says so in one line, naming the flag."""
     with pytest.raises(StageError) as info:
         measure(OnlineConfig(target=tmp_path, draft=tmp_path), [[1, 2]], tmp_path / "w")
-    assert "needs vLLM" in str(info.value) and "--online-eval" in str(info.value) and "\n" not in str(info.value)
+    assert (
+        "needs vLLM" in str(info.value) and "--online-eval" in str(info.value) and "\n" not in str(info.value)
+    )
 
 
 def test_a_failed_vllm_run_is_reported_by_its_root_cause():
     """vLLM's worker error is the line shown, not the wrappers that point back at it (seen with an MLA target)."""
     from pipeline.train.online_eval import root_cause
 
-    log = "\n".join([
-        "INFO 12-01 20:31:05 [core.py:90] Initializing engine",
-        "(Worker pid=5241) ERROR 12-01 20:26:23 [multiproc_executor.py:1063] ValueError: Head dimension 96 is not supported by MLA.",
-        "(EngineCore pid=2313) ERROR 12-01 20:26:23 [core.py:1512] RuntimeError: Worker failed with error 'Head "
-        "dimension 96 is not supported by MLA.', please check the stack trace above for the root cause",
-        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
-    ])
+    log = "\n".join(
+        [
+            "INFO 12-01 20:31:05 [core.py:90] Initializing engine",
+            "(Worker pid=5241) ERROR 12-01 20:26:23 [multiproc_executor.py:1063] ValueError: Head dimension 96 is not supported by MLA.",
+            "(EngineCore pid=2313) ERROR 12-01 20:26:23 [core.py:1512] RuntimeError: Worker failed with error 'Head "
+            "dimension 96 is not supported by MLA.', please check the stack trace above for the root cause",
+            "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        ]
+    )
     assert root_cause(log) == "ValueError: Head dimension 96 is not supported by MLA."
     assert root_cause("RuntimeError: Engine core initialization failed. See root cause above.") == (
-        "RuntimeError: Engine core initialization failed. See root cause above.")  # only wrappers: the last one
+        "RuntimeError: Engine core initialization failed. See root cause above."
+    )  # only wrappers: the last one
     assert root_cause("killed\n") == "killed"
     # stderr then stdout, as _child joins them: the wrapper on stderr, vLLM's logged cause on stdout (seen with an
     # MLA target + draft before patch 0004)

@@ -17,7 +17,12 @@ def test_checkpoint_per_epoch_and_export(trained):
     assert sorted(p.name for p in ckpt.iterdir()) == ["0", "1", "2", "3"]
     for epoch in range(4):
         names = {p.name for p in (ckpt / str(epoch)).iterdir()}
-        assert {"config.json", "model.safetensors", "optimizer_state_dict.pt", "scheduler_state_dict.pt"} <= names
+        assert {
+            "config.json",
+            "model.safetensors",
+            "optimizer_state_dict.pt",
+            "scheduler_state_dict.pt",
+        } <= names
         assert load_file(str(ckpt / str(epoch) / "model.safetensors"))["fc.weight"].dtype == torch.float32
     draft = load_file(str(cfg.out / "draft" / "model.safetensors"))
     assert draft["fc.weight"].dtype == torch.bfloat16 and draft["d2t"].dtype == torch.int64
@@ -57,7 +62,12 @@ def test_trained_draft_beats_trivial_baselines(trained):
     ev = summary["eval"]
     assert ev["beats_baseline"], ev
     assert ev["draft"]["acceptance_length"] > 1.2
-    assert set(ev["baselines"]) == {"untrained_draft", "unigram_target", "most_frequent_token", "ngram_context"}
+    assert set(ev["baselines"]) == {
+        "untrained_draft",
+        "unigram_target",
+        "most_frequent_token",
+        "ngram_context",
+    }
     assert json.loads((cfg.out / "eval.json").read_text()) == json.loads(json.dumps(ev))
 
 
@@ -76,7 +86,9 @@ def test_resume_equals_uninterrupted_run(make_inputs, tmp_path):
     run(straight, log=lambda m: None)
     part = inputs.config(tmp_path / "resumed", epochs=2, evaluate=False, stop_after_epochs=1)
     first = run(part, log=lambda m: None)
-    assert first["complete"] is False and sorted(p.name for p in (part.out / "checkpoints").iterdir()) == ["0"]
+    assert first["complete"] is False and sorted(p.name for p in (part.out / "checkpoints").iterdir()) == [
+        "0"
+    ]
     run(inputs.config(tmp_path / "resumed", epochs=2, evaluate=False, resume=True), log=lambda m: None)
     a = load_file(str(straight.out / "checkpoints" / "1" / "model.safetensors"))
     b = load_file(str(part.out / "checkpoints" / "1" / "model.safetensors"))

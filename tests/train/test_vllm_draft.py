@@ -22,9 +22,23 @@ K = 3
 def train_and_serve(root, model, out, env: dict[str, str | None]) -> tuple[TrainConfig, dict]:
     """A train run into OUT on ROOT's stage outputs with offline and online acceptance, under ``env`` (None:
     unset); vLLM on the CPU needs a KV-cache size (1 GiB)."""
-    cfg = TrainConfig(data=root / "hidden_states", verifier=root / "verifier", out=out, model=model,
-                      prepared=root / "prepared", epochs=1, lr=1e-3, max_len=256, device="cpu", plots=False,
-                      ttt_steps=K, save_dtype="float32", online_eval=True, online_prompts=4, online_max_tokens=16)
+    cfg = TrainConfig(
+        data=root / "hidden_states",
+        verifier=root / "verifier",
+        out=out,
+        model=model,
+        prepared=root / "prepared",
+        epochs=1,
+        lr=1e-3,
+        max_len=256,
+        device="cpu",
+        plots=False,
+        ttt_steps=K,
+        save_dtype="float32",
+        online_eval=True,
+        online_prompts=4,
+        online_max_tokens=16,
+    )
     with pytest.MonkeyPatch.context() as mp:
         for name, value in {"VLLM_CPU_KVCACHE_SPACE": "1", **env}.items():
             mp.delenv(name, raising=False) if value is None else mp.setenv(name, value)
@@ -67,17 +81,22 @@ def test_served_config_is_in_vllms_convention(served, tiny_llama):
 
     cfg, _ = served
     draft = cfg.out / "draft"
-    engine = EngineArgs(model=str(tiny_llama), max_model_len=256, enforce_eager=True, dtype="float32",
-                        speculative_config={"model": str(draft), "method": "eagle3", "num_speculative_tokens": K},
-                        ).create_engine_config()
+    engine = EngineArgs(
+        model=str(tiny_llama),
+        max_model_len=256,
+        enforce_eager=True,
+        dtype="float32",
+        speculative_config={"model": str(draft), "method": "eagle3", "num_speculative_tokens": K},
+    ).create_engine_config()
     spec = engine.speculative_config
     assert spec.method == "eagle3" and spec.num_speculative_tokens == K
     hf = spec.draft_model_config.hf_config
     assert spec.draft_model_config.architectures == ["Eagle3LlamaForCausalLM"]
     saved = json.loads((draft / "config.json").read_text())
     assert saved["eagle_aux_hidden_state_layer_ids"] == [3, 5, 6]
-    aux = getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or (getattr(hf, "eagle_config", None) or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+    aux = getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or (
+        getattr(hf, "eagle_config", None) or {}
+    ).get("eagle_aux_hidden_state_layer_ids")
     assert list(aux) == [3, 5, 6]
     assert hf.draft_vocab_size == saved["draft_vocab_size"] == saved["transformer_layer_config"]["vocab_size"]
 
@@ -95,7 +114,9 @@ def served_deepseek(tmp_path_factory, conversations):
     config["scoring_func"] = "sigmoid"  # what real DeepSeek-V3 configs carry (vLLM's default is softmax)
     (model / "config.json").write_text(json.dumps(config))
     run_stages(model, conversations, root)
-    return train_and_serve(root, model, root / "train", {"VLLM_MLA_DISABLE": None})  # MLA on: how a DeepSeek target is served
+    return train_and_serve(
+        root, model, root / "train", {"VLLM_MLA_DISABLE": None}
+    )  # MLA on: how a DeepSeek target is served
 
 
 def test_vllm_serves_a_deepseek_targets_draft(served_deepseek):

@@ -26,7 +26,9 @@ def vllm_environment(request) -> None:
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
-        pytest.fail(f"vllm-marked tests need the vLLM CPU environment (make env-vllm; run with .venv-vllm/bin/python): {exc}")
+        pytest.fail(
+            f"vllm-marked tests need the vLLM CPU environment (make env-vllm; run with .venv-vllm/bin/python): {exc}"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -39,8 +41,16 @@ def llama_backend_small_steps(tiny_llama, tmp_path_factory):
     model = read_model_dir(tiny_llama)
     scratch = tmp_path_factory.mktemp("vllm-scratch")
     backend = VllmBackend(
-        BackendOptions(model=model, layer_ids=(2, 4, 5, 7), dtype="float32", seq_length=128,
-                       tensor_parallel_size=1, max_batch_tokens=128, enforce_eager=True, scratch_dir=scratch)
+        BackendOptions(
+            model=model,
+            layer_ids=(2, 4, 5, 7),
+            dtype="float32",
+            seq_length=128,
+            tensor_parallel_size=1,
+            max_batch_tokens=128,
+            enforce_eager=True,
+            scratch_dir=scratch,
+        )
     )
     yield backend
     backend.close()
@@ -94,4 +104,6 @@ def deepseek_for_vllm(tiny_deepseek, tmp_path_factory) -> Path:
 
     if json.loads((tiny_deepseek / "config.json").read_text()).get("scoring_func") == "sigmoid":
         return tiny_deepseek
-    return copy_model(tiny_deepseek, tmp_path_factory.mktemp("dsv3-sigmoid") / "model", scoring_func="sigmoid")
+    return copy_model(
+        tiny_deepseek, tmp_path_factory.mktemp("dsv3-sigmoid") / "model", scoring_func="sigmoid"
+    )

@@ -43,8 +43,26 @@ LIMIT = 24  # samples per extraction
 
 def extract(backend: str, dtype: str, prepared, model, out, *extra) -> None:
     eager = ("--enforce-eager", "--tensor-parallel-size", 1) if backend == "vllm" else ()
-    run_pipeline("extract", "--backend", backend, "--dtype", dtype, "--prepared", prepared, "--model", model,
-                 "--out", out, "--limit", LIMIT, "--no-progress", *eager, *extra, check=True, timeout=1200)
+    run_pipeline(
+        "extract",
+        "--backend",
+        backend,
+        "--dtype",
+        dtype,
+        "--prepared",
+        prepared,
+        "--model",
+        model,
+        "--out",
+        out,
+        "--limit",
+        LIMIT,
+        "--no-progress",
+        *eager,
+        *extra,
+        check=True,
+        timeout=1200,
+    )
 
 
 def layer_differences(got: Path, want: Path) -> list[dict]:
@@ -65,16 +83,26 @@ def layer_differences(got: Path, want: Path) -> list[dict]:
     for k in range(4):
         d, r = torch.cat(diffs[k]), torch.cat(refs[k])
         rms = float(r.pow(2).mean().sqrt())
-        stats.append({"layer": k, "rms": rms, "max_abs": float(d.max()), "mean_abs": float(d.mean()),
-                      "max_rel": float(d.max()) / rms, "mean_rel": float(d.mean()) / rms})
+        stats.append(
+            {
+                "layer": k,
+                "rms": rms,
+                "max_abs": float(d.max()),
+                "mean_abs": float(d.mean()),
+                "max_rel": float(d.max()) / rms,
+                "mean_rel": float(d.mean()) / rms,
+            }
+        )
     return stats
 
 
 def show(title: str, stats: list[dict]) -> None:
     print(f"\n{title}")
     for s in stats:
-        print(f"  layer slot {s['layer']}: rms {s['rms']:.4g}  max|d| {s['max_abs']:.3g} = {s['max_rel']:.3g} rms"
-              f"  mean|d| {s['mean_abs']:.3g} = {s['mean_rel']:.3g} rms")
+        print(
+            f"  layer slot {s['layer']}: rms {s['rms']:.4g}  max|d| {s['max_abs']:.3g} = {s['max_rel']:.3g} rms"
+            f"  mean|d| {s['mean_abs']:.3g} = {s['mean_rel']:.3g} rms"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +115,20 @@ def tiny_kimi(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def prepared_kimi(tmp_path_factory, tiny_kimi, conversations) -> Path:
     out = tmp_path_factory.mktemp("prepared-kimi") / "prepared"
-    run_pipeline("prepare", "--data", conversations, "--model", tiny_kimi, "--out", out, "--seq-length", 128,
-                 "--draft-vocab-size", 128, check=True)
+    run_pipeline(
+        "prepare",
+        "--data",
+        conversations,
+        "--model",
+        tiny_kimi,
+        "--out",
+        out,
+        "--seq-length",
+        128,
+        "--draft-vocab-size",
+        128,
+        check=True,
+    )
     return out
 
 
@@ -103,13 +143,22 @@ def test_tiny_kimi_has_the_released_layout(tiny_kimi):
     raw = json.loads((tiny_kimi / "config.json").read_text())
     assert raw["model_type"] == "kimi_k25" and raw["architectures"] == ["KimiK25ForConditionalGeneration"]
     text = raw["text_config"]
-    assert (text["model_type"], text["topk_method"], text["scoring_func"]) == ("deepseek_v3", "noaux_tc", "sigmoid")
+    assert (text["model_type"], text["topk_method"], text["scoring_func"]) == (
+        "deepseek_v3",
+        "noaux_tc",
+        "sigmoid",
+    )
     assert raw["tie_word_embeddings"] is False and "vision_config" in raw
     names = list(read_weight_map(tiny_kimi))
     assert decoder_layers_in(names) == ("language_model.model.", set(range(8)))
     assert "language_model.lm_head.weight" in names and any(n.startswith("vision_tower.") for n in names)
     model = read_model_dir(tiny_kimi)
-    assert (model.is_wrapper, model.num_layers, model.hidden_size, model.model_type) == (True, 8, 256, "deepseek_v3")
+    assert (model.is_wrapper, model.num_layers, model.hidden_size, model.model_type) == (
+        True,
+        8,
+        256,
+        "deepseek_v3",
+    )
     check_checkpoint(model)
     tok = AutoTokenizer.from_pretrained(tiny_kimi)
     assert tok.convert_tokens_to_ids("<|media_pad|>") == raw["image_token_id"] != tok.unk_token_id
@@ -123,7 +172,9 @@ def test_engine_arguments_read_a_wrapper_as_text_only(tiny_kimi, tiny_llama):
     from pipeline.modeldir import read_model_dir
 
     def args(model):
-        return engine_arguments(BackendOptions(model=read_model_dir(model), layer_ids=(2, 4, 5, 7)), 1, Path("/x"))
+        return engine_arguments(
+            BackendOptions(model=read_model_dir(model), layer_ids=(2, 4, 5, 7)), 1, Path("/x")
+        )
 
     assert args(tiny_kimi)["language_model_only"] is True
     assert "language_model_only" not in args(tiny_llama)
@@ -152,7 +203,9 @@ def test_vllm_kimi_matches_hf_fp32(tmp_path, prepared_kimi, tiny_kimi, hf_kimi_f
     out = tmp_path / "vllm"
     extract("vllm", "float32", prepared_kimi, tiny_kimi, out)
     result = compare_dirs(out, hf_kimi_fp32)
-    print(f"\nKimi-K2.5 fp32 vllm vs hf, worst per-token relative error per layer: {result['worst_per_layer']}")
+    print(
+        f"\nKimi-K2.5 fp32 vllm vs hf, worst per-token relative error per layer: {result['worst_per_layer']}"
+    )
     assert result["files"] == LIMIT
     assert max(result["worst_per_layer"]) < TOL, result["worst_per_layer"]
     config = formats.read_data_config(out)
@@ -174,7 +227,11 @@ def test_vllm_matches_hf_in_bf16_within_the_stated_tolerance(kind, tmp_path, req
     extract("hf", "bfloat16", prepared, model, hf)
     extract("vllm", "bfloat16", prepared, model, vl)
     assert formats.read_data_config(vl).dtype == formats.read_data_config(hf).dtype == "bfloat16"
-    assert all(x.dtype == torch.bfloat16 for d in (hf, vl) for x in formats.read_sample(formats.data_file(d, 0))["hidden_states"])
+    assert all(
+        x.dtype == torch.bfloat16
+        for d in (hf, vl)
+        for x in formats.read_sample(formats.data_file(d, 0))["hidden_states"]
+    )
     stats = layer_differences(vl, hf)
     show(f"{kind} bf16 vllm vs hf ({LIMIT} samples)", stats)
     hf_err, vllm_err = layer_differences(hf, fp32), layer_differences(vl, fp32)

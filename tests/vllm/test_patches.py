@@ -30,7 +30,9 @@ def installed_site() -> Path:
 
 
 def apply(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(APPLY), *map(str, args)], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(APPLY), *map(str, args)], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture
@@ -47,7 +49,9 @@ def fake_site(tmp_path) -> Path:
         (site / package).mkdir(parents=True, exist_ok=True)
         info = site / f"{dist}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: {version}\n")
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: {version}\n"
+        )
     return site
 
 
@@ -100,7 +104,9 @@ def test_changed_patch_is_reapplied_from_pristine(fake_site, tmp_path):
     target = patches / "vllm" / "0.32.0" / "0002-deepseek-mha-rope-2d.patch"
     text = target.read_text()
     assert "+        # 2-D [tokens, heads * rope_dim]" in text
-    target.write_text(text.replace("+        # 2-D [tokens, heads * rope_dim]", "+        # results follow the inputs"))
+    target.write_text(
+        text.replace("+        # 2-D [tokens, heads * rope_dim]", "+        # results follow the inputs")
+    )
     check = apply("--check", "--site-packages", fake_site, "--patches", patches)
     assert check.returncode == 1 and "patch files changed" in check.stdout
     again = apply("--site-packages", fake_site, "--patches", patches)
@@ -114,7 +120,12 @@ def test_unrecognised_code_fails_loudly_and_writes_nothing(fake_site):
     path = fake_site / "vllm/model_executor/models/deepseek_v2.py"
     code = path.read_text()
     assert code.count("q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)") == 1
-    path.write_text(code.replace("q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)", "q_pe, k_pe = self.rotary_emb(positions, k_pe, q_pe)"))
+    path.write_text(
+        code.replace(
+            "q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)",
+            "q_pe, k_pe = self.rotary_emb(positions, k_pe, q_pe)",
+        )
+    )
     before = snapshot(fake_site)
     result = apply("--site-packages", fake_site)
     assert result.returncode == 2
@@ -122,7 +133,8 @@ def test_unrecognised_code_fails_loudly_and_writes_nothing(fake_site):
     assert "does not match the installed code" in result.stderr
     assert not (fake_site / "_eagle_ops_patches" / "vllm").exists()
     assert {k: v for k, v in snapshot(fake_site).items() if k.startswith("vllm")} == {
-        k: v for k, v in before.items() if k.startswith("vllm")}
+        k: v for k, v in before.items() if k.startswith("vllm")
+    }
 
 
 def test_wrong_version_fails_with_the_supported_one(fake_site):
@@ -179,7 +191,11 @@ def test_a_version_without_patches_needs_its_note(fake_site, tmp_path):
     shutil.copytree(REPO / "patches", patches)
     (patches / "speculators" / "0.9.0" / "NO-PATCHES.md").unlink()
     result = apply("--check", "--site-packages", fake_site, "--patches", patches)
-    assert result.returncode == 2 and "holds no .patch files" in result.stderr and "NO-PATCHES.md" in result.stderr
+    assert (
+        result.returncode == 2
+        and "holds no .patch files" in result.stderr
+        and "NO-PATCHES.md" in result.stderr
+    )
 
 
 def test_every_patch_opens_with_a_header_naming_package_and_version():
@@ -188,12 +204,18 @@ def test_every_patch_opens_with_a_header_naming_package_and_version():
         package, version = path.parent.parent.name, path.parent.name
         head = path.read_text().split("\n--- a/", 1)[0]
         first = head.splitlines()[0]
-        assert first.startswith(("speculators " if package == "speculators" else "vLLM ")) and version in first, path
+        assert (
+            first.startswith(("speculators " if package == "speculators" else "vLLM ")) and version in first
+        ), path
         assert len(head.split()) > 40, f"{path.name}: header too short to say what and why"
 
 
 def test_apply_script_runs_on_plain_python_without_project_imports(fake_site):
     """The script uses only the standard library: it runs with python -I -S (no site-packages at all)."""
-    result = subprocess.run([sys.executable, "-I", "-S", str(APPLY), "--site-packages", str(fake_site)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", str(APPLY), "--site-packages", str(fake_site)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr

@@ -33,14 +33,18 @@ def connector_file(tmp_path: Path, tokens: list[int], layers: int = len(LAYERS),
     from safetensors.torch import save_file
 
     path = tmp_path / f"{name}.safetensors"
-    states = torch.arange(len(tokens) * layers * HIDDEN, dtype=torch.float32).reshape(len(tokens), layers, HIDDEN)
+    states = torch.arange(len(tokens) * layers * HIDDEN, dtype=torch.float32).reshape(
+        len(tokens), layers, HIDDEN
+    )
     save_file({"hidden_states": states, "token_ids": torch.tensor(tokens)}, str(path))
     Path(str(path) + ".lock").touch()
     return path
 
 
 def output(tokens: list[int], path: Path | None) -> SimpleNamespace:
-    return SimpleNamespace(prompt_token_ids=tokens, kv_transfer_params={"hidden_states_path": str(path)} if path else None)
+    return SimpleNamespace(
+        prompt_token_ids=tokens, kv_transfer_params={"hidden_states_path": str(path)} if path else None
+    )
 
 
 def test_a_good_file_gives_one_owned_state_per_layer_and_is_removed(tmp_path):
@@ -65,7 +69,10 @@ def test_states_short_by_cached_blocks_are_refused(tmp_path):
     """States for fewer tokens than the sample (prefix caching hands back only the uncached tail) are refused."""
     seq = list(range(10, 50))
     path = connector_file(tmp_path, seq[16:])
-    with pytest.raises(StageError, match="other tokens .24 ids, expected 40.: results out of input order or a prefix-cache hit"):
+    with pytest.raises(
+        StageError,
+        match="other tokens .24 ids, expected 40.: results out of input order or a prefix-cache hit",
+    ):
         bare_backend()._read(0, seq, output(seq, path))
 
 
@@ -100,13 +107,27 @@ def test_engine_arguments_force_extraction_settings_and_map_layer_ids(tmp_path):
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.vllm import engine_arguments
 
-    options = BackendOptions(model=SimpleNamespace(path=Path("/m"), is_wrapper=False), layer_ids=(2, 16, 29, 31), seq_length=4096,
-                             max_batch_tokens=1024)
+    options = BackendOptions(
+        model=SimpleNamespace(path=Path("/m"), is_wrapper=False),
+        layer_ids=(2, 16, 29, 31),
+        seq_length=4096,
+        max_batch_tokens=1024,
+    )
     args = engine_arguments(options, 8, tmp_path)
     assert args["speculative_config"] == {
-        "method": "extract_hidden_states", "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [3, 17, 30, 32]}}}
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [3, 17, 30, 32]}},
+    }
     assert args["kv_transfer_config"]["kv_connector"] == "ExampleHiddenStatesConnector"
     assert args["kv_transfer_config"]["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
-    assert (args["enable_prefix_caching"], args["enable_chunked_prefill"], args["enforce_eager"]) == (False, False, False)
-    assert (args["tensor_parallel_size"], args["max_num_batched_tokens"], args["max_model_len"]) == (8, 4096, 4096)
+    assert (args["enable_prefix_caching"], args["enable_chunked_prefill"], args["enforce_eager"]) == (
+        False,
+        False,
+        False,
+    )
+    assert (args["tensor_parallel_size"], args["max_num_batched_tokens"], args["max_model_len"]) == (
+        8,
+        4096,
+        4096,
+    )
