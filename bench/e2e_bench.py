@@ -9,8 +9,8 @@ sampled every 100 ms: the process's whole footprint, CUDA context and allocator 
 bandwidth; for extract also its own start-up figures, how long the closing verification took (the whole tail
 after its closing line, and the check's own seconds from its summary.json), and both closing checks timed
 again on its set (``closing_check_seconds``: "record", the default, judges the writer's record and stats each
-file; "full" reads every byte back, as ``pipeline verify`` does; the page cache as the run left it). Holds both
-runs' states to an fp32 copy of the model (first 4 samples, ``accuracy``) and exits non-zero when ours is
+file; "full" reads every byte back, as ``pipeline verify`` does; the page cache as the run left it). Holds
+both runs' states to an fp32 copy of the model (first 4 samples, ``accuracy``) and exits non-zero when ours is
 further from it than the naive script; the plain relative difference between the two is reported too.
 
     python -m bench.e2e_bench --shapes llama-1b,llama-8b --samples 256,128 --workdir /dev/shm/e2e
@@ -345,7 +345,8 @@ def main(
             prepared,
             {"ours": workdir / f"ours-{shape}", "naive": workdir / f"naive-{shape}"},
         )
-        # ours may be no less exact than the naive bf16 script, layer by layer (a slack of a quarter plus 5e-3)
+        # ours may be no less exact than the naive bf16 script, layer by layer (a slack of a quarter
+        # plus 5e-3)
         if any(o > 1.25 * b + 5e-3 for o, b in zip(errors["ours"], errors["naive"], strict=True)):
             failures.append(f"{shape}: ours is further from fp32 than naive: {errors}")
         if gpu:
@@ -372,15 +373,17 @@ def main(
                 continue
             x = r[who]
             print(
-                f"| {shape} | {who} | {x['wall_seconds']:.1f} | {x['loop_tokens_per_s']:,.0f} | {x['roofline']:.1%} | "
-                f"{x['peak_gpu_mib']} | {x['write_gb_s']:.2f} |"
+                f"| {shape} | {who} | {x['wall_seconds']:.1f} | {x['loop_tokens_per_s']:,.0f} | "
+                f"{x['roofline']:.1%} | {x['peak_gpu_mib']} | {x['write_gb_s']:.2f} |"
             )
         print(
-            f"| {shape} | ours vs naive | {r['whole_process_speedup']:.2f}x | {r['loop_speedup']:.2f}x | | | |"
+            f"| {shape} | ours vs naive | {r['whole_process_speedup']:.2f}x | "
+            f"{r['loop_speedup']:.2f}x | | | |"
         )
         if "baseline" in r:
             print(
-                f"| {shape} | ours vs baseline | {r['baseline']['wall_seconds'] / r['ours']['wall_seconds']:.2f}x | "
+                f"| {shape} | ours vs baseline | "
+                f"{r['baseline']['wall_seconds'] / r['ours']['wall_seconds']:.2f}x | "
                 f"{r['ours']['loop_tokens_per_s'] / r['baseline']['loop_tokens_per_s']:.2f}x | | | |"
             )
     print("\n| shape | closing check of the run | its seconds | record check s | full read s |")

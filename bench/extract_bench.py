@@ -3,8 +3,8 @@
 Naive = one sample at a time, ``output_hidden_states=True`` (every layer kept on the device), the 4 chosen
 layers copied to the host and ``torch.save``d per sample. Ours = ``pipeline extract``'s loop (length-bucketed
 batches, forward hooks on 4 layers, no lm_head, background writers). Both write real files to --workdir.
-Prints a markdown table and writes JSON with every figure, the decoder roofline (bench/roofline.py) among them;
-exits non-zero when ours is further from an fp32 run of the checkpoint than the naive way.
+Prints a markdown table and writes JSON with every figure, the decoder roofline (bench/roofline.py) among
+them; exits non-zero when ours is further from an fp32 run of the checkpoint than the naive way.
 
     python -m bench.extract_bench --preset tiny            # CPU, tiny model
     python -m bench.extract_bench --preset llama-1b        # GPU, ~1B random Llama, seq 2048
@@ -127,8 +127,9 @@ def forward_only(model_dir: Path, prepared: Path, layer_ids: list[int], max_batc
 
 
 def agreement(naive_dir: Path, ours_dir: Path, n: int, layer_ids: list[int]) -> float:
-    """Worst relative error (per sample and layer, Frobenius) between the loop's files and the naive ones, over
-    the layers the naive loop stores pre-norm (hidden_states[k+1] for k < L-1: the last layer comes normed)."""
+    """Worst relative error (per sample and layer, Frobenius) between the loop's files and the naive ones,
+    over the layers the naive loop stores pre-norm (hidden_states[k+1] for k < L-1: the last layer comes
+    normed)."""
     from pipeline import formats
 
     worst = 0.0
@@ -265,7 +266,8 @@ def main(
     print(json.dumps(result, indent=2))
     print(
         f"\n| preset | device | naive tok/s | ours tok/s | speedup |\n|---|---|---|---|---|\n"
-        f"| {preset} | {result['device']} | {base['tokens_per_s']:,.0f} | {ours['tokens_per_s']:,.0f} | {result['speedup']:.2f}x |"
+        f"| {preset} | {result['device']} | {base['tokens_per_s']:,.0f} | {ours['tokens_per_s']:,.0f} | "
+        f"{result['speedup']:.2f}x |"
     )
     if json_out:
         json_out.write_text(json.dumps(result, indent=2) + "\n")

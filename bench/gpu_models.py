@@ -1,4 +1,5 @@
-"""The benchmark's target models: random-weight Llama shapes built straight on the GPU and saved as checkpoints.
+"""The benchmark's target models: random-weight Llama shapes built straight on the GPU and saved as
+checkpoints.
 
 Building an 8B model on the CPU takes minutes (every weight initialised there); on the GPU it takes seconds.
 The norms' weights are drawn around 1, as pipeline/demo/tiny.py draws them, so no layer is an identity.

@@ -91,7 +91,8 @@ def run_loop(backend, seqs: list[list[int]], batches) -> tuple[float, float]:
 
 
 def layer_errors(states, reference) -> list[float]:
-    """Per captured layer, the worst relative error (Frobenius, per sample) of ``states`` against ``reference``."""
+    """Per captured layer, the worst relative error (Frobenius, per sample) of ``states`` against
+    ``reference``."""
     return [
         max(
             float((got[j].float() - want[j].float()).norm() / want[j].float().norm())
@@ -255,7 +256,8 @@ def main(
         if gpu:
             torch.cuda.empty_cache()
     print(
-        "\n| shape | variant | tok/s | decoder roofline | busy roofline | idle | first 2 batches s | rel err |"
+        "\n| shape | variant | tok/s | decoder roofline | busy roofline | idle | "
+        "first 2 batches s | rel err |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for shape, out in results["shapes"].items():
@@ -264,8 +266,9 @@ def main(
                 print(f"| {shape} | {name} | {r['error'][:80]} | | | | | |")
                 continue
             print(
-                f"| {shape} | {name} | {r['tokens_per_s']:,.0f} | {r['roofline']:.1%} | {r['busy_roofline']:.1%} | "
-                f"{r['device_idle']:.1%} | {r['first_two_batches_seconds']:.1f} | {r['worst_rel_err_vs_one_by_one']:.2g} |"
+                f"| {shape} | {name} | {r['tokens_per_s']:,.0f} | {r['roofline']:.1%} | "
+                f"{r['busy_roofline']:.1%} | {r['device_idle']:.1%} | {r['first_two_batches_seconds']:.1f} | "
+                f"{r['worst_rel_err_vs_one_by_one']:.2g} |"
             )
     if json_out:
         with open(json_out, "w") as fh:

@@ -1,19 +1,20 @@
 """Benchmark: a draft made by this pipeline, for a target that has learned something (issue #17 item 4).
 
-Builds the target in process (pipeline/demo/learned.py: a BPE tokenizer and a Llama trained for a time budget on
-real offline text, the stdlib's and the installed packages' sources and docs, saved with its chat template),
-draws held-apart "continue this file" prompts and has the target answer them greedily (its own words: what
-EAGLE drafts are trained on, and what the offline acceptance compares with), then runs the product's real
-command lines, each its own process: ``prepare -> extract (hf) -> weights -> train -> verify``. The train stage
-closes with the offline acceptance at k=3 against its trivial baselines; this script reads it from
-``train/summary.json``, prints one table, checks the goal (>= 2.5 and >= 1.3x the best baseline) and writes
-every figure to --json after each phase, so a run cut short still reports what it finished. GPU utilisation
-and memory (NVML, sampled every 0.5 s) are recorded per phase.
+Builds the target in process (pipeline/demo/learned.py: a BPE tokenizer and a Llama trained for a time budget
+on real offline text, the stdlib's and the installed packages' sources and docs, saved with its chat
+template), draws held-apart "continue this file" prompts and has the target answer them greedily (its own
+words: what EAGLE drafts are trained on, and what the offline acceptance compares with), then runs the
+product's real command lines, each its own process: ``prepare -> extract (hf) -> weights -> train -> verify``.
+The train stage closes with the offline acceptance at k=3 against its trivial baselines; this script reads it
+from ``train/summary.json``, prints one table, checks the goal (>= 2.5 and >= 1.3x the best baseline) and
+writes every figure to --json after each phase, so a run cut short still reports what it finished. GPU
+utilisation and memory (NVML, sampled every 0.5 s) are recorded per phase.
 
-    python bench/learned_bench.py --preset h200 --json runs/bench-learned.json   # one GPU, ~10 min
-    python bench/learned_bench.py --preset tiny                                  # CPU, ~2 min (the smoke test)
+    python bench/learned_bench.py --preset h200 --json runs/bench-learned.json  # one GPU, ~10 min
+    python bench/learned_bench.py --preset tiny                                 # CPU, ~2 min (the smoke test)
 
-It does not serve the draft (no GPU vLLM here): the figure is the offline one (docs/train.md says how it differs).
+It does not serve the draft (no GPU vLLM here): the figure is the offline one (docs/train.md says how it
+differs).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ PRESETS = {
 
 
 class GpuSampler:
-    """Mean GPU utilisation and peak memory of device 0 over a phase (NVML every 0.5 s); empty without a GPU."""
+    """Mean GPU utilisation and peak memory of device 0 over a phase (NVML every 0.5 s); empty without a
+    GPU."""
 
     def __init__(self):
         self.samples: list[tuple[int, int]] = []
@@ -155,7 +157,8 @@ class GpuSampler:
 
 
 def stage(args: list[str], may_fail: bool = False, env: dict | None = None) -> tuple[float, int]:
-    """Run ``python -m pipeline ARGS`` as its own process; its seconds and exit code. Exits on failure unless ``may_fail``."""
+    """Run ``python -m pipeline ARGS`` as its own process; its seconds and exit code. Exits on failure unless
+    ``may_fail``."""
     prefix = [f"{k}={v}" for k, v in (env or {}).items()]
     click.echo(f"\n$ {shlex.join([*prefix, 'python', '-m', 'pipeline', *args])}", err=True)
     t0 = time.perf_counter()
@@ -298,7 +301,8 @@ def main(
     keep_states: bool,
     train_compile: bool,
 ) -> None:
-    """Train a target on real text, make a draft for it with the pipeline's CLIs, report acceptance vs baselines."""
+    """Train a target on real text, make a draft for it with the pipeline's CLIs, report acceptance vs
+    baselines."""
     import torch
 
     from pipeline.demo import learned
@@ -367,7 +371,8 @@ def main(
     report.phase("regenerate", time.perf_counter() - t0, **gen, **gpu.figures())
     sample = rows[0]["messages"]
     click.echo(
-        f"--- a prompt and the target's answer ---\n{sample[1]['content'][-400:]}\n>>>\n{sample[2]['content'][:600]}\n---",
+        f"--- a prompt and the target's answer ---\n{sample[1]['content'][-400:]}\n>>>\n"
+        f"{sample[2]['content'][:600]}\n---",
         err=True,
     )
 
@@ -428,9 +433,11 @@ def main(
         (
             "target",
             (
-                f"Llama {record['parameters'] / 1e6:.0f} M parameters ({p.model.get('num_hidden_layers')} layers, "
+                f"Llama {record['parameters'] / 1e6:.0f} M parameters "
+                f"({p.model.get('num_hidden_layers')} layers, "
                 f"hidden {p.model.get('hidden_size', 256)}, vocab {vocab}), {record['steps']} steps / "
-                f"{record['tokens'] / 1e6:.1f} M tokens in {record['seconds']:.0f} s ({record['tokens_per_s']:,.0f} tok/s), "
+                f"{record['tokens'] / 1e6:.1f} M tokens in {record['seconds']:.0f} s "
+                f"({record['tokens_per_s']:,.0f} tok/s), "
                 f"loss {record['loss_first']:.2f} -> {record['loss_last']:.2f}"
             ),
         ),
@@ -438,7 +445,8 @@ def main(
         (
             "draft data",
             (
-                f"{gen['rows']} prompts answered by the target ({gen['mean_new_tokens']:.0f} new tokens each, "
+                f"{gen['rows']} prompts answered by the target "
+                f"({gen['mean_new_tokens']:.0f} new tokens each, "
                 f"{gen['ended_with_eot']:.0%} ended by itself); "
                 f"{report.data['phases']['prepare']['num_tokens']} tokens after prepare"
             ),

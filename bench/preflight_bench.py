@@ -168,7 +168,8 @@ def main(workdir: Path, json_out: Path | None, timeout: float) -> None:
         rows.append({"case": case["case"], "preflight": pre, "extract": ext})
         click.echo(json.dumps(rows[-1]), err=True)
     click.echo(
-        "| misconfiguration | preflight: first fail | preflight: exit (rc) | extract: model load starts | extract: exit (rc) |"
+        "| misconfiguration | preflight: first fail | preflight: exit (rc) | extract: model load starts | "
+        "extract: exit (rc) |"
     )
     click.echo("|---|---:|---:|---:|---:|")
     for r in rows:

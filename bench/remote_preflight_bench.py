@@ -1,4 +1,5 @@
-"""Benchmark: how soon `remote-extract` refuses a misconfigured run, from the laptop command to its error line.
+"""Benchmark: how soon `remote-extract` refuses a misconfigured run, from the laptop command to its error
+line.
 
 Against a loopback "GPU host" (a real sshd, the real Docker engine, a server container holding the one
 GPU, a tiny real model and prepared samples: tests/ops/bench_ops.py `bench_scene`), each misconfiguration
@@ -99,7 +100,8 @@ def main(runs: int, json_out: Path | None) -> None:
                 }
                 rows.append(row)
                 print(
-                    f"{case} run {i}: error line after {to_error if to_error is None else round(to_error, 2)} s, "
+                    f"{case} run {i}: error line after "
+                    f"{to_error if to_error is None else round(to_error, 2)} s, "
                     f"exit {code} after {wall:.2f} s, server kept running: {kept}; containers "
                     f"{' + '.join(f'{s:.2f}' for s in containers)} s; {line}"
                 )

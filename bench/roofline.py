@@ -1,4 +1,5 @@
-"""What a hidden-state capture computes, in FLOPs, and the fraction of the GPU's bf16 peak that a rate reaches.
+"""What a hidden-state capture computes, in FLOPs, and the fraction of the GPU's bf16 peak that a rate
+reaches.
 
 Extraction runs the decoder stack only: the embedding is a lookup (no multiply) and the lm_head is never
 applied, so neither counts. A token costs 2 FLOPs (multiply and add) per decoder parameter it meets, and

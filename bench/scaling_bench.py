@@ -2,9 +2,10 @@
 
 For each N in --sweep (repeats allowed: "1,2,1,2"), runs `pipeline extract --data-parallel N` as a fresh
 process on the same prepared set into a fresh directory under --out-root and reports tokens/s (loop time:
-the slowest worker's, model load excluded; and wall time including process start and model load). Then times, on the same filesystem and in the same
-run: `dd` writing and reading a file of the same size, `pipeline verify` over the written set, and the
-naive verification loop (torch.load of every file, one after another).
+the slowest worker's, model load excluded; and wall time including process start and model load). Then times,
+on the same filesystem and in the same run: `dd` writing and reading a file of the same size,
+`pipeline verify` over the written set, and the naive verification loop (torch.load of every file, one after
+another).
 
     python bench/scaling_bench.py --preset llama-1b --sweep 1,2 --out-root /dev/shm/sb
 """
@@ -103,7 +104,8 @@ def expected_set_bytes(prepared: Path, model_dir: Path, layers: int = 4) -> int:
     "with_verify",
     default=True,
     show_default=True,
-    help="Also time pipeline verify and the naive loop on the last set (bench/verify_bench.py does it alone).",
+    help="Also time pipeline verify and the naive loop on the last set "
+    "(bench/verify_bench.py does it alone).",
 )
 @click.option(
     "--warm-up/--no-warm-up",

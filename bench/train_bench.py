@@ -110,8 +110,9 @@ def _timed(fn, *args, **kwargs):
 def build_random_set(
     workdir: Path, preset: str, conversations: int | None = None, report: Report | None = None
 ) -> dict:
-    """The random target of ``preset`` and its set, in ``workdir`` (replaced): model/, prepared/, hidden_states/
-    (hf backend, no closing check), verifier/. Each phase's figures go to ``report``; returns what the set is."""
+    """The random target of ``preset`` and its set, in ``workdir`` (replaced): model/, prepared/,
+    hidden_states/ (hf backend, no closing check), verifier/. Each phase's figures go to ``report``; returns
+    what the set is."""
     import shutil
 
     from pipeline import extract, formats, prepare, weights
@@ -231,7 +232,10 @@ def main(
     rows = [
         (
             "target",
-            f"random Llama, {params / 1e9:.2f} B parameters, {dc.num_layers} layers, hidden {dc.hidden_size}, vocab {vocab}",
+            (
+                f"random Llama, {params / 1e9:.2f} B parameters, {dc.num_layers} layers, "
+                f"hidden {dc.hidden_size}, vocab {vocab}"
+            ),
         ),
         ("data", f"{meta.num_samples} samples, {meta.num_tokens} tokens, seq_length {seq_length}"),
         (
@@ -240,7 +244,8 @@ def main(
         ),
         (
             "train",
-            f"{summary['train']['train_tokens_per_s']} tokens/s over {summary['train']['epochs_run_now']} epochs "
+            f"{summary['train']['train_tokens_per_s']} tokens/s over "
+            f"{summary['train']['epochs_run_now']} epochs "
             f"({summary['train']['steps_per_epoch']} steps/epoch, {summary['train']['device']})",
         ),
         (

@@ -39,9 +39,10 @@ import click
 from bench.learned_bench import GpuSampler
 from bench.train_bench import Report
 
-# The draft and optimizer `pipeline train` builds (pipeline/train/draft.py: speculators' Eagle3SpeculatorConfig
-# defaults; speculators' Trainer defaults to AdamW), which `speculators train`'s CLI defaults differ from: it
-# picks Muon and the "Eagle 3.1" norms. With these flags both tools train the same model the same way.
+# The draft and optimizer `pipeline train` builds (pipeline/train/draft.py: speculators'
+# Eagle3SpeculatorConfig defaults; speculators' Trainer defaults to AdamW), which `speculators train`'s CLI
+# defaults differ from: it picks Muon and the "Eagle 3.1" norms. With these flags both tools train the same
+# model the same way.
 SAME_DRAFT = ("--optimizer", "adamw", "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output")
 EPOCH_LINE = re.compile(r"Training epoch (\d+)/(\d+) (started|completed)")
 TOOLS = ("ours", "speculators")
@@ -66,8 +67,9 @@ PROFILE_FIELD = re.compile(r"profile/(tokens_per_s|step_ms)=([0-9.e+-]+)")
 
 
 def steady_rate(steps: list[tuple[float, float]]) -> float | None:
-    """Tokens per second over the logged steps after the first (which carries the compile and the first fetch):
-    ``steps`` is each logged step's (tokens/s, step ms) from speculators' step timer, which both tools run."""
+    """Tokens per second over the logged steps after the first (which carries the compile and the first
+    fetch): ``steps`` is each logged step's (tokens/s, step ms) from speculators' step timer, which both
+    tools run."""
     later = steps[1:]
     seconds = sum(ms for _, ms in later) / 1000
     return round(sum(tps * ms / 1000 for tps, ms in later) / seconds, 1) if later and seconds > 0 else None
@@ -136,7 +138,8 @@ def last_val_ours(out: Path) -> dict:
 
 
 def timed_lines(argv: list[str], env: dict, log: Path) -> tuple[float, int, list[tuple[float, str]]]:
-    """Run ``argv``; wall seconds, exit code, and each output line with the seconds since start (also to ``log``)."""
+    """Run ``argv``; wall seconds, exit code, and each output line with the seconds since start (also to
+    ``log``)."""
     t0 = time.perf_counter()
     lines: list[tuple[float, str]] = []
     with open(log, "w") as fh:
@@ -303,7 +306,8 @@ def marginal(short: dict, long: dict, epochs: tuple[int, int]) -> float | None:
 @click.option(
     "--speculators-defaults",
     is_flag=True,
-    help="Run `speculators train` with its own draft/optimizer defaults (Muon, Eagle 3.1 norms) instead of ours.",
+    help="Run `speculators train` with its own draft/optimizer defaults (Muon, Eagle 3.1 norms) "
+    "instead of ours.",
 )
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write figures here."
@@ -394,8 +398,9 @@ def main(
                 tag="-default-loss" if default_loss else "",
             )
             if default_loss and fig["exit_code"] != 0:
-                # its default fused loss failed on the H200 before (pipeline/train/stage.py loss_implementation): keep
-                # the failure in the report, then compare with the eager loss ours uses
+                # its default fused loss failed on the H200 before (pipeline/train/stage.py
+                # loss_implementation): keep the failure in the report, then compare with the eager loss
+                # ours uses
                 report.data["speculators_default_failed"] = fig
                 report.write()
                 opts["speculators_extra"] = (*opts["speculators_extra"], "--loss-implementation", "eager")
@@ -412,7 +417,8 @@ def main(
     report.write()
 
     click.echo(
-        "\n| tool | epochs | whole process s | epochs s | tokens/s (epochs) | tokens/s (steps after the first) "
+        "\n| tool | epochs | whole process s | epochs s | tokens/s (epochs) | "
+        "tokens/s (steps after the first) "
         "| GPU util % | peak GPU GiB | last val loss [step accuracies] |"
     )
     click.echo("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -423,15 +429,16 @@ def main(
                 click.echo(f"| {tool} | {epochs} | failed (exit {f['exit_code']}) | | | | | | |")
                 continue
             click.echo(
-                f"| {tool} | {epochs} | {f['wall_seconds']:.1f} | {f['epoch_seconds'] or 0:.1f} | {f.get('tokens_per_s', 0):,.0f} | "
-                f"{f.get('steady_tokens_per_s') or 0:,.0f} | "
+                f"| {tool} | {epochs} | {f['wall_seconds']:.1f} | {f['epoch_seconds'] or 0:.1f} | "
+                f"{f.get('tokens_per_s', 0):,.0f} | {f.get('steady_tokens_per_s') or 0:,.0f} | "
                 f"{f.get('gpu_util_mean_pct', '-')} | {f.get('gpu_mem_peak_gib', '-')} | "
                 f"{f.get('val_loss')} {f.get('val_full_acc', '')} |"
             )
     m = report.data["marginal_tokens_per_s"]
     ratio = (m["ours"] / m["speculators"]) if m["ours"] and m["speculators"] else None
     click.echo(
-        f"\nmarginal tokens/s ({epochs_long - epochs_short} epochs): ours {m['ours']}, speculators {m['speculators']}"
+        f"\nmarginal tokens/s ({epochs_long - epochs_short} epochs): "
+        f"ours {m['ours']}, speculators {m['speculators']}"
         + (f" -> ours / speculators = {ratio:.2f}x" if ratio else "")
     )
     if any(runs[t][e]["exit_code"] != 0 for t in TOOLS for e in (epochs_short, epochs_long)):

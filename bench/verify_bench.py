@@ -92,7 +92,8 @@ def timed_verify(states: Path, workers: int, loader: str) -> float:
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
     if not summary.ok:
         raise SystemExit(
-            f"verify failed on the benchmark set: {[c.detail for c in summary.checks if c.status == 'fail'][:3]}"
+            "verify failed on the benchmark set: "
+            f"{[c.detail for c in summary.checks if c.status == 'fail'][:3]}"
         )
     return seconds
 

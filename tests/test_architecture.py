@@ -30,7 +30,8 @@ def imported_roots(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_does_not_import_the_other_side(package):
-    """No module of the package imports a forbidden top-level package (checked on the source, lazily imported too)."""
+    """No module of the package imports a forbidden top-level package (checked on the source, lazily imported
+    too)."""
     files = sorted((REPO / package).rglob("*.py"))
     assert files, f"{package}/ has no modules"
     offenders = {
@@ -42,7 +43,8 @@ def test_package_does_not_import_the_other_side(package):
 
 
 def test_contract_is_standard_library_only():
-    """contract/ imports only the standard library and itself, so both sides can import it without the other's stack."""
+    """contract/ imports only the standard library and itself, so both sides can import it without the other's
+    stack."""
     files = sorted((REPO / "contract").rglob("*.py"))
     assert files, "contract/ has no modules"
     allowed = set(sys.stdlib_module_names) | {"contract", "__future__"}
@@ -135,7 +137,8 @@ def test_the_circle_finder_finds_circles():
 
 
 def test_the_checker_sees_imports(tmp_path):
-    """The import scanner finds plain, dotted, from- and function-local imports (so the test above can fail)."""
+    """The import scanner finds plain, dotted, from- and function-local imports (so the test above can
+    fail)."""
     probe = tmp_path / "probe.py"
     probe.write_text("import torch.nn\nfrom fabric import Connection\ndef f():\n    import docker\n")
     assert imported_roots(probe) == {"torch", "fabric", "docker"}

@@ -1,4 +1,5 @@
-"""contract/: the shard rule and the on-disk size formula both sides use (the summary record has its own file)."""
+"""contract/: the shard rule and the on-disk size formula both sides use (the summary record has its own
+file)."""
 
 from __future__ import annotations
 

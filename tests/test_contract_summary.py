@@ -35,7 +35,8 @@ def test_schema_notes_name_what_ops_cannot_vouch_for():
 
 
 def test_provenance_facts_and_disagreements():
-    """Facts come from the summary's provenance; hosts with different images or commits are named, unknowns are not."""
+    """Facts come from the summary's provenance; hosts with different images or commits are named, unknowns
+    are not."""
     facts = provenance_facts(stage_summary())
     assert facts == {"version": "0.1.0", "commit": "c1", "image_digest": "sha256:aa", "patches": "p1"}
     assert provenance_facts(None) == dict.fromkeys(facts)

@@ -93,7 +93,8 @@ def _child(req: dict, preamble: tuple[bytes, bytes]) -> None:
 
 
 def serve() -> None:
-    """Answer requests on stdin until it closes: {argv, cwd, env, stdout, stderr} -> {pid}, then {returncode}."""
+    """Answer requests on stdin until it closes: {argv, cwd, env, stdout, stderr} -> {pid}, then
+    {returncode}."""
     from pipeline.cli import COMMANDS  # imported first, as in a real run: it sets its environment defaults
 
     proto_in, proto_out = sys.stdin, sys.stdout
@@ -145,7 +146,8 @@ class WarmPipeline:
     def run(
         self, *args, check: bool = False, timeout: float = 600, env: dict | None = None
     ) -> subprocess.CompletedProcess:
-        """ARGS as one `python -m pipeline` command from the repository root; ENV is added to its environment."""
+        """ARGS as one `python -m pipeline` command from the repository root; ENV is added to its
+        environment."""
         argv = [str(a) for a in args]
         self._n += 1
         out, err = (Path(self._tmp.name) / f"{self._n}.{s}" for s in ("out", "err"))

@@ -46,7 +46,8 @@ def test_extract_bench_agrees_with_the_naive_reference(tmp_path):
 
 
 def test_hf_levers_runs_each_variant_and_holds_it_to_the_one_by_one_reference(tmp_path):
-    """Every lever variant asked for reports a rate and its error against the plain path one sample at a time."""
+    """Every lever variant asked for reports a rate and its error against the plain path one sample at a
+    time."""
     r = _run(
         tmp_path,
         "-m",
@@ -71,8 +72,8 @@ def test_hf_levers_runs_each_variant_and_holds_it_to_the_one_by_one_reference(tm
 
 @pytest.mark.slow
 def test_e2e_bench_runs_both_processes_and_checks_them_against_fp32(tmp_path):
-    """The whole-process benchmark runs the real CLI, a baseline tree's CLI and the naive script on one set and
-    reports all three; the writer's recorded facts are the file's own."""
+    """The whole-process benchmark runs the real CLI, a baseline tree's CLI and the naive script on one set
+    and reports all three; the writer's recorded facts are the file's own."""
     base = tmp_path / "base"
     for part in ("pipeline", "contract"):
         shutil.copytree(ROOT / part, base / part, ignore=shutil.ignore_patterns("__pycache__"))

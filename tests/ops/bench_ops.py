@@ -152,7 +152,8 @@ def main() -> None:
         sshd.stop()
     over = sorted(r[2] for r in rows)
     print(
-        f"overhead median {over[len(over) // 2]:.2f} s (min {over[0]:.2f}, max {over[-1]:.2f}) over {RUNS} runs; "
+        f"overhead median {over[len(over) // 2]:.2f} s (min {over[0]:.2f}, max {over[-1]:.2f}) "
+        f"over {RUNS} runs; "
         f"SSH connections per run: {sorted({r[3] for r in rows})}; goal <= 3 s and 1; "
         f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )

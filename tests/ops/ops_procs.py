@@ -40,7 +40,7 @@ open(tmp, "w").write(str(os.getpid())); os.rename(tmp, pidfile)
 print(child.pid, flush=True)
 while True:
     time.sleep(1)
-"""
+"""  # noqa: E501
 
 
 # A supervisor (like a process manager or systemd's Restart=always): it starts a holder, and each time

@@ -1,5 +1,6 @@
-"""compose.yaml and the stage table (contract/stages.py) are one source: the committed file is the rendering of the table, and
-what the real compose binary makes of it (commands, mounts, environment, GPUs, privileges) is what ops plans."""
+"""compose.yaml and the stage table (contract/stages.py) are one source: the committed file is the rendering
+of the table, and what the real compose binary makes of it (commands, mounts, environment, GPUs, privileges)
+is what ops plans."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def compose_config(path: Path = REPO / "compose.yaml") -> dict:
 
 
 def test_committed_compose_file_is_the_rendered_table():
-    """compose.yaml is exactly what `python -m ops.composefile` renders from the stage table (no hand edits)."""
+    """compose.yaml is exactly what `python -m ops.composefile` renders from the stage table (no hand
+    edits)."""
     assert (REPO / "compose.yaml").read_text() == composefile.render()
     res = subprocess.run(
         [sys.executable, "-m", "ops.composefile", "--check"], cwd=REPO, capture_output=True, text=True
@@ -81,7 +83,8 @@ def test_compose_stage_services_agree_with_ops_plans():
 
 
 def test_compose_preflight_service_is_ops_extract_preflight():
-    """The preflight service runs the `pipeline preflight` that ops runs before remote-extract, same values."""
+    """The preflight service runs the `pipeline preflight` that ops runs before remote-extract, same
+    values."""
     svc = compose_config()["services"]["preflight"]
     plan = plan_stage(HostConfig(name="h", host="local"), "extract", run_id="r", layout=Layout("vllm", 1, 1))
     ops_preflight = plan.preflight_run[-1].split("; ")[1].split()
@@ -90,7 +93,8 @@ def test_compose_preflight_service_is_ops_extract_preflight():
 
 
 def test_the_agreement_test_sees_a_drift(tmp_path):
-    """A compose file whose extract output folder was renamed by hand (the old `hidden`) fails the agreement."""
+    """A compose file whose extract output folder was renamed by hand (the old `hidden`) fails the
+    agreement."""
     drifted = tmp_path / "compose.yaml"
     drifted.write_text(
         (REPO / "compose.yaml").read_text().replace("--out /data/hidden_states", "--out /data/hidden")

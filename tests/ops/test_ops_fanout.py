@@ -281,7 +281,8 @@ def test_a_host_that_cannot_connect_becomes_a_failed_row(tmp_path):
 
 
 def test_each_host_plan_carries_its_secret_names_never_values():
-    """The operator's secrets reach every host's plan by name (env file), as for one host; values stay out of argv."""
+    """The operator's secrets reach every host's plan by name (env file), as for one host; values stay out of
+    argv."""
     import dataclasses
 
     hosts = [dataclasses.replace(HOSTS[0], secrets=("HF_TOKEN", "FOO_API_KEY")), HOSTS[1]]
@@ -296,7 +297,8 @@ def test_each_host_plan_carries_its_secret_names_never_values():
 
 
 def test_multi_host_dry_run_prints_every_plan_and_detach_is_refused(tmp_path):
-    """`--dry-run` with several hosts prints each host's shard plan and connects to nothing; `--detach` is refused."""
+    """`--dry-run` with several hosts prints each host's shard plan and connects to nothing; `--detach` is
+    refused."""
     import subprocess
     import sys
 

@@ -85,14 +85,17 @@ def test_preflight_script_carries_the_stage_argv_exactly():
         extra_args=("--layer-ids", "1,2,3,4", "--trust-remote-code", "--limit", "3"),
     )
     assert plan.preflight_run[-1] == (
-        "python -m pipeline check-args extract --prepared /data/prepared --model /model --out /data/hidden_states "
-        "--no-progress --backend vllm --tensor-parallel-size 8 --layer-ids 1,2,3,4 --trust-remote-code --limit 3 & "
-        "a=$!; python -m pipeline preflight --model /model --prepared /data/prepared --out /data/hidden_states "
-        "--backend vllm --layer-ids 1,2,3,4 --tensor-parallel-size 8 --trust-remote-code; b=$?; wait $a; a=$?; "
+        "python -m pipeline check-args extract --prepared /data/prepared --model /model "
+        "--out /data/hidden_states --no-progress --backend vllm --tensor-parallel-size 8 "
+        "--layer-ids 1,2,3,4 --trust-remote-code --limit 3 & "
+        "a=$!; python -m pipeline preflight --model /model --prepared /data/prepared "
+        "--out /data/hidden_states --backend vllm --layer-ids 1,2,3,4 --tensor-parallel-size 8 "
+        "--trust-remote-code; b=$?; wait $a; a=$?; "
         "[ $a -eq 0 ] && [ $b -eq 0 ]"
     )
     assert preflight_script("prepare", plan_stage(host, "prepare", run_id="r").stage_argv).endswith(
-        "python -m pipeline preflight --model /model --backend hf; b=$?; wait $a; a=$?; [ $a -eq 0 ] && [ $b -eq 0 ]"
+        "python -m pipeline preflight --model /model --backend hf; b=$?; wait $a; a=$?; "
+        "[ $a -eq 0 ] && [ $b -eq 0 ]"
     )
     assert preflight_script("train", plan_stage(host, "train", run_id="r").stage_argv).count("python") == 1
     run = plan.preflight_run
@@ -116,7 +119,8 @@ def test_relayout_keeps_user_secrets_and_env_dir():
 
 
 def test_check_lines_of_both_output_styles_are_read():
-    """`[ 0.12s] fail name: detail` (today's preflight) and `FAIL name: detail` (the rewrite) are both checks."""
+    """`[ 0.12s] fail name: detail` (today's preflight) and `FAIL name: detail` (the rewrite) are both
+    checks."""
     got = parse_lines(
         "[  0.01s] ok   model config: Llama\n[  1.20s] fail layer ids: [0, 1] needs 4 ids\n"
         "FAIL vllm patch set: no patch set for 0.31.0\nnoise: not a check\n"
@@ -130,7 +134,8 @@ def test_check_lines_of_both_output_styles_are_read():
 
 
 def test_prepare_is_refused_only_by_checks_it_depends_on():
-    """For prepare a failed checkpoint check is a warning (it never reads weights); tokenizer still refuses."""
+    """For prepare a failed checkpoint check is a warning (it never reads weights); tokenizer still
+    refuses."""
     got = demote("prepare", parse_lines("fail checkpoint: permission denied\nfail tokenizer: cannot load\n"))
     assert [(c.name, c.status) for c in got] == [("checkpoint", "warn"), ("tokenizer", "fail")]
     assert demote("extract", parse_lines("fail checkpoint: x"))[0].status == "fail"

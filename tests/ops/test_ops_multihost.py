@@ -59,7 +59,8 @@ def servers(tmp_path_factory, engines):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, warm_pipeline):
-    """A tiny real model and its prepared samples (pipeline demo-assets + prepare, warm: tests/warm_cli.py)."""
+    """A tiny real model and its prepared samples (pipeline demo-assets + prepare, warm:
+    tests/warm_cli.py)."""
     root = tmp_path_factory.mktemp("assets")
     env = {"PYTHONDONTWRITEBYTECODE": "1"}
     warm_pipeline("demo-assets", "--out", root, "--conversations", SAMPLES, check=True, env=env)

@@ -76,7 +76,10 @@ def test_extract_plan_exact_argv():
         "/bin/sh",
         "img:1",
         "-c",
-        "python -m pipeline extract --prepared /data/prepared --model /model --out /data/hidden_states --no-progress",
+        (
+            "python -m pipeline extract --prepared /data/prepared --model /model "
+            "--out /data/hidden_states --no-progress"
+        ),
     )
     assert plan.host_inputs == ("/srv/d/prepared",) and plan.host_output == "/srv/d/hidden_states"
     assert "--privileged" not in plan.docker_run and plan.env_dir is None

@@ -47,7 +47,8 @@ def test_run_ids_that_escape_or_hide_are_refused(run_id):
 
 @pytest.mark.parametrize("labels", [("..", "r"), ("box", ".."), ("a/../../b", "r")])
 def test_local_run_dir_never_leaves_the_runs_dir(tmp_path, labels):
-    """remote-run's local folder: a host name or run id that would leave --runs-dir is refused, nothing created."""
+    """remote-run's local folder: a host name or run id that would leave --runs-dir is refused, nothing
+    created."""
     from ops.remote_run import local_run_dir
 
     root = tmp_path / "runs"

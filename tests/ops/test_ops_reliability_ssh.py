@@ -49,7 +49,8 @@ def test_changed_host_key_shows_both_sha256_fingerprints(sshd, tmp_path):
 
 
 def test_encrypted_key_is_named_encrypted_not_refused(sshd, tmp_path):
-    """A passphrase-protected key without its passphrase: 'is encrypted' and what to do, not 'refused our key'."""
+    """A passphrase-protected key without its passphrase: 'is encrypted' and what to do, not 'refused our
+    key'."""
     key = tmp_path / "locked"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret-pass", "-f", str(key)], check=True)
     authorized = sshd.root / "authorized_keys"

@@ -209,7 +209,8 @@ def test_pidfile_restore_runs_the_start_command_detached(tmp_path, sshd, devdir,
     script = tmp_path / "serve.py"
     script.write_text(
         "import os, subprocess, sys, time\n"
-        f"child = subprocess.Popen([sys.executable, '-c', {HOLDER!r}, 'VLLM::EngineCore', '0', {str(devdir / 'nvidia0')!r}],"
+        f"child = subprocess.Popen([sys.executable, '-c', {HOLDER!r}, 'VLLM::EngineCore', '0', "
+        f"{str(devdir / 'nvidia0')!r}],"
         " stdout=subprocess.DEVNULL)\n"
         f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
         "child.wait()\n"

@@ -136,7 +136,8 @@ def refused(scene, hosts: Path, *args: str, stage: tuple[str, ...] = ("remote-ex
 
 def test_wrong_layer_ids_are_refused_before_the_server_stops(scene):
     """Layer ids the model does not have: the image's preflight names `layer ids`, exit 4, server untouched;
-    the checks ran with the stage's own arguments and the layout the host resolved (hf: no vLLM in the image)."""
+    the checks ran with the stage's own arguments and the layout the host resolved (hf: no vLLM in the
+    image)."""
     hosts = scene["hosts"]("layers", data_root=str(data_root(scene, "layers")))
     res, seconds = refused(scene, hosts, "--run-id", "pf-layers", "--", "--layer-ids", "0,1,2")
     assert "error: preflight failed: layer ids: " in res.stderr
@@ -221,6 +222,6 @@ def test_host_driver_older_than_the_image_needs_is_refused(scene, dk):
     )
     res, _ = refused(scene, hosts, "--run-id", "pf-driver")
     assert (
-        "error: preflight failed: driver: NVIDIA driver 570.86.15 on pfbox is older than the image needs (>= 580"
-        in res.stderr
+        "error: preflight failed: driver: NVIDIA driver 570.86.15 on pfbox is older than the image needs "
+        "(>= 580" in res.stderr
     )

@@ -44,7 +44,8 @@ def test_values_are_typed_and_words_pass_through_unchanged():
     ],
 )
 def test_a_missing_or_bad_value_is_refused(words, message):
-    """A value-taking option with nothing after it, or a count that is no number: one ConfigError naming it."""
+    """A value-taking option with nothing after it, or a count that is no number: one ConfigError naming
+    it."""
     with pytest.raises(ConfigError, match=message):
         parse(words)
 

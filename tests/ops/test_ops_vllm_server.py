@@ -163,7 +163,8 @@ def test_container_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mo
         "mode": "ro",
     }
     cmd = " ".join(serve_argv(str(VLLM), tiny_model, port))
-    # vLLM 0.32's engine needs 160 MiB of shared memory for its message queue; docker's default /dev/shm is 64 MiB
+    # vLLM 0.32's engine needs 160 MiB of shared memory for its message queue; docker's default /dev/shm
+    # is 64 MiB
     ctr = dk.containers.run(
         image,
         ["sh", "-c", cmd],

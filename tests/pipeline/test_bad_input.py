@@ -1,5 +1,5 @@
-"""More malformed inputs across the pipeline's flags, rows, model dirs and outputs: one line, exit 2, nothing written.
-Each command is a real `python -m pipeline` process, forked warm (tests/warm_cli.py)."""
+"""More malformed inputs across the pipeline's flags, rows, model dirs and outputs: one line, exit 2, nothing
+written. Each command is a real `python -m pipeline` process, forked warm (tests/warm_cli.py)."""
 
 from __future__ import annotations
 

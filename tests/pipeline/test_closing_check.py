@@ -142,7 +142,8 @@ def test_an_old_set_falls_back_to_the_full_read_and_says_why(states):
 
 
 def test_resume_leaves_a_record_the_check_accepts(states, tiny_llama, prepared_llama):
-    """Resume after files were lost, a record line lost and a file touched: the closing record check passes."""
+    """Resume after files were lost, a record line lost and a file touched: the closing record check
+    passes."""
     for i in (20, 21, 22, 23):
         (states / f"data_{i}.pt").unlink()
     index = json.loads((states / formats.CHECKSUMS).read_text())
@@ -262,7 +263,8 @@ def test_resume_does_not_take_a_record_of_other_bytes(states, tiny_llama, prepar
 
 
 def test_a_damaged_record_entry_is_named_not_a_crash(states):
-    """A record entry whose facts lack a field (damaged, or another tool's) fails as `record`, naming the file."""
+    """A record entry whose facts lack a field (damaged, or another tool's) fails as `record`, naming the
+    file."""
     index = json.loads((states / formats.CHECKSUMS).read_text())
     del index["files"]["data_0.pt"]["facts"]["ids_mask_sha256"]
     (states / formats.CHECKSUMS).write_text(json.dumps(index))

@@ -38,7 +38,8 @@ def test_cpu_clock_sums_only_the_started_intervals():
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_extract_reports_device_busy_time_and_idle_fraction(tmp_path, tiny_llama, prepared_llama, workers):
-    """A real run (one process or two workers) reports busy seconds within its wall time and prints the idle share."""
+    """A real run (one process or two workers) reports busy seconds within its wall time and prints the idle
+    share."""
     argv = [
         "extract",
         "--prepared",
@@ -64,7 +65,8 @@ def test_extract_reports_device_busy_time_and_idle_fraction(tmp_path, tiny_llama
 
 
 def test_process_age_counts_from_the_process_start():
-    """A process that sleeps 0.6 s before asking is at least that old, and younger than the test's wait for it."""
+    """A process that sleeps 0.6 s before asking is at least that old, and younger than the test's wait for
+    it."""
     code = "import time; time.sleep(0.6); from pipeline.extract import process_age; print(process_age())"
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -96,7 +98,8 @@ def test_first_batch_after_leaves_out_workers_without_a_batch_and_unknown_ages()
 @pytest.mark.parametrize("workers", [1, 2])
 def test_extract_reports_where_its_start_up_went(tmp_path, tiny_llama, prepared_llama, workers):
     """The stats give, in process-age seconds, the end of the imports, the model load and the first batch (for
-    two workers: when the launcher started them, and each worker's own timeline); the printed line sums it up."""
+    two workers: when the launcher started them, and each worker's own timeline); the printed line sums it
+    up."""
     argv = [
         "extract",
         "--prepared",

@@ -1,4 +1,5 @@
-"""The hf backend and the extract loop: states equal a reference forward, padding never leaks, resume is exact."""
+"""The hf backend and the extract loop: states equal a reference forward, padding never leaks, resume is
+exact."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def reference(model_dir, seq, dtype):
 
 
 def expected_states(model_dir, seq, layer_ids, dtype):
-    """What a capture must equal: hidden_states[k+1] for k < L-1; for L-1, norm(captured) == hidden_states[L]."""
+    """What a capture must equal: hidden_states[k+1] for k < L-1; for L-1, norm(captured) ==
+    hidden_states[L]."""
     hs, norm = reference(model_dir, seq, dtype)
     return [hs[k + 1] for k in layer_ids[:-1]], hs[-1], norm
 
@@ -53,7 +55,8 @@ def rel_err(a, b):
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 @pytest.mark.parametrize("batched", [False, True], ids=["batch1", "mixed-batch"])
 def test_captured_states_equal_reference_forward_fp32(family, batched, tiny_llama, tiny_deepseek):
-    """fp32 capture equals transformers' output_hidden_states (index k+1; last layer through the final norm)."""
+    """fp32 capture equals transformers' output_hidden_states (index k+1; last layer through the final
+    norm)."""
     model_dir = tiny_llama if family == "llama" else tiny_deepseek
     md = read_model_dir(model_dir)
     layer_ids = (2, 4, 5, 7)
@@ -165,7 +168,8 @@ def test_compiled_packed_batch_equals_the_plain_path_one_by_one(tiny_llama):
 
 
 def test_compile_is_chosen_for_long_gpu_runs_only():
-    """auto compiles on a GPU once 2 x decoder params x planned tokens reach COMPILE_MIN_FLOPS, never on the CPU."""
+    """auto compiles on a GPU once 2 x decoder params x planned tokens reach COMPILE_MIN_FLOPS, never on the
+    CPU."""
     from pipeline.backends.hf import COMPILE_MIN_FLOPS, should_compile
 
     params = 10**9
@@ -208,7 +212,8 @@ def test_batch_plan_is_length_bucketed_and_complete():
 
 
 def test_extract_output_verifies_and_matches_prepared(extracted_llama, prepared_llama):
-    """The extract CLI writes data_0..N-1, data_config.json, sample_lengths.json and a passing summary.json."""
+    """The extract CLI writes data_0..N-1, data_config.json, sample_lengths.json and a passing
+    summary.json."""
     import json
 
     cfg = formats.read_data_config(extracted_llama)

@@ -1,4 +1,5 @@
-"""verify's NaN/Inf count: a fast aminmax pass first, the exact count only when it finds a non-finite entry."""
+"""verify's NaN/Inf count: a fast aminmax pass first, the exact count only when it finds a non-finite
+entry."""
 
 from __future__ import annotations
 

@@ -143,8 +143,8 @@ def test_construction_checks_ranges_click_does_not():
 
 
 def test_stage_commands_are_made_from_their_configs():
-    """prepare, weights, verify, train and extract: one option per command-line field, named by it, each with its help
-    text, and the command knows its config (check-args builds it)."""
+    """prepare, weights, verify, train and extract: one option per command-line field, named by it, each with
+    its help text, and the command knows its config (check-args builds it)."""
     from pipeline.cli import COMMANDS, main
     from pipeline.options import spec_of
 
@@ -212,7 +212,8 @@ def test_the_option_module_imports_no_ml_stack():
 
 def test_extract_refuses_at_construction_what_check_args_can_see():
     """extract's ranges and its options that contradict each other are refused when its config is built (so
-    `pipeline check-args` refuses them before the host is touched); layer ids parse from comma-separated words."""
+    `pipeline check-args` refuses them before the host is touched); layer ids parse from comma-separated
+    words."""
     from pipeline.extract import ExtractConfig, command
 
     base = dict(prepared=Path("p"), model=Path("m"), out=Path("o"))

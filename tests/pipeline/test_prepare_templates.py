@@ -20,40 +20,51 @@ from tests.conftest import run_pipeline
 
 QWEN_STYLE = (
     "{%- set ns = namespace(last_user=-1) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' %}"
-    "{%- set reasoning = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content is not none else '' %}"
+    "{%- set reasoning = m.reasoning_content if m.reasoning_content is defined"
+    " and m.reasoning_content is not none else '' %}"
     "{%- set content = m.content %}"
     "{%- if '</think>' in content %}{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
     "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if loop.index0 > ns.last_user %}{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- if loop.index0 > ns.last_user %}"
+    "{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}{%- endif %}"
     "{{- content }}"
     "{%- if m.tool_calls is defined and m.tool_calls %}{%- for c in m.tool_calls %}"
-    '{{- \'\\n<tool_call>\\n{"name": "\' + c.function.name + \'", "arguments": \' + (c.function.arguments if c.function.arguments'
+    '{{- \'\\n<tool_call>\\n{"name": "\' + c.function.name + \'", "arguments": \''
+    " + (c.function.arguments if c.function.arguments"
     " is string else c.function.arguments | tojson) + '}\\n</tool_call>' }}{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
-    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 KIMI_STYLE = (
     "{%- set ns = namespace(last_user=-1) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'user' %}{{- '<|im_user|>user<|im_middle|>' + m.content + '<|im_end|>' }}"
     "{%- elif m.role == 'assistant' %}{{- '<|im_assistant|>assistant<|im_middle|>' }}"
     "{%- if loop.index0 > ns.last_user and m.reasoning_content is defined and m.reasoning_content %}"
     "{{- '<think>' + m.reasoning_content + '</think>' }}{%- else %}{{- '<think></think>' }}{%- endif %}"
     "{{- m.content }}"
-    "{%- if m.tool_calls is defined and m.tool_calls %}{{- '<|tool_calls_section_begin|>' }}{%- for c in m.tool_calls %}"
-    "{{- '<|tool_call_begin|>functions.' + c.function.name + ':' + loop.index0|string + '<|tool_call_argument_begin|>'"
-    " + (c.function.arguments if c.function.arguments is string else c.function.arguments|tojson) + '<|tool_call_end|>' }}"
+    "{%- if m.tool_calls is defined and m.tool_calls %}{{- '<|tool_calls_section_begin|>' }}"
+    "{%- for c in m.tool_calls %}"
+    "{{- '<|tool_call_begin|>functions.' + c.function.name + ':' + loop.index0|string"
+    " + '<|tool_call_argument_begin|>'"
+    " + (c.function.arguments if c.function.arguments is string else c.function.arguments|tojson)"
+    " + '<|tool_call_end|>' }}"
     "{%- endfor %}{{- '<|tool_calls_section_end|>' }}{%- endif %}"
     "{{- '<|im_end|>' }}"
-    "{%- elif m.role == 'tool' %}{{- '<|im_system|>tool<|im_middle|>## Return of ' + (m.tool_call_id or '') + '\\n' + m.content + '<|im_end|>' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_system|>tool<|im_middle|>## Return of ' + (m.tool_call_id or '') + '\\n' + m.content"
+    " + '<|im_end|>' }}"
     "{%- else %}{{- '<|im_system|>' + m.role + '<|im_middle|>' + m.content + '<|im_end|>' }}"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_assistant|>assistant<|im_middle|>' }}{%- endif %}"
@@ -163,7 +174,8 @@ def test_thinking_templates_mask_exactly_the_rendered_assistant_tokens(style, tm
 
 def test_end_of_turn_is_masked_and_the_newline_after_it_is_not(tmp_path, tiny_llama):
     """Per turn, the masked tokens decode to exactly what the assistant generates: the Qwen-style last turn
-    is '<think>\\nR\\n</think>\\n\\nC<|im_end|>', an earlier one 'C<|im_end|>'; the '\\n' after is unmasked."""
+    is '<think>\\nR\\n</think>\\n\\nC<|im_end|>', an earlier one 'C<|im_end|>'; the '\\n' after is
+    unmasked."""
     from transformers import AutoTokenizer
 
     from pipeline.prepare import TemplateMasker, normalize_row

@@ -29,8 +29,8 @@ LAYERS = {
 def test_config_and_checkpoint_layers_must_agree(
     tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, stage, case
 ):
-    """A config claiming layers the checkpoint lacks (randomly initialised), or leaving layers unused, is refused
-    before the model loads; nothing is written."""
+    """A config claiming layers the checkpoint lacks (randomly initialised), or leaving layers unused, is
+    refused before the model loads; nothing is written."""
     config, hole, fragment = LAYERS[case]
     model = _model(tmp_path, tiny_llama, **config)
     if hole is not None:  # an index that leaves out every tensor of one layer
@@ -45,7 +45,8 @@ def test_config_and_checkpoint_layers_must_agree(
 
 
 def test_declared_multi_token_prediction_layers_are_not_unused(tmp_path, monkeypatch, capsys, tiny_llama):
-    """Layers past num_hidden_layers that num_nextn_predict_layers declares (DeepSeek/Kimi MTP) are accepted."""
+    """Layers past num_hidden_layers that num_nextn_predict_layers declares (DeepSeek/Kimi MTP) are
+    accepted."""
     model = _model(tmp_path, tiny_llama, num_hidden_layers=7, num_nextn_predict_layers=1)
     rc, err = cli(monkeypatch, capsys, "weights", "--model", model, "--out", tmp_path / "v")
     assert rc == 0, err
@@ -71,8 +72,9 @@ TIED_ARGS = {"weights": [], "extract": ["--limit", "2", "--no-verify", "--no-pro
 def test_tied_config_with_a_different_lm_head_is_refused(
     tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, stage
 ):
-    """tie_word_embeddings: true plus a distinct lm_head.weight would give a verifier the target never computes
-    (weights), or capture states of a target that is not the checkpoint's (extract): refused before the model runs."""
+    """tie_word_embeddings: true plus a distinct lm_head.weight would give a verifier the target never
+    computes (weights), or capture states of a target that is not the checkpoint's (extract): refused before
+    the model runs."""
     model = _with_lm_head(tmp_path, tiny_llama, same=False)
     extra = ["--prepared", prepared_llama] if stage == "extract" else []
     refused(
@@ -87,7 +89,8 @@ def test_tied_config_with_a_different_lm_head_is_refused(
 def test_tied_config_with_an_equal_lm_head_is_accepted(
     tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, stage
 ):
-    """A tied checkpoint that also saved its lm_head (the same values) is what the target computes: accepted."""
+    """A tied checkpoint that also saved its lm_head (the same values) is what the target computes:
+    accepted."""
     model = _with_lm_head(tmp_path, tiny_llama, same=True)
     extra = ["--prepared", prepared_llama] if stage == "extract" else []
     rc, err = cli(
@@ -99,8 +102,8 @@ def test_tied_config_with_an_equal_lm_head_is_accepted(
 def test_verify_with_a_tied_model_holding_a_different_lm_head_fails_naming_it(
     tmp_path, monkeypatch, capsys, tiny_llama, extracted_llama
 ):
-    """verify --model runs the config-vs-checkpoint check before it loads the target: a failed check naming the
-    tied lm_head (exit 3), not an alignment figure computed with a head the target never uses."""
+    """verify --model runs the config-vs-checkpoint check before it loads the target: a failed check naming
+    the tied lm_head (exit 3), not an alignment figure computed with a head the target never uses."""
     model = _with_lm_head(tmp_path, tiny_llama, same=False)
     states = tmp_path / "states"
     shutil.copytree(extracted_llama, states)
@@ -156,7 +159,8 @@ NUMBERS = {
 def test_numbers_outside_their_range_are_refused_at_the_boundary(
     tmp_path, monkeypatch, capsys, tiny_llama, conversations, prepared_llama, extracted_llama, case
 ):
-    """Zero, negative, non-finite or absurd numbers: one line with the allowed range, exit 2, nothing written."""
+    """Zero, negative, non-finite or absurd numbers: one line with the allowed range, exit 2, nothing
+    written."""
     stage, flags, fragment = NUMBERS[case]
     out = tmp_path / "out"
     args = {

@@ -36,7 +36,8 @@ OVERLAPS = {
 def test_output_overlapping_an_input_is_refused_and_the_input_survives(
     tmp_path, monkeypatch, capsys, tiny_llama, conversations, prepared_llama, case
 ):
-    """--out equal to, containing, inside or a symlink to an input: one line naming both, the input untouched."""
+    """--out equal to, containing, inside or a symlink to an input: one line naming both, the input
+    untouched."""
     stage, victim, how, flags = OVERLAPS[case]
     root = tmp_path / "inputs"
     model = linked_copy(tiny_llama, root / "model")
@@ -95,7 +96,8 @@ def holder(tmp_path):
 def test_second_writer_is_refused_naming_the_holder(
     holder, monkeypatch, capsys, tiny_llama, conversations, prepared_llama, stage
 ):
-    """While another process writes an output, a stage writing there is refused naming its pid; nothing written."""
+    """While another process writes an output, a stage writing there is refused naming its pid; nothing
+    written."""
     out, proc = holder
     args = {
         "prepare": ["--data", conversations, "--model", tiny_llama],
@@ -122,7 +124,8 @@ def test_lock_of_a_killed_writer_is_free_at_once(holder, monkeypatch, capsys, ti
 
 
 def test_shards_of_one_output_lock_separately(tmp_path):
-    """Two hosts' shards of one --out (world size > 1 on a shared disk) do not refuse each other; one shard twice does."""
+    """Two hosts' shards of one --out (world size > 1 on a shared disk) do not refuse each other; one shard
+    twice does."""
     from pipeline.errors import StageError
     from pipeline.outdir import output_lock
 
@@ -152,7 +155,8 @@ def mounted_out(tmp_path):
 def test_failed_final_rename_names_the_cause_and_leaves_no_staging_dir(
     mounted_out, monkeypatch, capsys, tiny_llama, conversations, stage
 ):
-    """When the finished output cannot be renamed into place: one line with the cause, no .staging dir, old output kept."""
+    """When the finished output cannot be renamed into place: one line with the cause, no .staging dir, old
+    output kept."""
     args = {
         "prepare": ["--data", conversations, "--model", tiny_llama, "--seq-length", 64],
         "weights": ["--model", tiny_llama],
@@ -244,7 +248,8 @@ def test_train_output_overlapping_an_input_is_refused(tmp_path, monkeypatch, cap
 
 
 def test_second_train_into_one_output_is_refused_naming_the_holder(holder, tmp_path, monkeypatch, capsys):
-    """While another process holds the output's lock, train into it is refused naming the holder; nothing written."""
+    """While another process holds the output's lock, train into it is refused naming the holder; nothing
+    written."""
     from tests.train.conftest import write_inputs
 
     out, proc = holder

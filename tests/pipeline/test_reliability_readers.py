@@ -249,7 +249,8 @@ def _damage(path: Path, how) -> None:
 def test_damaged_prepared_set_is_one_line_in_extract_and_a_failed_check_in_verify(
     tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, case
 ):
-    """extract refuses a damaged prepared file by name (exit 2, no output); verify reports it failed (exit 3)."""
+    """extract refuses a damaged prepared file by name (exit 2, no output); verify reports it failed
+    (exit 3)."""
     name, how, fragment = PREPARED[case]
     prepared = linked_copy(prepared_llama, tmp_path / "prepared", name)
     shutil.copyfile(prepared_llama / name, prepared / name)
@@ -286,7 +287,8 @@ VOCAB = {
 
 @pytest.mark.parametrize("case", sorted(VOCAB))
 def test_damaged_vocab_files_fail_verify_by_name(tmp_path, monkeypatch, capsys, prepared_llama, case):
-    """verify of a prepared set with a damaged token_freq.pt, d2t.npy or t2d.npy is a failed check naming it."""
+    """verify of a prepared set with a damaged token_freq.pt, d2t.npy or t2d.npy is a failed check naming
+    it."""
     name, how, fragment = VOCAB[case]
     prepared = linked_copy(prepared_llama, tmp_path / "prepared", name)
     shutil.copyfile(prepared_llama / name, prepared / name)
@@ -346,7 +348,8 @@ def test_damaged_hidden_states_index_fails_verify_and_resume_by_name(
 
 @pytest.mark.parametrize("case", ["verifier-truncated", "verifier-json-array"])
 def test_damaged_verifier_fails_verify_by_name(tmp_path, monkeypatch, capsys, tiny_llama, case):
-    """A truncated verifier.safetensors or a verifier.json that is not an object is a failed check (exit 3)."""
+    """A truncated verifier.safetensors or a verifier.json that is not an object is a failed check
+    (exit 3)."""
     out = tmp_path / "v"
     assert cli(monkeypatch, capsys, "weights", "--model", tiny_llama, "--out", out)[0] == 0
     if case == "verifier-truncated":

@@ -93,8 +93,8 @@ def _resume(monkeypatch, capsys, prepared, model, states, *flags):
 def test_resume_refuses_files_that_are_not_this_runs(
     tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, extracted_llama, case
 ):
-    """A file --resume would skip that is another sample's, another set's, of another form or damaged: one line
-    naming it, what is wrong and --repair / --overwrite, exit 2; nothing in the directory changes."""
+    """A file --resume would skip that is another sample's, another set's, of another form or damaged: one
+    line naming it, what is wrong and --repair / --overwrite, exit 2; nothing in the directory changes."""
     how, name, fragment = FOREIGN[case]
     states = tmp_path / "states"
     shutil.copytree(extracted_llama, states)  # mtimes kept: the set as extract left it
@@ -113,7 +113,8 @@ def test_resume_refuses_files_that_are_not_this_runs(
 def test_resume_of_an_intact_set_skips_every_file_and_repair_redoes_a_foreign_one(
     tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, extracted_llama
 ):
-    """Control: an intact copy resumes with nothing to do, no file rewritten; --repair regenerates a foreign file."""
+    """Control: an intact copy resumes with nothing to do, no file rewritten; --repair regenerates a foreign
+    file."""
     states = tmp_path / "states"
     shutil.copytree(extracted_llama, states)
     data = {p.name: p.stat().st_mtime_ns for p in states.glob("data_*.pt")}

@@ -80,7 +80,7 @@ def test_verify_reports_such_a_file_as_not_loadable(tmp_path, extracted_llama):
     assert not marker.exists()
 
 
-# ------------------------------------------------------------- verify's buffer path (pipeline/sample_buffer.py)
+# ----------------------------------------------------------- verify's buffer path (pipeline/sample_buffer.py)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

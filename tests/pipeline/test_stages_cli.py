@@ -185,7 +185,8 @@ def test_prepare_bad_paths_and_flags(tmp_path, tiny_llama, conversations, case, 
 def test_extract_bad_input_writes_nothing(
     tmp_path, tiny_llama, tiny_deepseek, prepared_llama, case, fragment, warm_pipeline
 ):
-    """Wrong layer ids, a non-empty output, a prepared set from another vocab: refused before loading the model."""
+    """Wrong layer ids, a non-empty output, a prepared set from another vocab: refused before loading the
+    model."""
     out = tmp_path / "states"
     model, prepared, extra = tiny_llama, prepared_llama, []
     if case == "layer-ids":

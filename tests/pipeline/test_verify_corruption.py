@@ -154,8 +154,9 @@ def test_shifted_token_is_named_by_the_spot_recomputation(states, tiny_llama):
 
 
 def test_layer_order_ignores_neighbours_an_intact_file_cannot_tell_apart():
-    """A tensor a little nearer its neighbouring layer's profile (adjacent layers of a shallow random model look
-    alike: seen as a false 'layers swapped' on an intact set) is no finding; a first/last swap still is."""
+    """A tensor a little nearer its neighbouring layer's profile (adjacent layers of a shallow random model
+    look alike: seen as a false 'layers swapped' on an intact set) is no finding; a first/last swap still
+    is."""
     import torch
 
     from pipeline import layer_profile as lp

@@ -2,8 +2,9 @@
 
 ``make_inputs`` writes hidden states, a vocab mapping, verifier weights and a target config.json with the
 formats module (random tensors with a learnable structure: the target's greedy next token is a fixed
-function of the current token, and the token sequence mostly follows that function), in well under a second. ``tiny_run`` runs the real prepare -> extract ->
-weights stages on the tiny random Llama of pipeline/demo/tiny.py once per session.
+function of the current token, and the token sequence mostly follows that function), in well under a second.
+``tiny_run`` runs the real prepare -> extract -> weights stages on the tiny random Llama of
+pipeline/demo/tiny.py once per session.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def write_inputs(
             }
         )
     )
-    # target: the last layer's state at token t points at lm_head row successor(t), so its greedy next token is successor(t)
+    # target: the last layer's state at token t points at lm_head row successor(t), so its greedy next token
+    # is successor(t)
     vh = verifier_hidden or hidden
     lm_head = torch.randn(vocab, vh, generator=g)
     embed = torch.randn(vocab, vh, generator=g)
@@ -116,7 +118,8 @@ def write_inputs(
         last = lm_head[draft_ids[successor[ids]]][:, :hidden] * 3 + 0.1 * torch.randn(
             length, hidden, generator=g
         )
-        # the first auxiliary layer at token t already points at the token two steps ahead (as real middle layers do)
+        # the first auxiliary layer at token t already points at the token two steps ahead (as real middle
+        # layers do)
         ahead = lm_head[draft_ids[successor[successor[ids]]]][:, :hidden]
         aux = [ahead + 0.1 * torch.randn(length, hidden, generator=g)] + [
             torch.randn(length, hidden, generator=g) for _ in range(captured - 2)
@@ -162,7 +165,8 @@ def make_inputs(tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, tiny_llama, conversations) -> Path:
-    """The real prepare -> extract -> weights stages on the tiny random Llama, with the full vocab as draft vocab.
+    """The real prepare -> extract -> weights stages on the tiny random Llama, with the full vocab as draft
+    vocab.
 
     A random-weight target's greedy tokens have nothing to do with the data's frequent tokens, so a draft
     vocabulary chosen from data frequencies would exclude most of what the target emits.

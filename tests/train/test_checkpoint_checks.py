@@ -95,7 +95,8 @@ def test_low_draft_vocab_coverage_warns(trained, tmp_path):
 
 
 def test_full_vocab_draft_passes_without_mapping_and_fails_with_one(make_inputs, tmp_path):
-    """A full-vocab draft verifies without d2t/t2d; a stray d2t (what vLLM cannot load) fails the vocab check."""
+    """A full-vocab draft verifies without d2t/t2d; a stray d2t (what vLLM cannot load) fails the vocab
+    check."""
     import numpy as np
 
     from pipeline.train import draft as draft_mod

@@ -1,4 +1,5 @@
-"""`python -m pipeline train` then `python -m pipeline verify` on the real stages' output for the tiny Llama."""
+"""`python -m pipeline train` then `python -m pipeline verify` on the real stages' output for the tiny
+Llama."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_train_then_verify_on_real_stage_outputs(tiny_run, tiny_llama, tmp_path):
-    """The train CLI trains on real extracted states, prints the acceptance table, and verify passes the draft."""
+    """The train CLI trains on real extracted states, prints the acceptance table, and verify passes the
+    draft."""
     out = tmp_path / "train"
     proc = run_pipeline(
         "train",

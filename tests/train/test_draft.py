@@ -1,4 +1,5 @@
-"""The speculators 0.9 draft as pipeline/train/draft.py builds it: vocab mapping, attention kernel, save/load round trip."""
+"""The speculators 0.9 draft as pipeline/train/draft.py builds it: vocab mapping, attention kernel, save/load
+round trip."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def test_vocab_mapping_selects_lm_head_rows(make_inputs, tmp_path):
 
 
 def test_full_vocab_draft_stores_no_mapping(make_inputs, tmp_path):
-    """A draft whose vocab is the target's saves no d2t/t2d: vLLM has no draft_id_to_target_id to load one into."""
+    """A draft whose vocab is the target's saves no d2t/t2d: vLLM has no draft_id_to_target_id to load one
+    into."""
     inputs = make_inputs(draft_vocab=96)
     model, _ = _model(inputs, tmp_path)
     model.save_pretrained(tmp_path / "saved")
@@ -56,7 +58,8 @@ def test_full_vocab_draft_stores_no_mapping(make_inputs, tmp_path):
 
 
 def test_round_trip_through_speculators_from_pretrained(make_inputs, tmp_path):
-    """A saved draft loads with speculators' from_pretrained into identical tensors and identical proposals."""
+    """A saved draft loads with speculators' from_pretrained into identical tensors and identical
+    proposals."""
     inputs = make_inputs()
     model, _ = _model(inputs, tmp_path)
     with torch.no_grad():
@@ -80,8 +83,9 @@ def test_round_trip_through_speculators_from_pretrained(make_inputs, tmp_path):
 
 
 def test_speculators_step_timer_still_needs_an_accelerator():
-    """Pin canary: speculators 0.9's step timer synchronizes an accelerator unconditionally, which fails on the
-    CPU; when this starts passing without one, drop the timer swap in pipeline/train/stage.py (_on_host)."""
+    """Pin canary: speculators 0.9's step timer synchronizes an accelerator unconditionally, which fails on
+    the CPU; when this starts passing without one, drop the timer swap in pipeline/train/stage.py
+    (_on_host)."""
     from speculators.train.trainer import _StepTimer
 
     timer = _StepTimer(enabled=True)
@@ -91,7 +95,8 @@ def test_speculators_step_timer_still_needs_an_accelerator():
 
 
 def test_layer_config_from_mla_target_uses_plain_heads():
-    """A DeepSeek-V3 (MLA) target yields a Llama draft layer with head_dim = hidden / heads and no rope scaling."""
+    """A DeepSeek-V3 (MLA) target yields a Llama draft layer with head_dim = hidden / heads and no rope
+    scaling."""
     facts = draft_mod.TargetFacts.from_config_dict(
         {
             "architectures": ["DeepseekV3ForCausalLM"],
@@ -144,7 +149,8 @@ def test_flex_attention_refused_on_cpu():
 
 
 def test_rope_of_a_transformers5_config_reaches_the_draft():
-    """A target saved by transformers 5 (rope_parameters, no rope_theta) gives the draft its theta and scaling."""
+    """A target saved by transformers 5 (rope_parameters, no rope_theta) gives the draft its theta and
+    scaling."""
     raw = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -179,7 +179,8 @@ class WrappedConfig(PretrainedConfig):
 
 
 def test_trust_remote_code_reads_the_target_config_through_its_own_code(make_inputs, tmp_path):
-    """A target whose config.json needs its own code (an attribute alias) trains only with --trust-remote-code."""
+    """A target whose config.json needs its own code (an attribute alias) trains only with
+    --trust-remote-code."""
     import json
 
     inputs = make_inputs()

@@ -26,7 +26,8 @@ DRAFT_VOCAB = 64
 
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory, tiny_llama, conversations) -> Path:
-    """Our prepare -> extract (bf16, as on a GPU) -> weights on the tiny Llama, 24 samples, a reduced draft vocab."""
+    """Our prepare -> extract (bf16, as on a GPU) -> weights on the tiny Llama, 24 samples, a reduced draft
+    vocab."""
     from pipeline import extract, prepare, weights
 
     root = tmp_path_factory.mktemp("interop")
@@ -239,9 +240,10 @@ def _one_line_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> None:
 
 
 def test_bad_inputs_get_one_line_and_exit_2(ours, exported, tiny_llama, tmp_path, warm_pipeline):
-    """Missing dirs, a sample count that does not match, a non-empty --out, a missing, foreign or torn hs file,
-    a foreign set without (or with wrong) layer ids are each refused in one line, exit 2, and --out stays untouched.
-    Each is a real `python -m pipeline` process, forked warm (tests/warm_cli.py): ~0.2 s instead of ~4.5 s."""
+    """Missing dirs, a sample count that does not match, a non-empty --out, a missing, foreign or torn hs
+    file, a foreign set without (or with wrong) layer ids are each refused in one line, exit 2, and --out
+    stays untouched. Each is a real `python -m pipeline` process, forked warm (tests/warm_cli.py): ~0.2 s
+    instead of ~4.5 s."""
     prep, data = ours / "prepared", ours / "hidden_states"
     _one_line_exit_2(
         warm_pipeline(

@@ -1,4 +1,5 @@
-"""The learned tiny target (pipeline/demo/learned.py): a real Llama with tokenizer and chat template, trained on stdlib text."""
+"""The learned tiny target (pipeline/demo/learned.py): a real Llama with tokenizer and chat template, trained
+on stdlib text."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_learned_target_is_a_loadable_model_trained_on_real_text(tmp_path):
-    """The saved target loads with transformers, templates a chat, and its record shows training steps on the corpus."""
+    """The saved target loads with transformers, templates a chat, and its record shows training steps on the
+    corpus."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.demo import learned

@@ -30,7 +30,8 @@ def test_checkpoint_per_epoch_and_export(trained):
 
 
 def test_layer_id_convention_in_saved_config(trained):
-    """The saved config carries vLLM's ids: captured layer OUTPUT k becomes layer INPUT k+1, last layer dropped."""
+    """The saved config carries vLLM's ids: captured layer OUTPUT k becomes layer INPUT k+1, last layer
+    dropped."""
     inputs, cfg, _ = trained
     saved = json.loads((cfg.out / "draft" / "config.json").read_text())
     captured = list(inputs.layer_ids)  # (2, 4, 5, 7) for 8 layers
@@ -43,7 +44,8 @@ def test_layer_id_convention_in_saved_config(trained):
 
 
 def test_metrics_log_loss_and_per_step_accuracy(trained):
-    """metrics.jsonl has one row per step with the loss and the accuracy of each TTT step, plus validation rows."""
+    """metrics.jsonl has one row per step with the loss and the accuracy of each TTT step, plus validation
+    rows."""
     _, cfg, summary = trained
     rows = read_metrics(cfg.out / "metrics.jsonl")
     train = [r for r in rows if "train" in r]
@@ -57,7 +59,8 @@ def test_metrics_log_loss_and_per_step_accuracy(trained):
 
 
 def test_trained_draft_beats_trivial_baselines(trained):
-    """On inputs with learnable structure the trained draft's acceptance length beats every trivial baseline."""
+    """On inputs with learnable structure the trained draft's acceptance length beats every trivial
+    baseline."""
     _, cfg, summary = trained
     ev = summary["eval"]
     assert ev["beats_baseline"], ev

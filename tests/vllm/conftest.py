@@ -20,14 +20,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def vllm_environment(request) -> None:
-    """Fail (not skip) a `vllm`-marked test when vLLM/speculators are missing; unmarked unit tests run anywhere."""
+    """Fail (not skip) a `vllm`-marked test when vLLM/speculators are missing; unmarked unit tests run
+    anywhere."""
     if request.node.get_closest_marker("vllm") is None:
         return
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
         pytest.fail(
-            f"vllm-marked tests need the vLLM CPU environment (make env-vllm; run with .venv-vllm/bin/python): {exc}"
+            "vllm-marked tests need the vLLM CPU environment "
+            f"(make env-vllm; run with .venv-vllm/bin/python): {exc}"
         )
 
 
@@ -95,7 +97,8 @@ def copy_model(src: Path, dst: Path, drop: tuple[str, ...] = (), **config_change
 
 @pytest.fixture(scope="session")
 def deepseek_for_vllm(tiny_deepseek, tmp_path_factory) -> Path:
-    """The tiny DeepseekV3 with "scoring_func": "sigmoid" in config.json (what real DeepSeek-V3/Kimi configs carry).
+    """The tiny DeepseekV3 with "scoring_func": "sigmoid" in config.json (what real DeepSeek-V3/Kimi configs
+    carry).
 
     transformers' DeepseekV3 always scores with sigmoid; vLLM reads scoring_func and defaults to softmax, so a
     config without it routes differently in vLLM (the preflight's "moe routing" check fails on it).

@@ -1,5 +1,5 @@
-"""`extract --backend vllm` on a real vLLM 0.32.0 (CPU build, native extract_hidden_states) against `--backend hf`,
-batched vs one-by-one, resume after SIGKILL, data parallel.
+"""`extract --backend vllm` on a real vLLM 0.32.0 (CPU build, native extract_hidden_states) against
+`--backend hf`, batched vs one-by-one, resume after SIGKILL, data parallel.
 
 Tolerance (fp32 on both sides, so that a real mismatch cannot hide in bf16 rounding): the worst relative
 error of any single token's vector, ||vllm_t - hf_t|| / ||hf_t||, over all samples and the 4 layers, must
@@ -176,7 +176,8 @@ def _mixed_batch(n: int, seed: int) -> list[list[int]]:
 
 
 def test_batched_equals_one_by_one_beyond_step_and_seq_limits(llama_backend_small_steps):
-    """A 45-sequence batch of mixed lengths (2,000+ tokens in steps of <= 128, > 32 sequences) equals one-by-one."""
+    """A 45-sequence batch of mixed lengths (2,000+ tokens in steps of <= 128, > 32 sequences) equals
+    one-by-one."""
     backend = llama_backend_small_steps
     batch = _mixed_batch(45, seed=1)
     batch.append(list(batch[7]))  # a duplicate must come back twice, at its own position
@@ -194,7 +195,8 @@ def test_batched_equals_one_by_one_beyond_step_and_seq_limits(llama_backend_smal
 
 
 def test_backend_states_are_the_hf_layer_outputs(llama_backend_small_steps, tiny_llama):
-    """Each of the 4 vLLM states equals the hf backend's output of the same layer (not its input, not another)."""
+    """Each of the 4 vLLM states equals the hf backend's output of the same layer (not its input, not
+    another)."""
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.hf import HFBackend
     from pipeline.modeldir import read_model_dir

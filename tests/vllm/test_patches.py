@@ -2,7 +2,8 @@
 is re-applied from pristine, unknown code and wrong versions fail loudly, the marker says what was applied.
 
 The pristine sources come from the apply script's own pristine copies in .venv-vllm, so these tests work on
-the exact files of vLLM 0.32.0 (CPU build); speculators 0.9.0's folder holds no patch, only the note saying why.
+the exact files of vLLM 0.32.0 (CPU build); speculators 0.9.0's folder holds no patch, only the note saying
+why.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def snapshot(site: Path) -> dict[str, bytes]:
 
 
 def test_apply_patches_pristine_files_like_the_installed_ones(fake_site):
-    """Applied to pristine copies, the patches give byte-identical files to the patched .venv-vllm, and --check passes."""
+    """Applied to pristine copies, the patches give byte-identical files to the patched .venv-vllm, and
+    --check passes."""
     assert apply("--check", "--site-packages", fake_site).returncode == 1
     first = apply("--site-packages", fake_site)
     assert first.returncode == 0, first.stderr
@@ -83,7 +85,8 @@ def test_rerun_is_a_noop(fake_site):
 
 
 def test_marker_records_versions_patches_and_hashes(fake_site):
-    """state.json names the version, every patch with its sha256, and each file's pristine and patched sha256."""
+    """state.json names the version, every patch with its sha256, and each file's pristine and patched
+    sha256."""
     import hashlib
 
     apply("--site-packages", fake_site)
@@ -116,7 +119,8 @@ def test_changed_patch_is_reapplied_from_pristine(fake_site, tmp_path):
 
 
 def test_unrecognised_code_fails_loudly_and_writes_nothing(fake_site):
-    """If the installed code differs from what a hunk expects, exit 2 names the patch and file; nothing changes."""
+    """If the installed code differs from what a hunk expects, exit 2 names the patch and file; nothing
+    changes."""
     path = fake_site / "vllm/model_executor/models/deepseek_v2.py"
     code = path.read_text()
     assert code.count("q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)") == 1
@@ -199,7 +203,8 @@ def test_a_version_without_patches_needs_its_note(fake_site, tmp_path):
 
 
 def test_every_patch_opens_with_a_header_naming_package_and_version():
-    """Each patch file starts with prose (what it fixes and why) whose first line names the package version."""
+    """Each patch file starts with prose (what it fixes and why) whose first line names the package
+    version."""
     for path in sorted((REPO / "patches").glob("*/*/*.patch")):
         package, version = path.parent.parent.name, path.parent.name
         head = path.read_text().split("\n--- a/", 1)[0]

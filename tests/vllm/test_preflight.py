@@ -1,6 +1,6 @@
-"""`pipeline preflight` on the real vLLM 0.32.0 (CPU build): passes when patched, names every broken check on an
-unpatched install or a vLLM without a patch set of ours, and stops a wrong layer count or vocab file before any
-model load."""
+"""`pipeline preflight` on the real vLLM 0.32.0 (CPU build): passes when patched, names every broken check on
+an unpatched install or a vLLM without a patch set of ours, and stops a wrong layer count or vocab file before
+any model load."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def preflight(*args, env=None) -> Preflight:
 
 
 def test_preflight_passes_on_the_patched_install(tiny_llama, prepared_llama, tmp_path):
-    """Every check is ok (free disk included) on .venv-vllm with the patches applied; exit 0; --json written."""
+    """Every check is ok (free disk included) on .venv-vllm with the patches applied; exit 0; --json
+    written."""
     result = preflight("--model", tiny_llama, "--prepared", prepared_llama, "--out", tmp_path / "states")
     assert result.returncode == 0, result.stdout + result.stderr
     assert set(PATCH_CHECKS + UPSTREAM_CHECKS) <= set(result.status)
@@ -152,7 +153,8 @@ def test_data_prepared_for_another_vocab_fails(tiny_llama, prepared_llama, tmp_p
 
 
 def test_bad_layer_ids_and_tensor_parallel_fail(tiny_llama):
-    """Layer ids not ending at the last layer, and a TP size that does not divide the heads, each fail by name."""
+    """Layer ids not ending at the last layer, and a TP size that does not divide the heads, each fail by
+    name."""
     result = preflight("--model", tiny_llama, "--layer-ids", "1,2,3", "--tensor-parallel-size", "3")
     found = result.status
     assert result.returncode == 3
@@ -192,7 +194,8 @@ def test_preflight_never_reads_weights(tiny_llama, tmp_path):
 
 
 def test_deepseek_without_sigmoid_scoring_fails_moe_routing(tiny_deepseek, deepseek_for_vllm, tmp_path):
-    """A DeepseekV3 config without scoring_func (vLLM would route with softmax) fails 'moe routing'; with it, ok."""
+    """A DeepseekV3 config without scoring_func (vLLM would route with softmax) fails 'moe routing'; with it,
+    ok."""
     bad = copy_model(tiny_deepseek, tmp_path / "model", drop=("scoring_func",))
     result = preflight("--model", bad, "--backend", "hf")
     assert result.returncode == 3 and result.status["moe routing"] == "fail"

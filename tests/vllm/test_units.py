@@ -169,7 +169,8 @@ def test_cuda_usable_names_a_driver_older_than_torchs_cuda(monkeypatch):
 
 @pytest.mark.vllm
 def test_ngram_baseline_is_vllms_own_prompt_lookup():
-    """The offline ngram_context baseline proposes exactly what vLLM's ngram proposer would, on random token runs."""
+    """The offline ngram_context baseline proposes exactly what vLLM's ngram proposer would, on random token
+    runs."""
     import random
 
     import numpy as np

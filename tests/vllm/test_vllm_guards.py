@@ -1,6 +1,7 @@
-"""The vllm backend's guards against the seeds' silent failure classes, on real connector files read by vLLM's own
-reader: lost layers, states of another sample (reordered results), states short by whole blocks (a prefix-cache
-hit), and a failed write. Each guard is the only thing between such a file and a wrong data_{i}.pt."""
+"""The vllm backend's guards against the seeds' silent failure classes, on real connector files read by vLLM's
+own reader: lost layers, states of another sample (reordered results), states short by whole blocks (a
+prefix-cache hit), and a failed write. Each guard is the only thing between such a file and a wrong
+data_{i}.pt."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def bare_backend():
 
 
 def connector_file(tmp_path: Path, tokens: list[int], layers: int = len(LAYERS), name: str = "0-abc") -> Path:
-    """A file as ExampleHiddenStatesConnector writes it (hidden_states [T, layers, H], token_ids [T]) and its lock."""
+    """A file as ExampleHiddenStatesConnector writes it (hidden_states [T, layers, H], token_ids [T]) and its
+    lock."""
     from safetensors.torch import save_file
 
     path = tmp_path / f"{name}.safetensors"
@@ -48,7 +50,8 @@ def output(tokens: list[int], path: Path | None) -> SimpleNamespace:
 
 
 def test_a_good_file_gives_one_owned_state_per_layer_and_is_removed(tmp_path):
-    """A well-formed file gives 4 contiguous [T, H] tensors (layer j = slice j), then file and lock are gone."""
+    """A well-formed file gives 4 contiguous [T, H] tensors (layer j = slice j), then file and lock are
+    gone."""
     seq = [5, 6, 7]
     path = connector_file(tmp_path, seq)
     states = bare_backend()._read(0, seq, output(seq, path))
@@ -59,14 +62,16 @@ def test_a_good_file_gives_one_owned_state_per_layer_and_is_removed(tmp_path):
 
 
 def test_lost_layers_are_refused(tmp_path):
-    """A file with 3 of the 4 layers (the field bug "1 of 4 layers kept", in kind) is a StageError naming the shape."""
+    """A file with 3 of the 4 layers (the field bug "1 of 4 layers kept", in kind) is a StageError naming the
+    shape."""
     seq = [5, 6, 7]
     with pytest.raises(StageError, match=r"shape \(3, 3, 8\), expected \(3, 4, 8\)"):
         bare_backend()._read(0, seq, output(seq, connector_file(tmp_path, seq, layers=3)))
 
 
 def test_states_short_by_cached_blocks_are_refused(tmp_path):
-    """States for fewer tokens than the sample (prefix caching hands back only the uncached tail) are refused."""
+    """States for fewer tokens than the sample (prefix caching hands back only the uncached tail) are
+    refused."""
     seq = list(range(10, 50))
     path = connector_file(tmp_path, seq[16:])
     with pytest.raises(
@@ -91,7 +96,8 @@ def test_a_result_for_another_prompt_is_refused(tmp_path):
 
 
 def test_a_missing_or_unwritten_file_is_named(tmp_path):
-    """No path in kv_transfer_params (connector off), or a path whose write failed, is a one-line StageError."""
+    """No path in kv_transfer_params (connector off), or a path whose write failed, is a one-line
+    StageError."""
     seq = [5, 6, 7]
     with pytest.raises(StageError, match="names no hidden-states file"):
         bare_backend()._read(0, seq, output(seq, None))
@@ -102,8 +108,8 @@ def test_a_missing_or_unwritten_file_is_named(tmp_path):
 
 
 def test_engine_arguments_force_extraction_settings_and_map_layer_ids(tmp_path):
-    """The engine gets vLLM ids = ours + 1, prefix caching and chunked prefill off, the connector writing into the
-    scratch folder, and no CPU-only setting (eager mode only when asked)."""
+    """The engine gets vLLM ids = ours + 1, prefix caching and chunked prefill off, the connector writing into
+    the scratch folder, and no CPU-only setting (eager mode only when asked)."""
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.vllm import engine_arguments
 

@@ -1,4 +1,5 @@
-"""The GPU proof (issue item 8), run ON a GPU machine without sshd: `python3 tests/ops/gpu/gpu_proof.py OUTDIR`.
+"""The GPU proof (issue item 8), run ON a GPU machine without sshd:
+`python3 tests/ops/gpu/gpu_proof.py OUTDIR`.
 
 Uses ops' local mode (`host = "local"`: the same code, commands through bash instead of SSH) with real
 NVML, real fuser on /dev/nvidia*, and real torch processes holding GPU memory:
@@ -57,7 +58,7 @@ open(pidfile + ".tmp", "w").write(str(os.getpid())); os.rename(pidfile + ".tmp",
 print("ready", child.pid, flush=True)
 while True:
     time.sleep(1)
-"""
+"""  # noqa: E501
 
 HOSTS = f"""[hosts.h200]
 host = "local"
@@ -158,7 +159,8 @@ def main() -> None:
     step(
         "idle NVML facts",
         idle.returncode == 0,
-        f"v2 used {g['memory_used_mib']} MiB, v1 used {g['memory_used_v1_mib']} MiB, processes {g['process_pids']}",
+        f"v2 used {g['memory_used_mib']} MiB, v1 used {g['memory_used_v1_mib']} MiB, "
+        f"processes {g['process_pids']}",
     )
     res = ops("gpu-clean")
     step("idle GPU verifies clean", res.returncode == 0 and "clean (nothing to do)" in res.stdout)
