@@ -36,8 +36,14 @@ def wall_seconds(tree: Path, args: tuple[str, ...], code: int) -> float:
     """One `python -m pipeline ARGS` process run from ``tree``, start to exit; it must exit with ``code``."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=tree, env=env, capture_output=True,
-                          text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     seconds = time.perf_counter() - t0
     if proc.returncode != code:
         last = "".join((proc.stderr or proc.stdout).strip().splitlines()[-1:]).strip()
@@ -47,10 +53,15 @@ def wall_seconds(tree: Path, args: tuple[str, ...], code: int) -> float:
 
 
 @click.command()
-@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Runs per command and tree.")
-@click.option("--baseline", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Another source tree whose commands run in turns with ours, as the 'baseline' column.")
+@click.option(
+    "--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Runs per command and tree."
+)
+@click.option(
+    "--baseline",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Another source tree whose commands run in turns with ours, as the 'baseline' column.",
+)
 def main(repeat: int, baseline: Path | None) -> None:
     trees = {"ours": REPO} | ({"baseline": baseline.resolve()} if baseline else {})
     columns = [f"{who} (median s)" for who in trees] + (["speed-up"] if baseline else [])

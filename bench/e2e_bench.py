@@ -9,8 +9,8 @@ sampled every 100 ms: the process's whole footprint, CUDA context and allocator 
 bandwidth; for extract also its own start-up figures, how long the closing verification took (the whole tail
 after its closing line, and the check's own seconds from its summary.json), and both closing checks timed
 again on its set (``closing_check_seconds``: "record", the default, judges the writer's record and stats each
-file; "full" reads every byte back, as ``pipeline verify`` does; the page cache as the run left it). Holds both
-runs' states to an fp32 copy of the model (first 4 samples, ``accuracy``) and exits non-zero when ours is
+file; "full" reads every byte back, as ``pipeline verify`` does; the page cache as the run left it). Holds
+both runs' states to an fp32 copy of the model (first 4 samples, ``accuracy``) and exits non-zero when ours is
 further from it than the naive script; the plain relative difference between the two is reported too.
 
     python -m bench.e2e_bench --shapes llama-1b,llama-8b --samples 256,128 --workdir /dev/shm/e2e
@@ -35,8 +35,10 @@ from bench.extract_bench import agreement, make_prepared
 from bench.gpu_models import build_model, save_model
 from bench.roofline import model_shape
 
-CLOSING = re.compile(r"extracted (\d+) samples .*?; ([\d,]+) tok/s(?:, device idle (\d+)%)?"
-                     r"(?:; first batch ([\d.]+) s after start, model load ([\d.]+) s)?")
+CLOSING = re.compile(
+    r"extracted (\d+) samples .*?; ([\d,]+) tok/s(?:, device idle (\d+)%)?"
+    r"(?:; first batch ([\d.]+) s after start, model load ([\d.]+) s)?"
+)
 
 
 class GpuMemory:
@@ -50,8 +52,13 @@ class GpuMemory:
     def _sample(self) -> None:
         while not self._stop.is_set():
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                                     capture_output=True, text=True, timeout=5, check=False).stdout
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                    check=False,
+                ).stdout
                 self.peak_mib = max(self.peak_mib or 0, int(out.split()[0]))
             except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
                 return
@@ -66,10 +73,14 @@ class GpuMemory:
         self._thread.join()
 
 
-def timed_process(argv: list[str], env: dict | None = None, cwd: Path | None = None) -> tuple[float, list[tuple[float, str]]]:
+def timed_process(
+    argv: list[str], env: dict | None = None, cwd: Path | None = None
+) -> tuple[float, list[tuple[float, str]]]:
     """Run ``argv``; its wall seconds and its output lines, each with the seconds since its start."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd
+    )
     lines = [(time.perf_counter() - t0, line.rstrip()) for line in proc.stdout]
     proc.wait()
     wall = time.perf_counter() - t0
@@ -79,7 +90,9 @@ def timed_process(argv: list[str], env: dict | None = None, cwd: Path | None = N
     return wall, lines
 
 
-def accuracy(shape: str, model_dir: Path, prepared: Path, runs: dict[str, Path], n: int = 4) -> dict[str, list[float]]:
+def accuracy(
+    shape: str, model_dir: Path, prepared: Path, runs: dict[str, Path], n: int = 4
+) -> dict[str, list[float]]:
     """Per layer stored pre-norm by both (the first 3), each run's worst relative error over its first ``n``
     samples against an fp32 copy of the model run one sample at a time: bf16 runs differ from each other by
     rounding that deep random layers amplify, so each is held to the exact answer instead of to the other."""
@@ -98,8 +111,12 @@ def accuracy(shape: str, model_dir: Path, prepared: Path, runs: dict[str, Path],
     exact = one_by_one(model.float(), probe)
     del model
     reference = [states[:3] for states in exact]
-    return {who: layer_errors([formats.read_sample(formats.data_file(d, i))["hidden_states"][:3] for i in range(n)],
-                              reference) for who, d in runs.items()}
+    return {
+        who: layer_errors(
+            [formats.read_sample(formats.data_file(d, i))["hidden_states"][:3] for i in range(n)], reference
+        )
+        for who, d in runs.items()
+    }
 
 
 def _shard_of(model_dir: Path, name: str) -> str:
@@ -113,27 +130,55 @@ def dir_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.glob("data_*.pt"))
 
 
-def run_ours(prepared: Path, model: Path, out: Path, extra: list[str], cache: Path, tree: Path | None = None) -> dict:
+def run_ours(
+    prepared: Path, model: Path, out: Path, extra: list[str], cache: Path, tree: Path | None = None
+) -> dict:
     """`pipeline extract` with its defaults (plus ``extra``) as a fresh process, from this checkout or, with
     ``tree``, from another source tree (the baseline: its own pipeline/ and contract/ come first)."""
     # compiled kernels are cached on disk between runs: a fresh cache, as on a fresh machine
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
+    env = dict(
+        os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton")
+    )
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
     with GpuMemory() as mem:
-        wall, lines = timed_process([sys.executable, "-m", "pipeline", "extract", "--prepared", str(prepared),
-                                     "--model", str(model), "--out", str(out), "--no-progress", *extra], env,
-                                    cwd=tree)
+        wall, lines = timed_process(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "extract",
+                "--prepared",
+                str(prepared),
+                "--model",
+                str(model),
+                "--out",
+                str(out),
+                "--no-progress",
+                *extra,
+            ],
+            env,
+            cwd=tree,
+        )
     found = [(t, CLOSING.search(line)) for t, line in lines if CLOSING.search(line)]
     if not found:
-        raise SystemExit("pipeline extract printed no closing line:\n" + "\n".join(line for _, line in lines[-10:]))
+        raise SystemExit(
+            "pipeline extract printed no closing line:\n" + "\n".join(line for _, line in lines[-10:])
+        )
     at, m = found[-1]
     tps = float(m.group(2).replace(",", ""))
-    return {"wall_seconds": wall, "loop_tokens_per_s": tps, "device_idle": int(m.group(3)) / 100 if m.group(3) else None,
-            "first_batch_seconds": float(m.group(4)) if m.group(4) else None,
-            "model_load_seconds": float(m.group(5)) if m.group(5) else None,
-            "closing_line": next(line for _, line in lines if CLOSING.search(line)),
-            "verify_seconds": wall - at, "peak_gpu_mib": mem.peak_mib, "bytes": dir_bytes(out), **closing_checks(out)}
+    return {
+        "wall_seconds": wall,
+        "loop_tokens_per_s": tps,
+        "device_idle": int(m.group(3)) / 100 if m.group(3) else None,
+        "first_batch_seconds": float(m.group(4)) if m.group(4) else None,
+        "model_load_seconds": float(m.group(5)) if m.group(5) else None,
+        "closing_line": next(line for _, line in lines if CLOSING.search(line)),
+        "verify_seconds": wall - at,
+        "peak_gpu_mib": mem.peak_mib,
+        "bytes": dir_bytes(out),
+        **closing_checks(out),
+    }
 
 
 def closing_checks(out: Path) -> dict:
@@ -142,7 +187,9 @@ def closing_checks(out: Path) -> dict:
     from contract.summary import CLOSING_CHECKS
     from pipeline.verify import VerifyConfig, verify
 
-    stats = json.loads((out / "summary.json").read_text())["stats"] if (out / "summary.json").is_file() else {}
+    stats = (
+        json.loads((out / "summary.json").read_text())["stats"] if (out / "summary.json").is_file() else {}
+    )
     seconds = {}
     for mode in CLOSING_CHECKS:
         t0 = time.perf_counter()
@@ -152,8 +199,12 @@ def closing_checks(out: Path) -> dict:
             raise SystemExit(f"the {mode} closing check failed on {out}: {summary.first_failure_line()}")
         if summary.stats["closing_check"] != mode:
             raise SystemExit(f"the {mode} closing check fell back: {summary.stats['closing_check_note']}")
-    return {"closing_check": stats.get("closing_check"), "run_closing_check_seconds": stats.get("closing_check_seconds"),
-            "closing_check_seconds": seconds, "facts_log_rms_drift": facts_drift(out)}
+    return {
+        "closing_check": stats.get("closing_check"),
+        "run_closing_check_seconds": stats.get("closing_check_seconds"),
+        "closing_check_seconds": seconds,
+        "facts_log_rms_drift": facts_drift(out),
+    }
 
 
 def facts_drift(out: Path, n: int = 8) -> float | None:
@@ -168,10 +219,16 @@ def facts_drift(out: Path, n: int = 8) -> float | None:
         return None
     for name in names:
         s = formats.read_sample(out / name)
-        mine, kept = verify.written_facts(s["input_ids"], s["hidden_states"], s["loss_mask"]), record[name].facts
+        mine, kept = (
+            verify.written_facts(s["input_ids"], s["hidden_states"], s["loss_mask"]),
+            record[name].facts,
+        )
         pairs = list(zip(mine["log_rms"] or [], kept["log_rms"] or [], strict=True))
-        if (mine["nonfinite"] != kept["nonfinite"] or (mine["log_rms"] is None) != (kept["log_rms"] is None)
-                or any((a is None) != (b is None) for a, b in pairs)):
+        if (
+            mine["nonfinite"] != kept["nonfinite"]
+            or (mine["log_rms"] is None) != (kept["log_rms"] is None)
+            or any((a is None) != (b is None) for a, b in pairs)
+        ):
             raise SystemExit(f"{out / name}: recorded facts {kept} differ from the file's {mine}")
         worst = max([worst, *(abs(a - b) for a, b in pairs if a is not None)])
     if worst > 1e-4:
@@ -181,30 +238,71 @@ def facts_drift(out: Path, n: int = 8) -> float | None:
 
 def run_naive(prepared: Path, model: Path, out: Path) -> dict:
     with GpuMemory() as mem:
-        wall, lines = timed_process([sys.executable, "-m", "bench.naive_extract", "--prepared", str(prepared),
-                                     "--model", str(model), "--out", str(out)])
+        wall, lines = timed_process(
+            [
+                sys.executable,
+                "-m",
+                "bench.naive_extract",
+                "--prepared",
+                str(prepared),
+                "--model",
+                str(model),
+                "--out",
+                str(out),
+            ]
+        )
     stats = json.loads(lines[-1][1])
-    return {"wall_seconds": wall, "loop_tokens_per_s": stats["tokens_per_s"], "loop_seconds": stats["seconds"],
-            "peak_gpu_mib": mem.peak_mib, "bytes": dir_bytes(out)}
+    return {
+        "wall_seconds": wall,
+        "loop_tokens_per_s": stats["tokens_per_s"],
+        "loop_seconds": stats["seconds"],
+        "peak_gpu_mib": mem.peak_mib,
+        "bytes": dir_bytes(out),
+    }
 
 
 @click.command()
 @click.option("--shapes", default="llama-1b,llama-8b", show_default=True)
-@click.option("--samples", "counts", default="256,128", show_default=True, help="Conversations per shape, in --shapes order.")
+@click.option(
+    "--samples",
+    "counts",
+    default="256,128",
+    show_default=True,
+    help="Conversations per shape, in --shapes order.",
+)
 @click.option("--seq-length", type=int, default=2048, show_default=True)
-@click.option("--workdir", type=click.Path(path_type=Path), default=Path("/dev/shm/e2e-bench"), show_default=True)
-@click.option("--extract-args", default="", help="Extra flags for pipeline extract (default: none, its defaults).")
+@click.option(
+    "--workdir", type=click.Path(path_type=Path), default=Path("/dev/shm/e2e-bench"), show_default=True
+)
+@click.option(
+    "--extract-args", default="", help="Extra flags for pipeline extract (default: none, its defaults)."
+)
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
-@click.option("--baseline", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Another commit's source tree (git archive REV pipeline contract | tar -x -C DIR): its "
-                   "`pipeline extract` also runs on each set, right after ours, as the 'baseline' row.")
-def main(shapes: str, counts: str, seq_length: int, workdir: Path, extract_args: str, json_out: Path | None,
-         baseline: Path | None) -> None:
+@click.option(
+    "--baseline",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Another commit's source tree (git archive REV pipeline contract | tar -x -C DIR): its "
+    "`pipeline extract` also runs on each set, right after ours, as the 'baseline' row.",
+)
+def main(
+    shapes: str,
+    counts: str,
+    seq_length: int,
+    workdir: Path,
+    extract_args: str,
+    json_out: Path | None,
+    baseline: Path | None,
+) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     gpu = torch.cuda.is_available()
-    results: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu",
-                     "extract_args": extract_args, "shapes": {}}
+    results: dict = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "extract_args": extract_args,
+        "shapes": {},
+    }
     failures = []
     for shape, n in zip(shapes.split(","), [int(c) for c in counts.split(",")], strict=True):
         t0 = time.perf_counter()
@@ -221,27 +319,49 @@ def main(shapes: str, counts: str, seq_length: int, workdir: Path, extract_args:
 
         lengths = [int(t) for t in formats.read_prepared(prepared)[0].lengths()]
         roof = model_shape(model_dir)
-        ours = run_ours(prepared, model_dir, workdir / f"ours-{shape}", extract_args.split(), workdir / f"cache-{shape}")
+        ours = run_ours(
+            prepared, model_dir, workdir / f"ours-{shape}", extract_args.split(), workdir / f"cache-{shape}"
+        )
         runs = {"ours": ours}
         if baseline is not None:
-            runs["baseline"] = run_ours(prepared, model_dir, workdir / f"baseline-{shape}", extract_args.split(),
-                                        workdir / f"cache-base-{shape}", baseline)
+            runs["baseline"] = run_ours(
+                prepared,
+                model_dir,
+                workdir / f"baseline-{shape}",
+                extract_args.split(),
+                workdir / f"cache-base-{shape}",
+                baseline,
+            )
         naive = runs["naive"] = run_naive(prepared, model_dir, workdir / f"naive-{shape}")
         for r in runs.values():
             loop = sum(lengths) / r["loop_tokens_per_s"]
             r.update(roofline=roof.roofline_fraction(lengths, loop), write_gb_s=r["bytes"] / loop / 1e9)
-        worst = agreement(workdir / f"naive-{shape}", workdir / f"ours-{shape}", min(16, n), [2, L // 2, L - 3])
-        errors = accuracy(shape, model_dir, prepared, {"ours": workdir / f"ours-{shape}", "naive": workdir / f"naive-{shape}"})
-        # ours may be no less exact than the naive bf16 script, layer by layer (a slack of a quarter plus 5e-3)
+        worst = agreement(
+            workdir / f"naive-{shape}", workdir / f"ours-{shape}", min(16, n), [2, L // 2, L - 3]
+        )
+        errors = accuracy(
+            shape,
+            model_dir,
+            prepared,
+            {"ours": workdir / f"ours-{shape}", "naive": workdir / f"naive-{shape}"},
+        )
+        # ours may be no less exact than the naive bf16 script, layer by layer (a slack of a quarter
+        # plus 5e-3)
         if any(o > 1.25 * b + 5e-3 for o, b in zip(errors["ours"], errors["naive"], strict=True)):
             failures.append(f"{shape}: ours is further from fp32 than naive: {errors}")
         if gpu:
             torch.cuda.empty_cache()
-        results["shapes"][shape] = {"samples": n, "tokens": sum(lengths), "build_seconds": built,
-                                    "decoder_params": roof.decoder_params, **runs,
-                                    "whole_process_speedup": naive["wall_seconds"] / ours["wall_seconds"],
-                                    "loop_speedup": ours["loop_tokens_per_s"] / naive["loop_tokens_per_s"],
-                                    "max_rel_err_vs_naive": worst, "rel_err_vs_fp32_per_layer": errors}
+        results["shapes"][shape] = {
+            "samples": n,
+            "tokens": sum(lengths),
+            "build_seconds": built,
+            "decoder_params": roof.decoder_params,
+            **runs,
+            "whole_process_speedup": naive["wall_seconds"] / ours["wall_seconds"],
+            "loop_speedup": ours["loop_tokens_per_s"] / naive["loop_tokens_per_s"],
+            "max_rel_err_vs_naive": worst,
+            "rel_err_vs_fp32_per_layer": errors,
+        }
         print(json.dumps({shape: results["shapes"][shape]}, indent=1), flush=True)
         for who in runs:
             shutil.rmtree(workdir / f"{who}-{shape}")
@@ -252,20 +372,30 @@ def main(shapes: str, counts: str, seq_length: int, workdir: Path, extract_args:
             if who not in r:
                 continue
             x = r[who]
-            print(f"| {shape} | {who} | {x['wall_seconds']:.1f} | {x['loop_tokens_per_s']:,.0f} | {x['roofline']:.1%} | "
-                  f"{x['peak_gpu_mib']} | {x['write_gb_s']:.2f} |")
-        print(f"| {shape} | ours vs naive | {r['whole_process_speedup']:.2f}x | {r['loop_speedup']:.2f}x | | | |")
+            print(
+                f"| {shape} | {who} | {x['wall_seconds']:.1f} | {x['loop_tokens_per_s']:,.0f} | "
+                f"{x['roofline']:.1%} | {x['peak_gpu_mib']} | {x['write_gb_s']:.2f} |"
+            )
+        print(
+            f"| {shape} | ours vs naive | {r['whole_process_speedup']:.2f}x | "
+            f"{r['loop_speedup']:.2f}x | | | |"
+        )
         if "baseline" in r:
-            print(f"| {shape} | ours vs baseline | {r['baseline']['wall_seconds'] / r['ours']['wall_seconds']:.2f}x | "
-                  f"{r['ours']['loop_tokens_per_s'] / r['baseline']['loop_tokens_per_s']:.2f}x | | | |")
+            print(
+                f"| {shape} | ours vs baseline | "
+                f"{r['baseline']['wall_seconds'] / r['ours']['wall_seconds']:.2f}x | "
+                f"{r['ours']['loop_tokens_per_s'] / r['baseline']['loop_tokens_per_s']:.2f}x | | | |"
+            )
     print("\n| shape | closing check of the run | its seconds | record check s | full read s |")
     print("|---|---|---:|---:|---:|")
     for shape, r in results["shapes"].items():
         for who in ("ours", "baseline"):
             if who in r:
                 x = r[who]
-                print(f"| {shape} {who} | {x['closing_check']} | {x['run_closing_check_seconds']} | "
-                      f"{x['closing_check_seconds']['record']:.2f} | {x['closing_check_seconds']['full']:.2f} |")
+                print(
+                    f"| {shape} {who} | {x['closing_check']} | {x['run_closing_check_seconds']} | "
+                    f"{x['closing_check_seconds']['record']:.2f} | {x['closing_check_seconds']['full']:.2f} |"
+                )
     if json_out:
         json_out.write_text(json.dumps(results, indent=2) + "\n")
     if failures:

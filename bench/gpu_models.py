@@ -1,4 +1,5 @@
-"""The benchmark's target models: random-weight Llama shapes built straight on the GPU and saved as checkpoints.
+"""The benchmark's target models: random-weight Llama shapes built straight on the GPU and saved as
+checkpoints.
 
 Building an 8B model on the CPU takes minutes (every weight initialised there); on the GPU it takes seconds.
 The norms' weights are drawn around 1, as pipeline/demo/tiny.py draws them, so no layer is an identity.
@@ -14,12 +15,26 @@ import torch
 from bench.extract_bench import PRESETS
 
 SHAPES = {
-    "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64),  # the smoke tests' size (CPU)
+    "tiny": dict(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),  # the smoke tests' size (CPU)
     "llama-1b": PRESETS["llama-1b"][0],  # ~1.5B parameters, 0.97B of them in the decoder
     # the Llama-3-8B shape: hidden 4096, 32 layers, 32 heads, GQA 8
-    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "llama-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
 }
 
 
@@ -27,11 +42,20 @@ def build_model(shape: str, device: str = "cuda", seed: int = 0) -> torch.nn.Mod
     """A random Llama (bf16 on a GPU, fp32 on the CPU) of ``shape`` on ``device``, in eval mode."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=5, pad_token_id=0)
+    config = LlamaConfig(
+        **SHAPES[shape],
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=5,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device != "cpu" else torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16 if device != "cpu" else torch.float32
+        )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

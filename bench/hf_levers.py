@@ -47,7 +47,10 @@ class _Dir:
 
 def samples(n: int, seq_length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, size=int(t)).tolist() for t in rng.integers(seq_length // 2, seq_length, size=n)]
+    return [
+        rng.integers(0, vocab, size=int(t)).tolist()
+        for t in rng.integers(seq_length // 2, seq_length, size=n)
+    ]
 
 
 def backend_for(model, packed: bool, compiled: bool, max_batch_tokens: int):
@@ -55,8 +58,14 @@ def backend_for(model, packed: bool, compiled: bool, max_batch_tokens: int):
     from pipeline.backends.hf import HFBackend
 
     L = model.config.num_hidden_layers
-    options = BackendOptions(model=_Dir(model), layer_ids=(2, L // 2, L - 3, L - 1), device=str(model.device),
-                             max_batch_tokens=max_batch_tokens, packed=packed, compile=compiled)
+    options = BackendOptions(
+        model=_Dir(model),
+        layer_ids=(2, L // 2, L - 3, L - 1),
+        device=str(model.device),
+        max_batch_tokens=max_batch_tokens,
+        packed=packed,
+        compile=compiled,
+    )
     return HFBackend(options, model=model)
 
 
@@ -82,9 +91,15 @@ def run_loop(backend, seqs: list[list[int]], batches) -> tuple[float, float]:
 
 
 def layer_errors(states, reference) -> list[float]:
-    """Per captured layer, the worst relative error (Frobenius, per sample) of ``states`` against ``reference``."""
-    return [max(float((got[j].float() - want[j].float()).norm() / want[j].float().norm())
-                for got, want in zip(states, reference, strict=True)) for j in range(len(reference[0]))]
+    """Per captured layer, the worst relative error (Frobenius, per sample) of ``states`` against
+    ``reference``."""
+    return [
+        max(
+            float((got[j].float() - want[j].float()).norm() / want[j].float().norm())
+            for got, want in zip(states, reference, strict=True)
+        )
+        for j in range(len(reference[0]))
+    ]
 
 
 def one_by_one(model, probe: list[list[int]]) -> list[list[torch.Tensor]]:
@@ -146,11 +161,21 @@ def measure(model, name: str, seqs, probe, reference, fp32, roof: DecoderShape, 
         states = backend.capture(probe)
         err = max(layer_errors(states, reference))
         fp32_err = layer_errors(states, fp32) if fp32 is not None else None
-        row = {"packed": packed, "compiled": compiled, "max_batch_tokens": mbt, "batches": len(batches),
-               "first_two_batches_seconds": first, "tokens_per_s": sum(lengths) / wall,
-               "roofline": roof.roofline_fraction(lengths, wall), "busy_roofline": roof.roofline_fraction(lengths, busy),
-               "device_idle": 1 - busy / wall, "worst_rel_err_vs_one_by_one": err, "rel_err_vs_fp32_per_layer": fp32_err, "peak_gpu_gib": peak,
-               "graphs_compiled": counters["stats"]["unique_graphs"] - graphs0}
+        row = {
+            "packed": packed,
+            "compiled": compiled,
+            "max_batch_tokens": mbt,
+            "batches": len(batches),
+            "first_two_batches_seconds": first,
+            "tokens_per_s": sum(lengths) / wall,
+            "roofline": roof.roofline_fraction(lengths, wall),
+            "busy_roofline": roof.roofline_fraction(lengths, busy),
+            "device_idle": 1 - busy / wall,
+            "worst_rel_err_vs_one_by_one": err,
+            "rel_err_vs_fp32_per_layer": fp32_err,
+            "peak_gpu_gib": peak,
+            "graphs_compiled": counters["stats"]["unique_graphs"] - graphs0,
+        }
         if gpu and name in ("plain-32k", "packed-compiled-32k"):
             try:
                 row.update(graph_gain(backend, [seqs[i] for i in batches[0].indices]))
@@ -166,21 +191,34 @@ def measure(model, name: str, seqs, probe, reference, fp32, roof: DecoderShape, 
 @click.command()
 @click.option("--shapes", default="llama-1b,llama-8b", show_default=True)
 @click.option("--variants", default=",".join(VARIANTS), show_default=True)
-@click.option("--samples", "counts", default="256,96", show_default=True, help="Samples per shape, in --shapes order.")
+@click.option(
+    "--samples", "counts", default="256,96", show_default=True, help="Samples per shape, in --shapes order."
+)
 @click.option("--seq-length", type=int, default=2048, show_default=True)
-@click.option("--fp32-reference/--no-fp32-reference", default=False, show_default=True,
-              help="Also hold every variant (and plain bf16) to an fp32 copy of the model, one sample at a time.")
+@click.option(
+    "--fp32-reference/--no-fp32-reference",
+    default=False,
+    show_default=True,
+    help="Also hold every variant (and plain bf16) to an fp32 copy of the model, one sample at a time.",
+)
 @click.option("--json-out", type=click.Path(), default=None)
-def main(shapes: str, variants: str, counts: str, seq_length: int, fp32_reference: bool, json_out: str | None) -> None:
+def main(
+    shapes: str, variants: str, counts: str, seq_length: int, fp32_reference: bool, json_out: str | None
+) -> None:
     gpu = torch.cuda.is_available()
-    results = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if gpu else "cpu", "shapes": {}}
+    results = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "shapes": {},
+    }
     for shape, n in zip(shapes.split(","), [int(c) for c in counts.split(",")], strict=True):
         t0 = time.perf_counter()
         model = build_model(shape, "cuda" if gpu else "cpu")
         built = time.perf_counter() - t0
         cfg = model.config
-        roof = DecoderShape.from_config(cfg.to_dict(), sum(p.numel() for k, p in model.named_parameters()
-                                                           if is_decoder_param(k)))
+        roof = DecoderShape.from_config(
+            cfg.to_dict(), sum(p.numel() for k, p in model.named_parameters() if is_decoder_param(k))
+        )
         seqs = samples(n, seq_length, cfg.vocab_size)
         lengths = [len(s) for s in seqs]
         probe = seqs[:4]
@@ -190,29 +228,48 @@ def main(shapes: str, variants: str, counts: str, seq_length: int, fp32_referenc
             exact = copy.deepcopy(model).float()
             fp32 = one_by_one(exact, probe)
             del exact
-        out = results["shapes"][shape] = {"build_seconds": built, "samples": n, "tokens": sum(lengths),
-                                         "decoder_params": roof.decoder_params, "variants": {},
-                                         "plain_bf16_vs_fp32_per_layer": layer_errors(reference, fp32) if fp32 else None}
+        out = results["shapes"][shape] = {
+            "build_seconds": built,
+            "samples": n,
+            "tokens": sum(lengths),
+            "decoder_params": roof.decoder_params,
+            "variants": {},
+            "plain_bf16_vs_fp32_per_layer": layer_errors(reference, fp32) if fp32 else None,
+        }
         for name in variants.split(","):
             try:
                 row = measure(model, name, seqs, probe, reference, fp32, roof, gpu)
             except Exception as exc:  # noqa: BLE001 - one broken lever is reported, the others still run
                 row = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
             out["variants"][name] = row
-            print(json.dumps({"shape": shape, "variant": name, **{k: round(v, 4) if isinstance(v, float) else v
-                                                                  for k, v in row.items()}}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "shape": shape,
+                        "variant": name,
+                        **{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()},
+                    }
+                ),
+                flush=True,
+            )
         del model
         if gpu:
             torch.cuda.empty_cache()
-    print("\n| shape | variant | tok/s | decoder roofline | busy roofline | idle | first 2 batches s | rel err |")
+    print(
+        "\n| shape | variant | tok/s | decoder roofline | busy roofline | idle | "
+        "first 2 batches s | rel err |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for shape, out in results["shapes"].items():
         for name, r in out["variants"].items():
             if "error" in r:
                 print(f"| {shape} | {name} | {r['error'][:80]} | | | | | |")
                 continue
-            print(f"| {shape} | {name} | {r['tokens_per_s']:,.0f} | {r['roofline']:.1%} | {r['busy_roofline']:.1%} | "
-                  f"{r['device_idle']:.1%} | {r['first_two_batches_seconds']:.1f} | {r['worst_rel_err_vs_one_by_one']:.2g} |")
+            print(
+                f"| {shape} | {name} | {r['tokens_per_s']:,.0f} | {r['roofline']:.1%} | "
+                f"{r['busy_roofline']:.1%} | {r['device_idle']:.1%} | {r['first_two_batches_seconds']:.1f} | "
+                f"{r['worst_rel_err_vs_one_by_one']:.2g} |"
+            )
     if json_out:
         with open(json_out, "w") as fh:
             json.dump(results, fh, indent=2)

@@ -1,19 +1,20 @@
 """Benchmark: a draft made by this pipeline, for a target that has learned something (issue #17 item 4).
 
-Builds the target in process (pipeline/demo/learned.py: a BPE tokenizer and a Llama trained for a time budget on
-real offline text, the stdlib's and the installed packages' sources and docs, saved with its chat template),
-draws held-apart "continue this file" prompts and has the target answer them greedily (its own words: what
-EAGLE drafts are trained on, and what the offline acceptance compares with), then runs the product's real
-command lines, each its own process: ``prepare -> extract (hf) -> weights -> train -> verify``. The train stage
-closes with the offline acceptance at k=3 against its trivial baselines; this script reads it from
-``train/summary.json``, prints one table, checks the goal (>= 2.5 and >= 1.3x the best baseline) and writes
-every figure to --json after each phase, so a run cut short still reports what it finished. GPU utilisation
-and memory (NVML, sampled every 0.5 s) are recorded per phase.
+Builds the target in process (pipeline/demo/learned.py: a BPE tokenizer and a Llama trained for a time budget
+on real offline text, the stdlib's and the installed packages' sources and docs, saved with its chat
+template), draws held-apart "continue this file" prompts and has the target answer them greedily (its own
+words: what EAGLE drafts are trained on, and what the offline acceptance compares with), then runs the
+product's real command lines, each its own process: ``prepare -> extract (hf) -> weights -> train -> verify``.
+The train stage closes with the offline acceptance at k=3 against its trivial baselines; this script reads it
+from ``train/summary.json``, prints one table, checks the goal (>= 2.5 and >= 1.3x the best baseline) and
+writes every figure to --json after each phase, so a run cut short still reports what it finished. GPU
+utilisation and memory (NVML, sampled every 0.5 s) are recorded per phase.
 
-    python bench/learned_bench.py --preset h200 --json runs/bench-learned.json   # one GPU, ~10 min
-    python bench/learned_bench.py --preset tiny                                  # CPU, ~2 min (the smoke test)
+    python bench/learned_bench.py --preset h200 --json runs/bench-learned.json  # one GPU, ~10 min
+    python bench/learned_bench.py --preset tiny                                 # CPU, ~2 min (the smoke test)
 
-It does not serve the draft (no GPU vLLM here): the figure is the offline one (docs/train.md says how it differs).
+It does not serve the draft (no GPU vLLM here): the figure is the offline one (docs/train.md says how it
+differs).
 """
 
 from __future__ import annotations
@@ -61,20 +62,64 @@ class Preset:
 
 
 PRESETS = {
-    "tiny": Preset("stdlib", 600_000, None, 1024,
-                   {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8, "num_attention_heads": 2,
-                        "num_key_value_heads": 1, "head_dim": 64},
-                   10.0, 128, 4, 3e-3, 6, 10, 24, 16, 24, 512, {"epochs": 1, "max_len": 1024, "lr": 1e-3}, 8),
-    "h200": Preset("installed", 100_000_000, 20_000_000, 16384,
-                   {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12, "num_attention_heads": 16,
-                        "num_key_value_heads": 4, "head_dim": 64},
-                   120.0, 1024, 64, 1e-3, 8, 16, 2500, 192, 512, 1024,
-                   {"epochs": 5, "max_len": 8192, "lr": 5e-4}, 128),
+    "tiny": Preset(
+        "stdlib",
+        600_000,
+        None,
+        1024,
+        {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+        },
+        10.0,
+        128,
+        4,
+        3e-3,
+        6,
+        10,
+        24,
+        16,
+        24,
+        512,
+        {"epochs": 1, "max_len": 1024, "lr": 1e-3},
+        8,
+    ),
+    "h200": Preset(
+        "installed",
+        100_000_000,
+        20_000_000,
+        16384,
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 2816,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+        },
+        120.0,
+        1024,
+        64,
+        1e-3,
+        8,
+        16,
+        2500,
+        192,
+        512,
+        1024,
+        {"epochs": 5, "max_len": 8192, "lr": 5e-4},
+        128,
+    ),
 }
 
 
 class GpuSampler:
-    """Mean GPU utilisation and peak memory of device 0 over a phase (NVML every 0.5 s); empty without a GPU."""
+    """Mean GPU utilisation and peak memory of device 0 over a phase (NVML every 0.5 s); empty without a
+    GPU."""
 
     def __init__(self):
         self.samples: list[tuple[int, int]] = []
@@ -105,12 +150,15 @@ class GpuSampler:
     def figures(self) -> dict:
         if not self.samples:
             return {}
-        return {"gpu_util_mean_pct": round(sum(u for u, _ in self.samples) / len(self.samples), 1),
-                "gpu_mem_peak_gib": round(max(m for _, m in self.samples) / 2**30, 1)}
+        return {
+            "gpu_util_mean_pct": round(sum(u for u, _ in self.samples) / len(self.samples), 1),
+            "gpu_mem_peak_gib": round(max(m for _, m in self.samples) / 2**30, 1),
+        }
 
 
 def stage(args: list[str], may_fail: bool = False, env: dict | None = None) -> tuple[float, int]:
-    """Run ``python -m pipeline ARGS`` as its own process; its seconds and exit code. Exits on failure unless ``may_fail``."""
+    """Run ``python -m pipeline ARGS`` as its own process; its seconds and exit code. Exits on failure unless
+    ``may_fail``."""
     prefix = [f"{k}={v}" for k, v in (env or {}).items()]
     click.echo(f"\n$ {shlex.join([*prefix, 'python', '-m', 'pipeline', *args])}", err=True)
     t0 = time.perf_counter()
@@ -122,18 +170,79 @@ def stage(args: list[str], may_fail: bool = False, env: dict | None = None) -> t
 
 def plan(work: Path, p: Preset, device: str, vocab: int) -> list[tuple[str, list[str]]]:
     """The stage command lines, in order."""
-    model, prepared, states, verifier, train = (str(work / n) for n in ("model", "prepared", "hidden_states", "verifier", "train"))
+    model, prepared, states, verifier, train = (
+        str(work / n) for n in ("model", "prepared", "hidden_states", "verifier", "train")
+    )
     t = p.train
     return [
-        ("prepare", ["prepare", "--data", str(work / "conversations.jsonl"), "--model", model, "--out", prepared,
-                     "--seq-length", str(p.seq_length), "--draft-vocab-size", str(vocab), "--overwrite"]),
-        ("extract", ["extract", "--prepared", prepared, "--model", model, "--out", states, "--backend", "hf",
-                     "--device", device, "--overwrite", "--no-progress"]),
+        (
+            "prepare",
+            [
+                "prepare",
+                "--data",
+                str(work / "conversations.jsonl"),
+                "--model",
+                model,
+                "--out",
+                prepared,
+                "--seq-length",
+                str(p.seq_length),
+                "--draft-vocab-size",
+                str(vocab),
+                "--overwrite",
+            ],
+        ),
+        (
+            "extract",
+            [
+                "extract",
+                "--prepared",
+                prepared,
+                "--model",
+                model,
+                "--out",
+                states,
+                "--backend",
+                "hf",
+                "--device",
+                device,
+                "--overwrite",
+                "--no-progress",
+            ],
+        ),
         ("weights", ["weights", "--model", model, "--out", verifier, "--overwrite"]),
-        ("train", ["train", "--data", states, "--prepared", prepared, "--verifier", verifier, "--model", model,
-                   "--out", train, "--overwrite", "--epochs", str(t["epochs"]), "--max-len", str(t["max_len"]),
-                   "--lr", str(t["lr"]), "--ttt-steps", "3", "--eval-k", "3", "--device", device,
-                   "--eval-max-samples", str(p.eval_max_samples), "--no-plots"]),
+        (
+            "train",
+            [
+                "train",
+                "--data",
+                states,
+                "--prepared",
+                prepared,
+                "--verifier",
+                verifier,
+                "--model",
+                model,
+                "--out",
+                train,
+                "--overwrite",
+                "--epochs",
+                str(t["epochs"]),
+                "--max-len",
+                str(t["max_len"]),
+                "--lr",
+                str(t["lr"]),
+                "--ttt-steps",
+                "3",
+                "--eval-k",
+                "3",
+                "--device",
+                device,
+                "--eval-max-samples",
+                str(p.eval_max_samples),
+                "--no-plots",
+            ],
+        ),
         ("verify", ["verify", train]),
     ]
 
@@ -154,30 +263,62 @@ def _dir_gib(path: Path) -> float:
 
 @click.command()
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
-@click.option("--workdir", type=click.Path(path_type=Path), default=Path("runs/bench-learned"), show_default=True)
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write figures here.")
-@click.option("--target-seconds", type=float, default=None, help="Override the preset's target training budget.")
-@click.option("--conversations", type=int, default=None, help="Override the preset's number of draft conversations.")
+@click.option(
+    "--workdir", type=click.Path(path_type=Path), default=Path("runs/bench-learned"), show_default=True
+)
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write figures here."
+)
+@click.option(
+    "--target-seconds", type=float, default=None, help="Override the preset's target training budget."
+)
+@click.option(
+    "--conversations", type=int, default=None, help="Override the preset's number of draft conversations."
+)
 @click.option("--epochs", type=int, default=None, help="Override the preset's draft epochs.")
-@click.option("--device", default="auto", show_default=True, help="auto (cuda when there is one) | cpu | cuda.")
-@click.option("--keep-states/--drop-states", default=False, show_default=True, help="Keep hidden_states/ afterwards.")
-@click.option("--train-compile/--no-train-compile", default=True, show_default=True,
-              help="Let speculators torch.compile the draft's forward in the train stage (the product's default; it "
-                   "now trains with the eager loss, which the compiler fuses, see pipeline/train/stage.py "
-                   "loss_implementation). Off: TORCHDYNAMO_DISABLE=1, flex attention runs eager (slow on a GPU).")
-def main(preset: str, workdir: Path, json_path: Path | None, target_seconds: float | None, conversations: int | None,
-         epochs: int | None, device: str, keep_states: bool, train_compile: bool) -> None:
-    """Train a target on real text, make a draft for it with the pipeline's CLIs, report acceptance vs baselines."""
+@click.option(
+    "--device", default="auto", show_default=True, help="auto (cuda when there is one) | cpu | cuda."
+)
+@click.option(
+    "--keep-states/--drop-states", default=False, show_default=True, help="Keep hidden_states/ afterwards."
+)
+@click.option(
+    "--train-compile/--no-train-compile",
+    default=True,
+    show_default=True,
+    help="Let speculators torch.compile the draft's forward in the train stage (the product's default; it "
+    "now trains with the eager loss, which the compiler fuses, see pipeline/train/stage.py "
+    "loss_implementation). Off: TORCHDYNAMO_DISABLE=1, flex attention runs eager (slow on a GPU).",
+)
+def main(
+    preset: str,
+    workdir: Path,
+    json_path: Path | None,
+    target_seconds: float | None,
+    conversations: int | None,
+    epochs: int | None,
+    device: str,
+    keep_states: bool,
+    train_compile: bool,
+) -> None:
+    """Train a target on real text, make a draft for it with the pipeline's CLIs, report acceptance vs
+    baselines."""
     import torch
 
     from pipeline.demo import learned
 
     p = PRESETS[preset]
-    p = dataclasses.replace(p, target_seconds=target_seconds or p.target_seconds, conversations=conversations or p.conversations,
-                            train={**p.train, **({"epochs": epochs} if epochs else {})})
+    p = dataclasses.replace(
+        p,
+        target_seconds=target_seconds or p.target_seconds,
+        conversations=conversations or p.conversations,
+        train={**p.train, **({"epochs": epochs} if epochs else {})},
+    )
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     report = Report(json_path)  # bench/train_bench.py's: every phase's figures rewritten to --json as it ends
-    report.data.update(preset=preset, device=device, recipe=dataclasses.asdict(p), command=shlex.join(["python", *sys.argv]))
+    report.data.update(
+        preset=preset, device=device, recipe=dataclasses.asdict(p), command=shlex.join(["python", *sys.argv])
+    )
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     t_all = time.perf_counter()
@@ -186,37 +327,76 @@ def main(preset: str, workdir: Path, json_path: Path | None, target_seconds: flo
         t0 = time.perf_counter()
         texts = learned.corpus_texts(p.max_chars, p.corpus)
         learned.build_learned_model(
-            workdir / "model", seconds=p.target_seconds, seed=0, corpus=p.corpus, max_chars=p.max_chars,
-            tokenizer_chars=p.tokenizer_chars, vocab_size=p.vocab_size, device=device, packed=True,
-            seq_length=p.target_seq, batch=p.target_batch, lr=p.target_lr, prompt_lines=p.prompt_lines,
-            answer_lines=p.answer_lines, texts=texts, log=lambda m: click.echo(m, err=True), **p.model)
+            workdir / "model",
+            seconds=p.target_seconds,
+            seed=0,
+            corpus=p.corpus,
+            max_chars=p.max_chars,
+            tokenizer_chars=p.tokenizer_chars,
+            vocab_size=p.vocab_size,
+            device=device,
+            packed=True,
+            seq_length=p.target_seq,
+            batch=p.target_batch,
+            lr=p.target_lr,
+            prompt_lines=p.prompt_lines,
+            answer_lines=p.answer_lines,
+            texts=texts,
+            log=lambda m: click.echo(m, err=True),
+            **p.model,
+        )
     _free_gpu()
     record = json.loads((workdir / "model" / learned.RECORD).read_text())
     report.phase("target", time.perf_counter() - t0, record=record, **gpu.figures())
 
     with GpuSampler() as gpu:
         t0 = time.perf_counter()
-        prompts = learned.make_conversations(texts, p.conversations, seed=1000, prompt_lines=p.prompt_lines,
-                                             answer_lines=p.answer_lines, weighted=True)
+        prompts = learned.make_conversations(
+            texts,
+            p.conversations,
+            seed=1000,
+            prompt_lines=p.prompt_lines,
+            answer_lines=p.answer_lines,
+            weighted=True,
+        )
         del texts
-        rows, gen = learned.regenerate(workdir / "model", prompts, max_new_tokens=p.max_new_tokens, batch=p.gen_batch,
-                                       device=device)
+        rows, gen = learned.regenerate(
+            workdir / "model", prompts, max_new_tokens=p.max_new_tokens, batch=p.gen_batch, device=device
+        )
         learned.write_rows(workdir / "conversations.jsonl", rows)
-        learned.write_rows(workdir / "conversations-corpus.jsonl", prompts)  # the corpus's own answers, for reference
+        learned.write_rows(
+            workdir / "conversations-corpus.jsonl", prompts
+        )  # the corpus's own answers, for reference
     _free_gpu()  # the stages below are other processes on the same GPU
     report.phase("regenerate", time.perf_counter() - t0, **gen, **gpu.figures())
     sample = rows[0]["messages"]
-    click.echo(f"--- a prompt and the target's answer ---\n{sample[1]['content'][-400:]}\n>>>\n{sample[2]['content'][:600]}\n---", err=True)
+    click.echo(
+        f"--- a prompt and the target's answer ---\n{sample[1]['content'][-400:]}\n>>>\n"
+        f"{sample[2]['content'][:600]}\n---",
+        err=True,
+    )
 
     vocab = json.loads((workdir / "model" / "config.json").read_text())["vocab_size"]
     commands = plan(workdir, p, device, vocab)
     train_env = {} if train_compile else {"TORCHDYNAMO_DISABLE": "1"}
-    report.data["stages"] = [shlex.join([*(f"{k}={v}" for k, v in train_env.items() if name == "train"), "python", "-m",
-                                         "pipeline", *args]) for name, args in commands]
+    report.data["stages"] = [
+        shlex.join(
+            [
+                *(f"{k}={v}" for k, v in train_env.items() if name == "train"),
+                "python",
+                "-m",
+                "pipeline",
+                *args,
+            ]
+        )
+        for name, args in commands
+    ]
     report.write()
     for name, args in commands:
         with GpuSampler() as gpu:
-            seconds, rc = stage(args, may_fail=name == "verify", env=train_env if name == "train" else None)  # verify fails a draft that does not beat its baselines
+            seconds, rc = stage(
+                args, may_fail=name == "verify", env=train_env if name == "train" else None
+            )  # verify fails a draft that does not beat its baselines
         figures = {**gpu.figures(), **({"exit_code": rc} if name == "verify" else {})}
         if name == "prepare":
             meta = json.loads((workdir / "prepared" / "metadata.json").read_text())
@@ -236,31 +416,67 @@ def main(preset: str, workdir: Path, json_path: Path | None, target_seconds: flo
     ratio = draft["acceptance_length"] / best["acceptance_length"]
     met = draft["acceptance_length"] >= GOAL_ACCEPTANCE and ratio >= GOAL_RATIO
     context_free = max(r["acceptance_length"] for n, r in ev["baselines"].items() if n != "ngram_context")
-    report.data["result"] = {"acceptance_length": draft["acceptance_length"], "per_position": draft["per_position"],
-                             "best_baseline": ev["best_baseline"], "best_baseline_acceptance": best["acceptance_length"],
-                             "ratio": round(ratio, 3), "ratio_context_free": round(draft["acceptance_length"] / context_free, 3),
-                             "goal": f">= {GOAL_ACCEPTANCE} and >= {GOAL_RATIO}x", "goal_met": met,
-                             "total_seconds": round(time.perf_counter() - t_all, 1)}
+    report.data["result"] = {
+        "acceptance_length": draft["acceptance_length"],
+        "per_position": draft["per_position"],
+        "best_baseline": ev["best_baseline"],
+        "best_baseline_acceptance": best["acceptance_length"],
+        "ratio": round(ratio, 3),
+        "ratio_context_free": round(draft["acceptance_length"] / context_free, 3),
+        "goal": f">= {GOAL_ACCEPTANCE} and >= {GOAL_RATIO}x",
+        "goal_met": met,
+        "total_seconds": round(time.perf_counter() - t_all, 1),
+    }
     report.write()
     tr = report.data["phases"]["train"]["train"]
     rows_out = [
-        ("target", (f"Llama {record['parameters'] / 1e6:.0f} M parameters ({p.model.get('num_hidden_layers')} layers, "
-                   f"hidden {p.model.get('hidden_size', 256)}, vocab {vocab}), {record['steps']} steps / "
-                   f"{record['tokens'] / 1e6:.1f} M tokens in {record['seconds']:.0f} s ({record['tokens_per_s']:,.0f} tok/s), "
-                   f"loss {record['loss_first']:.2f} -> {record['loss_last']:.2f}")),
+        (
+            "target",
+            (
+                f"Llama {record['parameters'] / 1e6:.0f} M parameters "
+                f"({p.model.get('num_hidden_layers')} layers, "
+                f"hidden {p.model.get('hidden_size', 256)}, vocab {vocab}), {record['steps']} steps / "
+                f"{record['tokens'] / 1e6:.1f} M tokens in {record['seconds']:.0f} s "
+                f"({record['tokens_per_s']:,.0f} tok/s), "
+                f"loss {record['loss_first']:.2f} -> {record['loss_last']:.2f}"
+            ),
+        ),
         ("corpus", f"{p.corpus}: {record['corpus_files']} files, {record['corpus_chars'] / 1e6:.1f} M chars"),
-        ("draft data", (f"{gen['rows']} prompts answered by the target ({gen['mean_new_tokens']:.0f} new tokens each, "
-                       f"{gen['ended_with_eot']:.0%} ended by itself); "
-                       f"{report.data['phases']['prepare']['num_tokens']} tokens after prepare")),
-        ("draft train", (f"{tr.get('train_tokens_per_s')} tokens/s, {tr.get('epochs_run_now')} epochs, "
-                        f"{report.data['phases']['train']['seconds']:.0f} s (stage, eval included)")),
-        (f"draft acceptance length (k={ev['k']})", (f"{draft['acceptance_length']:.3f} "
-                                                  f"(per position {', '.join(f'{x:.3f}' for x in draft['per_position'])})")),
+        (
+            "draft data",
+            (
+                f"{gen['rows']} prompts answered by the target "
+                f"({gen['mean_new_tokens']:.0f} new tokens each, "
+                f"{gen['ended_with_eot']:.0%} ended by itself); "
+                f"{report.data['phases']['prepare']['num_tokens']} tokens after prepare"
+            ),
+        ),
+        (
+            "draft train",
+            (
+                f"{tr.get('train_tokens_per_s')} tokens/s, {tr.get('epochs_run_now')} epochs, "
+                f"{report.data['phases']['train']['seconds']:.0f} s (stage, eval included)"
+            ),
+        ),
+        (
+            f"draft acceptance length (k={ev['k']})",
+            (
+                f"{draft['acceptance_length']:.3f} "
+                f"(per position {', '.join(f'{x:.3f}' for x in draft['per_position'])})"
+            ),
+        ),
     ]
     rows_out += [(f"baseline {n}", f"{r['acceptance_length']:.3f}") for n, r in ev["baselines"].items()]
-    rows_out.append(("goal", (f"{'MET' if met else 'NOT MET'}: {draft['acceptance_length']:.3f} vs {GOAL_ACCEPTANCE}, "
-                             f"{ratio:.2f}x the best baseline ({ev['best_baseline']}) vs {GOAL_RATIO}x; "
-                             f"{draft['acceptance_length'] / context_free:.2f}x the best context-free one")))
+    rows_out.append(
+        (
+            "goal",
+            (
+                f"{'MET' if met else 'NOT MET'}: {draft['acceptance_length']:.3f} vs {GOAL_ACCEPTANCE}, "
+                f"{ratio:.2f}x the best baseline ({ev['best_baseline']}) vs {GOAL_RATIO}x; "
+                f"{draft['acceptance_length'] / context_free:.2f}x the best context-free one"
+            ),
+        )
+    )
     click.echo("\n| figure | value |\n|---|---|")
     for k, v in rows_out:
         click.echo(f"| {k} | {v} |")

@@ -28,8 +28,15 @@ def main(prepared: Path, model: Path, out: Path, limit: int | None) -> None:
     n = len(formats.read_prepared(prepared)[0]) if limit is None else limit
     L = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     gpu = torch.cuda.is_available()
-    stats = naive(model, prepared, out, n, [2, L // 2, L - 3, L - 1], "cuda" if gpu else "cpu",
-                  torch.bfloat16 if gpu else torch.float32)
+    stats = naive(
+        model,
+        prepared,
+        out,
+        n,
+        [2, L // 2, L - 3, L - 1],
+        "cuda" if gpu else "cpu",
+        torch.bfloat16 if gpu else torch.float32,
+    )
     click.echo(json.dumps(stats))
 
 

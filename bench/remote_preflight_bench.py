@@ -1,4 +1,5 @@
-"""Benchmark: how soon `remote-extract` refuses a misconfigured run, from the laptop command to its error line.
+"""Benchmark: how soon `remote-extract` refuses a misconfigured run, from the laptop command to its error
+line.
 
 Against a loopback "GPU host" (a real sshd, the real Docker engine, a server container holding the one
 GPU, a tiny real model and prepared samples: tests/ops/bench_ops.py `bench_scene`), each misconfiguration
@@ -38,7 +39,9 @@ CASES = {  # name -> arguments after `--` that make the run misconfigured
 def timed(argv: list[str], env: dict) -> tuple[float | None, float, int, str]:
     """Seconds to the first `error:` line on stderr, to exit, the exit code, that line."""
     start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
     first, line = None, ""
     for text in proc.stderr:
         if first is None and text.startswith("error:"):
@@ -63,21 +66,45 @@ def main(runs: int, json_out: Path | None) -> None:
                 started = server.attrs["State"]["StartedAt"]
                 trace = tmp / f"trace-{len(rows)}.jsonl"
                 env = dict(os.environ, EAGLE_OPS_TRACE=str(trace))
-                argv = [sys.executable, "-m", "ops", "remote-extract", "--host", "pfbench", "--hosts-file",
-                        str(scene["hosts"]), "--run-id", f"pfb{len(rows)}", "--runs-dir", str(tmp / "runs"), "--", *extra]
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "ops",
+                    "remote-extract",
+                    "--host",
+                    "pfbench",
+                    "--hosts-file",
+                    str(scene["hosts"]),
+                    "--run-id",
+                    f"pfb{len(rows)}",
+                    "--runs-dir",
+                    str(tmp / "runs"),
+                    "--",
+                    *extra,
+                ]
                 to_error, wall, code, line = timed(argv, env)
                 server.reload()
                 kept = server.status == "running" and server.attrs["State"]["StartedAt"] == started
                 cmds = [json.loads(x) for x in trace.read_text().splitlines()] if trace.exists() else []
                 containers = [c["seconds"] for c in cmds if c["command"].startswith("docker run --rm")]
-                row = {"case": case, "run": i, "seconds_to_error_line": to_error, "seconds_to_exit": round(wall, 2),
-                       "exit_code": code, "error_line": line, "server_kept_running": kept,
-                       "container_seconds": [round(s, 2) for s in containers],
-                       "remote_seconds": round(sum(c["seconds"] for c in cmds), 2)}
+                row = {
+                    "case": case,
+                    "run": i,
+                    "seconds_to_error_line": to_error,
+                    "seconds_to_exit": round(wall, 2),
+                    "exit_code": code,
+                    "error_line": line,
+                    "server_kept_running": kept,
+                    "container_seconds": [round(s, 2) for s in containers],
+                    "remote_seconds": round(sum(c["seconds"] for c in cmds), 2),
+                }
                 rows.append(row)
-                print(f"{case} run {i}: error line after {to_error if to_error is None else round(to_error, 2)} s, "
-                      f"exit {code} after {wall:.2f} s, server kept running: {kept}; containers "
-                      f"{' + '.join(f'{s:.2f}' for s in containers)} s; {line}")
+                print(
+                    f"{case} run {i}: error line after "
+                    f"{to_error if to_error is None else round(to_error, 2)} s, "
+                    f"exit {code} after {wall:.2f} s, server kept running: {kept}; containers "
+                    f"{' + '.join(f'{s:.2f}' for s in containers)} s; {line}"
+                )
                 if code != 4 or not kept:
                     sys.exit(f"expected exit 4 with the server untouched: {row}")
     finally:
@@ -86,9 +113,11 @@ def main(runs: int, json_out: Path | None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     for case in CASES:
         secs = sorted(r["seconds_to_error_line"] for r in rows if r["case"] == case)
-        print(f"{case}: laptop command to error line median {secs[len(secs) // 2]:.2f} s "
-              f"(min {secs[0]:.2f}, max {secs[-1]:.2f}) over {len(secs)} runs; "
-              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print(
+            f"{case}: laptop command to error line median {secs[len(secs) // 2]:.2f} s "
+            f"(min {secs[0]:.2f}, max {secs[-1]:.2f}) over {len(secs)} runs; "
+            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        )
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         tmp_out = json_out.with_suffix(".tmp")

@@ -1,4 +1,5 @@
-"""What a hidden-state capture computes, in FLOPs, and the fraction of the GPU's bf16 peak that a rate reaches.
+"""What a hidden-state capture computes, in FLOPs, and the fraction of the GPU's bf16 peak that a rate
+reaches.
 
 Extraction runs the decoder stack only: the embedding is a lookup (no multiply) and the lm_head is never
 applied, so neither counts. A token costs 2 FLOPs (multiply and add) per decoder parameter it meets, and
@@ -46,7 +47,9 @@ class DecoderShape:
         pairs = sum(t * (t + 1) // 2 for t in lengths)
         return dense + self.layers * self.heads * 4 * self.head_dim * pairs
 
-    def roofline_fraction(self, lengths: Sequence[int], seconds: float, peak: float = PEAK_BF16_FLOPS) -> float:
+    def roofline_fraction(
+        self, lengths: Sequence[int], seconds: float, peak: float = PEAK_BF16_FLOPS
+    ) -> float:
         """The share of ``peak`` that computing these samples in ``seconds`` reaches."""
         return self.flops(lengths) / seconds / peak
 
@@ -56,7 +59,11 @@ def checkpoint_decoder_params(model_dir: Path) -> int:
     from safetensors import safe_open
 
     index = model_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
     total = 0
     for name in files:
         with safe_open(model_dir / name, framework="pt") as fh:
@@ -71,5 +78,6 @@ def checkpoint_decoder_params(model_dir: Path) -> int:
 
 def model_shape(model_dir: Path) -> DecoderShape:
     """The FLOP-count shape of a saved model directory."""
-    return DecoderShape.from_config(json.loads((model_dir / "config.json").read_text()),
-                                    checkpoint_decoder_params(model_dir))
+    return DecoderShape.from_config(
+        json.loads((model_dir / "config.json").read_text()), checkpoint_decoder_params(model_dir)
+    )

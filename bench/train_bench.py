@@ -22,17 +22,33 @@ import torch
 PRESETS = {
     # name: model overrides, conversations, seq_length, draft vocab (None = full), train options
     "tiny": (dict(), 200, 256, None, dict(epochs=2, max_len=1024, lr=1e-3)),
-    "llama-1b": (dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=64),
-                 1500, 2048, 32000, dict(epochs=2, max_len=2048, lr=3e-4)),
+    "llama-1b": (
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+        ),
+        1500,
+        2048,
+        32000,
+        dict(epochs=2, max_len=2048, lr=3e-4),
+    ),
 }
 
 
 class Report:
     def __init__(self, path: Path | None):
         self.path = path
-        self.data: dict = {"host": platform.node(), "torch": torch.__version__,
-                           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "phases": {}}
+        self.data: dict = {
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "phases": {},
+        }
 
     def phase(self, name: str, seconds: float, **figures) -> None:
         self.data["phases"][name] = {"seconds": round(seconds, 2), **figures}
@@ -52,8 +68,17 @@ def attention_check(cfg) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inputs = check_inputs(cfg)
-    batch = next(iter(make_loader(inputs.train_files, cfg, Runtime(device), shuffle_seed=0,
-                                  hidden_size=inputs.target.hidden_size)))
+    batch = next(
+        iter(
+            make_loader(
+                inputs.train_files,
+                cfg,
+                Runtime(device),
+                shuffle_seed=0,
+                hidden_size=inputs.target.hidden_size,
+            )
+        )
+    )
     batch = {k: v.to(device) for k, v in batch.items() if k != "error_records"}
     results = {}
     for impl in (draft_mod.FLEX_ATTENTION, draft_mod.DENSE_ATTENTION):  # speculators picks the mask at load
@@ -64,7 +89,12 @@ def attention_check(cfg) -> dict:
         results[impl] = (tokens, float(loss))
     (tf, lf), (td, ld) = results.values()
     agree = float(sum((a == b).float().mean() for a, b in zip(tf, td)) / len(tf))
-    return {"flex_loss": lf, "dense_loss": ld, "proposal_agreement": agree, "documents": int(batch["document_ids"].max()) + 1}
+    return {
+        "flex_loss": lf,
+        "dense_loss": ld,
+        "proposal_agreement": agree,
+        "documents": int(batch["document_ids"].max()) + 1,
+    }
 
 
 def _timed(fn, *args, **kwargs):
@@ -77,9 +107,12 @@ def _timed(fn, *args, **kwargs):
     return out, time.perf_counter() - t0
 
 
-def build_random_set(workdir: Path, preset: str, conversations: int | None = None, report: Report | None = None) -> dict:
-    """The random target of ``preset`` and its set, in ``workdir`` (replaced): model/, prepared/, hidden_states/
-    (hf backend, no closing check), verifier/. Each phase's figures go to ``report``; returns what the set is."""
+def build_random_set(
+    workdir: Path, preset: str, conversations: int | None = None, report: Report | None = None
+) -> dict:
+    """The random target of ``preset`` and its set, in ``workdir`` (replaced): model/, prepared/,
+    hidden_states/ (hf backend, no closing check), verifier/. Each phase's figures go to ``report``; returns
+    what the set is."""
     import shutil
 
     from pipeline import extract, formats, prepare, weights
@@ -94,32 +127,69 @@ def build_random_set(workdir: Path, preset: str, conversations: int | None = Non
 
     model, s = _timed(tiny.build_tiny_model, "llama", workdir / "model", seed=0, **overrides)
     convs = tiny.write_conversations(workdir / "conversations.jsonl", n=n_conv, seed=0)
-    params = sum(p.numel() for p in __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(model / "model.safetensors")).values())
+    params = sum(
+        p.numel()
+        for p in __import__("safetensors.torch", fromlist=["load_file"])
+        .load_file(str(model / "model.safetensors"))
+        .values()
+    )
     report.phase("target", s, parameters=params)
 
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    meta, s = _timed(prepare.run, prepare.PrepareConfig(data=convs, model=model, out=workdir / "prepared", seq_length=seq_length,
-                                                        draft_vocab_size=draft_vocab or vocab))
+    meta, s = _timed(
+        prepare.run,
+        prepare.PrepareConfig(
+            data=convs,
+            model=model,
+            out=workdir / "prepared",
+            seq_length=seq_length,
+            draft_vocab_size=draft_vocab or vocab,
+        ),
+    )
     report.phase("prepare", s, samples=meta.num_samples, tokens=meta.num_tokens)
 
-    _, s = _timed(extract.run, extract.ExtractConfig(prepared=workdir / "prepared", model=model, out=workdir / "hidden_states",
-                                                     verify=False, progress=False))
+    _, s = _timed(
+        extract.run,
+        extract.ExtractConfig(
+            prepared=workdir / "prepared",
+            model=model,
+            out=workdir / "hidden_states",
+            verify=False,
+            progress=False,
+        ),
+    )
     dc = formats.read_data_config(workdir / "hidden_states")
-    report.phase("extract", s, tokens_per_s=round(meta.num_tokens / s, 1), dtype=dc.dtype, layer_ids=dc.layer_ids)
+    report.phase(
+        "extract", s, tokens_per_s=round(meta.num_tokens / s, 1), dtype=dc.dtype, layer_ids=dc.layer_ids
+    )
 
     _, s = _timed(weights.run, model, workdir / "verifier")
     report.phase("weights", s)
-    return {"model": model, "meta": meta, "data_config": dc, "parameters": params, "vocab": vocab, "seq_length": seq_length,
-            "samples": meta.num_samples, "tokens": meta.num_tokens}
+    return {
+        "model": model,
+        "meta": meta,
+        "data_config": dc,
+        "parameters": params,
+        "vocab": vocab,
+        "seq_length": seq_length,
+        "samples": meta.num_samples,
+        "tokens": meta.num_tokens,
+    }
 
 
 @click.command()
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
-@click.option("--workdir", type=click.Path(path_type=Path), default=Path("runs/bench-train"), show_default=True)
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write figures here.")
+@click.option(
+    "--workdir", type=click.Path(path_type=Path), default=Path("runs/bench-train"), show_default=True
+)
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write figures here."
+)
 @click.option("--conversations", type=int, default=None, help="Override the preset's conversation count.")
 @click.option("--epochs", type=int, default=None, help="Override the preset's epochs.")
-def main(preset: str, workdir: Path, json_path: Path | None, conversations: int | None, epochs: int | None) -> None:
+def main(
+    preset: str, workdir: Path, json_path: Path | None, conversations: int | None, epochs: int | None
+) -> None:
     """Build a random target, extract, train a draft, measure; print a markdown table."""
     from pipeline.train.stage import TrainConfig, run
     from pipeline.train.cli import quiet_libraries
@@ -133,8 +203,15 @@ def main(preset: str, workdir: Path, json_path: Path | None, conversations: int 
     model, meta, dc, params = built["model"], built["meta"], built["data_config"], built["parameters"]
     vocab, seq_length = built["vocab"], built["seq_length"]
 
-    cfg = TrainConfig(data=workdir / "hidden_states", verifier=workdir / "verifier", out=workdir / "train", model=model,
-                      prepared=workdir / "prepared", eval_max_samples=32, **train_opts)
+    cfg = TrainConfig(
+        data=workdir / "hidden_states",
+        verifier=workdir / "verifier",
+        out=workdir / "train",
+        model=model,
+        prepared=workdir / "prepared",
+        eval_max_samples=32,
+        **train_opts,
+    )
     try:
         summary, s = _timed(run, cfg, log=lambda m: click.echo(m, err=True))
     except Exception as exc:  # noqa: BLE001 - e.g. torch.compile on an untested torch: retry once in eager mode
@@ -153,12 +230,28 @@ def main(preset: str, workdir: Path, json_path: Path | None, conversations: int 
         report.phase("attention_check", 0.0, error=f"{type(exc).__name__}: {exc}"[:300])
     base = ev["baselines"][ev["best_baseline"]] if ev else {}
     rows = [
-        ("target", f"random Llama, {params / 1e9:.2f} B parameters, {dc.num_layers} layers, hidden {dc.hidden_size}, vocab {vocab}"),
+        (
+            "target",
+            (
+                f"random Llama, {params / 1e9:.2f} B parameters, {dc.num_layers} layers, "
+                f"hidden {dc.hidden_size}, vocab {vocab}"
+            ),
+        ),
         ("data", f"{meta.num_samples} samples, {meta.num_tokens} tokens, seq_length {seq_length}"),
-        ("extract (hf, ours)", f"{meta.num_tokens / report.data['phases']['extract']['seconds']:.0f} tokens/s"),
-        ("train", f"{summary['train']['train_tokens_per_s']} tokens/s over {summary['train']['epochs_run_now']} epochs "
-                  f"({summary['train']['steps_per_epoch']} steps/epoch, {summary['train']['device']})"),
-        ("draft acceptance length", f"{ev.get('draft', {}).get('acceptance_length', float('nan')):.3f} (k={ev.get('k')})"),
+        (
+            "extract (hf, ours)",
+            f"{meta.num_tokens / report.data['phases']['extract']['seconds']:.0f} tokens/s",
+        ),
+        (
+            "train",
+            f"{summary['train']['train_tokens_per_s']} tokens/s over "
+            f"{summary['train']['epochs_run_now']} epochs "
+            f"({summary['train']['steps_per_epoch']} steps/epoch, {summary['train']['device']})",
+        ),
+        (
+            "draft acceptance length",
+            f"{ev.get('draft', {}).get('acceptance_length', float('nan')):.3f} (k={ev.get('k')})",
+        ),
         ("per position", ", ".join(f"{x:.3f}" for x in ev.get("draft", {}).get("per_position", []))),
         (f"best baseline ({ev.get('best_baseline')})", f"{base.get('acceptance_length', float('nan')):.3f}"),
         ("greedy tokens inside the draft vocab", f"{ev.get('greedy_in_draft_vocab', float('nan')):.3f}"),

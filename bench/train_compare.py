@@ -39,9 +39,10 @@ import click
 from bench.learned_bench import GpuSampler
 from bench.train_bench import Report
 
-# The draft and optimizer `pipeline train` builds (pipeline/train/draft.py: speculators' Eagle3SpeculatorConfig
-# defaults; speculators' Trainer defaults to AdamW), which `speculators train`'s CLI defaults differ from: it
-# picks Muon and the "Eagle 3.1" norms. With these flags both tools train the same model the same way.
+# The draft and optimizer `pipeline train` builds (pipeline/train/draft.py: speculators'
+# Eagle3SpeculatorConfig defaults; speculators' Trainer defaults to AdamW), which `speculators train`'s CLI
+# defaults differ from: it picks Muon and the "Eagle 3.1" norms. With these flags both tools train the same
+# model the same way.
 SAME_DRAFT = ("--optimizer", "adamw", "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output")
 EPOCH_LINE = re.compile(r"Training epoch (\d+)/(\d+) (started|completed)")
 TOOLS = ("ours", "speculators")
@@ -66,8 +67,9 @@ PROFILE_FIELD = re.compile(r"profile/(tokens_per_s|step_ms)=([0-9.e+-]+)")
 
 
 def steady_rate(steps: list[tuple[float, float]]) -> float | None:
-    """Tokens per second over the logged steps after the first (which carries the compile and the first fetch):
-    ``steps`` is each logged step's (tokens/s, step ms) from speculators' step timer, which both tools run."""
+    """Tokens per second over the logged steps after the first (which carries the compile and the first
+    fetch): ``steps`` is each logged step's (tokens/s, step ms) from speculators' step timer, which both
+    tools run."""
     later = steps[1:]
     seconds = sum(ms for _, ms in later) / 1000
     return round(sum(tps * ms / 1000 for tps, ms in later) / seconds, 1) if later and seconds > 0 else None
@@ -89,7 +91,11 @@ def profiles_from_metrics(out: Path) -> list[tuple[float, float]]:
     """(tokens/s, step ms) of each step our train wrote to metrics.jsonl."""
     metrics = out / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    return [(r["profile"]["tokens_per_s"], r["profile"]["step_ms"]) for r in rows if isinstance(r.get("profile"), dict)]
+    return [
+        (r["profile"]["tokens_per_s"], r["profile"]["step_ms"])
+        for r in rows
+        if isinstance(r.get("profile"), dict)
+    ]
 
 
 def speculators_train_tokens(dataset: Path, train_ratio: float = 0.9) -> int:
@@ -106,8 +112,10 @@ def val_figures(val: dict | None) -> dict:
     """The validation loss and TTT step 0..2 accuracies of one epoch record of speculators' trainer."""
     if not val or "loss_epoch" not in val:
         return {"val_loss": None}
-    return {"val_loss": round(val["loss_epoch"], 5),
-            "val_full_acc": [round(val[k], 4) for i in range(3) if (k := f"full_acc_{i}_epoch") in val]}
+    return {
+        "val_loss": round(val["loss_epoch"], 5),
+        "val_full_acc": [round(val[k], 4) for i in range(3) if (k := f"full_acc_{i}_epoch") in val],
+    }
 
 
 def last_val_speculators(save: Path) -> dict:
@@ -130,7 +138,8 @@ def last_val_ours(out: Path) -> dict:
 
 
 def timed_lines(argv: list[str], env: dict, log: Path) -> tuple[float, int, list[tuple[float, str]]]:
-    """Run ``argv``; wall seconds, exit code, and each output line with the seconds since start (also to ``log``)."""
+    """Run ``argv``; wall seconds, exit code, and each output line with the seconds since start (also to
+    ``log``)."""
     t0 = time.perf_counter()
     lines: list[tuple[float, str]] = []
     with open(log, "w") as fh:
@@ -142,25 +151,81 @@ def timed_lines(argv: list[str], env: dict, log: Path) -> tuple[float, int, list
     return time.perf_counter() - t0, proc.returncode, lines
 
 
-def commands(work: Path, tool: str, epochs: int, opts: dict, record: dict, device: str) -> tuple[list[str], Path]:
+def commands(
+    work: Path, tool: str, epochs: int, opts: dict, record: dict, device: str
+) -> tuple[list[str], Path]:
     """One tool's command line at ``epochs`` epochs, and the directory it writes."""
     common = {"max_len": opts["max_len"], "lr": opts["lr"], "seed": 0}
     if tool == "ours":
         out = work / f"cmp-ours-{epochs}"
-        return ([sys.executable, "-m", "pipeline", "train", "--data", str(work / "hidden_states"), "--prepared",
-                 str(work / "prepared"), "--verifier", str(work / "verifier"), "--model", str(work / "model"),
-                 "--out", str(out), "--overwrite", "--epochs", str(epochs), "--max-len", str(common["max_len"]),
-                 "--lr", str(common["lr"]), "--ttt-steps", "3", "--seed", "0", "--device", device, "--no-eval",
-                 "--no-plots"], out)
+        return (
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "train",
+                "--data",
+                str(work / "hidden_states"),
+                "--prepared",
+                str(work / "prepared"),
+                "--verifier",
+                str(work / "verifier"),
+                "--model",
+                str(work / "model"),
+                "--out",
+                str(out),
+                "--overwrite",
+                "--epochs",
+                str(epochs),
+                "--max-len",
+                str(common["max_len"]),
+                "--lr",
+                str(common["lr"]),
+                "--ttt-steps",
+                "3",
+                "--seed",
+                "0",
+                "--device",
+                device,
+                "--no-eval",
+                "--no-plots",
+            ],
+            out,
+        )
     save = work / f"cmp-speculators-{epochs}"
-    return ([sys.executable, "-m", "speculators", "train", "--data-path", str(work / "speculators"),
-             *record["speculators_train_args"], "--save-path", str(save), "--epochs", str(epochs),
-             "--total-seq-len", str(common["max_len"]), "--lr", str(common["lr"]), "--ttt-steps", "3",
-             "--seed", "0", "--log-dir", str(save / "logs"), *(() if opts.get("speculators_defaults") else SAME_DRAFT),
-             *opts["speculators_extra"]], save)
+    return (
+        [
+            sys.executable,
+            "-m",
+            "speculators",
+            "train",
+            "--data-path",
+            str(work / "speculators"),
+            *record["speculators_train_args"],
+            "--save-path",
+            str(save),
+            "--epochs",
+            str(epochs),
+            "--total-seq-len",
+            str(common["max_len"]),
+            "--lr",
+            str(common["lr"]),
+            "--ttt-steps",
+            "3",
+            "--seed",
+            "0",
+            "--log-dir",
+            str(save / "logs"),
+            *(() if opts.get("speculators_defaults") else SAME_DRAFT),
+            *opts["speculators_extra"],
+        ],
+        save,
+    )
 
 
-def run_one(work: Path, tool: str, epochs: int, opts: dict, record: dict, device: str, env: dict, tag: str = "") -> dict:
+def run_one(
+    work: Path, tool: str, epochs: int, opts: dict, record: dict, device: str, env: dict, tag: str = ""
+) -> dict:
     """One training process with its GPU figures (its exit code and last lines when it fails); its output goes
     to ``cmp-TOOL-EPOCHS[TAG].log`` in ``work``."""
     argv, out = commands(work, tool, epochs, opts, record, device)
@@ -169,8 +234,9 @@ def run_one(work: Path, tool: str, epochs: int, opts: dict, record: dict, device
         out.mkdir(parents=True)  # its log dir and checkpoints go under it
     click.echo(f"\n$ {shlex.join(argv)}", err=True)
     with GpuSampler() as gpu:
-        wall, rc, lines = timed_lines(argv, {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
-                                      work / f"cmp-{tool}-{epochs}{tag}.log")
+        wall, rc, lines = timed_lines(
+            argv, {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}, work / f"cmp-{tool}-{epochs}{tag}.log"
+        )
     figures = {"command": shlex.join(argv), "exit_code": rc, "wall_seconds": round(wall, 1), **gpu.figures()}
     if rc != 0:
         figures["error_tail"] = [line for _, line in lines[-12:]]
@@ -178,11 +244,19 @@ def run_one(work: Path, tool: str, epochs: int, opts: dict, record: dict, device
     try:  # a figure that cannot be read is reported as such; the run's other figures stay
         if tool == "ours":
             train = json.loads((out / "summary.json").read_text())["train"]
-            figures.update(epoch_seconds=train["train_seconds"], tokens_per_epoch=train["train_tokens_per_epoch"],
-                           steady_tokens_per_s=steady_rate(profiles_from_metrics(out)), **last_val_ours(out))
+            figures.update(
+                epoch_seconds=train["train_seconds"],
+                tokens_per_epoch=train["train_tokens_per_epoch"],
+                steady_tokens_per_s=steady_rate(profiles_from_metrics(out)),
+                **last_val_ours(out),
+            )
         else:
-            figures.update(epoch_seconds=epoch_seconds(lines), tokens_per_epoch=speculators_train_tokens(work / "speculators"),
-                           steady_tokens_per_s=steady_rate(profiles_from_log(lines)), **last_val_speculators(out))
+            figures.update(
+                epoch_seconds=epoch_seconds(lines),
+                tokens_per_epoch=speculators_train_tokens(work / "speculators"),
+                steady_tokens_per_s=steady_rate(profiles_from_log(lines)),
+                **last_val_speculators(out),
+            )
     except Exception as exc:  # noqa: BLE001 - e.g. a library of the host that the reader trips on
         figures.update(epoch_seconds=None, figures_error=f"{type(exc).__name__}: {exc}"[:300])
     if figures.get("epoch_seconds"):
@@ -199,32 +273,75 @@ def marginal(short: dict, long: dict, epochs: tuple[int, int]) -> float | None:
 
 
 @click.command()
-@click.option("--workdir", type=click.Path(path_type=Path), required=True, help="A set: prepared/, hidden_states/, verifier/, model/.")
-@click.option("--build", type=click.Choice(["tiny", "llama-1b"]), default=None,
-              help="First build the set with bench/train_bench.py's random target of this preset (replaces --workdir).")
-@click.option("--conversations", type=int, default=None, help="With --build: override the preset's conversation count.")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="A set: prepared/, hidden_states/, verifier/, model/.",
+)
+@click.option(
+    "--build",
+    type=click.Choice(["tiny", "llama-1b"]),
+    default=None,
+    help="First build the set with bench/train_bench.py's random target of this preset (replaces --workdir).",
+)
+@click.option(
+    "--conversations", type=int, default=None, help="With --build: override the preset's conversation count."
+)
 @click.option("--epochs-short", type=int, default=1, show_default=True)
 @click.option("--epochs-long", type=int, default=3, show_default=True)
-@click.option("--max-len", type=int, default=8192, show_default=True, help="Tokens per packed batch, both tools.")
+@click.option(
+    "--max-len", type=int, default=8192, show_default=True, help="Tokens per packed batch, both tools."
+)
 @click.option("--lr", type=float, default=5e-4, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when there is one) | cpu.")
-@click.option("--speculators-env", multiple=True, help="KEY=VALUE for speculators' process only (e.g. a CPU shim's PYTHONPATH).")
-@click.option("--speculators-arg", multiple=True, help="One more word for `speculators train` (repeat; e.g. CPU flags).")
-@click.option("--speculators-defaults", is_flag=True,
-              help="Run `speculators train` with its own draft/optimizer defaults (Muon, Eagle 3.1 norms) instead of ours.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write figures here.")
-def main(workdir: Path, build: str | None, conversations: int | None, epochs_short: int, epochs_long: int, max_len: int,
-         lr: float, device: str, speculators_env: tuple[str, ...], speculators_arg: tuple[str, ...],
-         speculators_defaults: bool, json_path: Path | None) -> None:
+@click.option(
+    "--speculators-env",
+    multiple=True,
+    help="KEY=VALUE for speculators' process only (e.g. a CPU shim's PYTHONPATH).",
+)
+@click.option(
+    "--speculators-arg", multiple=True, help="One more word for `speculators train` (repeat; e.g. CPU flags)."
+)
+@click.option(
+    "--speculators-defaults",
+    is_flag=True,
+    help="Run `speculators train` with its own draft/optimizer defaults (Muon, Eagle 3.1 norms) "
+    "instead of ours.",
+)
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write figures here."
+)
+def main(
+    workdir: Path,
+    build: str | None,
+    conversations: int | None,
+    epochs_short: int,
+    epochs_long: int,
+    max_len: int,
+    lr: float,
+    device: str,
+    speculators_env: tuple[str, ...],
+    speculators_arg: tuple[str, ...],
+    speculators_defaults: bool,
+    json_path: Path | None,
+) -> None:
     """Train the same draft on the same set with ours and with speculators' CLI; print one table."""
     import torch
 
     if epochs_long <= epochs_short:
-        raise click.BadParameter(f"{epochs_long} must exceed --epochs-short {epochs_short}", param_hint="--epochs-long")
+        raise click.BadParameter(
+            f"{epochs_long} must exceed --epochs-short {epochs_short}", param_hint="--epochs-long"
+        )
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     report = Report(json_path)
-    report.data.update(command=shlex.join(["python", "-m", "bench.train_compare", *sys.argv[1:]]), device=device,
-                       epochs=[epochs_short, epochs_long], max_len=max_len, lr=lr)
+    report.data.update(
+        command=shlex.join(["python", "-m", "bench.train_compare", *sys.argv[1:]]),
+        device=device,
+        epochs=[epochs_short, epochs_long],
+        max_len=max_len,
+        lr=lr,
+    )
     if build:
         from bench.train_bench import build_random_set
 
@@ -232,13 +349,27 @@ def main(workdir: Path, build: str | None, conversations: int | None, epochs_sho
         report.data["set"] = {k: built[k] for k in ("parameters", "vocab", "seq_length", "samples", "tokens")}
     missing = [n for n in ("prepared", "hidden_states", "verifier", "model") if not (workdir / n).is_dir()]
     if missing:
-        raise SystemExit(f"train_compare: {workdir} has no {', '.join(missing)}: give a set bench/learned_bench.py "
-                         f"left (--keep-states) or pass --build")
+        raise SystemExit(
+            f"train_compare: {workdir} has no {', '.join(missing)}: give a set bench/learned_bench.py "
+            f"left (--keep-states) or pass --build"
+        )
 
     t0 = time.perf_counter()
     shutil.rmtree(workdir / "speculators", ignore_errors=True)
-    rc = subprocess.call([sys.executable, "-m", "pipeline", "export-speculators", "--prepared", str(workdir / "prepared"),
-                          "--data", str(workdir / "hidden_states"), "--out", str(workdir / "speculators")])
+    rc = subprocess.call(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "export-speculators",
+            "--prepared",
+            str(workdir / "prepared"),
+            "--data",
+            str(workdir / "hidden_states"),
+            "--out",
+            str(workdir / "speculators"),
+        ]
+    )
     if rc != 0:
         raise SystemExit(f"train_compare: export-speculators failed with exit code {rc}")
     record = json.loads((workdir / "speculators" / "eagle-ops.json").read_text())
@@ -246,30 +377,50 @@ def main(workdir: Path, build: str | None, conversations: int | None, epochs_sho
 
     env = dict(os.environ)
     spec_env = {**env, **dict(kv.split("=", 1) for kv in speculators_env)}
-    opts = {"max_len": max_len, "lr": lr, "speculators_extra": speculators_arg, "speculators_defaults": speculators_defaults}
+    opts = {
+        "max_len": max_len,
+        "lr": lr,
+        "speculators_extra": speculators_arg,
+        "speculators_defaults": speculators_defaults,
+    }
     runs: dict[str, dict[int, dict]] = {tool: {} for tool in TOOLS}
     for epochs in (epochs_short, epochs_long):
         for tool in TOOLS:
             default_loss = tool == "speculators" and "--loss-implementation" not in opts["speculators_extra"]
-            fig = run_one(workdir, tool, epochs, opts, record, device, spec_env if tool == "speculators" else env,
-                          tag="-default-loss" if default_loss else "")
+            fig = run_one(
+                workdir,
+                tool,
+                epochs,
+                opts,
+                record,
+                device,
+                spec_env if tool == "speculators" else env,
+                tag="-default-loss" if default_loss else "",
+            )
             if default_loss and fig["exit_code"] != 0:
-                # its default fused loss failed on the H200 before (pipeline/train/stage.py loss_implementation): keep
-                # the failure in the report, then compare with the eager loss ours uses
+                # its default fused loss failed on the H200 before (pipeline/train/stage.py
+                # loss_implementation): keep the failure in the report, then compare with the eager loss
+                # ours uses
                 report.data["speculators_default_failed"] = fig
                 report.write()
                 opts["speculators_extra"] = (*opts["speculators_extra"], "--loss-implementation", "eager")
                 fig = run_one(workdir, tool, epochs, opts, record, device, spec_env)
             runs[tool][epochs] = fig
             report.data["runs"] = runs
-            report.phase(f"{tool}-{epochs}", fig["wall_seconds"], **{k: v for k, v in fig.items() if k != "command"})
+            report.phase(
+                f"{tool}-{epochs}", fig["wall_seconds"], **{k: v for k, v in fig.items() if k != "command"}
+            )
     for tool in TOOLS:
-        report.data.setdefault("marginal_tokens_per_s", {})[tool] = marginal(runs[tool][epochs_short],
-                                                                             runs[tool][epochs_long], (epochs_short, epochs_long))
+        report.data.setdefault("marginal_tokens_per_s", {})[tool] = marginal(
+            runs[tool][epochs_short], runs[tool][epochs_long], (epochs_short, epochs_long)
+        )
     report.write()
 
-    click.echo("\n| tool | epochs | whole process s | epochs s | tokens/s (epochs) | tokens/s (steps after the first) "
-               "| GPU util % | peak GPU GiB | last val loss [step accuracies] |")
+    click.echo(
+        "\n| tool | epochs | whole process s | epochs s | tokens/s (epochs) | "
+        "tokens/s (steps after the first) "
+        "| GPU util % | peak GPU GiB | last val loss [step accuracies] |"
+    )
     click.echo("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for epochs in (epochs_short, epochs_long):
         for tool in TOOLS:
@@ -277,14 +428,19 @@ def main(workdir: Path, build: str | None, conversations: int | None, epochs_sho
             if f["exit_code"] != 0:
                 click.echo(f"| {tool} | {epochs} | failed (exit {f['exit_code']}) | | | | | | |")
                 continue
-            click.echo(f"| {tool} | {epochs} | {f['wall_seconds']:.1f} | {f['epoch_seconds'] or 0:.1f} | {f.get('tokens_per_s', 0):,.0f} | "
-                       f"{f.get('steady_tokens_per_s') or 0:,.0f} | "
-                       f"{f.get('gpu_util_mean_pct', '-')} | {f.get('gpu_mem_peak_gib', '-')} | "
-                       f"{f.get('val_loss')} {f.get('val_full_acc', '')} |")
+            click.echo(
+                f"| {tool} | {epochs} | {f['wall_seconds']:.1f} | {f['epoch_seconds'] or 0:.1f} | "
+                f"{f.get('tokens_per_s', 0):,.0f} | {f.get('steady_tokens_per_s') or 0:,.0f} | "
+                f"{f.get('gpu_util_mean_pct', '-')} | {f.get('gpu_mem_peak_gib', '-')} | "
+                f"{f.get('val_loss')} {f.get('val_full_acc', '')} |"
+            )
     m = report.data["marginal_tokens_per_s"]
     ratio = (m["ours"] / m["speculators"]) if m["ours"] and m["speculators"] else None
-    click.echo(f"\nmarginal tokens/s ({epochs_long - epochs_short} epochs): ours {m['ours']}, speculators {m['speculators']}"
-               + (f" -> ours / speculators = {ratio:.2f}x" if ratio else ""))
+    click.echo(
+        f"\nmarginal tokens/s ({epochs_long - epochs_short} epochs): "
+        f"ours {m['ours']}, speculators {m['speculators']}"
+        + (f" -> ours / speculators = {ratio:.2f}x" if ratio else "")
+    )
     if any(runs[t][e]["exit_code"] != 0 for t in TOOLS for e in (epochs_short, epochs_long)):
         raise SystemExit(1)
 

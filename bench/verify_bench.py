@@ -43,14 +43,29 @@ def make_set(root: Path, gb: float, hidden: int, seq_length: int, layers: int = 
     def write(i: int) -> None:
         t = samples.length(i)
         states = [noise[:t].roll(j + i, 0).clone() for j in range(layers)]
-        formats.write_sample(formats.data_file(out, i), torch.from_numpy(samples.ids(i).astype(np.int64)), states,
-                             torch.from_numpy(samples.mask(i).astype(np.int64)))
+        formats.write_sample(
+            formats.data_file(out, i),
+            torch.from_numpy(samples.ids(i).astype(np.int64)),
+            states,
+            torch.from_numpy(samples.mask(i).astype(np.int64)),
+        )
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(write, range(n)))
-    formats.write_data_config(out, formats.DataConfig(
-        model="bench", layer_ids=list(range(layers)), num_layers=layers, hidden_size=hidden, dtype="bfloat16",
-        num_samples=n, seq_length=seq_length, prepared=str((root / "prepared").resolve()), backend="hf"))
+    formats.write_data_config(
+        out,
+        formats.DataConfig(
+            model="bench",
+            layer_ids=list(range(layers)),
+            num_layers=layers,
+            hidden_size=hidden,
+            dtype="bfloat16",
+            num_samples=n,
+            seq_length=seq_length,
+            prepared=str((root / "prepared").resolve()),
+            backend="hf",
+        ),
+    )
     formats.write_sample_lengths(out, {i: samples.length(i) for i in range(n)})
     return out
 
@@ -76,24 +91,49 @@ def timed_verify(states: Path, workers: int, loader: str) -> float:
         if before is not None:
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
     if not summary.ok:
-        raise SystemExit(f"verify failed on the benchmark set: {[c.detail for c in summary.checks if c.status == 'fail'][:3]}")
+        raise SystemExit(
+            "verify failed on the benchmark set: "
+            f"{[c.detail for c in summary.checks if c.status == 'fail'][:3]}"
+        )
     return seconds
 
 
 @click.command()
-@click.option("--dir", "root", type=click.Path(path_type=Path), default=Path("/tmp/verify-bench"), show_default=True)
+@click.option(
+    "--dir", "root", type=click.Path(path_type=Path), default=Path("/tmp/verify-bench"), show_default=True
+)
 @click.option("--gb", type=float, default=1.0, show_default=True, help="Size of the hidden-states set.")
 @click.option("--hidden", type=int, default=1024, show_default=True)
 @click.option("--seq-length", type=int, default=2048, show_default=True)
-@click.option("--workers", default="0", show_default=True, help="Comma-separated reader counts to compare (0 = verify's default).")
-@click.option("--loaders", default="buffer,weights_only", show_default=True,
-              help="Data-file loaders to compare: buffer (verify's own) and/or weights_only (torch.load as before it).")
+@click.option(
+    "--workers",
+    default="0",
+    show_default=True,
+    help="Comma-separated reader counts to compare (0 = verify's default).",
+)
+@click.option(
+    "--loaders",
+    default="buffer,weights_only",
+    show_default=True,
+    help="Data-file loaders to compare: buffer (verify's own) and/or weights_only (torch.load as before it).",
+)
 @click.option("--repeat", type=int, default=2, show_default=True)
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
-def main(root: Path, gb: float, hidden: int, seq_length: int, workers: str, loaders: str, repeat: int, json_out: Path | None) -> None:
+def main(
+    root: Path,
+    gb: float,
+    hidden: int,
+    seq_length: int,
+    workers: str,
+    loaders: str,
+    repeat: int,
+    json_out: Path | None,
+) -> None:
     unknown = [x for x in loaders.split(",") if x not in LOADERS]
     if unknown:
-        raise click.BadParameter(f"unknown loader {unknown[0]!r}: use {', '.join(LOADERS)}", param_hint="--loaders")
+        raise click.BadParameter(
+            f"unknown loader {unknown[0]!r}: use {', '.join(LOADERS)}", param_hint="--loaders"
+        )
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     states = make_set(root, gb, hidden, seq_length)

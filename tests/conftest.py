@@ -19,11 +19,20 @@ PYTHON = sys.executable
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def run_pipeline(*args: str, check: bool = False, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+def run_pipeline(
+    *args: str, check: bool = False, timeout: float = 600, **kwargs
+) -> subprocess.CompletedProcess:
     """Run ``python -m pipeline ARGS`` as an operator would; return the completed process."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    proc = subprocess.run([PYTHON, "-m", "pipeline", *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=timeout, **kwargs)
+    proc = subprocess.run(
+        [PYTHON, "-m", "pipeline", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=timeout,
+        **kwargs,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"pipeline {args[0]} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -71,8 +80,20 @@ def conversations(tiny_assets) -> Path:
 def prepared_llama(tmp_path_factory, tiny_llama, conversations) -> Path:
     """60 prepared samples of at most 127 tokens, draft vocab 128."""
     out = tmp_path_factory.mktemp("prepared") / "prepared"
-    run_pipeline("prepare", "--data", conversations, "--model", tiny_llama, "--out", out,
-                 "--seq-length", 128, "--draft-vocab-size", 128, check=True)
+    run_pipeline(
+        "prepare",
+        "--data",
+        conversations,
+        "--model",
+        tiny_llama,
+        "--out",
+        out,
+        "--seq-length",
+        128,
+        "--draft-vocab-size",
+        128,
+        check=True,
+    )
     return out
 
 
@@ -80,6 +101,17 @@ def prepared_llama(tmp_path_factory, tiny_llama, conversations) -> Path:
 def extracted_llama(tmp_path_factory, tiny_llama, prepared_llama) -> Path:
     """Hidden states of the first 24 prepared samples (fp32, CPU)."""
     out = tmp_path_factory.mktemp("states") / "states"
-    run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", out, "--limit", 24,
-                 "--no-progress", check=True)
+    run_pipeline(
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--out",
+        out,
+        "--limit",
+        24,
+        "--no-progress",
+        check=True,
+    )
     return out

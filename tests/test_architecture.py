@@ -30,20 +30,29 @@ def imported_roots(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_does_not_import_the_other_side(package):
-    """No module of the package imports a forbidden top-level package (checked on the source, lazily imported too)."""
+    """No module of the package imports a forbidden top-level package (checked on the source, lazily imported
+    too)."""
     files = sorted((REPO / package).rglob("*.py"))
     assert files, f"{package}/ has no modules"
-    offenders = {f"{p.relative_to(REPO)}: {sorted(imported_roots(p) & FORBIDDEN[package])}"
-                 for p in files if imported_roots(p) & FORBIDDEN[package]}
+    offenders = {
+        f"{p.relative_to(REPO)}: {sorted(imported_roots(p) & FORBIDDEN[package])}"
+        for p in files
+        if imported_roots(p) & FORBIDDEN[package]
+    }
     assert not offenders, offenders
 
 
 def test_contract_is_standard_library_only():
-    """contract/ imports only the standard library and itself, so both sides can import it without the other's stack."""
+    """contract/ imports only the standard library and itself, so both sides can import it without the other's
+    stack."""
     files = sorted((REPO / "contract").rglob("*.py"))
     assert files, "contract/ has no modules"
     allowed = set(sys.stdlib_module_names) | {"contract", "__future__"}
-    offenders = {f"{p.relative_to(REPO)}: {sorted(imported_roots(p) - allowed)}" for p in files if imported_roots(p) - allowed}
+    offenders = {
+        f"{p.relative_to(REPO)}: {sorted(imported_roots(p) - allowed)}"
+        for p in files
+        if imported_roots(p) - allowed
+    }
     assert not offenders, offenders
 
 
@@ -59,18 +68,28 @@ def test_host_side_scripts_are_standard_library_only():
 def test_shared_facts_are_spelled_once():
     """The facts contract/ owns are not restated on either side (the summary schema name, the image-digest
     variable, the shard rule's range)."""
-    spelled = {'"eagle-ops.summary"': "contract/summary.py", '"EAGLE_OPS_IMAGE_DIGEST"': "contract/env.py",
-               "range(rank, num_samples, world_size)": "contract/shards.py"}
+    spelled = {
+        '"eagle-ops.summary"': "contract/summary.py",
+        '"EAGLE_OPS_IMAGE_DIGEST"': "contract/env.py",
+        "range(rank, num_samples, world_size)": "contract/shards.py",
+    }
     for needle, owner in spelled.items():
-        found = sorted(str(p.relative_to(REPO)) for package in ("ops", "pipeline", "contract")
-                       for p in (REPO / package).rglob("*.py") if needle in p.read_text())
+        found = sorted(
+            str(p.relative_to(REPO))
+            for package in ("ops", "pipeline", "contract")
+            for p in (REPO / package).rglob("*.py")
+            if needle in p.read_text()
+        )
         assert found == [owner], (needle, found)
 
 
 def module_imports(package: str) -> dict[str, set[str]]:
     """For each module of ``package``: the modules of the package it imports, function-local imports too."""
     root = REPO / package
-    names = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p for p in root.rglob("*.py")}
+    names = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in root.rglob("*.py")
+    }
     graph = {}
     for name, path in names.items():
         found = set()
@@ -90,7 +109,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
     def visit(node: str, path: list[str]) -> None:
         if node in path:
-            found.append(path[path.index(node):] + [node])
+            found.append(path[path.index(node) :] + [node])
             return
         if node in done:
             return
@@ -118,7 +137,8 @@ def test_the_circle_finder_finds_circles():
 
 
 def test_the_checker_sees_imports(tmp_path):
-    """The import scanner finds plain, dotted, from- and function-local imports (so the test above can fail)."""
+    """The import scanner finds plain, dotted, from- and function-local imports (so the test above can
+    fail)."""
     probe = tmp_path / "probe.py"
     probe.write_text("import torch.nn\nfrom fabric import Connection\ndef f():\n    import docker\n")
     assert imported_roots(probe) == {"torch", "fabric", "docker"}

@@ -1,4 +1,5 @@
-"""contract/: the shard rule and the on-disk size formula both sides use (the summary record has its own file)."""
+"""contract/: the shard rule and the on-disk size formula both sides use (the summary record has its own
+file)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,12 @@ def test_hidden_states_bytes_counts_states_ids_mask_and_files():
     """4 layers x hidden x dtype bytes + int64 ids and mask per token, a per-file overhead; auto is bf16."""
     assert sizes.hidden_states_bytes(1000, 10, 256, "bfloat16") == 1000 * (4 * 256 * 2 + 16) + 10 * 2048
     assert sizes.hidden_states_bytes(1000, 10, 256, "float32") == 1000 * (4 * 256 * 4 + 16) + 10 * 2048
-    assert sizes.hidden_states_bytes(1000, 10, 256, "auto") == sizes.hidden_states_bytes(1000, 10, 256, "bfloat16")
-    assert sizes.hidden_states_bytes(1000, 10, 256, None) == sizes.hidden_states_bytes(1000, 10, 256, "bfloat16")
+    assert sizes.hidden_states_bytes(1000, 10, 256, "auto") == sizes.hidden_states_bytes(
+        1000, 10, 256, "bfloat16"
+    )
+    assert sizes.hidden_states_bytes(1000, 10, 256, None) == sizes.hidden_states_bytes(
+        1000, 10, 256, "bfloat16"
+    )
 
 
 def test_a_host_of_several_needs_its_share_rounded_up():
@@ -47,4 +52,6 @@ def test_the_stage_table_in_docs_is_the_contracts():
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "ops.md").read_text()
     block = doc.split("<!-- stages:begin", 1)[1].split("-->\n", 1)[1].split("<!-- stages:end -->", 1)[0]
-    assert block == markdown_table(), "re-render it: python -c 'import contract.stages as s; print(s.markdown_table())'"
+    assert block == markdown_table(), (
+        "re-render it: python -c 'import contract.stages as s; print(s.markdown_table())'"
+    )

@@ -11,9 +11,17 @@ from ops import report
 
 
 def stage_summary(version=1, digest="sha256:aa", commit="c1") -> dict:
-    return {"ok": True, "checks": [], "schema": "eagle-ops.summary", "schema_version": version,
-            "provenance": {"product": {"version": "0.1.0", "commit": commit}, "image_digest": digest,
-                           "patches": {"sha256": "p1"}}}
+    return {
+        "ok": True,
+        "checks": [],
+        "schema": "eagle-ops.summary",
+        "schema_version": version,
+        "provenance": {
+            "product": {"version": "0.1.0", "commit": commit},
+            "image_digest": digest,
+            "patches": {"sha256": "p1"},
+        },
+    }
 
 
 def test_schema_notes_name_what_ops_cannot_vouch_for():
@@ -21,11 +29,14 @@ def test_schema_notes_name_what_ops_cannot_vouch_for():
     assert schema_note(stage_summary()) is None
     assert "no schema" in schema_note({"ok": True})
     assert "not 'eagle-ops.summary'" in schema_note({**stage_summary(), "schema": "other"})
-    assert "schema_version 2 is not one this ops reads (1): update ops" in schema_note(stage_summary(version=2))
+    assert "schema_version 2 is not one this ops reads (1): update ops" in schema_note(
+        stage_summary(version=2)
+    )
 
 
 def test_provenance_facts_and_disagreements():
-    """Facts come from the summary's provenance; hosts with different images or commits are named, unknowns are not."""
+    """Facts come from the summary's provenance; hosts with different images or commits are named, unknowns
+    are not."""
     facts = provenance_facts(stage_summary())
     assert facts == {"version": "0.1.0", "commit": "c1", "image_digest": "sha256:aa", "patches": "p1"}
     assert provenance_facts(None) == dict.fromkeys(facts)
@@ -33,7 +44,9 @@ def test_provenance_facts_and_disagreements():
     assert disagreements(same) == []
     other = provenance_facts(stage_summary(digest="sha256:bb", commit="c2"))
     assert disagreements([facts, other]) == ["commit", "image_digest"]
-    assert disagreements([facts, provenance_facts({"ok": True})]) == []  # an old summary knows nothing: no claim
+    assert (
+        disagreements([facts, provenance_facts({"ok": True})]) == []
+    )  # an old summary knows nothing: no claim
 
 
 def test_print_summary_says_how_the_output_was_made_or_why_it_cannot():

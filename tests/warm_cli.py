@@ -93,7 +93,8 @@ def _child(req: dict, preamble: tuple[bytes, bytes]) -> None:
 
 
 def serve() -> None:
-    """Answer requests on stdin until it closes: {argv, cwd, env, stdout, stderr} -> {pid}, then {returncode}."""
+    """Answer requests on stdin until it closes: {argv, cwd, env, stdout, stderr} -> {pid}, then
+    {returncode}."""
     from pipeline.cli import COMMANDS  # imported first, as in a real run: it sets its environment defaults
 
     proto_in, proto_out = sys.stdin, sys.stdout
@@ -123,8 +124,14 @@ class WarmPipeline:
 
     def __init__(self, python: str = sys.executable):
         self._tmp = tempfile.TemporaryDirectory(prefix="warm-cli-")
-        self._proc = subprocess.Popen([python, "-m", "tests.warm_cli"], cwd=REPO, stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        self._proc = subprocess.Popen(
+            [python, "-m", "tests.warm_cli"],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         self._n = 0
 
     def _answer(self, timeout: float | None) -> dict:
@@ -136,15 +143,19 @@ class WarmPipeline:
             raise RuntimeError(f"the warm pipeline server exited ({self._proc.wait()})")
         return json.loads(line)
 
-    def run(self, *args, check: bool = False, timeout: float = 600, env: dict | None = None
-            ) -> subprocess.CompletedProcess:
-        """ARGS as one `python -m pipeline` command from the repository root; ENV is added to its environment."""
+    def run(
+        self, *args, check: bool = False, timeout: float = 600, env: dict | None = None
+    ) -> subprocess.CompletedProcess:
+        """ARGS as one `python -m pipeline` command from the repository root; ENV is added to its
+        environment."""
         argv = [str(a) for a in args]
         self._n += 1
         out, err = (Path(self._tmp.name) / f"{self._n}.{s}" for s in ("out", "err"))
         env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
-        self._proc.stdin.write(json.dumps({"argv": argv, "cwd": str(REPO), "env": env, "stdout": str(out),
-                                           "stderr": str(err)}) + "\n")
+        self._proc.stdin.write(
+            json.dumps({"argv": argv, "cwd": str(REPO), "env": env, "stdout": str(out), "stderr": str(err)})
+            + "\n"
+        )
         self._proc.stdin.flush()
         pid = self._answer(120)["pid"]
         try:

@@ -21,23 +21,47 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, *args, "--json-out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, *args, "--json-out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text())
 
 
 def test_extract_bench_agrees_with_the_naive_reference(tmp_path):
-    r = _run(tmp_path, "-m", "bench.extract_bench", "--preset", "tiny", "--samples", "24", "--workdir", str(tmp_path / "w"))
+    r = _run(
+        tmp_path,
+        "-m",
+        "bench.extract_bench",
+        "--preset",
+        "tiny",
+        "--samples",
+        "24",
+        "--workdir",
+        str(tmp_path / "w"),
+    )
     assert r["samples"] == 24 and r["written_bytes"] > 0
     assert r["max_rel_err_vs_naive"] <= 2e-2  # the bench itself exits non-zero past this; checked here too
     assert r["ours_tokens_per_s"] > 0 and r["naive_tokens_per_s"] > 0
 
 
 def test_hf_levers_runs_each_variant_and_holds_it_to_the_one_by_one_reference(tmp_path):
-    """Every lever variant asked for reports a rate and its error against the plain path one sample at a time."""
-    r = _run(tmp_path, "-m", "bench.hf_levers", "--shapes", "tiny", "--variants", "plain-16k,packed-32k",
-             "--samples", "6", "--seq-length", "128", "--fp32-reference")
+    """Every lever variant asked for reports a rate and its error against the plain path one sample at a
+    time."""
+    r = _run(
+        tmp_path,
+        "-m",
+        "bench.hf_levers",
+        "--shapes",
+        "tiny",
+        "--variants",
+        "plain-16k,packed-32k",
+        "--samples",
+        "6",
+        "--seq-length",
+        "128",
+        "--fp32-reference",
+    )
     rows = r["shapes"]["tiny"]["variants"]
     assert set(rows) == {"plain-16k", "packed-32k"}
     for row in rows.values():
@@ -48,17 +72,34 @@ def test_hf_levers_runs_each_variant_and_holds_it_to_the_one_by_one_reference(tm
 
 @pytest.mark.slow
 def test_e2e_bench_runs_both_processes_and_checks_them_against_fp32(tmp_path):
-    """The whole-process benchmark runs the real CLI, a baseline tree's CLI and the naive script on one set and
-    reports all three; the writer's recorded facts are the file's own."""
+    """The whole-process benchmark runs the real CLI, a baseline tree's CLI and the naive script on one set
+    and reports all three; the writer's recorded facts are the file's own."""
     base = tmp_path / "base"
     for part in ("pipeline", "contract"):
         shutil.copytree(ROOT / part, base / part, ignore=shutil.ignore_patterns("__pycache__"))
-    r = _run(tmp_path, "-m", "bench.e2e_bench", "--shapes", "tiny", "--samples", "6", "--seq-length", "128",
-             "--workdir", str(tmp_path / "w"), "--baseline", str(base))
+    r = _run(
+        tmp_path,
+        "-m",
+        "bench.e2e_bench",
+        "--shapes",
+        "tiny",
+        "--samples",
+        "6",
+        "--seq-length",
+        "128",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--baseline",
+        str(base),
+    )
     tiny = r["shapes"]["tiny"]
-    assert tiny["baseline"]["bytes"] == tiny["ours"]["bytes"] and tiny["baseline"]["closing_check"] == "record"
+    assert (
+        tiny["baseline"]["bytes"] == tiny["ours"]["bytes"] and tiny["baseline"]["closing_check"] == "record"
+    )
     assert tiny["ours"]["facts_log_rms_drift"] == 0.0  # the CPU writer computes them from the very tensors
-    assert tiny["ours"]["bytes"] > 0 and tiny["ours"]["bytes"] == pytest.approx(tiny["naive"]["bytes"], rel=0.01)
+    assert tiny["ours"]["bytes"] > 0 and tiny["ours"]["bytes"] == pytest.approx(
+        tiny["naive"]["bytes"], rel=0.01
+    )
     assert tiny["ours"]["wall_seconds"] > tiny["ours"]["verify_seconds"] > 0
     assert tiny["ours"]["closing_check"] == "record"  # extract's default closing check
     assert set(tiny["ours"]["closing_check_seconds"]) == {"record", "full"}
@@ -68,17 +109,48 @@ def test_e2e_bench_runs_both_processes_and_checks_them_against_fp32(tmp_path):
 
 
 def test_verify_bench_compares_both_loaders_on_a_set_verify_passes(tmp_path):
-    r = _run(tmp_path, "-m", "bench.verify_bench", "--dir", str(tmp_path / "v"), "--gb", "0.02", "--hidden", "64",
-             "--seq-length", "256", "--workers", "0,2", "--repeat", "1")
-    assert set(r["gb_s"]) == {"naive", "verify_buffer_workers_0", "verify_weights_only_workers_0",
-                              "verify_buffer_workers_2", "verify_weights_only_workers_2"}
+    r = _run(
+        tmp_path,
+        "-m",
+        "bench.verify_bench",
+        "--dir",
+        str(tmp_path / "v"),
+        "--gb",
+        "0.02",
+        "--hidden",
+        "64",
+        "--seq-length",
+        "256",
+        "--workers",
+        "0,2",
+        "--repeat",
+        "1",
+    )
+    assert set(r["gb_s"]) == {
+        "naive",
+        "verify_buffer_workers_0",
+        "verify_weights_only_workers_0",
+        "verify_buffer_workers_2",
+        "verify_weights_only_workers_2",
+    }
     assert r["files"] >= 8 and r["dd_read_gb_s"] > 0
 
 
 @pytest.mark.slow
 def test_scaling_bench_runs_both_sizes_and_verifies_the_last_set(tmp_path):
-    r = _run(tmp_path, "-m", "bench.scaling_bench", "--preset", "tiny", "--samples", "24", "--sweep", "1,2",
-             "--out-root", str(tmp_path / "s"))
+    r = _run(
+        tmp_path,
+        "-m",
+        "bench.scaling_bench",
+        "--preset",
+        "tiny",
+        "--samples",
+        "24",
+        "--sweep",
+        "1,2",
+        "--out-root",
+        str(tmp_path / "s"),
+    )
     assert [run["data_parallel"] for run in r["runs"]] == [1, 2]
     one, two = r["runs"]
     assert one["tokens"] == two["tokens"] == sum(w["tokens"] for w in two["workers"]) > 0
@@ -92,7 +164,19 @@ def test_scaling_bench_runs_both_sizes_and_verifies_the_last_set(tmp_path):
 def test_scaling_bench_without_verify_frees_the_last_set_before_dd(tmp_path):
     # a 103 GB set and a dd file of as much would hold 206 GB of RAM at once on a 256 GiB host (tmpfs)
     root = tmp_path / "s"
-    r = _run(tmp_path, "-m", "bench.scaling_bench", "--preset", "tiny", "--samples", "16", "--sweep", "1",
-             "--no-verify", "--out-root", str(root))
+    r = _run(
+        tmp_path,
+        "-m",
+        "bench.scaling_bench",
+        "--preset",
+        "tiny",
+        "--samples",
+        "16",
+        "--sweep",
+        "1",
+        "--no-verify",
+        "--out-root",
+        str(root),
+    )
     assert not (root / "run0-dp1").exists()
     assert "verify_ok" not in r and r["dd_read_gb_s"] > 0 and r["runs"][0]["bytes"] > 0

@@ -17,8 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_benchmark_prints_a_row_per_command():
-    proc = subprocess.run([sys.executable, "-m", "bench.cli_startup_bench", "--repeat", "1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.cli_startup_bench", "--repeat", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| `pipeline ")]
     assert len(rows) == len(cli_startup_bench.COMMANDS), proc.stdout

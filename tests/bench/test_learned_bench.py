@@ -1,6 +1,7 @@
 """bench/learned_bench.py runs the product's stages in the documented order on what its recipe draws.
 
-Cheap parts only (the whole --preset tiny path takes minutes on a shared 2-core CPU: `make bench-learned-tiny`).
+Cheap parts only (the whole --preset tiny path takes minutes on a shared 2-core CPU:
+`make bench-learned-tiny`).
 """
 
 from __future__ import annotations

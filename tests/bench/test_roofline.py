@@ -8,7 +8,8 @@ from bench.roofline import DecoderShape, checkpoint_decoder_params, model_shape
 
 
 def test_decoder_params_of_the_tiny_llama_equal_a_hand_count(tiny_llama):
-    """The checkpoint count is the 8 layers' projections, MLPs and norms plus the final norm: no embedding, no lm_head."""
+    """The checkpoint count is the 8 layers' projections, MLPs and norms plus the final norm: no embedding, no
+    lm_head."""
     # hidden 256, intermediate 512, 4 heads and 2 kv heads of 64: q and o 256x256, k and v 256x128
     attention = 2 * 256 * 256 + 2 * 256 * 128
     mlp = 3 * 256 * 512  # gate, up, down

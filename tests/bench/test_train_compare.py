@@ -1,4 +1,5 @@
-"""bench/train_compare.py: both trainers get one set and train the same draft; its figures come from their logs.
+"""bench/train_compare.py: both trainers get one set and train the same draft; its figures come from their
+logs.
 
 The GPU run itself is `make bench-train-compare` (docs/benchmarks.md); here: the pure parts, and speculators'
 own CLI resolving the command line the bench gives it (``--dry-run``: it builds the draft and saves it, no
@@ -22,9 +23,13 @@ CPU_SHIM = Path(__file__).resolve().parents[1] / "train" / "speculators_cpu"
 
 def test_epoch_seconds_sums_each_started_to_completed_pair():
     """Seconds between each epoch's "started" and "completed" lines; an epoch left open gives None."""
-    lines = [(1.0, "INFO Training epoch 1/2 started"), (3.5, "INFO Training epoch 1/2 completed"),
-             (4.0, "INFO Validation epoch 1/2 started"), (5.0, "x Training epoch 2/2 started  trainer.py:737"),
-             (9.0, "Training epoch 2/2 completed")]
+    lines = [
+        (1.0, "INFO Training epoch 1/2 started"),
+        (3.5, "INFO Training epoch 1/2 completed"),
+        (4.0, "INFO Validation epoch 1/2 started"),
+        (5.0, "x Training epoch 2/2 started  trainer.py:737"),
+        (9.0, "Training epoch 2/2 completed"),
+    ]
     assert train_compare.epoch_seconds(lines) == pytest.approx(6.5)
     assert train_compare.epoch_seconds(lines[:-1]) is None
     assert train_compare.epoch_seconds([(0.0, "no epochs here")]) is None
@@ -45,20 +50,44 @@ def one_set(tmp_path_factory, tiny_llama, conversations) -> Path:
     from pipeline import extract, prepare, weights
 
     root = tmp_path_factory.mktemp("compare")
-    prepare.run(prepare.PrepareConfig(data=conversations, model=tiny_llama, out=root / "prepared", seq_length=128,
-                                      draft_vocab_size=64, max_samples=12))
-    extract.run(extract.ExtractConfig(prepared=root / "prepared", model=tiny_llama, out=root / "hidden_states",
-                                      device="cpu", verify=False, progress=False))
+    prepare.run(
+        prepare.PrepareConfig(
+            data=conversations,
+            model=tiny_llama,
+            out=root / "prepared",
+            seq_length=128,
+            draft_vocab_size=64,
+            max_samples=12,
+        )
+    )
+    extract.run(
+        extract.ExtractConfig(
+            prepared=root / "prepared",
+            model=tiny_llama,
+            out=root / "hidden_states",
+            device="cpu",
+            verify=False,
+            progress=False,
+        )
+    )
     weights.run(tiny_llama, root / "verifier")
     (root / "model").symlink_to(tiny_llama)
-    proc = run_pipeline("export-speculators", "--prepared", root / "prepared", "--data", root / "hidden_states",
-                        "--out", root / "speculators")
+    proc = run_pipeline(
+        "export-speculators",
+        "--prepared",
+        root / "prepared",
+        "--data",
+        root / "hidden_states",
+        "--out",
+        root / "speculators",
+    )
     assert proc.returncode == 0, proc.stderr
     return root
 
 
 def test_both_commands_train_one_set_at_the_same_settings(one_set):
-    """Ours reads the extract output, speculators the export; epochs, packed length, lr, TTT steps and seed agree."""
+    """Ours reads the extract output, speculators the export; epochs, packed length, lr, TTT steps and seed
+    agree."""
     record = json.loads((one_set / "speculators" / "eagle-ops.json").read_text())
     opts = {"max_len": 1024, "lr": 2e-4, "speculators_extra": ()}
     ours, _ = train_compare.commands(one_set, "ours", 3, opts, record, "cpu")
@@ -69,29 +98,48 @@ def test_both_commands_train_one_set_at_the_same_settings(one_set):
 
     assert value(ours, "--data") == str(one_set / "hidden_states")
     assert value(theirs, "--data-path") == str(one_set / "speculators")
-    for a, b in (("--epochs", "--epochs"), ("--max-len", "--total-seq-len"), ("--lr", "--lr"),
-                 ("--ttt-steps", "--ttt-steps"), ("--seed", "--seed")):
+    for a, b in (
+        ("--epochs", "--epochs"),
+        ("--max-len", "--total-seq-len"),
+        ("--lr", "--lr"),
+        ("--ttt-steps", "--ttt-steps"),
+        ("--seed", "--seed"),
+    ):
         assert value(ours, a) == value(theirs, b), a
     assert value(theirs, "--optimizer") == "adamw" and save.name == "cmp-speculators-3"
-    defaults, _ = train_compare.commands(one_set, "speculators", 3, {**opts, "speculators_defaults": True}, record, "cpu")
+    defaults, _ = train_compare.commands(
+        one_set, "speculators", 3, {**opts, "speculators_defaults": True}, record, "cpu"
+    )
     assert "--optimizer" not in defaults
 
 
 def test_speculators_cli_builds_the_same_draft_as_ours_from_the_bench_command(one_set, tmp_path):
-    """`speculators train --dry-run` with the bench's words: it accepts every flag, resolves AdamW, and the draft
-    it saves has our draft's shape-defining settings (norms, vocab, layer ids, one layer)."""
+    """`speculators train --dry-run` with the bench's words: it accepts every flag, resolves AdamW, and the
+    draft it saves has our draft's shape-defining settings (norms, vocab, layer ids, one layer)."""
     import dataclasses
 
     from pipeline.train.stage import TrainConfig
 
     record = json.loads((one_set / "speculators" / "eagle-ops.json").read_text())
-    opts = {"max_len": 256, "lr": 1e-3, "speculators_extra": ("--draft-attn-impl", "sdpa", "--hidden-states-dtype",
-                                                              "float32", "--num-workers", "0")}
+    opts = {
+        "max_len": 256,
+        "lr": 1e-3,
+        "speculators_extra": (
+            "--draft-attn-impl",
+            "sdpa",
+            "--hidden-states-dtype",
+            "float32",
+            "--num-workers",
+            "0",
+        ),
+    }
     argv, save = train_compare.commands(one_set, "speculators", 1, opts, record, "cpu")
     argv[argv.index("--save-path") + 1] = str(tmp_path / "ckpt")
     (tmp_path / "ckpt").mkdir()
     env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(CPU_SHIM)}
-    proc = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, env=env, timeout=600, check=False)
+    proc = subprocess.run(
+        [*argv, "--dry-run"], capture_output=True, text=True, env=env, timeout=600, check=False
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert "optimizer/optimizer='adamw'" in log.replace("\n", ""), log[-3000:]
@@ -102,17 +150,23 @@ def test_speculators_cli_builds_the_same_draft_as_ours_from_the_bench_command(on
     for key in ("norm_before_fc", "norm_output", "fc_norm"):  # pipeline/train/draft.py leaves these at False
         assert theirs.get(key, False) is False, (key, theirs.get(key))
     args = record["speculators_train_args"]
-    ids = [int(x) for x in args[args.index("--target-layer-ids") + 1:][:3]]
+    ids = [int(x) for x in args[args.index("--target-layer-ids") + 1 :][:3]]
     assert theirs["draft_vocab_size"] == 64 and theirs["eagle_aux_hidden_state_layer_ids"] == ids
     assert theirs["transformer_layer_config"]["num_hidden_layers"] == 1
 
 
 def test_step_profiles_parse_speculators_console_lines_and_skip_the_first_step():
     """The two profile fields are read wherever rich wrapped them; the first step (compile) is left out."""
-    lines = [(93.1, "INFO train/loss=2.688, profile/fetch_ms=2.11e+04,"),
-             (93.1, "     profile/opt_ms=54.571, profile/step_ms=6.47e+04, profile/tokens_per_s=31.436, profile/x=1"),
-             (93.3, "     profile/step_ms=50.0, profile/tokens_per_s=4.0e+04,"),
-             (93.4, "     profile/tokens_per_s=2.0e+04, profile/fetch_frac=0.3,"), (93.4, "  profile/step_ms=150.0")]
+    lines = [
+        (93.1, "INFO train/loss=2.688, profile/fetch_ms=2.11e+04,"),
+        (
+            93.1,
+            "     profile/opt_ms=54.571, profile/step_ms=6.47e+04, profile/tokens_per_s=31.436, profile/x=1",
+        ),
+        (93.3, "     profile/step_ms=50.0, profile/tokens_per_s=4.0e+04,"),
+        (93.4, "     profile/tokens_per_s=2.0e+04, profile/fetch_frac=0.3,"),
+        (93.4, "  profile/step_ms=150.0"),
+    ]
     steps = train_compare.profiles_from_log(lines)
     assert steps == [(31.436, 64700.0), (40000.0, 50.0), (20000.0, 150.0)]
     assert train_compare.steady_rate(steps) == pytest.approx((40000 * 0.05 + 20000 * 0.15) / 0.2)
@@ -121,9 +175,11 @@ def test_step_profiles_parse_speculators_console_lines_and_skip_the_first_step()
 
 def test_our_step_profiles_come_from_metrics_jsonl(tmp_path):
     """metrics.jsonl rows with a profile give (tokens/s, step ms); val rows have none."""
-    rows = [{"step": 0, "train": {}, "profile": {"tokens_per_s": 10.0, "step_ms": 9000.0}},
-            {"step": 1, "train": {}, "profile": {"tokens_per_s": 1000.0, "step_ms": 20.0}},
-            {"step": 2, "val": {"loss_epoch": 1.5, "full_acc_0_epoch": 0.5}}]
+    rows = [
+        {"step": 0, "train": {}, "profile": {"tokens_per_s": 10.0, "step_ms": 9000.0}},
+        {"step": 1, "train": {}, "profile": {"tokens_per_s": 1000.0, "step_ms": 20.0}},
+        {"step": 2, "val": {"loss_epoch": 1.5, "full_acc_0_epoch": 0.5}},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert train_compare.profiles_from_metrics(tmp_path) == [(10.0, 9000.0), (1000.0, 20.0)]
     assert train_compare.last_val_ours(tmp_path) == {"val_loss": 1.5, "val_full_acc": [0.5]}

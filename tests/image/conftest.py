@@ -57,7 +57,8 @@ def _free_ci_disk(client) -> None:
 
 @pytest.fixture(scope="module")
 def second_engine():
-    """A second, private dockerd (tests/ops/ops_dockerd.py): the engine of the "remote" host in the ship tests."""
+    """A second, private dockerd (tests/ops/ops_dockerd.py): the engine of the "remote" host in the ship
+    tests."""
     engine = start_engine()
     yield engine
     engine.stop()

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "docker"))  # the image tests import docker/'s scripts (cudaarch, imageinfo, ...)
+sys.path.insert(
+    0, str(REPO / "docker")
+)  # the image tests import docker/'s scripts (cudaarch, imageinfo, ...)
 
 
 # Names derived from this checkout's path: test runs of two checkouts (a developer's and a CI clone) share
@@ -39,7 +41,8 @@ def sh(
 
 
 def ci_build_args() -> list[str]:
-    """The build arguments of `make image-ci`, read from mk/image.mk so that the test builds what CI builds."""
+    """The build arguments of `make image-ci`, read from mk/image.mk so that the test builds what CI
+    builds."""
     out = sh("make", "--no-print-directory", "-s", "-n", "image-ci", timeout=60).stdout
     line = next(ln for ln in out.splitlines() if "docker/build.sh" in ln)
     words = shlex.split(line)

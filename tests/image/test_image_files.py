@@ -93,7 +93,8 @@ def test_compose_rejects_an_invalid_file(tmp_path):
 
 
 def test_compose_server_service():
-    """The server runs `vllm serve` with a GPU reservation, healthcheck, restart policy and the labels ops uses."""
+    """The server runs `vllm serve` with a GPU reservation, healthcheck, restart policy and the labels ops
+    uses."""
     cfg = compose_config()
     assert cfg["name"] == "eagle-ops"
     assert list(cfg["services"]) == ["vllm-server"]  # stages only with their profile
@@ -107,7 +108,8 @@ def test_compose_server_service():
 
 
 def test_compose_one_service_per_stage_on_one_image():
-    """Each pipeline stage has its own service and profile, runs `python -m pipeline <stage>`, on the same image."""
+    """Each pipeline stage has its own service and profile, runs `python -m pipeline <stage>`, on the same
+    image."""
     cfg = compose_config("--profile", "*", env={"EAGLE_OPS_IMAGE": "eagle-ops:test"})
     images = {svc["image"] for svc in cfg["services"].values()}
     assert images == {"eagle-ops:test"}
@@ -136,7 +138,8 @@ def test_compose_stage_flags_exist_in_the_cli():
 
 @pytest.mark.parametrize("lock,source", [("image.lock", "image.in"), ("image-ci.lock", "image-ci.in")])
 def test_lock_holds_the_input_pins_with_hashes(lock, source):
-    """Every == pin of the input file is in the lock at that version, and every locked package has sha256 hashes."""
+    """Every == pin of the input file is in the lock at that version, and every locked package has sha256
+    hashes."""
     pins = imageinfo.lock_pins(REPO / "requirements" / lock)
     for line in (REPO / "requirements" / source).read_text().splitlines():
         m = re.match(r"^([A-Za-z0-9._-]+)==(\S+)$", line.strip())
@@ -150,8 +153,8 @@ def test_lock_holds_the_input_pins_with_hashes(lock, source):
 
 
 def test_image_lock_pins_the_stack():
-    """The CUDA lock has vllm 0.32.0 with its torch 2.13.0 (the CUDA 13.0 build), speculators 0.9.0, flashinfer
-    0.7.0.post1, transformers 5.19.0 and nvidia-ml-py."""
+    """The CUDA lock has vllm 0.32.0 with its torch 2.13.0 (the CUDA 13.0 build), speculators 0.9.0,
+    flashinfer 0.7.0.post1, transformers 5.19.0 and nvidia-ml-py."""
     pins = imageinfo.lock_pins(REPO / "requirements" / "image.lock")
     assert {k: pins[k] for k in ("vllm", "torch", "speculators", "flashinfer-python", "transformers")} == {
         "vllm": "0.32.0",
@@ -302,8 +305,8 @@ def test_fatbin_reader_without_gpu_code(tmp_path):
 
 
 def test_needed_libraries_of_a_real_module():
-    """elf.needed lists a real extension module's DT_NEEDED entries; a library absent from the image is reported,
-    the driver's libcuda.so.1 never is."""
+    """elf.needed lists a real extension module's DT_NEEDED entries; a library absent from the image is
+    reported, the driver's libcuda.so.1 never is."""
     import elf
 
     module = next(Path(sys.base_prefix).glob("lib/python3*/lib-dynload/_ssl*.so"))

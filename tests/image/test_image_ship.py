@@ -55,7 +55,8 @@ def remote_id(engine) -> str | None:
 
 
 def test_ship_sends_then_skips(small_image, second_engine, sshd, tmp_path):
-    """The first ship loads the image on the host with the same id; the second finds it there and sends nothing."""
+    """The first ship loads the image on the host with the same id; the second finds it there and sends
+    nothing."""
     f = hosts(sshd, tmp_path)
     assert remote_id(second_engine) is None
     dry = ship(f, "--dry-run")
@@ -71,7 +72,8 @@ def test_ship_sends_then_skips(small_image, second_engine, sshd, tmp_path):
 
 
 def test_ship_takes_another_image_by_flag(small_image, second_engine, sshd, tmp_path):
-    """--image names a local image other than the hosts file's; one that does not exist is a one-line error."""
+    """--image names a local image other than the hosts file's; one that does not exist is a one-line
+    error."""
     f = hosts(sshd, tmp_path)
     res = ship(f, "--image", f"eagle-ops-ship-test:absent-{RUN_ID}")
     assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
@@ -79,7 +81,8 @@ def test_ship_takes_another_image_by_flag(small_image, second_engine, sshd, tmp_
 
 
 def test_ship_refuses_unknown_host_key(small_image, sshd, tmp_path):
-    """A host whose key is not in known_hosts is refused before anything is sent, with its SHA256 fingerprint."""
+    """A host whose key is not in known_hosts is refused before anything is sent, with its SHA256
+    fingerprint."""
     empty = tmp_path / "known_hosts"
     empty.write_text("")
     res = ship(hosts(sshd, tmp_path, known_hosts=empty))

@@ -41,15 +41,46 @@ def bench_scene(tmp: Path, dk, label: str = "bench") -> dict:
     data, assets = tmp / "data", tmp / "assets"
     (data / "cache").mkdir(parents=True)
     py = [sys.executable, "-m", "pipeline"]
-    subprocess.run([*py, "demo-assets", "--out", str(assets), "--conversations", "6"], check=True, capture_output=True, cwd=REPO)
-    subprocess.run([*py, "prepare", "--data", str(assets / "conversations.jsonl"), "--model", str(assets / "model"),
-                    "--out", str(data / "prepared")], check=True, capture_output=True, cwd=REPO)
+    subprocess.run(
+        [*py, "demo-assets", "--out", str(assets), "--conversations", "6"],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
+    subprocess.run(
+        [
+            *py,
+            "prepare",
+            "--data",
+            str(assets / "conversations.jsonl"),
+            "--model",
+            str(assets / "model"),
+            "--out",
+            str(data / "prepared"),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     server, devdir, table = server_on_one_gpu(dk, tmp, "ops-bench-server", used_mib=1)
-    hosts = write_hosts(tmp / "hosts.toml", label, **ssh_table(
-        sshd, sshd.write_known_hosts(tmp / "known_hosts"), server=f"container:{server.name}",
-        device_glob=f"{devdir}/nvidia*", gpu_source=f"table:{table}", image=img, docker_gpus="", mounts=mounts,
-        data_root=str(data), model_dir=str(assets / "model"), cache_dir=str(data / "cache"),
-        timeouts={"grace": 2, "kill_wait": 2, "stop": 10, "clean": 10}))
+    hosts = write_hosts(
+        tmp / "hosts.toml",
+        label,
+        **ssh_table(
+            sshd,
+            sshd.write_known_hosts(tmp / "known_hosts"),
+            server=f"container:{server.name}",
+            device_glob=f"{devdir}/nvidia*",
+            gpu_source=f"table:{table}",
+            image=img,
+            docker_gpus="",
+            mounts=mounts,
+            data_root=str(data),
+            model_dir=str(assets / "model"),
+            cache_dir=str(data / "cache"),
+            timeouts={"grace": 2, "kill_wait": 2, "stop": 10, "clean": 10},
+        ),
+    )
     return dict(sshd=sshd, server=server, hosts=hosts, data=data)
 
 
@@ -57,7 +88,13 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-ops-"))
     dk = client()
     scene = bench_scene(tmp, dk)
-    sshd, server, hosts, data, name = scene["sshd"], scene["server"], scene["hosts"], scene["data"], scene["server"].name
+    sshd, server, hosts, data, name = (
+        scene["sshd"],
+        scene["server"],
+        scene["hosts"],
+        scene["data"],
+        scene["server"].name,
+    )
     rows = []
     try:
         for i in range(RUNS):
@@ -67,10 +104,27 @@ def main() -> None:
                 server.start()
             before = sshd.connections()
             start = time.monotonic()
-            res = subprocess.run([sys.executable, "-m", "ops", "remote-extract", "--host", "bench", "--hosts-file",
-                                  str(hosts), "--run-id", f"bench{i}", "--restore-server", "--runs-dir", str(tmp / "runs")],
-                                 cwd=REPO, capture_output=True, text=True,
-                                 env=dict(os.environ, EAGLE_OPS_TRACE=str(tmp / f"trace{i}.jsonl")))
+            res = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "ops",
+                    "remote-extract",
+                    "--host",
+                    "bench",
+                    "--hosts-file",
+                    str(hosts),
+                    "--run-id",
+                    f"bench{i}",
+                    "--restore-server",
+                    "--runs-dir",
+                    str(tmp / "runs"),
+                ],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                env=dict(os.environ, EAGLE_OPS_TRACE=str(tmp / f"trace{i}.jsonl")),
+            )
             wall = time.monotonic() - start
             if res.returncode != 0:
                 sys.exit(f"run {i} failed:\n{res.stdout[-2000:]}\n{res.stderr}")
@@ -81,18 +135,28 @@ def main() -> None:
             trace = [json.loads(x) for x in (tmp / f"trace{i}.jsonl").read_text().splitlines()]
             slow = sorted(trace, key=lambda r: -r["seconds"])[:4]
             remote = sum(r["seconds"] for r in trace)
-            print(f"  {len(trace)} remote commands, {remote:.2f} s in them (log follow included), "
-                  f"{wall - remote:.2f} s outside them (interpreter start, imports, connect, local work)")
-            print("  slowest remote commands: " + "; ".join(f"{r['seconds']:.2f} s {r['command'][:60]}" for r in slow))
-            print(f"run {i}: wall {wall:.2f} s, stage {stage:.2f} s, overhead {wall - stage:.2f} s, "
-                  f"SSH connections {conns}")
+            print(
+                f"  {len(trace)} remote commands, {remote:.2f} s in them (log follow included), "
+                f"{wall - remote:.2f} s outside them (interpreter start, imports, connect, local work)"
+            )
+            print(
+                "  slowest remote commands: "
+                + "; ".join(f"{r['seconds']:.2f} s {r['command'][:60]}" for r in slow)
+            )
+            print(
+                f"run {i}: wall {wall:.2f} s, stage {stage:.2f} s, overhead {wall - stage:.2f} s, "
+                f"SSH connections {conns}"
+            )
     finally:
         remove_test_containers(dk, [name])
         sshd.stop()
     over = sorted(r[2] for r in rows)
-    print(f"overhead median {over[len(over) // 2]:.2f} s (min {over[0]:.2f}, max {over[-1]:.2f}) over {RUNS} runs; "
-          f"SSH connections per run: {sorted({r[3] for r in rows})}; goal <= 3 s and 1; "
-          f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"overhead median {over[len(over) // 2]:.2f} s (min {over[0]:.2f}, max {over[-1]:.2f}) "
+        f"over {RUNS} runs; "
+        f"SSH connections per run: {sorted({r[3] for r in rows})}; goal <= 3 s and 1; "
+        f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     shutil.rmtree(tmp, ignore_errors=True)
 
 

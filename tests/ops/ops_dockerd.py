@@ -38,8 +38,12 @@ class Engine:
     def load(self, image: str) -> None:
         """Copy an image of the shared engine into this one (no registry here)."""
         save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
-        subprocess.run(["docker", "--host", self.socket, "load", "--quiet"], stdin=save.stdout, check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["docker", "--host", self.socket, "load", "--quiet"],
+            stdin=save.stdout,
+            check=True,
+            capture_output=True,
+        )
         assert save.wait() == 0, f"docker save {image} failed"
 
     def stop(self) -> None:
@@ -55,11 +59,32 @@ def start_engine() -> Engine:
     ns = "".join(c for c in root.name if c.isalnum())  # containerd: letters and digits
     log = (root / "dockerd.log").open("w")
     proc = subprocess.Popen(
-        ["unshare", "--net", "dockerd", "--host", f"unix://{root}/docker.sock", "--data-root", str(root / "data"),
-         "--exec-root", str(root / "exec"), "--pidfile", str(root / "docker.pid"), "--bridge=none",
-         "--iptables=false", "--ip-masq=false", "--ip-forward=false", "--containerd-namespace", ns,
-         "--containerd-plugins-namespace", f"{ns}p"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        [
+            "unshare",
+            "--net",
+            "dockerd",
+            "--host",
+            f"unix://{root}/docker.sock",
+            "--data-root",
+            str(root / "data"),
+            "--exec-root",
+            str(root / "exec"),
+            "--pidfile",
+            str(root / "docker.pid"),
+            "--bridge=none",
+            "--iptables=false",
+            "--ip-masq=false",
+            "--ip-forward=false",
+            "--containerd-namespace",
+            ns,
+            "--containerd-plugins-namespace",
+            f"{ns}p",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     engine = Engine(root, proc)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

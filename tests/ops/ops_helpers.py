@@ -42,15 +42,28 @@ def ssh_table(sshd: Sshd, known_hosts: Path, **extra) -> dict:
     """A host reached through the test sshd; its host lock lies beside known_hosts (one per test folder,
     so tests of other checkouts on this machine never contend for /run/lock/eagle-ops.lock)."""
     extra.setdefault("lock_file", str(known_hosts.parent / "eagle-ops.lock"))
-    return dict(host="127.0.0.1", port=sshd.port, user=sshd.user, key=str(sshd.user_key),
-                known_hosts=str(known_hosts), python="/usr/bin/python3", **extra)
+    return dict(
+        host="127.0.0.1",
+        port=sshd.port,
+        user=sshd.user,
+        key=str(sshd.user_key),
+        known_hosts=str(known_hosts),
+        python="/usr/bin/python3",
+        **extra,
+    )
 
 
 def run_ops(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `python -m ops ARGS` as the operator would, from the repo root."""
     full_env = dict(os.environ, COLUMNS="200", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "ops", *args], cwd=REPO, capture_output=True, text=True,
-                          env=full_env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ops", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
 
 
 class OpsProcess:
@@ -61,8 +74,9 @@ class OpsProcess:
         self.out, self.err = folder / f"{name}.out", folder / f"{name}.err"
         full_env = dict(os.environ, COLUMNS="200", **(env or {}))
         with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ops", *args], cwd=REPO, stdout=out, stderr=err,
-                                         env=full_env)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ops", *args], cwd=REPO, stdout=out, stderr=err, env=full_env
+            )
 
     def text(self) -> str:
         return self.out.read_text() + self.err.read_text()

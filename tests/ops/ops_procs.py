@@ -40,7 +40,7 @@ open(tmp, "w").write(str(os.getpid())); os.rename(tmp, pidfile)
 print(child.pid, flush=True)
 while True:
     time.sleep(1)
-"""
+"""  # noqa: E501
 
 
 # A supervisor (like a process manager or systemd's Restart=always): it starts a holder, and each time
@@ -70,8 +70,9 @@ class Procs:
         self.extra_pids: list[int] = []
         self.groups: list[int] = []  # process groups killed whole at cleanup
 
-    def holder(self, files: list[Path], name: str = "", ignore_term: bool = False, exe: str | None = None,
-               **popen) -> subprocess.Popen:
+    def holder(
+        self, files: list[Path], name: str = "", ignore_term: bool = False, exe: str | None = None, **popen
+    ) -> subprocess.Popen:
         argv = [exe or sys.executable, "-c", HOLDER, name, "1" if ignore_term else "0", *map(str, files)]
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **popen)
         self.started.append(p)
@@ -90,8 +91,12 @@ class Procs:
 
     def server(self, pidfile: Path, files: list[Path]) -> tuple[subprocess.Popen, int]:
         """(API process, engine child pid): a new session, so pgid == the API pid."""
-        p = subprocess.Popen([sys.executable, "-c", SERVER, str(pidfile), HOLDER, *map(str, files)],
-                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", SERVER, str(pidfile), HOLDER, *map(str, files)],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.started.append(p)
         child = int(p.stdout.readline())
         self.extra_pids.append(child)
@@ -102,8 +107,12 @@ class Procs:
         """(supervisor, its first holder's pid): a new session, so cleanup kills the whole group."""
         script = self.root / "supervisor.py"
         script.write_text(SUPERVISOR)
-        p = subprocess.Popen([sys.executable, str(script), HOLDER, name, *map(str, files)], stdout=subprocess.PIPE,
-                             text=True, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, str(script), HOLDER, name, *map(str, files)],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.started.append(p)
         self.groups.append(p.pid)
         return p, int(p.stdout.readline())

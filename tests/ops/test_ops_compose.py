@@ -1,5 +1,6 @@
-"""compose.yaml and the stage table (contract/stages.py) are one source: the committed file is the rendering of the table, and
-what the real compose binary makes of it (commands, mounts, environment, GPUs, privileges) is what ops plans."""
+"""compose.yaml and the stage table (contract/stages.py) are one source: the committed file is the rendering
+of the table, and what the real compose binary makes of it (commands, mounts, environment, GPUs, privileges)
+is what ops plans."""
 
 from __future__ import annotations
 
@@ -25,17 +26,30 @@ def compose_config(path: Path = REPO / "compose.yaml") -> dict:
     """`docker-compose config` of every profile, with none of the file's variables set."""
     if not COMPOSE.exists():
         pytest.skip(f"no compose binary at {COMPOSE}")
-    env = {k: v for k, v in os.environ.items() if not re.match(r"^(EAGLE_|SERVE_|HF_|[A-Z]+_ARGS$|[A-Z]+_BACKEND$)", k)}
-    res = subprocess.run([str(COMPOSE), "-f", str(path), "--profile", "*", "config", "--format", "json"],
-                         capture_output=True, text=True, env=env, timeout=60, cwd=REPO)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not re.match(r"^(EAGLE_|SERVE_|HF_|[A-Z]+_ARGS$|[A-Z]+_BACKEND$)", k)
+    }
+    res = subprocess.run(
+        [str(COMPOSE), "-f", str(path), "--profile", "*", "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=REPO,
+    )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
 
 def test_committed_compose_file_is_the_rendered_table():
-    """compose.yaml is exactly what `python -m ops.composefile` renders from the stage table (no hand edits)."""
+    """compose.yaml is exactly what `python -m ops.composefile` renders from the stage table (no hand
+    edits)."""
     assert (REPO / "compose.yaml").read_text() == composefile.render()
-    res = subprocess.run([sys.executable, "-m", "ops.composefile", "--check"], cwd=REPO, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "ops.composefile", "--check"], cwd=REPO, capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -52,30 +66,40 @@ def test_compose_stage_services_agree_with_ops_plans():
         want = list(plan.stage_argv)
         if spec.layout:  # compose leaves the tensor parallel size to the pipeline (all visible devices)
             i = want.index("--tensor-parallel-size")
-            del want[i:i + 2]
+            del want[i : i + 2]
         assert svc["command"] == want, stage
         mounts = sorted((v["target"], bool(v.get("read_only"))) for v in svc["volumes"])
         assert mounts == sorted((dst, ro) for _, dst, ro in stage_mounts(host, spec)), stage
-        assert {k: svc["environment"][k] for k in ("HF_HOME", "HOME")} == {k: env[k] for k in ("HF_HOME", "HOME")}
+        assert {k: svc["environment"][k] for k in ("HF_HOME", "HOME")} == {
+            k: env[k] for k in ("HF_HOME", "HOME")
+        }
         assert ("deploy" in svc) == ("--gpus" in plan.docker_run), stage
         assert svc["cap_drop"] == ["ALL"] and svc["read_only"] is True and svc["ipc"] == "private"
-        assert str(svc["shm_size"]) == str(16 * 2**30) and host.stage_shm_size == "16g" and svc["pids_limit"] == host.stage_pids_limit
+        assert (
+            str(svc["shm_size"]) == str(16 * 2**30)
+            and host.stage_shm_size == "16g"
+            and svc["pids_limit"] == host.stage_pids_limit
+        )
 
 
 def test_compose_preflight_service_is_ops_extract_preflight():
-    """The preflight service runs the `pipeline preflight` that ops runs before remote-extract, same values."""
+    """The preflight service runs the `pipeline preflight` that ops runs before remote-extract, same
+    values."""
     svc = compose_config()["services"]["preflight"]
     plan = plan_stage(HostConfig(name="h", host="local"), "extract", run_id="r", layout=Layout("vllm", 1, 1))
     ops_preflight = plan.preflight_run[-1].split("; ")[1].split()
     ops_preflight = [w for w in ops_preflight if w not in ("--tensor-parallel-size", "1")]
-    assert svc["command"][:len(ops_preflight)] == ops_preflight
+    assert svc["command"][: len(ops_preflight)] == ops_preflight
 
 
 def test_the_agreement_test_sees_a_drift(tmp_path):
-    """A compose file whose extract output folder was renamed by hand (the old `hidden`) fails the agreement."""
+    """A compose file whose extract output folder was renamed by hand (the old `hidden`) fails the
+    agreement."""
     drifted = tmp_path / "compose.yaml"
-    drifted.write_text((REPO / "compose.yaml").read_text().replace("--out /data/hidden_states", "--out /data/hidden"))
+    drifted.write_text(
+        (REPO / "compose.yaml").read_text().replace("--out /data/hidden_states", "--out /data/hidden")
+    )
     assert drifted.read_text() != composefile.render()
     extract = compose_config(drifted)["services"]["extract"]
     plan = plan_stage(HostConfig(name="h", host="local"), "extract", run_id="r")
-    assert extract["command"][:len(plan.stage_argv)] != list(plan.stage_argv)
+    assert extract["command"][: len(plan.stage_argv)] != list(plan.stage_argv)

@@ -16,8 +16,14 @@ pytestmark = pytest.mark.sshd
 
 
 def host(sshd, known: Path, **kw) -> HostConfig:
-    base = dict(name="t", host="127.0.0.1", port=sshd.port, user=sshd.user, key=str(sshd.user_key),
-                known_hosts=str(known))
+    base = dict(
+        name="t",
+        host="127.0.0.1",
+        port=sshd.port,
+        user=sshd.user,
+        key=str(sshd.user_key),
+        known_hosts=str(known),
+    )
     base.update(kw)
     return HostConfig(**base)
 
@@ -105,7 +111,8 @@ def test_ssh_config_is_honoured(sshd, tmp_path):
     known = sshd.write_known_hosts(home / "kh")
     (home / ".ssh" / "config").write_text(
         f"Host gpu-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
-        f"  IdentityFile {sshd.user_key}\n  UserKnownHostsFile {known}\n")
+        f"  IdentityFile {sshd.user_key}\n  UserKnownHostsFile {known}\n"
+    )
     before = sshd.connections()
     res = run_ops("gpu-status", "--host", "gpu-alias", "--json", env={"HOME": str(home)})
     assert res.returncode == 0, res.stderr
@@ -125,4 +132,3 @@ def test_local_feed_streams_bytes_and_stops_when_the_command_exits():
 
     early = LocalRunner().feed("head -c 10 >/dev/null; exit 3", endless(), lambda _n: None)
     assert early.exit_code == 3
-

@@ -24,10 +24,20 @@ HOSTS = [host("a"), host("b", "/disk2/eagle"), host("c")]
 
 def summary(rank: int, world: int, samples: int, missing=(), tokens_per_file: int = 10) -> dict:
     owned = [i for i in range(rank, samples, world) if i not in missing]
-    return {"ok": not missing, "checks": [] if not missing else [{"name": "contiguity", "status": "fail",
-                                                                    "detail": f"missing {list(missing)}"}],
-            "stats": {"samples": samples, "files": len(owned), "world_size": world, "rank": rank,
-                      "missing": list(missing), "tokens": tokens_per_file * len(owned)}}
+    return {
+        "ok": not missing,
+        "checks": []
+        if not missing
+        else [{"name": "contiguity", "status": "fail", "detail": f"missing {list(missing)}"}],
+        "stats": {
+            "samples": samples,
+            "files": len(owned),
+            "world_size": world,
+            "rank": rank,
+            "missing": list(missing),
+            "tokens": tokens_per_file * len(owned),
+        },
+    }
 
 
 def test_each_host_gets_its_rank_the_same_run_id_and_its_own_output():
@@ -39,22 +49,37 @@ def test_each_host_gets_its_rank_the_same_run_id_and_its_own_output():
         assert job.rank == rank and job.plan.run_id == "r1" and job.skip is None and not job.plan.resume
         assert job.plan.stage_argv[-6:] == ("--limit", "12", "--world-size", "3", "--rank", str(rank))
         assert job.plan.stage_argv[:4] == ("python", "-m", "pipeline", "extract")
-    assert [j.plan.host_output for j in plan.jobs] == ["/data/eagle/hidden_states", "/disk2/eagle/hidden_states",
-                                                      "/data/eagle/hidden_states"]
+    assert [j.plan.host_output for j in plan.jobs] == [
+        "/data/eagle/hidden_states",
+        "/disk2/eagle/hidden_states",
+        "/data/eagle/hidden_states",
+    ]
     verify = plan_fanout(HOSTS[:2], "verify", run_id="v1")
-    assert verify.jobs[1].plan.stage_argv == ("python", "-m", "pipeline", "verify", "/data/hidden_states",
-                                              "--world-size", "2", "--rank", "1")
+    assert verify.jobs[1].plan.stage_argv == (
+        "python",
+        "-m",
+        "pipeline",
+        "verify",
+        "/data/hidden_states",
+        "--world-size",
+        "2",
+        "--rank",
+        "1",
+    )
     assert plan_fanout(HOSTS[:2], "extract", run_id=None).jobs[0].plan.run_id.startswith("extract-")
 
 
-@pytest.mark.parametrize("hosts, stage, extra, words", [
-    (HOSTS, "train", (), "cannot be split"),
-    (HOSTS, "prepare", (), "cannot be split"),
-    ([host("a"), host("a")], "extract", (), "appear twice"),
-    (HOSTS, "extract", ("--rank", "1"), "--rank is set per host"),
-    (HOSTS, "extract", ("--world-size=4",), "--world-size=4 is set per host"),
-    (HOSTS, "extract", ("--out", "/x"), "--out is set per host"),
-])
+@pytest.mark.parametrize(
+    "hosts, stage, extra, words",
+    [
+        (HOSTS, "train", (), "cannot be split"),
+        (HOSTS, "prepare", (), "cannot be split"),
+        ([host("a"), host("a")], "extract", (), "appear twice"),
+        (HOSTS, "extract", ("--rank", "1"), "--rank is set per host"),
+        (HOSTS, "extract", ("--world-size=4",), "--world-size=4 is set per host"),
+        (HOSTS, "extract", ("--out", "/x"), "--out is set per host"),
+    ],
+)
 def test_bad_plans_are_refused_with_one_line(hosts, stage, extra, words):
     """Stages that do not shard, a host named twice, and shard flags in the stage arguments are usage
     errors, raised before anything connects."""
@@ -99,9 +124,11 @@ def test_merge_names_missing_files_of_failed_and_partial_hosts():
     """A host with no summary misses its whole shard; a host with a partial summary misses what it lists;
     the run is incomplete and exits EXIT_HOSTS_FAILED."""
     plan = plan_fanout(HOSTS, "extract", run_id="r1")
-    res = [HostResult("a", 0, OK, 0, summary=summary(0, 3, 10)),
-           HostResult("b", 1, FAILED, 3, "connection to x refused"),
-           HostResult("c", 2, FAILED, 1, "stage exit code 1", summary=summary(2, 3, 10, missing=(5,)))]
+    res = [
+        HostResult("a", 0, OK, 0, summary=summary(0, 3, 10)),
+        HostResult("b", 1, FAILED, 3, "connection to x refused"),
+        HostResult("c", 2, FAILED, 1, "stage exit code 1", summary=summary(2, 3, 10, missing=(5,))),
+    ]
     m = merge(plan, res)
     assert not m["complete"] and fanout.exit_code(m) == EXIT_HOSTS_FAILED == 13
     assert m["totals"]["complete_ranks"] == [0] and m["totals"]["incomplete_ranks"] == [1, 2]
@@ -114,8 +141,13 @@ def test_a_record_written_mid_run_resumes_the_running_hosts():
     """The record written while host b still runs: a complete, b incomplete; a re-run from it skips a and
     resumes b (what an operator's crash mid-run leaves behind)."""
     plan = plan_fanout(HOSTS[:2], "extract", run_id="r1")
-    mid = merge(plan, [HostResult("a", 0, OK, 0, summary=summary(0, 2, 6)),
-                       HostResult("b", 1, fanout.RUNNING, error="did not report")])
+    mid = merge(
+        plan,
+        [
+            HostResult("a", 0, OK, 0, summary=summary(0, 2, 6)),
+            HostResult("b", 1, fanout.RUNNING, error="did not report"),
+        ],
+    )
     assert not mid["complete"] and mid["totals"]["missing_files"] == [1, 3, 5]
     again = plan_fanout(HOSTS[:2], "extract", run_id="r1", previous=mid)
     assert again.jobs[0].skip and again.jobs[1].skip is None and again.jobs[1].plan.resume
@@ -132,23 +164,37 @@ def test_rerun_skips_complete_shards_and_resumes_the_others():
     """An earlier record of the same run id: its complete hosts are skipped, every other host runs with
     --resume; the skipped host's section is carried over into the new record."""
     first = plan_fanout(HOSTS[:2], "extract", run_id="r1", extra=("--limit", "8"))
-    prev = merge(first, [HostResult("a", 0, OK, 0, summary=summary(0, 2, 8)), HostResult("b", 1, FAILED, 3, "refused")])
+    prev = merge(
+        first, [HostResult("a", 0, OK, 0, summary=summary(0, 2, 8)), HostResult("b", 1, FAILED, 3, "refused")]
+    )
     plan = plan_fanout(HOSTS[:2], "extract", run_id=None, extra=("--limit", "8"), previous=prev)
     assert plan.run_id == "r1"
     a, b = plan.jobs
     assert a.skip and "shard 0/2 verified complete" in a.skip
     assert b.skip is None and b.plan.resume and "--resume" in b.plan.stage_argv
-    again = merge(plan, [HostResult("a", 0, SKIPPED, 0, previous=prev["hosts"][0]),
-                         HostResult("b", 1, OK, 0, summary=summary(1, 2, 8))])
-    assert again["complete"] and again["attempts"] == 2 and [h["status"] for h in again["hosts"]] == ["skipped", "ok"]
+    again = merge(
+        plan,
+        [
+            HostResult("a", 0, SKIPPED, 0, previous=prev["hosts"][0]),
+            HostResult("b", 1, OK, 0, summary=summary(1, 2, 8)),
+        ],
+    )
+    assert (
+        again["complete"]
+        and again["attempts"] == 2
+        and [h["status"] for h in again["hosts"]] == ["skipped", "ok"]
+    )
     assert again["totals"]["files"] == 8
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(hosts=[host("b"), host("a")]), "was made with hosts a,b"),
-    (dict(stage="verify"), "was a extract run"),
-    (dict(extra=("--limit", "9")), "stage arguments"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(hosts=[host("b"), host("a")]), "was made with hosts a,b"),
+        (dict(stage="verify"), "was a extract run"),
+        (dict(extra=("--limit", "9")), "stage arguments"),
+    ],
+)
 def test_rerun_with_other_hosts_stage_or_arguments_is_refused(change, words):
     """The shards of a run depend on the host order, stage and arguments: a re-run that changes any of
     them is a usage error, not a silently different split."""
@@ -208,13 +254,24 @@ def test_a_host_that_cannot_connect_becomes_a_failed_row(tmp_path):
             raise ConnectError("connection to u@a:22 refused; check host and port")
         return LocalRunner(h.name)
 
-    hosts = [host("a"), HostConfig(name="b", host="local", data_root=str(tmp_path / "nothing"), image="no-such:0",
-                                   python="/usr/bin/python3", gpu_source=f"table:{tmp_path / 'none.json'}",
-                                   device_glob=str(tmp_path / "dev*"))]
+    hosts = [
+        host("a"),
+        HostConfig(
+            name="b",
+            host="local",
+            data_root=str(tmp_path / "nothing"),
+            image="no-such:0",
+            python="/usr/bin/python3",
+            gpu_source=f"table:{tmp_path / 'none.json'}",
+            device_glob=str(tmp_path / "dev*"),
+        ),
+    ]
     plan = plan_fanout(hosts, "extract", run_id="f1")
     out = io.StringIO()
     request = RunRequest(hosts=("a", "b"), runs_dir=tmp_path / "runs")
-    merged, interrupted = fanout.run_fanout(plan, request, connect=connect, console=Console(file=out, width=200))
+    merged, interrupted = fanout.run_fanout(
+        plan, request, connect=connect, console=Console(file=out, width=200)
+    )
     assert not interrupted and not merged["complete"]
     a, b = merged["hosts"]
     assert a["status"] == b["status"] == FAILED and a["exit_code"] == 3 and "refused" in a["error"]
@@ -224,7 +281,8 @@ def test_a_host_that_cannot_connect_becomes_a_failed_row(tmp_path):
 
 
 def test_each_host_plan_carries_its_secret_names_never_values():
-    """The operator's secrets reach every host's plan by name (env file), as for one host; values stay out of argv."""
+    """The operator's secrets reach every host's plan by name (env file), as for one host; values stay out of
+    argv."""
     import dataclasses
 
     hosts = [dataclasses.replace(HOSTS[0], secrets=("HF_TOKEN", "FOO_API_KEY")), HOSTS[1]]
@@ -239,12 +297,22 @@ def test_each_host_plan_carries_its_secret_names_never_values():
 
 
 def test_multi_host_dry_run_prints_every_plan_and_detach_is_refused(tmp_path):
-    """`--dry-run` with several hosts prints each host's shard plan and connects to nothing; `--detach` is refused."""
+    """`--dry-run` with several hosts prints each host's shard plan and connects to nothing; `--detach` is
+    refused."""
     import subprocess
     import sys
 
     hosts = "u@127.0.0.1:1,u@127.0.0.2:1"  # port 1: a connection attempt would fail loudly
-    cmd = [sys.executable, "-m", "ops", "remote-extract", "--host", hosts, "--runs-dir", str(tmp_path / "runs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ops",
+        "remote-extract",
+        "--host",
+        hosts,
+        "--runs-dir",
+        str(tmp_path / "runs"),
+    ]
     dry = subprocess.run([*cmd, "--dry-run", "--run-id", "d1"], capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert "--world-size 2 --rank 0" in dry.stdout and "--world-size 2 --rank 1" in dry.stdout

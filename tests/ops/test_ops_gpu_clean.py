@@ -27,18 +27,46 @@ def scene(tmp_path, devdir, procs, sshd):
     stubborn = procs.holder([d1, ctl], name="stubborn", ignore_term=True)
     daemon = procs.renamed_binary("nvidia-persistenced", [ctl])
     bystander = procs.holder([devdir / "unrelated"], name="bystander")
-    table = write_gpu_table(tmp_path / "gpus.json", [
-        {"name": "Table H200", "memory_total_mib": 143771, "base_used_mib": 618,
-         "processes": [{"pid": engine, "used_mib": 70000}, {"pid": orphan.pid, "used_mib": 2000}]},
-        {"name": "Table H200", "memory_total_mib": 143771, "base_used_mib": 0,
-         "processes": [{"pid": stubborn.pid, "used_mib": 1000}]},
-    ])
+    table = write_gpu_table(
+        tmp_path / "gpus.json",
+        [
+            {
+                "name": "Table H200",
+                "memory_total_mib": 143771,
+                "base_used_mib": 618,
+                "processes": [{"pid": engine, "used_mib": 70000}, {"pid": orphan.pid, "used_mib": 2000}],
+            },
+            {
+                "name": "Table H200",
+                "memory_total_mib": 143771,
+                "base_used_mib": 0,
+                "processes": [{"pid": stubborn.pid, "used_mib": 1000}],
+            },
+        ],
+    )
     known = sshd.write_known_hosts(tmp_path / "known_hosts")
-    hosts = write_hosts(tmp_path / "hosts.toml", "box", **ssh_table(
-        sshd, known, server=f"pidfile:{tmp_path / 'server.pid'}", device_glob=f"{devdir}/nvidia*",
-        gpu_source=f"table:{table}", timeouts=FAST))
-    return dict(api=api, engine=engine, orphan=orphan, stubborn=stubborn, daemon=daemon, bystander=bystander,
-                hosts=hosts, table=table)
+    hosts = write_hosts(
+        tmp_path / "hosts.toml",
+        "box",
+        **ssh_table(
+            sshd,
+            known,
+            server=f"pidfile:{tmp_path / 'server.pid'}",
+            device_glob=f"{devdir}/nvidia*",
+            gpu_source=f"table:{table}",
+            timeouts=FAST,
+        ),
+    )
+    return dict(
+        api=api,
+        engine=engine,
+        orphan=orphan,
+        stubborn=stubborn,
+        daemon=daemon,
+        bystander=bystander,
+        hosts=hosts,
+        table=table,
+    )
 
 
 def ops(scene, *args):
@@ -51,11 +79,19 @@ def test_gpu_status_json_classifies_every_holder(scene):
     assert res.returncode == 0, res.stderr
     state = json.loads(res.stdout)
     klass = {h["proc"]["pid"]: h["klass"] for h in state["holders"]}
-    assert klass == {scene["engine"]: "server", scene["orphan"].pid: "orphan", scene["stubborn"].pid: "orphan",
-                     scene["daemon"].pid: "protected"}
+    assert klass == {
+        scene["engine"]: "server",
+        scene["orphan"].pid: "orphan",
+        scene["stubborn"].pid: "orphan",
+        scene["daemon"].pid: "protected",
+    }
     assert [g["memory_used_mib"] for g in state["gpus"]] == [618 + 72000, 1000]
     engine = next(h for h in state["holders"] if h["proc"]["pid"] == scene["engine"])
-    assert engine["proc"]["comm"] == "VLLM::EngineCor" and engine["gpus"] == [0] and engine["via"] == "fuser+nvml"
+    assert (
+        engine["proc"]["comm"] == "VLLM::EngineCor"
+        and engine["gpus"] == [0]
+        and engine["via"] == "fuser+nvml"
+    )
 
 
 def test_gpu_status_table(scene):
@@ -63,7 +99,11 @@ def test_gpu_status_table(scene):
     res = ops(scene, "gpu-status")
     assert res.returncode == 0, res.stderr
     assert "GPU 0 Table H200: 72618/143771 MiB" in res.stdout
-    for pid, cls in ((scene["engine"], "server"), (scene["orphan"].pid, "orphan"), (scene["daemon"].pid, "protected")):
+    for pid, cls in (
+        (scene["engine"], "server"),
+        (scene["orphan"].pid, "orphan"),
+        (scene["daemon"].pid, "protected"),
+    ):
         assert any(str(pid) in line and cls in line for line in res.stdout.splitlines()), (pid, res.stdout)
 
 
@@ -128,15 +168,31 @@ def test_local_mode_spares_our_own_ancestry(tmp_path, devdir, procs):
     """In local mode the shell that runs ops holds a device file: it and ops survive, the orphan dies."""
     orphan = procs.holder([devdir / "nvidia0"], name="orphan")
     table = write_gpu_table(tmp_path / "gpus.json", [{"processes": [{"pid": orphan.pid, "used_mib": 10}]}])
-    hosts = write_hosts(tmp_path / "hosts.toml", "here", host="local", python="/usr/bin/python3", device_glob=f"{devdir}/nvidia*",
-                        gpu_source=f"table:{table}", timeouts=FAST, lock_file=str(tmp_path / "eagle-ops.lock"))
+    hosts = write_hosts(
+        tmp_path / "hosts.toml",
+        "here",
+        host="local",
+        python="/usr/bin/python3",
+        device_glob=f"{devdir}/nvidia*",
+        gpu_source=f"table:{table}",
+        timeouts=FAST,
+        lock_file=str(tmp_path / "eagle-ops.lock"),
+    )
     import subprocess
     import sys
 
-    script = (f"exec 7<{devdir}/nvidia0; {sys.executable} -m ops gpu-clean --host here --hosts-file {hosts}; "
-              "echo shell-survived rc=$?")
-    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[2],
-                         env=dict(os.environ, COLUMNS="200"), timeout=60)
+    script = (
+        f"exec 7<{devdir}/nvidia0; {sys.executable} -m ops gpu-clean --host here --hosts-file {hosts}; "
+        "echo shell-survived rc=$?"
+    )
+    res = subprocess.run(
+        ["bash", "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+        env=dict(os.environ, COLUMNS="200"),
+        timeout=60,
+    )
     assert "shell-survived rc=0" in res.stdout, res.stdout + res.stderr
     assert "our own ancestry" in res.stdout
     assert not alive(orphan.pid)
@@ -146,17 +202,24 @@ def test_nvml_path_without_a_driver_reports_and_refuses_to_call_clean(sshd, tmp_
     """With gpu_source nvml the real binding travels to the host; without a driver gpu-status says so and
     gpu-clean cannot prove the GPUs clean (exit 6), rather than declaring them clean."""
     known = sshd.write_known_hosts(tmp_path / "known_hosts")
-    hosts = write_hosts(tmp_path / "hosts.toml", "box", **ssh_table(sshd, known, device_glob=f"{devdir}/nvidia*",
-                                                                    timeouts=FAST))
+    hosts = write_hosts(
+        tmp_path / "hosts.toml",
+        "box",
+        **ssh_table(sshd, known, device_glob=f"{devdir}/nvidia*", timeouts=FAST),
+    )
     res = run_ops("gpu-status", "--host", "box", "--hosts-file", str(hosts))
-    assert res.returncode == 0 and "GPU facts unavailable: NVML init failed" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0 and "GPU facts unavailable: NVML init failed" in res.stdout, (
+        res.stdout + res.stderr
+    )
     res = run_ops("gpu-clean", "--host", "box", "--hosts-file", str(hosts))
     assert res.returncode == 6 and "cannot read GPUs: NVML init failed" in res.stdout, res.stdout + res.stderr
 
 
 def _lone_host(sshd, tmp_path: Path, devdir: Path, table: Path, **extra) -> Path:
     known = sshd.write_known_hosts(tmp_path / "known_hosts")
-    table_kw = ssh_table(sshd, known, device_glob=f"{devdir}/nvidia*", gpu_source=f"table:{table}", timeouts=FAST)
+    table_kw = ssh_table(
+        sshd, known, device_glob=f"{devdir}/nvidia*", gpu_source=f"table:{table}", timeouts=FAST
+    )
     table_kw.update(extra)
     return write_hosts(tmp_path / "hosts.toml", "box", **table_kw)
 
@@ -175,12 +238,15 @@ def test_respawned_holder_is_named_with_its_supervisor(tmp_path, devdir, procs, 
     report = json.loads(res.stdout)
     assert report["verdict"] == RESPAWNED and report["rounds"] == MAX_ROUNDS
     assert [s["pid"] for s in report["supervisors"]] == [sup.pid] and report["detail"].startswith(
-        f"pid {sup.pid} (supervisor: ")
+        f"pid {sup.pid} (supervisor: "
+    )
     killed = [s["pid"] for s in report["signalled"]]
     back = [r["pid"] for r in report["respawned"]]
     assert killed[0] == first and len(killed) == MAX_ROUNDS and len(back) == MAX_ROUNDS
     assert len(set(killed + back)) == MAX_ROUNDS + 1  # a new pid each time (the last one was not killed)
-    assert all(r["devices"] == [str(devdir / "nvidia0")] and r["ppid"] == sup.pid for r in report["respawned"])
+    assert all(
+        r["devices"] == [str(devdir / "nvidia0")] and r["ppid"] == sup.pid for r in report["respawned"]
+    )
     assert report["elapsed_s"] < 60 and sup.poll() is None
     human = run_ops("gpu-clean", "--host", "box", "--hosts-file", str(hosts))
     assert human.returncode == 10, human.stdout + human.stderr
@@ -208,19 +274,24 @@ def test_holder_we_may_not_signal_is_reported_at_once(procs, sshd, tmp_path):
         table = write_gpu_table(pub / "gpus.json", [{"processes": [{"pid": holder.pid, "used_mib": 100}]}])
         os.chmod(table, 0o644)
         wrapper = pub / "python-as-nobody"
-        wrapper.write_text("#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 \"$@\"\n")
+        wrapper.write_text(
+            '#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 "$@"\n'
+        )
         os.chmod(wrapper, 0o755)
         slow = {"grace": 60, "kill_wait": 60, "stop": 5, "clean": 3}
         lock = pub / "eagle-ops.lock"  # the host lock is taken by the same unprivileged user
         lock.touch()
         os.chmod(lock, 0o666)
-        hosts = _lone_host(sshd, tmp_path, dev, table, python=str(wrapper), timeouts=slow, lock_file=str(lock))
+        hosts = _lone_host(
+            sshd, tmp_path, dev, table, python=str(wrapper), timeouts=slow, lock_file=str(lock)
+        )
         res = run_ops("gpu-clean", "--json", "--host", "box", "--hosts-file", str(hosts))
         assert res.returncode == 11, res.stdout + res.stderr
         report = json.loads(res.stdout)
         assert report["verdict"] == CANNOT_SIGNAL and report["signalled"] == [] and report["rounds"] == 1
         assert [(d["pid"], d["user"], d["signal"], d["as_uid"]) for d in report["denied"]] == [
-            (holder.pid, "root", "TERM", 65534)]
+            (holder.pid, "root", "TERM", 65534)
+        ]
         assert report["elapsed_s"] < 30 and holder.poll() is None
         human = run_ops("gpu-clean", "--host", "box", "--hosts-file", str(hosts))
         assert human.returncode == 11, human.stdout + human.stderr

@@ -100,6 +100,7 @@ def test_a_host_threads_ctrl_c_acts_at_once_when_interruptible_or_pressed_again(
     from ops.interrupts import interrupt_thread
 
     for now, interruptible in ((False, True), (True, False)):
+
         def body(intr, state, seen, entered, interruptible=interruptible):
             state.step("follow")
             with intr.interruptible() if interruptible else contextlib.nullcontext():

@@ -32,9 +32,22 @@ def test_ctrl_c_at_every_step_leaves_nothing_behind(scene, dk, sshd, step):  # n
     sessions = set(_sessions(sshd))  # SSH sessions of other tests' commands that are still closing
     rid = f"int-{step}"
     lock = scene["hosts"].parent / "eagle-ops.lock"
-    proc = OpsProcess(scene["tmp"], rid, "remote-extract", "--run-id", rid, "--resume", "--restore-server",
-                      "--host", "box", "--hosts-file", str(scene["hosts"]), "--runs-dir", str(scene["runs"]),
-                      env={"EAGLE_OPS_PAUSE_AT": step})
+    proc = OpsProcess(
+        scene["tmp"],
+        rid,
+        "remote-extract",
+        "--run-id",
+        rid,
+        "--resume",
+        "--restore-server",
+        "--host",
+        "box",
+        "--hosts-file",
+        str(scene["hosts"]),
+        "--runs-dir",
+        str(scene["runs"]),
+        env={"EAGLE_OPS_PAUSE_AT": step},
+    )
     try:
         proc.wait_for(f"paused at {step}")
         state_file = scene["runs"] / "box" / rid / "state.json"
@@ -46,14 +59,16 @@ def test_ctrl_c_at_every_step_leaves_nothing_behind(scene, dk, sshd, step):  # n
         proc.kill()
     state = json.loads(state_file.read_text())
     assert (state["status"], state["step"]) == ("interrupted", step), state
-    assert [s["step"] for s in state["steps"]] == list(STEPS[:STEPS.index(step) + 1])
+    assert [s["step"] for s in state["steps"]] == list(STEPS[: STEPS.index(step) + 1])
     scene["server"].reload()
     assert scene["server"].status == "running", proc.text()
     assert not dk.containers.list(all=True, filters={"label": f"eagle-ops.run-id={rid}"})
     assert lock_is_free(lock)
     if keeper is not None:
         wait_for(lambda: not alive(keeper), timeout=60)
-    wait_for(lambda: not subprocess.run(["pgrep", "-f", f"eagle-{rid}"], capture_output=True).stdout, timeout=60)
+    wait_for(
+        lambda: not subprocess.run(["pgrep", "-f", f"eagle-{rid}"], capture_output=True).stdout, timeout=60
+    )
     wait_for(lambda: set(_sessions(sshd)) <= sessions, timeout=60)
     if step in ("start", "follow"):
         assert state["container_removed"] is True and (scene["runs"] / "box" / rid / "stage.log").exists()
@@ -62,11 +77,22 @@ def test_ctrl_c_at_every_step_leaves_nothing_behind(scene, dk, sshd, step):  # n
 def test_detach_leaves_the_stage_running_and_attach_collects_it(scene, dk):  # noqa: F811
     """--detach starts the stage and returns 0 with state.json `detached`; attach --restore-server
     follows it, collects it and brings the server back; --detach with --restore-server is refused."""
-    res = ops(scene, "remote-extract", "--run-id", "det0", "--resume", "--detach", "--restore-server",
-              "--runs-dir", str(scene["runs"]))
+    res = ops(
+        scene,
+        "remote-extract",
+        "--run-id",
+        "det0",
+        "--resume",
+        "--detach",
+        "--restore-server",
+        "--runs-dir",
+        str(scene["runs"]),
+    )
     assert res.returncode == 2 and "pass --restore-server to `attach` instead" in res.stderr, res.stderr
     assert ops(scene, "restore-server").returncode == 0
-    res = ops(scene, "remote-extract", "--run-id", "det1", "--resume", "--detach", "--runs-dir", str(scene["runs"]))
+    res = ops(
+        scene, "remote-extract", "--run-id", "det1", "--resume", "--detach", "--runs-dir", str(scene["runs"])
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "detached: eagle-det1 runs on; `attach det1`" in res.stdout
     state = json.loads((scene["runs"] / "box" / "det1" / "state.json").read_text())
@@ -84,14 +110,25 @@ def test_detach_leaves_the_stage_running_and_attach_collects_it(scene, dk):  # n
 
 def _stand_in_stage(dk, img: str, name: str, scene: dict):
     """A container labelled as another run's stage (as a detached run or one started by hand would be)."""
-    return dk.containers.run(img, ["sleep", "600"], name=name, detach=True, labels={
-        "eagle-ops.run-id": name, "eagle-ops.stage": "extract", "eagle-ops.host": "box",
-        "eagle-ops.output": f"{scene['data']}/elsewhere"})
+    return dk.containers.run(
+        img,
+        ["sleep", "600"],
+        name=name,
+        detach=True,
+        labels={
+            "eagle-ops.run-id": name,
+            "eagle-ops.stage": "extract",
+            "eagle-ops.host": "box",
+            "eagle-ops.output": f"{scene['data']}/elsewhere",
+        },
+    )
 
 
 def _refusal(name: str) -> str:
-    return (f"error: stage run {name} (container {name}) is running on box; the server would start beside "
-            f"it: `attach {name} --restore-server` brings it back once the stage ends; nothing was started")
+    return (
+        f"error: stage run {name} (container {name}) is running on box; the server would start beside "
+        f"it: `attach {name} --restore-server` brings it back once the stage ends; nothing was started"
+    )
 
 
 def test_no_restore_beside_a_running_stage_and_attach_restores_under_the_lock(scene, dk, image):  # noqa: F811
@@ -100,7 +137,9 @@ def test_no_restore_beside_a_running_stage_and_attach_restores_under_the_lock(sc
     its own run. attach's restore waits for the host lock like the other changing commands: refused while
     another command holds it. Once the stage is gone, restore-server brings the server back."""
     assert ops(scene, "restore-server").returncode == 0
-    res = ops(scene, "remote-extract", "--run-id", "det2", "--resume", "--detach", "--runs-dir", str(scene["runs"]))
+    res = ops(
+        scene, "remote-extract", "--run-id", "det2", "--resume", "--detach", "--runs-dir", str(scene["runs"])
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     img, _ = image
     name = unique("eagle-other-stage")  # other checkouts test on the same engine
@@ -118,14 +157,32 @@ def test_no_restore_beside_a_running_stage_and_attach_restores_under_the_lock(sc
         scene["server"].reload()
         assert scene["server"].status == "exited"
         other.remove(force=True)
-        res = ops(scene, "remote-extract", "--run-id", "det3", "--resume", "--detach", "--runs-dir",
-                  str(scene["runs"]))
+        res = ops(
+            scene,
+            "remote-extract",
+            "--run-id",
+            "det3",
+            "--resume",
+            "--detach",
+            "--runs-dir",
+            str(scene["runs"]),
+        )
         assert res.returncode == 0, res.stdout + res.stderr
-        holder = OpsProcess(scene["tmp"], "holder", "stop-server", "--host", "box", "--hosts-file",
-                            str(scene["hosts"]), env={"EAGLE_OPS_PAUSE_AT": "locked"})
+        holder = OpsProcess(
+            scene["tmp"],
+            "holder",
+            "stop-server",
+            "--host",
+            "box",
+            "--hosts-file",
+            str(scene["hosts"]),
+            env={"EAGLE_OPS_PAUSE_AT": "locked"},
+        )
         holder.wait_for("paused at locked")
         res = ops(scene, "attach", "det3", "--restore-server", "--runs-dir", str(scene["runs"]))
-        assert res.returncode == 9 and res.stderr.startswith("error: box is busy: stop-server"), res.stdout + res.stderr
+        assert res.returncode == 9 and res.stderr.startswith("error: box is busy: stop-server"), (
+            res.stdout + res.stderr
+        )
         assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=det3"})
         scene["server"].reload()
         assert scene["server"].status == "exited"
@@ -151,9 +208,22 @@ def test_a_runs_own_restore_refuses_beside_a_stage_started_meanwhile(scene, dk, 
     assert ops(scene, "restore-server").returncode == 0
     img, _ = image
     name = unique("eagle-late-stage")
-    proc = OpsProcess(scene["tmp"], "late", "remote-extract", "--run-id", "late1", "--resume", "--restore-server",
-                      "--host", "box", "--hosts-file", str(scene["hosts"]), "--runs-dir", str(scene["runs"]),
-                      env={"EAGLE_OPS_PAUSE_AT": "restore"})
+    proc = OpsProcess(
+        scene["tmp"],
+        "late",
+        "remote-extract",
+        "--run-id",
+        "late1",
+        "--resume",
+        "--restore-server",
+        "--host",
+        "box",
+        "--hosts-file",
+        str(scene["hosts"]),
+        "--runs-dir",
+        str(scene["runs"]),
+        env={"EAGLE_OPS_PAUSE_AT": "restore"},
+    )
     other = None
     try:
         proc.wait_for("paused at restore")
@@ -181,13 +251,28 @@ def test_server_stop_failure_ends_the_run_at_stop_server(scene, dk, tmp_path):  
     container, state.json `failed` at stop-server with that line."""
     assert ops(scene, "restore-server").returncode == 0
     bad = tmp_path / "hosts.toml"
-    bad.write_text(scene["hosts"].read_text().replace(f"container:{scene['name']}", "container:ops-test-typo"))
-    res = run_ops("remote-extract", "--run-id", "stopfail", "--resume", "--restore-server", "--host", "box",
-                  "--hosts-file", str(bad), "--runs-dir", str(scene["runs"]))
+    bad.write_text(
+        scene["hosts"].read_text().replace(f"container:{scene['name']}", "container:ops-test-typo")
+    )
+    res = run_ops(
+        "remote-extract",
+        "--run-id",
+        "stopfail",
+        "--resume",
+        "--restore-server",
+        "--host",
+        "box",
+        "--hosts-file",
+        str(bad),
+        "--runs-dir",
+        str(scene["runs"]),
+    )
     assert res.returncode == 7, res.stdout + res.stderr
     line = res.stderr.strip()
-    assert line == "error: server container ops-test-typo does not exist on box; fix `server` in the hosts file " \
-                   "(`none` if there is no server); nothing was stopped or signalled"
+    assert (
+        line == "error: server container ops-test-typo does not exist on box; fix `server` in the hosts file "
+        "(`none` if there is no server); nothing was stopped or signalled"
+    )
     state = json.loads((scene["runs"] / "box" / "stopfail" / "state.json").read_text())
     assert (state["status"], state["step"], "error: " + state["error"]) == ("failed", "stop-server", line)
     assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=stopfail"})

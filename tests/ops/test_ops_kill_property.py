@@ -10,7 +10,16 @@ from ops.clean import plan_clean
 from ops.gpus import PROTECTED, parse_probe
 from ops.hosts import DEFAULT_PROTECTED, HostConfig, parse_strategy
 
-NAMES = [*DEFAULT_PROTECTED, "python3", "VLLM::EngineCor", "bash", "sshd", "nvidia-persiste", "torchrun", "Xorg2"]
+NAMES = [
+    *DEFAULT_PROTECTED,
+    "python3",
+    "VLLM::EngineCor",
+    "bash",
+    "sshd",
+    "nvidia-persiste",
+    "torchrun",
+    "Xorg2",
+]
 
 
 @st.composite
@@ -22,9 +31,18 @@ def process_tables(draw):
         comm = draw(st.sampled_from(NAMES))
         use_full_name = draw(st.booleans())
         cmd = f"/usr/bin/{comm if not use_full_name or len(comm) < 15 else comm} --flag"
-        procs[str(pid)] = {"pid": pid, "comm": comm[:15], "cmdline": cmd, "user": "root", "state": "S",
-                           "ppid": 1, "pgid": draw(st.sampled_from([pid, server_pgid or pid])), "starttime": pid * 7,
-                           "container": None, "container_id": None}
+        procs[str(pid)] = {
+            "pid": pid,
+            "comm": comm[:15],
+            "cmdline": cmd,
+            "user": "root",
+            "state": "S",
+            "ppid": 1,
+            "pgid": draw(st.sampled_from([pid, server_pgid or pid])),
+            "starttime": pid * 7,
+            "container": None,
+            "container_id": None,
+        }
         where = draw(st.sampled_from(["fuser", "nvml", "both"]))
         if where in ("fuser", "both"):
             fuser.append(pid)
@@ -32,11 +50,25 @@ def process_tables(draw):
             nvml.append(pid)
     ancestry = draw(st.lists(st.sampled_from(pids), max_size=4, unique=True))
     reply = {
-        "hostname": "gen", "ancestry": ancestry, "procs": procs, "containers": {},
+        "hostname": "gen",
+        "ancestry": ancestry,
+        "procs": procs,
+        "containers": {},
         "server": {"kind": "pidfile", "container_ids": [], "pgid": server_pgid, "members": []},
         "fuser": {"pids": fuser, "files": ["/dev/nvidia0"]},
-        "gpu": {"gpus": [{"index": 0, "name": "H200", "uuid": "GPU-0", "memory_used_mib": 100, "memory_total_mib": 143771,
-                          "memory_api": "v2", "processes": [{"pid": p, "used_mib": 10} for p in nvml]}]},
+        "gpu": {
+            "gpus": [
+                {
+                    "index": 0,
+                    "name": "H200",
+                    "uuid": "GPU-0",
+                    "memory_used_mib": 100,
+                    "memory_total_mib": 143771,
+                    "memory_api": "v2",
+                    "processes": [{"pid": p, "used_mib": 10} for p in nvml],
+                }
+            ]
+        },
     }
     return reply
 
@@ -54,9 +86,15 @@ def test_gpu_clean_never_targets_protected_or_ancestry(reply):
     for pid_s, p in reply["procs"].items():
         pid = int(pid_s)
         argv0 = p["cmdline"].split(" ", 1)[0].rsplit("/", 1)[-1]
-        is_protected = (pid in ancestry or p["comm"] in protected_names or argv0 in protected_names
-                        or any(n.startswith(p["comm"]) and len(p["comm"]) == 15 for n in protected_names))
-        holder = pid in reply["fuser"]["pids"] or any(pid == q["pid"] for q in reply["gpu"]["gpus"][0]["processes"])
+        is_protected = (
+            pid in ancestry
+            or p["comm"] in protected_names
+            or argv0 in protected_names
+            or any(n.startswith(p["comm"]) and len(p["comm"]) == 15 for n in protected_names)
+        )
+        holder = pid in reply["fuser"]["pids"] or any(
+            pid == q["pid"] for q in reply["gpu"]["gpus"][0]["processes"]
+        )
         if is_protected:
             assert pid not in killed, (pid, p)
         elif holder:

@@ -31,12 +31,15 @@ def test_hosts_file_and_operator_flags_win_in_that_order():
     assert stage_flags(Layout("vllm", 8, 1), parse(("--tensor-parallel-size", "2"))) == ("--backend", "vllm")
 
 
-@pytest.mark.parametrize("configured,gpus,extra,words", [
-    (Layout("vllm", 0, 2), 8, (), "data_parallel 2 with the vllm backend"),
-    (Layout("vllm", 16), 8, (), "needs 16 GPUs, the stage sees 8"),
-    (Layout("hf", 0, 9), 8, (), "needs 9 GPUs"),
-    (Layout(), 8, ("--tensor-parallel-size", "x"), "must be a whole number"),
-])
+@pytest.mark.parametrize(
+    "configured,gpus,extra,words",
+    [
+        (Layout("vllm", 0, 2), 8, (), "data_parallel 2 with the vllm backend"),
+        (Layout("vllm", 16), 8, (), "needs 16 GPUs, the stage sees 8"),
+        (Layout("hf", 0, 9), 8, (), "needs 9 GPUs"),
+        (Layout(), 8, ("--tensor-parallel-size", "x"), "must be a whole number"),
+    ],
+)
 def test_impossible_layouts_are_refused(configured, gpus, extra, words):
     """More GPUs than the stage sees, data parallelism with vLLM, a non-number: one ConfigError saying so."""
     with pytest.raises(ConfigError, match=words):
@@ -45,7 +48,12 @@ def test_impossible_layouts_are_refused(configured, gpus, extra, words):
 
 def test_visible_gpus_follow_docker_gpus_and_known_needs_no_host():
     """`--gpus all|N|device=a,b` decides what the stage sees; a fully configured layout is known up front."""
-    assert (visible_gpus("all", 8), visible_gpus("2", 8), visible_gpus('"device=0,3,5"', 8), visible_gpus("", 1)) == (8, 2, 3, 1)
+    assert (
+        visible_gpus("all", 8),
+        visible_gpus("2", 8),
+        visible_gpus('"device=0,3,5"', 8),
+        visible_gpus("", 1),
+    ) == (8, 2, 3, 1)
     assert known(Layout("vllm", 8)) == Layout("vllm", 8, 1)
     assert known(Layout()) is None and known(Layout("vllm")) is None
     assert known(Layout(), parse(("--backend", "hf", "--data-parallel", "2"))) == Layout("hf", 1, 2)
@@ -55,8 +63,12 @@ def test_hosts_file_layout_keys_are_validated():
     """backend/tensor_parallel_size/data_parallel are read from the hosts file; bad values name the key."""
     host = host_from_table("g", {"host": "g", "backend": "vllm", "tensor_parallel_size": 8}, "f")
     assert host.layout == Layout("vllm", 8, 0)
-    for key, value in (("backend", "sglang"), ("tensor_parallel_size", -1), ("data_parallel", "2"),
-                       ("tensor_parallel_size", True)):
+    for key, value in (
+        ("backend", "sglang"),
+        ("tensor_parallel_size", -1),
+        ("data_parallel", "2"),
+        ("tensor_parallel_size", True),
+    ):
         with pytest.raises(ConfigError, match=key):
             host_from_table("g", {"host": "g", key: value}, "f")
 
@@ -65,21 +77,33 @@ def test_preflight_script_carries_the_stage_argv_exactly():
     """extract: check-args of the whole argv, then pipeline preflight with its model, data, layout and
     trust flag; prepare: the model's preflight (hf); train: check-args only."""
     host = HostConfig(name="h", host="h", docker_gpus="")
-    plan = plan_stage(host, "extract", run_id="r", layout=Layout("vllm", 8, 1),
-                      extra_args=("--layer-ids", "1,2,3,4", "--trust-remote-code", "--limit", "3"))
+    plan = plan_stage(
+        host,
+        "extract",
+        run_id="r",
+        layout=Layout("vllm", 8, 1),
+        extra_args=("--layer-ids", "1,2,3,4", "--trust-remote-code", "--limit", "3"),
+    )
     assert plan.preflight_run[-1] == (
-        "python -m pipeline check-args extract --prepared /data/prepared --model /model --out /data/hidden_states "
-        "--no-progress --backend vllm --tensor-parallel-size 8 --layer-ids 1,2,3,4 --trust-remote-code --limit 3 & "
-        "a=$!; python -m pipeline preflight --model /model --prepared /data/prepared --out /data/hidden_states "
-        "--backend vllm --layer-ids 1,2,3,4 --tensor-parallel-size 8 --trust-remote-code; b=$?; wait $a; a=$?; "
-        "[ $a -eq 0 ] && [ $b -eq 0 ]")
+        "python -m pipeline check-args extract --prepared /data/prepared --model /model "
+        "--out /data/hidden_states --no-progress --backend vllm --tensor-parallel-size 8 "
+        "--layer-ids 1,2,3,4 --trust-remote-code --limit 3 & "
+        "a=$!; python -m pipeline preflight --model /model --prepared /data/prepared "
+        "--out /data/hidden_states --backend vllm --layer-ids 1,2,3,4 --tensor-parallel-size 8 "
+        "--trust-remote-code; b=$?; wait $a; a=$?; "
+        "[ $a -eq 0 ] && [ $b -eq 0 ]"
+    )
     assert preflight_script("prepare", plan_stage(host, "prepare", run_id="r").stage_argv).endswith(
-        "python -m pipeline preflight --model /model --backend hf; b=$?; wait $a; a=$?; [ $a -eq 0 ] && [ $b -eq 0 ]")
+        "python -m pipeline preflight --model /model --backend hf; b=$?; wait $a; a=$?; "
+        "[ $a -eq 0 ] && [ $b -eq 0 ]"
+    )
     assert preflight_script("train", plan_stage(host, "train", run_id="r").stage_argv).count("python") == 1
     run = plan.preflight_run
     assert run[:4] == ("docker", "run", "--rm", "--name") and "eagle-ops.run-id=r" not in " ".join(run)
-    assert run[run.index("--user"):run.index("--entrypoint")] == plan.docker_run[
-        plan.docker_run.index("--user"):plan.docker_run.index("--entrypoint")]
+    assert (
+        run[run.index("--user") : run.index("--entrypoint")]
+        == plan.docker_run[plan.docker_run.index("--user") : plan.docker_run.index("--entrypoint")]
+    )
 
 
 def test_relayout_keeps_user_secrets_and_env_dir():
@@ -95,16 +119,23 @@ def test_relayout_keeps_user_secrets_and_env_dir():
 
 
 def test_check_lines_of_both_output_styles_are_read():
-    """`[ 0.12s] fail name: detail` (today's preflight) and `FAIL name: detail` (the rewrite) are both checks."""
-    got = parse_lines("[  0.01s] ok   model config: Llama\n[  1.20s] fail layer ids: [0, 1] needs 4 ids\n"
-                      "FAIL vllm patch set: no patch set for 0.31.0\nnoise: not a check\n")
-    assert [(c.name, c.status) for c in got] == [("model config", "ok"), ("layer ids", "fail"),
-                                                  ("vllm patch set", "fail")]
+    """`[ 0.12s] fail name: detail` (today's preflight) and `FAIL name: detail` (the rewrite) are both
+    checks."""
+    got = parse_lines(
+        "[  0.01s] ok   model config: Llama\n[  1.20s] fail layer ids: [0, 1] needs 4 ids\n"
+        "FAIL vllm patch set: no patch set for 0.31.0\nnoise: not a check\n"
+    )
+    assert [(c.name, c.status) for c in got] == [
+        ("model config", "ok"),
+        ("layer ids", "fail"),
+        ("vllm patch set", "fail"),
+    ]
     assert got[1].detail == "[0, 1] needs 4 ids"
 
 
 def test_prepare_is_refused_only_by_checks_it_depends_on():
-    """For prepare a failed checkpoint check is a warning (it never reads weights); tokenizer still refuses."""
+    """For prepare a failed checkpoint check is a warning (it never reads weights); tokenizer still
+    refuses."""
     got = demote("prepare", parse_lines("fail checkpoint: permission denied\nfail tokenizer: cannot load\n"))
     assert [(c.name, c.status) for c in got] == [("checkpoint", "warn"), ("tokenizer", "fail")]
     assert demote("extract", parse_lines("fail checkpoint: x"))[0].status == "fail"

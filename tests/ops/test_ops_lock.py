@@ -25,15 +25,31 @@ def box(tmp_path, sshd, devdir, procs):
     orphan = procs.holder([devdir / "nvidia0"], name="orphan")
     table = write_gpu_table(tmp_path / "gpus.json", [{"processes": [{"pid": orphan.pid, "used_mib": 10}]}])
     known = sshd.write_known_hosts(tmp_path / "known_hosts")
-    hosts = write_hosts(tmp_path / "hosts.toml", "box", **ssh_table(
-        sshd, known, device_glob=f"{devdir}/nvidia*", gpu_source=f"table:{table}",
-        timeouts={**FAST, "lock_expire": 2}))
+    hosts = write_hosts(
+        tmp_path / "hosts.toml",
+        "box",
+        **ssh_table(
+            sshd,
+            known,
+            device_glob=f"{devdir}/nvidia*",
+            gpu_source=f"table:{table}",
+            timeouts={**FAST, "lock_expire": 2},
+        ),
+    )
     return dict(tmp=tmp_path, hosts=hosts, lock=tmp_path / "eagle-ops.lock", orphan=orphan)
 
 
 def background(box, name: str, *args: str, pause: str | None = None) -> OpsProcess:
-    return OpsProcess(box["tmp"], name, *args, "--host", "box", "--hosts-file", str(box["hosts"]),
-                      env={PAUSE: pause} if pause else None)
+    return OpsProcess(
+        box["tmp"],
+        name,
+        *args,
+        "--host",
+        "box",
+        "--hosts-file",
+        str(box["hosts"]),
+        env={PAUSE: pause} if pause else None,
+    )
 
 
 def test_second_gpu_clean_refuses_naming_the_holder_then_waits(box):
@@ -94,25 +110,47 @@ def test_dropped_remote_extract_keeps_its_stage_and_blocks_a_duplicate(scene, dk
     lock = scene["hosts"].parent / "eagle-ops.lock"
     hosts = scene["hosts"].read_text()
     assert f'lock_file = "{lock}"' in hosts
-    first = OpsProcess(scene["tmp"], "drop-first", "remote-extract", "--run-id", "dup1", "--resume", "--host", "box",
-                       "--hosts-file", str(scene["hosts"]), "--runs-dir", runs, env={PAUSE: "follow"})
+    first = OpsProcess(
+        scene["tmp"],
+        "drop-first",
+        "remote-extract",
+        "--run-id",
+        "dup1",
+        "--resume",
+        "--host",
+        "box",
+        "--hosts-file",
+        str(scene["hosts"]),
+        "--runs-dir",
+        runs,
+        env={PAUSE: "follow"},
+    )
     try:
         first.wait_for("paused at follow")
         res = ops(scene, "remote-extract", "--run-id", "dup2", "--resume", "--runs-dir", runs)
-        assert res.returncode == 9 and "box is busy: remote-run extract (run dup1) by " in res.stderr, res.stderr
+        assert res.returncode == 9 and "box is busy: remote-run extract (run dup1) by " in res.stderr, (
+            res.stderr
+        )
         first.kill()  # the laptop vanishes mid-run
         wait_for(lambda: lock_is_free(lock), timeout=60)
         assert dk.containers.get("eagle-dup1").status in ("running", "exited")
         res = ops(scene, "remote-extract", "--run-id", "dup3", "--resume", "--runs-dir", runs)
         assert res.returncode == 9, res.stdout + res.stderr
-        assert "hidden_states on box is " in res.stderr and "run dup1 (container eagle-dup1); `attach dup1`" in res.stderr
+        assert (
+            "hidden_states on box is " in res.stderr
+            and "run dup1 (container eagle-dup1); `attach dup1`" in res.stderr
+        )
         assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=dup3"})
         res = ops(scene, "attach", "dup1", "--runs-dir", runs)
         assert res.returncode == 0, res.stdout + res.stderr
         assert json.loads((scene["runs"] / "box" / "dup1" / "summary.json").read_text())["checks"]
         assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=dup1"})
         state = json.loads((scene["runs"] / "box" / "dup1" / "state.json").read_text())
-        assert (state["status"], state["step"], state["exit_code"]) == ("done", "fetch", 0)  # attach finished it
+        assert (state["status"], state["step"], state["exit_code"]) == (
+            "done",
+            "fetch",
+            0,
+        )  # attach finished it
         assert [s["step"] for s in state["steps"]][-4:] == ["follow", "attach", "follow", "fetch"]
     finally:
         first.kill()
@@ -131,8 +169,10 @@ def test_gpu_clean_does_not_kill_a_stage_that_holds_gpus(box, devdir):
         stage = holder_container(dk, name, devdir, [devdir / "nvidia1"], labels={"eagle-ops.run-id": "left1"})
         res = run_ops("gpu-clean", "--host", "box", "--hosts-file", str(box["hosts"]))
         assert res.returncode == 9, res.stdout + res.stderr
-        assert res.stderr.strip() == (f"error: stage run left1 (container {name}) holds GPUs on box; `attach left1` "
-                                      f"to follow it, or `docker stop {name}` first; nothing was stopped or signalled")
+        assert res.stderr.strip() == (
+            f"error: stage run left1 (container {name}) holds GPUs on box; `attach left1` "
+            f"to follow it, or `docker stop {name}` first; nothing was stopped or signalled"
+        )
         stage.reload()
         assert stage.status == "running" and box["orphan"].poll() is None
     finally:

@@ -59,12 +59,22 @@ def servers(tmp_path_factory, engines):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, warm_pipeline):
-    """A tiny real model and its prepared samples (pipeline demo-assets + prepare, warm: tests/warm_cli.py)."""
+    """A tiny real model and its prepared samples (pipeline demo-assets + prepare, warm:
+    tests/warm_cli.py)."""
     root = tmp_path_factory.mktemp("assets")
     env = {"PYTHONDONTWRITEBYTECODE": "1"}
     warm_pipeline("demo-assets", "--out", root, "--conversations", SAMPLES, check=True, env=env)
-    warm_pipeline("prepare", "--data", root / "conversations.jsonl", "--model", root / "model", "--out",
-                  root / "prepared", check=True, env=env)
+    warm_pipeline(
+        "prepare",
+        "--data",
+        root / "conversations.jsonl",
+        "--model",
+        root / "model",
+        "--out",
+        root / "prepared",
+        check=True,
+        env=env,
+    )
     return root
 
 
@@ -91,10 +101,24 @@ def hosts(tmp_path, servers, assets, image):
         (dev / "nvidia0").write_bytes(b"")
         table = write_gpu_table(tmp_path / f"gpus-{name}.json", [{"processes": []}])
         known = sshd.write_known_hosts(tmp_path / f"known-{name}")
-        path = write_hosts(tmp_path / f"{name}.toml", name, **ssh_table(
-            sshd, known, device_glob=f"{dev}/nvidia*", gpu_source=f"table:{table}", timeouts=FAST, image=img,
-            docker_gpus="", mounts=mounts, data_root=str(data), model_dir=str(assets / "model"),
-            cache_dir=str(data / "cache"), lock_file=str(data / "eagle-ops.lock")))  # one lock per host
+        path = write_hosts(
+            tmp_path / f"{name}.toml",
+            name,
+            **ssh_table(
+                sshd,
+                known,
+                device_glob=f"{dev}/nvidia*",
+                gpu_source=f"table:{table}",
+                timeouts=FAST,
+                image=img,
+                docker_gpus="",
+                mounts=mounts,
+                data_root=str(data),
+                model_dir=str(assets / "model"),
+                cache_dir=str(data / "cache"),
+                lock_file=str(data / "eagle-ops.lock"),
+            ),
+        )  # one lock per host
         texts.append(path.read_text())
     out = tmp_path / "hosts.toml"
     out.write_text("\n".join(texts))
@@ -102,21 +126,52 @@ def hosts(tmp_path, servers, assets, image):
 
 
 def extract(hosts: Path, runs: Path, *args: str) -> subprocess.CompletedProcess:
-    return run_ops("remote-extract", "--host", f"{A},{B}", "--hosts-file", str(hosts), "--runs-dir", str(runs), *args,
-                   timeout=600)
+    return run_ops(
+        "remote-extract",
+        "--host",
+        f"{A},{B}",
+        "--hosts-file",
+        str(hosts),
+        "--runs-dir",
+        str(runs),
+        *args,
+        timeout=600,
+    )
 
 
-def interrupt_when(hosts: Path, tmp_path: Path, run_id: str, lines_before: list[str], **env: str) -> tuple[int, str]:
+def interrupt_when(
+    hosts: Path, tmp_path: Path, run_id: str, lines_before: list[str], **env: str
+) -> tuple[int, str]:
     """remote-extract on both hosts, one SIGINT once every line of `lines_before` has begun an output line
     (a line wanted twice is listed twice); its exit code and whole output."""
-    cmd = [sys.executable, "-m", "ops", "remote-extract", "--host", f"{A},{B}", "--hosts-file", str(hosts),
-           "--runs-dir", str(tmp_path / "runs"), "--run-id", run_id]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, COLUMNS="200", **env))
+    cmd = [
+        sys.executable,
+        "-m",
+        "ops",
+        "remote-extract",
+        "--host",
+        f"{A},{B}",
+        "--hosts-file",
+        str(hosts),
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--run-id",
+        run_id,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, COLUMNS="200", **env),
+    )
     lines, waiting = [], list(lines_before)
     for line in proc.stdout:
         lines.append(line)
-        waiting = [w for w in waiting if not line.startswith(w)] + [w for w in waiting if line.startswith(w)][1:]
+        waiting = [w for w in waiting if not line.startswith(w)] + [w for w in waiting if line.startswith(w)][
+            1:
+        ]
         if not waiting:
             break
     proc.send_signal(signal.SIGINT)
@@ -143,7 +198,9 @@ def test_two_hosts_write_one_verified_set(hosts, tmp_path, servers):
     assert merged["totals"]["missing_files"] == [] and merged["totals"]["complete_ranks"] == [0, 1]
     assert merged["totals"]["tokens"] == sum(lengths.values())
     assert [(h["host"], h["rank"], h["status"], h["files"]) for h in merged["hosts"]] == [
-        (A, 0, "ok", 4), (B, 1, "ok", 3)]
+        (A, 0, "ok", 4),
+        (B, 1, "ok", 3),
+    ]
     for name in (A, B):
         assert json.loads((tmp_path / "runs" / "m1" / name / "summary.json").read_text())["ok"]
         assert f"{name} | started eagle-m1" in res.stdout
@@ -151,17 +208,36 @@ def test_two_hosts_write_one_verified_set(hosts, tmp_path, servers):
     together = tmp_path / "together"
     shutil.copytree(tmp_path / f"disk-{A}" / "hidden_states", together)
     # a merged set carries every host's files and its checksum index (docs/ops.md: merging hosts)
-    for p in [*(tmp_path / f"disk-{B}" / "hidden_states").glob("data_*.pt"),
-              *(tmp_path / f"disk-{B}" / "hidden_states").glob("checksums*.json")]:
+    for p in [
+        *(tmp_path / f"disk-{B}" / "hidden_states").glob("data_*.pt"),
+        *(tmp_path / f"disk-{B}" / "hidden_states").glob("checksums*.json"),
+    ]:
         shutil.copy(p, together / p.name)
-    check = subprocess.run([sys.executable, "-m", "pipeline", "verify", str(together)], cwd=REPO,
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "-m", "pipeline", "verify", str(together)], cwd=REPO, capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr
-    verified = run_ops("remote-run", "verify", "--host", f"{A},{B}", "--hosts-file", str(hosts), "--runs-dir",
-                       str(tmp_path / "runs"), "--run-id", "v1", timeout=600)
+    verified = run_ops(
+        "remote-run",
+        "verify",
+        "--host",
+        f"{A},{B}",
+        "--hosts-file",
+        str(hosts),
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--run-id",
+        "v1",
+        timeout=600,
+    )
     assert verified.returncode == 0, verified.stdout[-4000:] + verified.stderr
-    assert f"{B} | started eagle-v1: python -m pipeline verify /data/hidden_states --world-size 2 --rank 1" in verified.stdout
-    assert json.loads((tmp_path / "runs" / "v1" / "summary.json").read_text())["totals"]["complete_ranks"] == [0, 1]
+    assert (
+        f"{B} | started eagle-v1: python -m pipeline verify /data/hidden_states --world-size 2 --rank 1"
+        in verified.stdout
+    )
+    assert json.loads((tmp_path / "runs" / "v1" / "summary.json").read_text())["totals"][
+        "complete_ranks"
+    ] == [0, 1]
 
 
 def test_failed_host_is_a_row_and_rerun_redoes_only_it(hosts, tmp_path, servers):
@@ -188,7 +264,9 @@ def test_failed_host_is_a_row_and_rerun_redoes_only_it(hosts, tmp_path, servers)
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr
     assert "skipped: shard 0/2 verified complete" in again.stdout
     assert servers[A].connections() == seen_a
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / f"disk-{A}" / "hidden_states").iterdir()} == stamps
+    assert {
+        p.name: p.stat().st_mtime_ns for p in (tmp_path / f"disk-{A}" / "hidden_states").iterdir()
+    } == stamps
     assert files(tmp_path / f"disk-{B}") == [1, 3, 5]
     merged = json.loads((runs / "m2" / "summary.json").read_text())
     assert merged["complete"] and merged["attempts"] == 2 and merged["totals"]["files"] == SAMPLES
@@ -247,5 +325,9 @@ def test_ctrl_c_in_a_step_lets_every_host_finish_that_step_first(hosts, tmp_path
         assert f"{name} | interrupted: stopping container eagle-int2" in text, text
         assert not eng.client().containers.list(all=True, filters={"name": "eagle-int2"})
         state = json.loads((tmp_path / "runs" / "int2" / name / "state.json").read_text())
-        assert (state["status"], state["step"], state["container_removed"]) == ("interrupted", "start", True), state
+        assert (state["status"], state["step"], state["container_removed"]) == (
+            "interrupted",
+            "start",
+            True,
+        ), state
         assert (tmp_path / "runs" / "int2" / name / "stage.log").exists()

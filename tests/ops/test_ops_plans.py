@@ -15,7 +15,9 @@ from ops.stage import plan_stage, resolve_user
 
 
 def host(**kw) -> HostConfig:
-    base = dict(name="box", host="box", data_root="/srv/d", model_dir="/srv/m", cache_dir="/srv/c", image="img:1")
+    base = dict(
+        name="box", host="box", data_root="/srv/d", model_dir="/srv/m", cache_dir="/srv/c", image="img:1"
+    )
     base.update(kw)
     return HostConfig(**base)
 
@@ -26,17 +28,58 @@ def test_extract_plan_exact_argv():
     GPUs, mounts (model read-only), entrypoint."""
     plan = plan_stage(host(), "extract", run_id="r1")
     assert plan.docker_run == (
-        "docker", "run", "--detach", "--name", "eagle-r1",
-        "--label", "eagle-ops.run-id=r1", "--label", "eagle-ops.stage=extract",
-        "--label", "eagle-ops.output=/srv/d/hidden_states", "--label", "eagle-ops.host=box",
-        "--user", "auto", "--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--pids-limit", "16384",
-        "--read-only", "--tmpfs", "/tmp:rw,exec,nosuid,nodev,mode=1777", "--ipc", "private", "--shm-size", "16g",
-        "--mount", "type=bind,source=/srv/d,target=/data",
-        "--mount", "type=bind,source=/srv/c,target=/cache", "--env", "EAGLE_RUN_ID=r1", "--env", "HF_HOME=/cache/hf",
-        "--env", "HOME=/cache/home", "--env", "USER=eagle-stage",
-        "--mount", "type=bind,source=/srv/m,target=/model,readonly", "--gpus", "all",
-        "--entrypoint", "/bin/sh", "img:1", "-c",
-        "python -m pipeline extract --prepared /data/prepared --model /model --out /data/hidden_states --no-progress",
+        "docker",
+        "run",
+        "--detach",
+        "--name",
+        "eagle-r1",
+        "--label",
+        "eagle-ops.run-id=r1",
+        "--label",
+        "eagle-ops.stage=extract",
+        "--label",
+        "eagle-ops.output=/srv/d/hidden_states",
+        "--label",
+        "eagle-ops.host=box",
+        "--user",
+        "auto",
+        "--cap-drop",
+        "ALL",
+        "--security-opt",
+        "no-new-privileges",
+        "--pids-limit",
+        "16384",
+        "--read-only",
+        "--tmpfs",
+        "/tmp:rw,exec,nosuid,nodev,mode=1777",
+        "--ipc",
+        "private",
+        "--shm-size",
+        "16g",
+        "--mount",
+        "type=bind,source=/srv/d,target=/data",
+        "--mount",
+        "type=bind,source=/srv/c,target=/cache",
+        "--env",
+        "EAGLE_RUN_ID=r1",
+        "--env",
+        "HF_HOME=/cache/hf",
+        "--env",
+        "HOME=/cache/home",
+        "--env",
+        "USER=eagle-stage",
+        "--mount",
+        "type=bind,source=/srv/m,target=/model,readonly",
+        "--gpus",
+        "all",
+        "--entrypoint",
+        "/bin/sh",
+        "img:1",
+        "-c",
+        (
+            "python -m pipeline extract --prepared /data/prepared --model /model "
+            "--out /data/hidden_states --no-progress"
+        ),
     )
     assert plan.host_inputs == ("/srv/d/prepared",) and plan.host_output == "/srv/d/hidden_states"
     assert "--privileged" not in plan.docker_run and plan.env_dir is None
@@ -44,10 +87,15 @@ def test_extract_plan_exact_argv():
 
 def test_privilege_options_and_user_resolution():
     """The hosts-file options reach the argv; `auto` becomes the data root's owner, an explicit user stays."""
-    plan = plan_stage(host(stage_user="root", stage_read_only=False, stage_pids_limit=0, stage_ipc="host"),
-                      "verify", run_id="r5")
+    plan = plan_stage(
+        host(stage_user="root", stage_read_only=False, stage_pids_limit=0, stage_ipc="host"),
+        "verify",
+        run_id="r5",
+    )
     argv = plan.docker_run
-    assert argv[argv.index("--user") + 1] == "0:0" and "--read-only" not in argv and "--pids-limit" not in argv
+    assert (
+        argv[argv.index("--user") + 1] == "0:0" and "--read-only" not in argv and "--pids-limit" not in argv
+    )
     assert argv[argv.index("--ipc") + 1] == "host" and "--shm-size" not in argv
     assert resolve_user(host(), plan, 1000, 1000) == plan
     auto = resolve_user(host(), plan_stage(host(), "verify", run_id="r6"), 1000, 100)
@@ -64,7 +112,9 @@ def test_secrets_travel_as_names_and_an_env_file_only():
     env = {"HF_TOKEN": "hf_canary_value_123", "FOO_API_KEY": "foo-canary-456"}
     names = available(("HF_TOKEN", "FOO_API_KEY", "UNSET_TOKEN"), env)
     assert names == ("HF_TOKEN", "FOO_API_KEY")
-    plan = plan_stage(host(secrets_dir="/dev/shm"), "verify", run_id="r8", secret_names=names, env_token="abcd")
+    plan = plan_stage(
+        host(secrets_dir="/dev/shm"), "verify", run_id="r8", secret_names=names, env_token="abcd"
+    )
     assert plan.env_dir == "/dev/shm/eagle-ops-r8-abcd"
     assert plan.docker_run[plan.docker_run.index("--env-file") + 1] == "/dev/shm/eagle-ops-r8-abcd/env"
     cmd = start_command(plan.docker_run, plan.env_dir)
@@ -105,8 +155,10 @@ def test_resume_extra_args_and_verify_after():
     plan = plan_stage(host(docker_gpus=""), "extract", run_id="r2", resume=True, extra_args=("--limit", "5"))
     assert plan.stage_argv[-3:] == ("--resume", "--limit", "5") and "--gpus" not in plan.docker_run
     weights = plan_stage(host(), "weights", run_id="r3")
-    assert weights.docker_run[-1] == ("python -m pipeline weights --model /model --out /data/verifier && "
-                                      "python -m pipeline verify /data/verifier")
+    assert weights.docker_run[-1] == (
+        "python -m pipeline weights --model /model --out /data/verifier && "
+        "python -m pipeline verify /data/verifier"
+    )
 
 
 def test_hostile_paths_stay_data():
@@ -115,7 +167,11 @@ def test_hostile_paths_stay_data():
     evil = "/srv/a b,'c' \"d\" $(touch x)"
     plan = plan_stage(host(data_root=evil), "prepare", run_id="r4")
     mount = plan.docker_run[plan.docker_run.index("--mount") + 1]
-    assert next(csv.reader([mount])) == ["type=bind", f"source={evil}", "target=/data"]  # how docker parses it
+    assert next(csv.reader([mount])) == [
+        "type=bind",
+        f"source={evil}",
+        "target=/data",
+    ]  # how docker parses it
     assert shlex.split(shlex.join(plan.docker_run)) == list(plan.docker_run)
 
 
@@ -130,10 +186,19 @@ def test_agent_requests():
     """The agent is one fixed command line; what to do travels as JSON on stdin."""
     h = host(python="/usr/bin/python3", device_glob="/dev/nvidia*")
     assert command(h).startswith("/usr/bin/python3 -c ")
-    assert probe_request(h) == {"op": "probe", "device_glob": "/dev/nvidia*", "gpu_source": "nvml",
-                                "server": {"kind": "none", "target": ""}}
+    assert probe_request(h) == {
+        "op": "probe",
+        "device_glob": "/dev/nvidia*",
+        "gpu_source": "nvml",
+        "server": {"kind": "none", "target": ""},
+    }
     assert terminate_request([(5, 77)], [9], grace=1, kill_wait=2) == {
-        "op": "terminate", "targets": [{"pid": 5, "starttime": 77}], "groups": [9], "grace": 1, "kill_wait": 2}
+        "op": "terminate",
+        "targets": [{"pid": 5, "starttime": 77}],
+        "groups": [9],
+        "grace": 1,
+        "kill_wait": 2,
+    }
 
 
 def test_start_command_runs_only_with_a_whole_env_file_and_always_removes_it(tmp_path):
@@ -170,13 +235,31 @@ def test_disk_check_follows_dtype_and_host_share():
 def _state(driver):
     from ops.gpus import GpuState, ServerFacts
 
-    return GpuState(host="box", hostname="box", gpus=(), holders=(), device_files=(), gpu_error=None, fuser_error=None,
-                    server=ServerFacts("none"), ancestry=(), driver=driver)
+    return GpuState(
+        host="box",
+        hostname="box",
+        gpus=(),
+        holders=(),
+        device_files=(),
+        gpu_error=None,
+        fuser_error=None,
+        server=ServerFacts("none"),
+        ancestry=(),
+        driver=driver,
+    )
 
 
-@pytest.mark.parametrize(("driver", "need", "status"), [
-    ("580.65.06", "580", "ok"), ("590.1", "580", "ok"), ("570.86.15", "580", "fail"), ("table", "580", "warn"),
-    (None, "580", "warn"), ("570.86.15", None, "ok")])
+@pytest.mark.parametrize(
+    ("driver", "need", "status"),
+    [
+        ("580.65.06", "580", "ok"),
+        ("590.1", "580", "ok"),
+        ("570.86.15", "580", "fail"),
+        ("table", "580", "warn"),
+        (None, "580", "warn"),
+        ("570.86.15", None, "ok"),
+    ],
+)
 def test_driver_check_against_the_image_requirement(driver, need, status):
     """The host driver's major version against the image's eagle-ops.min-driver label: older fails naming
     both, unknown warns, an image without the label requires nothing."""

@@ -47,7 +47,8 @@ def test_run_ids_that_escape_or_hide_are_refused(run_id):
 
 @pytest.mark.parametrize("labels", [("..", "r"), ("box", ".."), ("a/../../b", "r")])
 def test_local_run_dir_never_leaves_the_runs_dir(tmp_path, labels):
-    """remote-run's local folder: a host name or run id that would leave --runs-dir is refused, nothing created."""
+    """remote-run's local folder: a host name or run id that would leave --runs-dir is refused, nothing
+    created."""
     from ops.remote_run import local_run_dir
 
     root = tmp_path / "runs"
@@ -79,15 +80,25 @@ def test_fanout_previous_run_id_is_checked(tmp_path):
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e12", "0", "-5"])
 def test_non_finite_or_absurd_timeouts_are_refused(tmp_path, value):
     """timeouts.NAME = nan/inf/1e12/0/-5 in the hosts file: refused naming it and the allowed range."""
-    with pytest.raises(ConfigError, match=r"timeouts\.clean must be a positive number of seconds up to 604800"):
+    with pytest.raises(
+        ConfigError, match=r"timeouts\.clean must be a positive number of seconds up to 604800"
+    ):
         load_hosts_file(_hosts(tmp_path / "h.toml", "box", f"[hosts.box.timeouts]\nclean = {value}\n"))
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1"])
 def test_wait_flag_must_be_finite(value):
     """`gpu-clean --wait nan|inf|-1` (a real ops process) is one line, exit 2, before any connection."""
-    proc = subprocess.run([sys.executable, "-m", "ops", "gpu-clean", "--host", "local", "--wait", value],
-                          capture_output=True, text=True, cwd=REPO, timeout=120, check=False,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops", "gpu-clean", "--host", "local", "--wait", value],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     err = proc.stderr.strip()
-    assert proc.returncode == 2 and "\n" not in err and "--wait must be a positive number of seconds" in err, err
+    assert (
+        proc.returncode == 2 and "\n" not in err and "--wait must be a positive number of seconds" in err
+    ), err

@@ -24,7 +24,9 @@ def ssh_keygen_fingerprint(pub_line: str, tmp_path: Path) -> str:
     """The fingerprint `ssh-keygen -l` prints for a public key line (SHA256:...)."""
     path = tmp_path / "k.pub"
     path.write_text(pub_line + "\n")
-    return subprocess.run(["ssh-keygen", "-l", "-f", str(path)], capture_output=True, text=True, check=True).stdout.split()[1]
+    return subprocess.run(
+        ["ssh-keygen", "-l", "-f", str(path)], capture_output=True, text=True, check=True
+    ).stdout.split()[1]
 
 
 def test_unknown_host_key_is_shown_as_ssh_shows_it(sshd, tmp_path):
@@ -47,7 +49,8 @@ def test_changed_host_key_shows_both_sha256_fingerprints(sshd, tmp_path):
 
 
 def test_encrypted_key_is_named_encrypted_not_refused(sshd, tmp_path):
-    """A passphrase-protected key without its passphrase: 'is encrypted' and what to do, not 'refused our key'."""
+    """A passphrase-protected key without its passphrase: 'is encrypted' and what to do, not 'refused our
+    key'."""
     key = tmp_path / "locked"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret-pass", "-f", str(key)], check=True)
     authorized = sshd.root / "authorized_keys"
@@ -79,8 +82,9 @@ def test_connection_lost_mid_command_names_the_host_and_the_command(sshd, tmp_pa
     started = time.monotonic()
     worker.start()
     time.sleep(1.0)
-    sessions = subprocess.run(["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True,
-                              check=False).stdout.split()
+    sessions = subprocess.run(
+        ["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True, check=False
+    ).stdout.split()
     assert sessions
     for pid in sessions:  # only our sshd's per-connection children
         os.kill(int(pid), signal.SIGKILL)

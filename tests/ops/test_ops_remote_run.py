@@ -43,8 +43,17 @@ def assets(tmp_path_factory, warm_pipeline):
     (data / "cache").mkdir()
     env = {"PYTHONDONTWRITEBYTECODE": "1"}
     warm_pipeline("demo-assets", "--out", root / "assets", "--conversations", 6, check=True, env=env)
-    warm_pipeline("prepare", "--data", root / "assets" / "conversations.jsonl", "--model", root / "assets" / "model",
-                  "--out", data / "prepared", check=True, env=env)
+    warm_pipeline(
+        "prepare",
+        "--data",
+        root / "assets" / "conversations.jsonl",
+        "--model",
+        root / "assets" / "model",
+        "--out",
+        data / "prepared",
+        check=True,
+        env=env,
+    )
     return data, root / "assets" / "model"
 
 
@@ -58,17 +67,46 @@ def scene(tmp_path_factory, dk, image, assets, sshd):
     (devdir / "nvidia0").write_bytes(b"")
     name = unique("ops-test-server")
     server = holder_container(dk, name, devdir, [devdir / "nvidia0"])
-    orphan = subprocess.Popen([sys.executable, "-c", "import time,sys; f=open(sys.argv[1]); time.sleep(600)",
-                               str(devdir / "nvidia0")])
-    table = write_gpu_table(tmp / "gpus.json", [{"processes": [{"pid": server.attrs["State"]["Pid"], "used_mib": 9000},
-                                                               {"pid": orphan.pid, "used_mib": 10}]}])
+    orphan = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time,sys; f=open(sys.argv[1]); time.sleep(600)",
+            str(devdir / "nvidia0"),
+        ]
+    )
+    table = write_gpu_table(
+        tmp / "gpus.json",
+        [
+            {
+                "processes": [
+                    {"pid": server.attrs["State"]["Pid"], "used_mib": 9000},
+                    {"pid": orphan.pid, "used_mib": 10},
+                ]
+            }
+        ],
+    )
     _remove_stage_containers(dk, data)
     known = sshd.write_known_hosts(tmp / "known_hosts")
     img, mounts = image
-    hosts = write_hosts(tmp / "hosts.toml", "box", **ssh_table(
-        sshd, known, server=f"container:{name}", device_glob=f"{devdir}/nvidia*", gpu_source=f"table:{table}",
-        timeouts=FAST, image=img, docker_gpus="", mounts=mounts, data_root=str(data), model_dir=str(model),
-        cache_dir=str(data / "cache")))
+    hosts = write_hosts(
+        tmp / "hosts.toml",
+        "box",
+        **ssh_table(
+            sshd,
+            known,
+            server=f"container:{name}",
+            device_glob=f"{devdir}/nvidia*",
+            gpu_source=f"table:{table}",
+            timeouts=FAST,
+            image=img,
+            docker_gpus="",
+            mounts=mounts,
+            data_root=str(data),
+            model_dir=str(model),
+            cache_dir=str(data / "cache"),
+        ),
+    )
     yield dict(tmp=tmp, data=data, server=server, orphan=orphan, hosts=hosts, name=name, runs=tmp / "runs")
     orphan.kill()
     orphan.wait()
@@ -90,10 +128,30 @@ def ops(scene, *args, **kw):
 
 def start_until_started(scene, run_id: str, *extra: str) -> tuple[subprocess.Popen, list[str]]:
     """`remote-run verify` in the background, read until its stage container has started."""
-    cmd = [sys.executable, "-m", "ops", "remote-run", "verify", "--run-id", run_id, *extra, "--host", "box",
-           "--hosts-file", str(scene["hosts"]), "--runs-dir", str(scene["runs"])]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, COLUMNS="200"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "ops",
+        "remote-run",
+        "verify",
+        "--run-id",
+        run_id,
+        *extra,
+        "--host",
+        "box",
+        "--hosts-file",
+        str(scene["hosts"]),
+        "--runs-dir",
+        str(scene["runs"]),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, COLUMNS="200"),
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -105,8 +163,16 @@ def start_until_started(scene, run_id: str, *extra: str) -> tuple[subprocess.Pop
 @pytest.fixture(scope="module")
 def extracted(scene, sshd):
     before = sshd.connections()
-    res = ops(scene, "remote-extract", "--run-id", "x1", "--restore-server", "--runs-dir", str(scene["runs"]),
-              timeout=300)
+    res = ops(
+        scene,
+        "remote-extract",
+        "--run-id",
+        "x1",
+        "--restore-server",
+        "--runs-dir",
+        str(scene["runs"]),
+        timeout=300,
+    )
     return res, sshd.connections() - before
 
 
@@ -124,7 +190,9 @@ def test_remote_extract_end_to_end(scene, extracted):
     assert run["exit_code"] == 0
     # the stage recorded the image it ran in: the digest ops read from the engine, through the container's env
     assert run["image_digest"] and summary["provenance"]["image_digest"] == run["image_digest"]
-    assert sorted(p.name for p in (scene["data"] / "hidden_states").glob("data_*.pt")) == [f"data_{i}.pt" for i in range(6)]
+    assert sorted(p.name for p in (scene["data"] / "hidden_states").glob("data_*.pt")) == [
+        f"data_{i}.pt" for i in range(6)
+    ]
     scene["server"].reload()
     assert scene["server"].status == "running"
     assert "restored: start server: docker start" in res.stdout
@@ -162,10 +230,21 @@ def test_preflight_failures_start_and_stop_nothing(scene, dk, image, tmp_path):
     bad.write_text(text.replace(image[0], "eagle-ops-test-missing:0"))
     (scene["data"] / "hidden_states").mkdir(exist_ok=True)
     (scene["data"] / "hidden_states" / "keep").write_text("x")
-    for hosts, expect in ((bad, "image: image eagle-ops-test-missing:0 is not on box"),
-                          (scene["hosts"], "output: ")):
-        res = run_ops("remote-extract", "--run-id", "pf", "--host", "box", "--hosts-file", str(hosts),
-                      "--runs-dir", str(tmp_path / "runs"))
+    for hosts, expect in (
+        (bad, "image: image eagle-ops-test-missing:0 is not on box"),
+        (scene["hosts"], "output: "),
+    ):
+        res = run_ops(
+            "remote-extract",
+            "--run-id",
+            "pf",
+            "--host",
+            "box",
+            "--hosts-file",
+            str(hosts),
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        )
         assert res.returncode == 4, res.stdout + res.stderr
         assert res.stderr.strip().splitlines() == [res.stderr.strip()] and expect in res.stderr
         scene["server"].reload()
@@ -178,19 +257,48 @@ def test_missing_docker_is_one_line_error(tmp_path, devdir):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("bash", "sh", "fuser", "cat", "python3"):
-        path = "/usr/bin/python3" if tool == "python3" else subprocess.run(
-            ["bash", "-c", f"command -v {tool}"], capture_output=True, text=True).stdout.strip()
+        path = (
+            "/usr/bin/python3"
+            if tool == "python3"
+            else subprocess.run(
+                ["bash", "-c", f"command -v {tool}"], capture_output=True, text=True
+            ).stdout.strip()
+        )
         (bin_dir / tool).symlink_to(path)
     data = tmp_path / "data"
     (data / "prepared").mkdir(parents=True)
     table = write_gpu_table(tmp_path / "gpus.json", [{"processes": []}])
-    hosts = write_hosts(tmp_path / "hosts.toml", "nodocker", host="local", python="/usr/bin/python3",
-                        data_root=str(data), model_dir=str(tmp_path), device_glob=f"{devdir}/nvidia*",
-                        gpu_source=f"table:{table}", lock_file=str(tmp_path / "eagle-ops.lock"))
+    hosts = write_hosts(
+        tmp_path / "hosts.toml",
+        "nodocker",
+        host="local",
+        python="/usr/bin/python3",
+        data_root=str(data),
+        model_dir=str(tmp_path),
+        device_glob=f"{devdir}/nvidia*",
+        gpu_source=f"table:{table}",
+        lock_file=str(tmp_path / "eagle-ops.lock"),
+    )
     env = dict(os.environ, PATH=str(bin_dir))
-    res = subprocess.run([sys.executable, "-m", "ops", "remote-extract", "--host", "nodocker", "--hosts-file",
-                          str(hosts), "--runs-dir", str(tmp_path / "runs")], cwd=REPO, capture_output=True,
-                         text=True, env=env, timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ops",
+            "remote-extract",
+            "--host",
+            "nodocker",
+            "--hosts-file",
+            str(hosts),
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert res.returncode == 4, res.stdout + res.stderr
     assert res.stderr.strip() == "error: preflight failed: docker: docker is not installed on nodocker"
 
@@ -231,7 +339,11 @@ def test_ctrl_c_stops_the_stage_and_restores_the_server(scene, extracted, dk):
     assert scene["server"].status == "running"
     state = json.loads((scene["runs"] / "box" / "int1" / "state.json").read_text())
     # "started" is printed at the end of the start step: the Ctrl-C lands there or in follow
-    assert state["status"] == "interrupted" and state["step"] in ("start", "follow") and state["container_removed"]
+    assert (
+        state["status"] == "interrupted"
+        and state["step"] in ("start", "follow")
+        and state["container_removed"]
+    )
 
 
 @pytest.mark.slow
@@ -240,7 +352,9 @@ def test_server_side_drop_is_reported_and_attach_recovers(scene, extracted, dk, 
     the connection (exit 1) instead of hanging, the container is untouched, attach finishes the run."""
     assert extracted[0].returncode == 0
     proc, _ = start_until_started(scene, "drop2")
-    sessions = subprocess.run(["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True).stdout.split()
+    sessions = subprocess.run(
+        ["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True
+    ).stdout.split()
     assert sessions
     for pid in sessions:  # only our sshd's per-connection children: this test's connection
         os.kill(int(pid), signal.SIGKILL)

@@ -27,13 +27,15 @@ def test_a_run_restores_only_a_server_it_saw_running():
 
 
 def test_a_running_server_seen_before_the_stop_is_started_again():
-    """The facts from before the stop, with nothing running now: the start steps run (after the stage check)."""
+    """The facts from before the stop, with nothing running now: the start steps run (after the stage
+    check)."""
     calls = []
 
     class Runner:
         def run(self, cmd, **kw):
             calls.append(cmd)
             from ops.connection import Result
+
             return Result(cmd, 0, "", "")
 
     host = HostConfig(name="h", host="local", server=parse_strategy("container:vllm"))

@@ -37,9 +37,19 @@ def containers(dk):
 def hosts_for(tmp_path, sshd, devdir, server, table=None, **extra):
     known = sshd.write_known_hosts(tmp_path / "known_hosts")
     table = table or write_gpu_table(tmp_path / "gpus.json", [{"processes": []}])
-    return write_hosts(tmp_path / "hosts.toml", "box", **ssh_table(
-        sshd, known, server=server, device_glob=f"{devdir}/nvidia*", gpu_source=f"table:{table}",
-        timeouts=FAST, **extra))
+    return write_hosts(
+        tmp_path / "hosts.toml",
+        "box",
+        **ssh_table(
+            sshd,
+            known,
+            server=server,
+            device_glob=f"{devdir}/nvidia*",
+            gpu_source=f"table:{table}",
+            timeouts=FAST,
+            **extra,
+        ),
+    )
 
 
 def ops(hosts, *args):
@@ -48,6 +58,7 @@ def ops(hosts, *args):
 
 # ---- plans (exact argv) -------------------------------------------------------------------------------
 
+
 def _host(strategy: str, **kw) -> HostConfig:
     return HostConfig(name="h", host="h", server=parse_strategy(strategy), timeouts=Timeouts(stop=42), **kw)
 
@@ -55,27 +66,64 @@ def _host(strategy: str, **kw) -> HostConfig:
 def test_stop_and_restore_plans_are_exact_argv():
     """Each strategy's stop and restore are the exact commands documented, and nothing when not running."""
     running = ServerFacts("container", container_ids=("c1",), running_container_ids=("c1",))
-    assert plan_stop(_host("container:vllm"), running).steps[0].argv == ("docker", "stop", "--time", "42", "vllm")
-    assert plan_restore(_host("container:vllm"), ServerFacts("container", ("c1",)))[0].argv == ("docker", "start", "vllm")
+    assert plan_stop(_host("container:vllm"), running).steps[0].argv == (
+        "docker",
+        "stop",
+        "--time",
+        "42",
+        "vllm",
+    )
+    assert plan_restore(_host("container:vllm"), ServerFacts("container", ("c1",)))[0].argv == (
+        "docker",
+        "start",
+        "vllm",
+    )
     compose = ServerFacts("compose", container_ids=("a1", "b2"), running_container_ids=("a1", "b2"))
-    assert plan_stop(_host("compose:inf/vllm"), compose).steps[0].argv == ("docker", "stop", "--time", "42", "a1", "b2")
+    assert plan_stop(_host("compose:inf/vllm"), compose).steps[0].argv == (
+        "docker",
+        "stop",
+        "--time",
+        "42",
+        "a1",
+        "b2",
+    )
     assert plan_restore(_host("compose:inf/vllm"), ServerFacts("compose", ("a1", "b2")))[0].argv == (
-        "docker", "start", "a1", "b2")
+        "docker",
+        "start",
+        "a1",
+        "b2",
+    )
     unit = ServerFacts("systemd", members=(10, 11))
-    assert plan_stop(_host("systemd:vllm.service"), unit).steps[0].argv == ("systemctl", "stop", "vllm.service")
+    assert plan_stop(_host("systemd:vllm.service"), unit).steps[0].argv == (
+        "systemctl",
+        "stop",
+        "vllm.service",
+    )
     assert plan_restore(_host("systemd:vllm.service"), ServerFacts("systemd"))[0].argv == (
-        "systemctl", "start", "vllm.service")
+        "systemctl",
+        "start",
+        "vllm.service",
+    )
     group = ServerFacts("pidfile", pgid=77, members=(77, 78))
     step = plan_stop(_host("pidfile:/run/v.pid"), group).steps[0]
-    assert step.agent == {"op": "terminate", "targets": [], "groups": [77], "grace": 42, "kill_wait": 5.0,
-                          "spare_ssh_session": True}  # ops' own processes on the host are never signalled
-    start = plan_restore(_host("pidfile:/run/v.pid", server_start=("/opt/v/serve.sh", "a b")), ServerFacts("pidfile"))
+    assert step.agent == {
+        "op": "terminate",
+        "targets": [],
+        "groups": [77],
+        "grace": 42,
+        "kill_wait": 5.0,
+        "spare_ssh_session": True,
+    }  # ops' own processes on the host are never signalled
+    start = plan_restore(
+        _host("pidfile:/run/v.pid", server_start=("/opt/v/serve.sh", "a b")), ServerFacts("pidfile")
+    )
     assert start[0].argv == ("sh", "-c", START_WATCH, "sh", "/opt/v/serve.sh", "a b")
     assert plan_stop(_host("container:vllm"), ServerFacts("container", ("c1",))).steps == ()
     assert plan_stop(_host("none"), ServerFacts("none")).steps == ()
 
 
 # ---- real containers ----------------------------------------------------------------------------------
+
 
 @pytest.mark.docker
 @pytest.mark.sshd
@@ -87,8 +135,10 @@ def test_container_strategy_stop_clean_restore(tmp_path, sshd, dk, containers, d
     ctr = holder_container(dk, name, devdir, [devdir / "nvidia0", devdir / "nvidiactl"])
     host_pid = ctr.attrs["State"]["Pid"]
     orphan = procs.holder([devdir / "nvidia0"], name="orphan")
-    table = write_gpu_table(tmp_path / "gpus.json", [{"processes": [{"pid": host_pid, "used_mib": 5000},
-                                                                    {"pid": orphan.pid, "used_mib": 100}]}])
+    table = write_gpu_table(
+        tmp_path / "gpus.json",
+        [{"processes": [{"pid": host_pid, "used_mib": 5000}, {"pid": orphan.pid, "used_mib": 100}]}],
+    )
     hosts = hosts_for(tmp_path, sshd, devdir, f"container:{name}", table)
     status = json.loads(ops(hosts, "gpu-status", "--json").stdout)
     server_holder = next(h for h in status["holders"] if h["proc"]["pid"] == host_pid)
@@ -114,8 +164,13 @@ def test_compose_strategy_finds_the_service_by_labels(tmp_path, sshd, dk, contai
     containers += [svc, other]
     labels = {"com.docker.compose.project": project, "com.docker.compose.service": "vllm"}
     a = holder_container(dk, svc, devdir, [devdir / "nvidia0"], labels=labels)
-    b = holder_container(dk, other, devdir, [devdir / "nvidiactl"],
-                         labels={"com.docker.compose.project": project, "com.docker.compose.service": "proxy"})
+    b = holder_container(
+        dk,
+        other,
+        devdir,
+        [devdir / "nvidiactl"],
+        labels={"com.docker.compose.project": project, "com.docker.compose.service": "proxy"},
+    )
     hosts = hosts_for(tmp_path, sshd, devdir, f"compose:{project}/vllm")
     res = ops(hosts, "stop-server")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -127,6 +182,7 @@ def test_compose_strategy_finds_the_service_by_labels(tmp_path, sshd, dk, contai
 
 
 # ---- pid file: the vLLM field bug ---------------------------------------------------------------------
+
 
 @pytest.mark.sshd
 def test_pidfile_stop_catches_reparented_engine_after_api_sigkill(tmp_path, sshd, devdir, procs):
@@ -153,12 +209,15 @@ def test_pidfile_restore_runs_the_start_command_detached(tmp_path, sshd, devdir,
     script = tmp_path / "serve.py"
     script.write_text(
         "import os, subprocess, sys, time\n"
-        f"child = subprocess.Popen([sys.executable, '-c', {HOLDER!r}, 'VLLM::EngineCore', '0', {str(devdir / 'nvidia0')!r}],"
+        f"child = subprocess.Popen([sys.executable, '-c', {HOLDER!r}, 'VLLM::EngineCore', '0', "
+        f"{str(devdir / 'nvidia0')!r}],"
         " stdout=subprocess.DEVNULL)\n"
         f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
         "child.wait()\n"
     )
-    hosts = hosts_for(tmp_path, sshd, devdir, f"pidfile:{pidfile}", server_start=[sys.executable, str(script)])
+    hosts = hosts_for(
+        tmp_path, sshd, devdir, f"pidfile:{pidfile}", server_start=[sys.executable, str(script)]
+    )
     res = ops(hosts, "restore-server")
     assert res.returncode == 0, res.stdout + res.stderr
     wait_for(pidfile.exists)

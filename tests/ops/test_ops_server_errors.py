@@ -24,9 +24,19 @@ def host(tmp_path, sshd, devdir, procs):
     known = sshd.write_known_hosts(tmp_path / "known_hosts")
 
     def hosts(server: str, **extra):
-        return write_hosts(tmp_path / "hosts.toml", "box", **ssh_table(
-            sshd, known, server=server, device_glob=f"{devdir}/nvidia*", gpu_source=f"table:{table}",
-            timeouts=FAST, **extra))
+        return write_hosts(
+            tmp_path / "hosts.toml",
+            "box",
+            **ssh_table(
+                sshd,
+                known,
+                server=server,
+                device_glob=f"{devdir}/nvidia*",
+                gpu_source=f"table:{table}",
+                timeouts=FAST,
+                **extra,
+            ),
+        )
 
     return dict(hosts=hosts, orphan=orphan)
 
@@ -63,7 +73,9 @@ def test_systemd_server_on_a_host_without_systemd_stops_nothing(host):
     res = ops(host["hosts"]("systemd:vllm.service"), "gpu-clean")
     assert res.returncode == 7, res.stdout + res.stderr
     line = one_line(res)
-    assert "server systemd:vllm.service on box cannot be checked: systemctl: " in line and "nothing was" in line
+    assert (
+        "server systemd:vllm.service on box cannot be checked: systemctl: " in line and "nothing was" in line
+    )
     assert host["orphan"].poll() is None
 
 
@@ -78,7 +90,9 @@ def test_server_that_outlives_its_stop_is_exit_7_and_no_holder_is_signalled(host
         res = ops(host["hosts"](f"pidfile:{tmp_path / 'server.pid'}"), "gpu-clean")
         assert res.returncode == 7, res.stdout + res.stderr
         line = one_line(res)
-        assert f"did not stop: {engine} VLLM::EngineCor state D survived SIGTERM and SIGKILL (3 s + 2 s)" in line
+        assert (
+            f"did not stop: {engine} VLLM::EngineCor state D survived SIGTERM and SIGKILL (3 s + 2 s)" in line
+        )
         assert "no other GPU process was signalled" in line
         assert host["orphan"].poll() is None and alive(engine)
     finally:
@@ -88,7 +102,9 @@ def test_server_that_outlives_its_stop_is_exit_7_and_no_holder_is_signalled(host
 def test_failing_restart_command_is_exit_8(host, tmp_path):
     """A pid-file server whose start command fails at once: restore-server reports its exit code in one
     line and exits 8 (it is not taken for a started server)."""
-    hosts = host["hosts"](f"pidfile:{tmp_path / 'none.pid'}", server_start=["sh", "-c", "echo no model >&2; exit 3"])
+    hosts = host["hosts"](
+        f"pidfile:{tmp_path / 'none.pid'}", server_start=["sh", "-c", "echo no model >&2; exit 3"]
+    )
     res = ops(hosts, "restore-server")
     assert res.returncode == 8, res.stdout + res.stderr
     assert "server pidfile:" in one_line(res) and "start command sh exited 3 within 2 s" in res.stderr
@@ -102,8 +118,9 @@ def test_server_container_that_cannot_start_is_exit_8(host):
     ensure_base_image()
     name = unique("ops-test-broken-server")
     try:
-        dk.containers.create("eagle-ops-test-base:bookworm", ["/no/such/binary"], name=name,
-                             labels={"eagle-ops-test": "1"})
+        dk.containers.create(
+            "eagle-ops-test-base:bookworm", ["/no/such/binary"], name=name, labels={"eagle-ops-test": "1"}
+        )
         res = ops(host["hosts"](f"container:{name}"), "restore-server")
         assert res.returncode == 8, res.stdout + res.stderr
         assert f"server container:{name} was not restored: start server failed" in one_line(res)

@@ -32,14 +32,18 @@ def standin_vllm_image(dk, base: str) -> str:
     """The stage image plus an installed-looking vLLM STANDIN_VLLM (a package and its dist-info on
     PYTHONPATH, no code): what an image built with an unpatched vLLM looks like to the preflight."""
     site = "/opt/standin-vllm"
-    dockerfile = (f"FROM {base}\n"
-                  f"RUN mkdir -p {site}/vllm {site}/vllm-{STANDIN_VLLM}.dist-info"
-                  f" && echo '__version__ = \"{STANDIN_VLLM}\"' > {site}/vllm/__init__.py"
-                  f" && printf 'Metadata-Version: 2.1\\nName: vllm\\nVersion: {STANDIN_VLLM}\\n'"
-                  f" > {site}/vllm-{STANDIN_VLLM}.dist-info/METADATA\n"
-                  f"ENV PYTHONPATH={REPO}:{site}\n")
+    dockerfile = (
+        f"FROM {base}\n"
+        f"RUN mkdir -p {site}/vllm {site}/vllm-{STANDIN_VLLM}.dist-info"
+        f" && echo '__version__ = \"{STANDIN_VLLM}\"' > {site}/vllm/__init__.py"
+        f" && printf 'Metadata-Version: 2.1\\nName: vllm\\nVersion: {STANDIN_VLLM}\\n'"
+        f" > {site}/vllm-{STANDIN_VLLM}.dist-info/METADATA\n"
+        f"ENV PYTHONPATH={REPO}:{site}\n"
+    )
     tag = f"{base.split(':')[0]}-vllm{STANDIN_VLLM}:{base.split(':')[1]}"
-    dk.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, pull=False, rm=True, labels={TEST_LABEL: "1"})
+    dk.images.build(
+        fileobj=io.BytesIO(dockerfile.encode()), tag=tag, pull=False, rm=True, labels={TEST_LABEL: "1"}
+    )
     return tag
 
 
@@ -53,15 +57,37 @@ def scene(tmp_path_factory, dk, sshd, warm_pipeline):
     model = tmp / "assets" / "model"
     good = tmp / "good"
     (good / "cache").mkdir(parents=True)
-    warm_pipeline("prepare", "--data", tmp / "assets" / "conversations.jsonl", "--model", model, "--out",
-                  good / "prepared", "--draft-vocab-size", 32, check=True, env=env)
+    warm_pipeline(
+        "prepare",
+        "--data",
+        tmp / "assets" / "conversations.jsonl",
+        "--model",
+        model,
+        "--out",
+        good / "prepared",
+        "--draft-vocab-size",
+        32,
+        check=True,
+        env=env,
+    )
     img, mounts = stage_image(dk, REPO, sys.base_prefix)
     server, devdir, table = server_on_one_gpu(dk, tmp, "ops-test-pf-server")
     name = server.name
     known = sshd.write_known_hosts(tmp / "known_hosts")
-    base = ssh_table(sshd, known, server=f"container:{name}", device_glob=f"{devdir}/nvidia*", gpu_source=f"table:{table}",
-                     timeouts=FAST, image=img, docker_gpus="", mounts=mounts, data_root=str(good),
-                     model_dir=str(model), cache_dir=str(good / "cache"))
+    base = ssh_table(
+        sshd,
+        known,
+        server=f"container:{name}",
+        device_glob=f"{devdir}/nvidia*",
+        gpu_source=f"table:{table}",
+        timeouts=FAST,
+        image=img,
+        docker_gpus="",
+        mounts=mounts,
+        data_root=str(good),
+        model_dir=str(model),
+        cache_dir=str(good / "cache"),
+    )
 
     def hosts(label: str, **keys) -> Path:
         return write_hosts(tmp / f"{label}.toml", "pfbox", **{**base, **keys})
@@ -86,11 +112,22 @@ def refused(scene, hosts: Path, *args: str, stage: tuple[str, ...] = ("remote-ex
     server.reload()
     started = server.attrs["State"]["StartedAt"]
     t0 = time.monotonic()
-    res = run_ops(*stage, "--host", "pfbox", "--hosts-file", str(hosts), "--runs-dir", str(scene["tmp"] / "runs"),
-                  *args, timeout=300)
+    res = run_ops(
+        *stage,
+        "--host",
+        "pfbox",
+        "--hosts-file",
+        str(hosts),
+        "--runs-dir",
+        str(scene["tmp"] / "runs"),
+        *args,
+        timeout=300,
+    )
     seconds = time.monotonic() - t0
     assert res.returncode == 4, res.stdout[-3000:] + res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1 and res.stderr.startswith("error: preflight failed: "), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and res.stderr.startswith("error: preflight failed: "), (
+        res.stderr
+    )
     server.reload()
     assert server.status == "running" and server.attrs["State"]["StartedAt"] == started
     assert not client().containers.list(all=True, filters={"label": "eagle-ops.host=pfbox"})
@@ -99,7 +136,8 @@ def refused(scene, hosts: Path, *args: str, stage: tuple[str, ...] = ("remote-ex
 
 def test_wrong_layer_ids_are_refused_before_the_server_stops(scene):
     """Layer ids the model does not have: the image's preflight names `layer ids`, exit 4, server untouched;
-    the checks ran with the stage's own arguments and the layout the host resolved (hf: no vLLM in the image)."""
+    the checks ran with the stage's own arguments and the layout the host resolved (hf: no vLLM in the
+    image)."""
     hosts = scene["hosts"]("layers", data_root=str(data_root(scene, "layers")))
     res, seconds = refused(scene, hosts, "--run-id", "pf-layers", "--", "--layer-ids", "0,1,2")
     assert "error: preflight failed: layer ids: " in res.stderr
@@ -121,7 +159,9 @@ def test_missing_tokenizer_is_refused_for_extract_and_prepare(scene):
     """A model folder without its tokenizer: extract and prepare are both refused naming `tokenizer`."""
     model = scene["tmp"] / "model-notok"
     shutil.copytree(scene["model"], model)
-    gone = [p for p in model.iterdir() if p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges"))]
+    gone = [
+        p for p in model.iterdir() if p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges"))
+    ]
     assert gone
     for p in gone:
         p.unlink()
@@ -167,12 +207,21 @@ def test_host_driver_older_than_the_image_needs_is_refused(scene, dk):
     from ops.preflight import MIN_DRIVER_LABEL
 
     tag = f"{scene['image'].split(':')[0]}-driver580:{scene['image'].split(':')[1]}"
-    dk.images.build(fileobj=io.BytesIO(f"FROM {scene['image']}\n".encode()), tag=tag, pull=False, rm=True,
-                    labels={TEST_LABEL: "1", MIN_DRIVER_LABEL: "580"})
+    dk.images.build(
+        fileobj=io.BytesIO(f"FROM {scene['image']}\n".encode()),
+        tag=tag,
+        pull=False,
+        rm=True,
+        labels={TEST_LABEL: "1", MIN_DRIVER_LABEL: "580"},
+    )
     table = json.loads(Path(scene["table"]).read_text())
     old = scene["tmp"] / "gpus-driver570.json"
     old.write_text(json.dumps({**table, "driver": "570.86.15"}))
-    hosts = scene["hosts"]("driver", data_root=str(data_root(scene, "driver")), image=tag, gpu_source=f"table:{old}")
+    hosts = scene["hosts"](
+        "driver", data_root=str(data_root(scene, "driver")), image=tag, gpu_source=f"table:{old}"
+    )
     res, _ = refused(scene, hosts, "--run-id", "pf-driver")
-    assert "error: preflight failed: driver: NVIDIA driver 570.86.15 on pfbox is older than the image needs (>= 580" in res.stderr
-
+    assert (
+        "error: preflight failed: driver: NVIDIA driver 570.86.15 on pfbox is older than the image needs "
+        "(>= 580" in res.stderr
+    )

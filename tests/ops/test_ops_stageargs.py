@@ -13,7 +13,9 @@ from ops.stageargs import StageArgs, last_values, parse
 
 def test_the_last_one_wins_in_either_spelling():
     """A repeated option takes its last value, whether written `--flag V` or `--flag=V`, as click does."""
-    args = parse(("--dtype", "bfloat16", "--limit", "3", "--dtype=float32", "--world-size=2", "--world-size", "4"))
+    args = parse(
+        ("--dtype", "bfloat16", "--limit", "3", "--dtype=float32", "--world-size=2", "--world-size", "4")
+    )
     assert (args.dtype, args.world_size) == ("float32", 4)
     assert parse(("--backend=vllm", "--backend", "hf")).backend == "hf"
     assert parse(("--tensor-parallel-size", "2", "--tensor-parallel-size=8")).tensor_parallel_size == 8
@@ -26,17 +28,24 @@ def test_values_are_typed_and_words_pass_through_unchanged():
     args = parse(words)
     assert args == StageArgs(words, dtype="float16") and args.argv == words
     assert parse(()) == StageArgs()
-    assert last_values(("--model", "/m", "--out=/o", "--model", "/n"), ("--model", "--out")) == {"--model": "/n", "--out": "/o"}
+    assert last_values(("--model", "/m", "--out=/o", "--model", "/n"), ("--model", "--out")) == {
+        "--model": "/n",
+        "--out": "/o",
+    }
 
 
-@pytest.mark.parametrize("words,message", [
-    (("--limit", "3", "--dtype"), "--dtype after `--` needs a value"),
-    (("--world-size",), "--world-size after `--` needs a value"),
-    (("--world-size", "two"), "--world-size 'two' after `--` must be a whole number"),
-    (("--data-parallel=",), "--data-parallel '' after `--` must be a whole number"),
-])
+@pytest.mark.parametrize(
+    "words,message",
+    [
+        (("--limit", "3", "--dtype"), "--dtype after `--` needs a value"),
+        (("--world-size",), "--world-size after `--` needs a value"),
+        (("--world-size", "two"), "--world-size 'two' after `--` must be a whole number"),
+        (("--data-parallel=",), "--data-parallel '' after `--` must be a whole number"),
+    ],
+)
 def test_a_missing_or_bad_value_is_refused(words, message):
-    """A value-taking option with nothing after it, or a count that is no number: one ConfigError naming it."""
+    """A value-taking option with nothing after it, or a count that is no number: one ConfigError naming
+    it."""
     with pytest.raises(ConfigError, match=message):
         parse(words)
 
@@ -51,7 +60,12 @@ def test_plan_fields_come_from_the_parse_and_shards_render_last():
     """The plan's dtype and world size are the parsed values; a multi-host shard is a field rendered after the
     operator's words; replan keeps both."""
     host = HostConfig(name="h", host="local")
-    plan = plan_stage(host, "extract", run_id="r", extra_args=("--dtype=bfloat16", "--world-size", "2", "--dtype", "float32"))
+    plan = plan_stage(
+        host,
+        "extract",
+        run_id="r",
+        extra_args=("--dtype=bfloat16", "--world-size", "2", "--dtype", "float32"),
+    )
     assert (plan.dtype, plan.world_size, plan.shard) == ("float32", 2, None)
     sharded = plan_stage(host, "extract", run_id="r", extra_args=("--limit", "4"), shard=(3, 1))
     assert sharded.world_size == 3 and sharded.extra_args == ("--limit", "4")

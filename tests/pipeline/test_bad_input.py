@@ -1,5 +1,5 @@
-"""More malformed inputs across the pipeline's flags, rows, model dirs and outputs: one line, exit 2, nothing written.
-Each command is a real `python -m pipeline` process, forked warm (tests/warm_cli.py)."""
+"""More malformed inputs across the pipeline's flags, rows, model dirs and outputs: one line, exit 2, nothing
+written. Each command is a real `python -m pipeline` process, forked warm (tests/warm_cli.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,13 @@ def assert_refused(proc, fragment: str, code: int = 2) -> None:
 def test_enormous_row_is_refused(tmp_path, tiny_llama, warm_pipeline):
     """A row over the 16 MiB limit is named by line instead of being tokenized."""
     data = tmp_path / "rows.jsonl"
-    big = json.dumps({"messages": [{"role": "user", "content": "x" * (17 << 20)}, {"role": "assistant", "content": "y"}]})
+    big = json.dumps(
+        {"messages": [{"role": "user", "content": "x" * (17 << 20)}, {"role": "assistant", "content": "y"}]}
+    )
     data.write_text(big + "\n")
-    assert_refused(warm_pipeline("prepare", "--data", data, "--model", tiny_llama, "--out", tmp_path / "p"), "over the")
+    assert_refused(
+        warm_pipeline("prepare", "--data", data, "--model", tiny_llama, "--out", tmp_path / "p"), "over the"
+    )
     assert not (tmp_path / "p").exists()
 
 
@@ -35,7 +39,9 @@ def test_broken_model_config(tmp_path, conversations, config, fragment, warm_pip
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(config)
-    assert_refused(warm_pipeline("prepare", "--data", conversations, "--model", model, "--out", tmp_path / "p"), fragment)
+    assert_refused(
+        warm_pipeline("prepare", "--data", conversations, "--model", model, "--out", tmp_path / "p"), fragment
+    )
     assert_refused(warm_pipeline("weights", "--model", model, "--out", tmp_path / "v"), fragment)
     assert not (tmp_path / "p").exists() and not (tmp_path / "v").exists()
 
@@ -50,7 +56,9 @@ def test_unknown_architecture_fails_before_any_file(tmp_path, tiny_llama, prepar
     cfg.update(model_type="not_a_real_arch", architectures=["NotARealForCausalLM"])
     (model / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "states"
-    assert_refused(warm_pipeline("extract", "--prepared", prepared_llama, "--model", model, "--out", out), "cannot load")
+    assert_refused(
+        warm_pipeline("extract", "--prepared", prepared_llama, "--model", model, "--out", out), "cannot load"
+    )
     assert not list(out.glob("data_*.pt"))
 
 
@@ -63,7 +71,12 @@ def test_unknown_architecture_fails_before_any_file(tmp_path, tiny_llama, prepar
 )
 def test_prepare_flag_ranges(tmp_path, tiny_llama, conversations, flags, fragment, warm_pipeline):
     """Out-of-range numeric flags are refused up front."""
-    assert_refused(warm_pipeline("prepare", "--data", conversations, "--model", tiny_llama, "--out", tmp_path / "p", *flags), fragment)
+    assert_refused(
+        warm_pipeline(
+            "prepare", "--data", conversations, "--model", tiny_llama, "--out", tmp_path / "p", *flags
+        ),
+        fragment,
+    )
     assert not (tmp_path / "p").exists()
 
 
@@ -83,7 +96,10 @@ def test_prepare_flag_ranges(tmp_path, tiny_llama, conversations, flags, fragmen
 def test_extract_flag_errors(tmp_path, tiny_llama, prepared_llama, flags, fragment, warm_pipeline):
     """Contradictory or malformed extract flags are refused before the model loads."""
     out = tmp_path / "states"
-    assert_refused(warm_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", out, *flags), fragment)
+    assert_refused(
+        warm_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", out, *flags),
+        fragment,
+    )
     assert not out.exists() or not list(out.glob("data_*.pt"))
 
 

@@ -30,15 +30,24 @@ REFUSALS = [
     (("check-args", "nosuch"), 2),
     (("check-args", "weights", "--help"), 2),
 ]
-CASES = ([(("--help",), 0)] + [((stage, "--help"), 0) for stage in sorted(COMMANDS) if stage != "check-args"]
-         + REFUSALS)
+CASES = (
+    [(("--help",), 0)]
+    + [((stage, "--help"), 0) for stage in sorted(COMMANDS) if stage != "check-args"]
+    + REFUSALS
+)
 
 
 def import_log(args: tuple[str, ...], code: int, run: tuple[str, ...] = ("-m", "pipeline")) -> str:
     """The -X importtime log of `python -m pipeline ARGS`, once the process exited with ``code``."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    proc = subprocess.run([PYTHON, "-X", "importtime", *run, *args], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=600)
+    proc = subprocess.run(
+        [PYTHON, "-X", "importtime", *run, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert "import time:" in proc.stderr  # the log is there to be read
     return proc.stderr

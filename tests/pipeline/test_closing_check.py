@@ -93,7 +93,9 @@ def test_nonfinite_values_in_the_record_are_named_with_the_layer(states):
 
 def test_wrong_ids_in_the_record_are_named(states):
     """A file its writer was handed another row's tokens for (same length): prepared_match names it."""
-    rewrite_with_writer(states, 6, lambda s: s["input_ids"].__setitem__(3, (int(s["input_ids"][3]) + 1) % 100))
+    rewrite_with_writer(
+        states, 6, lambda s: s["input_ids"].__setitem__(3, (int(s["input_ids"][3]) + 1) % 100)
+    )
     _, failed = closing(states)
     assert list(failed) == [("data_6.pt", "prepared_match")]
 
@@ -115,7 +117,10 @@ def test_full_check_catches_an_in_place_flip_the_record_check_cannot(states):
     assert record.ok
     full, failed = closing(states, "full")
     assert full.stats["closing_check"] == "full" and full.stats["closing_check_note"].startswith("every byte")
-    assert "bytes differ" in failed[("data_8.pt", "checksum")] or "not what extract wrote" in failed[("data_8.pt", "checksum")]
+    assert (
+        "bytes differ" in failed[("data_8.pt", "checksum")]
+        or "not what extract wrote" in failed[("data_8.pt", "checksum")]
+    )
 
 
 def test_an_old_set_falls_back_to_the_full_read_and_says_why(states):
@@ -127,20 +132,38 @@ def test_an_old_set_falls_back_to_the_full_read_and_says_why(states):
     summary, failed = closing(states)
     assert summary.ok and not failed, failed
     assert summary.stats["closing_check"] == "full"
-    assert "24 of 24 files" in summary.stats["closing_check_note"] and "no writer's record" in summary.stats["closing_check_note"]
-    assert summary.stats["checksums_recorded"] == 24  # version 1 entries are read: the full read compares them
+    assert (
+        "24 of 24 files" in summary.stats["closing_check_note"]
+        and "no writer's record" in summary.stats["closing_check_note"]
+    )
+    assert (
+        summary.stats["checksums_recorded"] == 24
+    )  # version 1 entries are read: the full read compares them
 
 
 def test_resume_leaves_a_record_the_check_accepts(states, tiny_llama, prepared_llama):
-    """Resume after files were lost, a record line lost and a file touched: the closing record check passes."""
+    """Resume after files were lost, a record line lost and a file touched: the closing record check
+    passes."""
     for i in (20, 21, 22, 23):
         (states / f"data_{i}.pt").unlink()
     index = json.loads((states / formats.CHECKSUMS).read_text())
     del index["files"]["data_9.pt"]  # a run killed between the rename and its journal line
     (states / formats.CHECKSUMS).write_text(json.dumps(index))
     os.utime(states / "data_0.pt")  # touched (same bytes): its record is taken again
-    proc = run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", states, "--limit", 24,
-                        "--no-progress", "--resume", check=True)
+    proc = run_pipeline(
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--out",
+        states,
+        "--limit",
+        24,
+        "--no-progress",
+        "--resume",
+        check=True,
+    )
     assert "recording the checksums of 2 files" in proc.stderr
     summary = json.loads((states / "summary.json").read_text())
     assert summary["ok"] is True and summary["stats"]["closing_check"] == "record"
@@ -152,8 +175,23 @@ def test_repair_leaves_a_record_the_check_accepts(states, tiny_llama, prepared_l
     accepts the repaired set too."""
     p = states / "data_5.pt"
     os.truncate(p, p.stat().st_size - 100)
-    proc = run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", states, "--limit", 24,
-                        "--no-progress", "--resume", "--repair", "--closing-check", "full", check=True)
+    proc = run_pipeline(
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--out",
+        states,
+        "--limit",
+        24,
+        "--no-progress",
+        "--resume",
+        "--repair",
+        "--closing-check",
+        "full",
+        check=True,
+    )
     assert "data_5.pt will be regenerated" in proc.stderr
     summary = json.loads((states / "summary.json").read_text())
     assert summary["ok"] is True and summary["stats"]["closing_check"] == "full"
@@ -167,8 +205,12 @@ def test_facts_of_written_tensors_match_what_a_read_finds(states):
     facts = verify.written_facts(s["input_ids"], s["hidden_states"], s["loss_mask"])
     recorded = formats.read_checksums(states)["data_1.pt"].facts
     assert facts == recorded
-    assert facts["log_rms"] == [verify.layer_profile.layer_stats(h).log_rms for h in s["hidden_states"]]  # exactly
-    zero = verify.written_facts(s["input_ids"], [torch.zeros_like(h) for h in s["hidden_states"]], s["loss_mask"])
+    assert facts["log_rms"] == [
+        verify.layer_profile.layer_stats(h).log_rms for h in s["hidden_states"]
+    ]  # exactly
+    zero = verify.written_facts(
+        s["input_ids"], [torch.zeros_like(h) for h in s["hidden_states"]], s["loss_mask"]
+    )
     assert zero["log_rms"] == [None] * 4 and zero["nonfinite"] == [0] * 4
 
 
@@ -177,7 +219,9 @@ def test_facts_from_device_scales_equal_the_writers_own(states):
     from the states, non-finite entries included; the Writer records the scales it is handed."""
     s = formats.read_sample(states / "data_2.pt")
     ids, hs, mask = s["input_ids"], s["hidden_states"], s["loss_mask"]
-    assert verify.written_facts(ids, hs, mask, [verify.layer_profile.token_scales(h) for h in hs]) == verify.written_facts(ids, hs, mask)
+    assert verify.written_facts(
+        ids, hs, mask, [verify.layer_profile.token_scales(h) for h in hs]
+    ) == verify.written_facts(ids, hs, mask)
     bad = [h.clone() for h in hs]
     bad[1][3, :2] = float("nan")
     bad[2][0, 0] = float("inf")
@@ -201,14 +245,26 @@ def test_resume_does_not_take_a_record_of_other_bytes(states, tiny_llama, prepar
     formats.write_sample(p, s["input_ids"], [h * 1.001 for h in s["hidden_states"]], s["loss_mask"])
     assert p.stat().st_size == before.st_size
     os.utime(p, ns=(before.st_atime_ns, before.st_mtime_ns - 1))
-    proc = run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", states, "--limit", 24,
-                        "--no-progress", "--resume")
+    proc = run_pipeline(
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--out",
+        states,
+        "--limit",
+        24,
+        "--no-progress",
+        "--resume",
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "data_10.pt: unchanged: modified since extract wrote it" in proc.stderr
 
 
 def test_a_damaged_record_entry_is_named_not_a_crash(states):
-    """A record entry whose facts lack a field (damaged, or another tool's) fails as `record`, naming the file."""
+    """A record entry whose facts lack a field (damaged, or another tool's) fails as `record`, naming the
+    file."""
     index = json.loads((states / formats.CHECKSUMS).read_text())
     del index["files"]["data_0.pt"]["facts"]["ids_mask_sha256"]
     (states / formats.CHECKSUMS).write_text(json.dumps(index))

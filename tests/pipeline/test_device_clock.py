@@ -38,10 +38,26 @@ def test_cpu_clock_sums_only_the_started_intervals():
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_extract_reports_device_busy_time_and_idle_fraction(tmp_path, tiny_llama, prepared_llama, workers):
-    """A real run (one process or two workers) reports busy seconds within its wall time and prints the idle share."""
-    argv = ["extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 8, "--max-batch-size", 2,
-            "--no-progress", "--no-verify", "--data-parallel", workers]
-    stats = json.loads(run_pipeline(*argv, "--out", tmp_path / "j", "--json-stats", check=True).stdout.splitlines()[-1])
+    """A real run (one process or two workers) reports busy seconds within its wall time and prints the idle
+    share."""
+    argv = [
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--limit",
+        8,
+        "--max-batch-size",
+        2,
+        "--no-progress",
+        "--no-verify",
+        "--data-parallel",
+        workers,
+    ]
+    stats = json.loads(
+        run_pipeline(*argv, "--out", tmp_path / "j", "--json-stats", check=True).stdout.splitlines()[-1]
+    )
     assert 0 < stats["device_busy_seconds"] <= stats["seconds"] * workers
     assert 0 <= stats["device_idle_fraction"] < 1
     printed = run_pipeline(*argv, "--out", tmp_path / "p", check=True).stdout
@@ -49,7 +65,8 @@ def test_extract_reports_device_busy_time_and_idle_fraction(tmp_path, tiny_llama
 
 
 def test_process_age_counts_from_the_process_start():
-    """A process that sleeps 0.6 s before asking is at least that old, and younger than the test's wait for it."""
+    """A process that sleeps 0.6 s before asking is at least that old, and younger than the test's wait for
+    it."""
     code = "import time; time.sleep(0.6); from pipeline.extract import process_age; print(process_age())"
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -69,7 +86,10 @@ def test_first_batch_after_leaves_out_workers_without_a_batch_and_unknown_ages()
     """The slowest worker that ran a batch sets the figure; a worker with nothing to do does not hide it."""
     ran = {"startup": {"imports_seconds": 1.0, "model_load_seconds": 4.0, "loop_start_seconds": 5.5}}
     idle = {"startup": {"imports_seconds": 1.2}}
-    assert first_batch_after({"startup": {"workers_started_seconds": 2.0}, "workers": [ran, idle]}) == (7.5, 4.0)
+    assert first_batch_after({"startup": {"workers_started_seconds": 2.0}, "workers": [ran, idle]}) == (
+        7.5,
+        4.0,
+    )
     assert first_batch_after({"startup": {"workers_started_seconds": 2.0}, "workers": [idle]}) is None
     assert first_batch_after({"startup": {"workers_started_seconds": None}, "workers": [ran]}) is None
     assert first_batch_after({"startup": {"imports_seconds": 1.0}}) is None  # resumed with nothing left to do
@@ -78,11 +98,27 @@ def test_first_batch_after_leaves_out_workers_without_a_batch_and_unknown_ages()
 @pytest.mark.parametrize("workers", [1, 2])
 def test_extract_reports_where_its_start_up_went(tmp_path, tiny_llama, prepared_llama, workers):
     """The stats give, in process-age seconds, the end of the imports, the model load and the first batch (for
-    two workers: when the launcher started them, and each worker's own timeline); the printed line sums it up."""
-    argv = ["extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 8, "--max-batch-size", 2,
-            "--no-progress", "--no-verify", "--data-parallel", workers]
+    two workers: when the launcher started them, and each worker's own timeline); the printed line sums it
+    up."""
+    argv = [
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--limit",
+        8,
+        "--max-batch-size",
+        2,
+        "--no-progress",
+        "--no-verify",
+        "--data-parallel",
+        workers,
+    ]
     t0 = time.perf_counter()
-    stats = json.loads(run_pipeline(*argv, "--out", tmp_path / "j", "--json-stats", check=True).stdout.splitlines()[-1])
+    stats = json.loads(
+        run_pipeline(*argv, "--out", tmp_path / "j", "--json-stats", check=True).stdout.splitlines()[-1]
+    )
     wall = time.perf_counter() - t0
     own = stats["startup"]
     timelines = [w["startup"] for w in stats["workers"]] if workers > 1 else [own]
@@ -97,7 +133,11 @@ def test_extract_reports_where_its_start_up_went(tmp_path, tiny_llama, prepared_
         assert t["imports_seconds"] + t["model_load_seconds"] <= t["loop_start_seconds"] + 0.02
         assert own.get("workers_started_seconds", 0) + t["loop_start_seconds"] < wall
     first, load = first_batch_after(stats)
-    assert first == pytest.approx(max(own.get("workers_started_seconds", 0) + t["loop_start_seconds"] for t in timelines))
-    assert load == max(timelines, key=lambda t: t["loop_start_seconds"])["model_load_seconds"]  # the slowest one's
+    assert first == pytest.approx(
+        max(own.get("workers_started_seconds", 0) + t["loop_start_seconds"] for t in timelines)
+    )
+    assert (
+        load == max(timelines, key=lambda t: t["loop_start_seconds"])["model_load_seconds"]
+    )  # the slowest one's
     printed = run_pipeline(*argv, "--out", tmp_path / "p", check=True).stdout
     assert re.search(r"first batch \d+\.\d s after start, model load \d+\.\d s\)", printed)

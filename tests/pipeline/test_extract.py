@@ -1,4 +1,5 @@
-"""The hf backend and the extract loop: states equal a reference forward, padding never leaks, resume is exact."""
+"""The hf backend and the extract loop: states equal a reference forward, padding never leaks, resume is
+exact."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def reference(model_dir, seq, dtype):
 
 
 def expected_states(model_dir, seq, layer_ids, dtype):
-    """What a capture must equal: hidden_states[k+1] for k < L-1; for L-1, norm(captured) == hidden_states[L]."""
+    """What a capture must equal: hidden_states[k+1] for k < L-1; for L-1, norm(captured) ==
+    hidden_states[L]."""
     hs, norm = reference(model_dir, seq, dtype)
     return [hs[k + 1] for k in layer_ids[:-1]], hs[-1], norm
 
@@ -53,7 +55,8 @@ def rel_err(a, b):
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 @pytest.mark.parametrize("batched", [False, True], ids=["batch1", "mixed-batch"])
 def test_captured_states_equal_reference_forward_fp32(family, batched, tiny_llama, tiny_deepseek):
-    """fp32 capture equals transformers' output_hidden_states (index k+1; last layer through the final norm)."""
+    """fp32 capture equals transformers' output_hidden_states (index k+1; last layer through the final
+    norm)."""
     model_dir = tiny_llama if family == "llama" else tiny_deepseek
     md = read_model_dir(model_dir)
     layer_ids = (2, 4, 5, 7)
@@ -127,16 +130,23 @@ def test_device_scales_of_each_sample_give_the_writers_facts(packed, tiny_llama)
     from pipeline.backends.hf import split_rows
 
     md = read_model_dir(tiny_llama)
-    backend = HFBackend(BackendOptions(model=md, layer_ids=(2, 4, 5, 7), device="cpu",
-                                       dtype="float32", compile=False, packed=packed))
+    backend = HFBackend(
+        BackendOptions(
+            model=md, layer_ids=(2, 4, 5, 7), device="cpu", dtype="float32", compile=False, packed=packed
+        )
+    )
     with torch.inference_mode():
         outs, rows = backend.forward_layers(SEQS)
-        states, scales = split_rows(outs, rows, [verify.layer_profile.token_scales(o) for o in outs], torch.clone)
+        states, scales = split_rows(
+            outs, rows, [verify.layer_profile.token_scales(o) for o in outs], torch.clone
+        )
     for seq, sample, sample_scales in zip(SEQS, states, scales, strict=True):
         ids, mask = torch.tensor(seq), torch.ones(len(seq), dtype=torch.long)
         assert [h.shape for h in sample] == [(len(seq), md.hidden_size)] * 4
         assert [rms.shape for rms, _ in sample_scales] == [(len(seq),)] * 4
-        assert verify.written_facts(ids, sample, mask, sample_scales) == verify.written_facts(ids, sample, mask)
+        assert verify.written_facts(ids, sample, mask, sample_scales) == verify.written_facts(
+            ids, sample, mask
+        )
     backend.close()
 
 
@@ -158,7 +168,8 @@ def test_compiled_packed_batch_equals_the_plain_path_one_by_one(tiny_llama):
 
 
 def test_compile_is_chosen_for_long_gpu_runs_only():
-    """auto compiles on a GPU once 2 x decoder params x planned tokens reach COMPILE_MIN_FLOPS, never on the CPU."""
+    """auto compiles on a GPU once 2 x decoder params x planned tokens reach COMPILE_MIN_FLOPS, never on the
+    CPU."""
     from pipeline.backends.hf import COMPILE_MIN_FLOPS, should_compile
 
     params = 10**9
@@ -192,14 +203,17 @@ def test_batch_plan_is_length_bucketed_and_complete():
     assert sorted(flat) == list(range(len(lengths)))
     assert all(b.padded_tokens <= 200 or len(b.indices) == 1 for b in plan)
     assert all(len(b.indices) <= 3 for b in plan)
-    assert [lengths[b.indices[0]] for b in plan] == sorted((lengths[b.indices[0]] for b in plan), reverse=True)
+    assert [lengths[b.indices[0]] for b in plan] == sorted(
+        (lengths[b.indices[0]] for b in plan), reverse=True
+    )
     assert plan == plan_batches(lengths, 200, 3)
     assert pending_batches(plan, set(flat)) == []
     assert pending_batches([Batch((0, 1), 10)], {0}) == [Batch((0, 1), 10)]
 
 
 def test_extract_output_verifies_and_matches_prepared(extracted_llama, prepared_llama):
-    """The extract CLI writes data_0..N-1, data_config.json, sample_lengths.json and a passing summary.json."""
+    """The extract CLI writes data_0..N-1, data_config.json, sample_lengths.json and a passing
+    summary.json."""
     import json
 
     cfg = formats.read_data_config(extracted_llama)
@@ -216,15 +230,31 @@ def test_extract_output_verifies_and_matches_prepared(extracted_llama, prepared_
 
 def test_killed_run_resumes_to_identical_files(tmp_path, tiny_llama, prepared_llama):
     """SIGKILL mid-way, then --resume: every file is byte-identical to an uninterrupted run, none partial."""
-    common = ["extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 24,
-              "--max-batch-size", 3, "--no-progress", "--no-verify"]
+    common = [
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--limit",
+        24,
+        "--max-batch-size",
+        3,
+        "--no-progress",
+        "--no-verify",
+    ]
     reference_dir = tmp_path / "uninterrupted"
     run_pipeline(*common, "--out", reference_dir, check=True)
     out = tmp_path / "states"
     args = [*common, "--out", out]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *map(str, args)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while len(formats.existing_data_indices(out)) < 5 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -235,5 +265,7 @@ def test_killed_run_resumes_to_identical_files(tmp_path, tiny_llama, prepared_ll
     run_pipeline(*args, "--resume", check=True)
     assert formats.existing_data_indices(out) == list(range(24))
     for i in range(24):
-        assert (out / f"data_{i}.pt").read_bytes() == (reference_dir / f"data_{i}.pt").read_bytes(), f"data_{i}.pt differs"
+        assert (out / f"data_{i}.pt").read_bytes() == (reference_dir / f"data_{i}.pt").read_bytes(), (
+            f"data_{i}.pt differs"
+        )
     assert not list(out.glob(".*partial"))

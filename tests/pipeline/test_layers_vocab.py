@@ -57,7 +57,8 @@ def test_vllm_convention_is_input_of_the_next_layer():
     draft=st.integers(1, 500),
 )
 def test_vocab_mapping_invariants_hold_for_any_frequencies(freq, draft):
-    """t2d.sum == draft vocab; arange + d2t sorted, unique and equal to nonzero(t2d); len(t2d) == target vocab."""
+    """t2d.sum == draft vocab; arange + d2t sorted, unique and equal to nonzero(t2d); len(t2d) == target
+    vocab."""
     d2t, t2d = build_vocab_mapping(freq, 500, draft)
     assert len(d2t) == draft and len(t2d) == 500 and t2d.sum() == draft
     targets = np.arange(draft) + d2t

@@ -1,4 +1,5 @@
-"""verify's NaN/Inf count: a fast aminmax pass first, the exact count only when it finds a non-finite entry."""
+"""verify's NaN/Inf count: a fast aminmax pass first, the exact count only when it finds a non-finite
+entry."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ def test_one_nonfinite_entry_anywhere_is_counted(dtype, bad):
     assert _nonfinite(h) == 2
 
 
-@pytest.mark.parametrize("dtype, big", [(torch.bfloat16, 3.0e38), (torch.float16, 6.0e4), (torch.float32, 3.0e38)])
+@pytest.mark.parametrize(
+    "dtype, big", [(torch.bfloat16, 3.0e38), (torch.float16, 6.0e4), (torch.float32, 3.0e38)]
+)
 def test_finite_values_whose_sum_overflows_are_not_reported(dtype, big):
     """Large finite states overflow any sum of them (fp16's at only 65504); none is reported."""
     h = torch.full((4, 8), big, dtype=dtype)

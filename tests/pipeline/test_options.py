@@ -58,10 +58,34 @@ def test_defaults_flags_and_types_come_from_the_fields():
     """Unset options take the field defaults; flags set bools; values arrive typed, names are the fields'."""
     got = parse("s", "--out", "o")
     assert Toy(**got) == Toy(src=Path("s"), out=Path("o"))
-    got = parse("s", "--out", "o", "--size", "3", "--rate", "0.5", "--mode", "slow", "--force", "--no-checks",
-                "--pair", "--secret", "7")
-    assert got == {"src": Path("s"), "out": Path("o"), "size": 3, "rate": 0.5, "workers": 0, "mode": "slow",
-                   "force": True, "checks": False, "pair": True, "secret": 7}
+    got = parse(
+        "s",
+        "--out",
+        "o",
+        "--size",
+        "3",
+        "--rate",
+        "0.5",
+        "--mode",
+        "slow",
+        "--force",
+        "--no-checks",
+        "--pair",
+        "--secret",
+        "7",
+    )
+    assert got == {
+        "src": Path("s"),
+        "out": Path("o"),
+        "size": 3,
+        "rate": 0.5,
+        "workers": 0,
+        "mode": "slow",
+        "force": True,
+        "checks": False,
+        "pair": True,
+        "secret": 7,
+    }
     assert "internal" not in got and Toy(**got).internal == 5
 
 
@@ -77,20 +101,28 @@ def test_required_hidden_and_code_only_fields():
 def test_help_shows_each_fields_help_and_default():
     """--help carries the field's help text, its default where it has one, a flag pair, click's range."""
     help_text = " ".join(toy.get_help(click.Context(toy)).split())
-    for text in ("--out PATH Where to write. [required]", "--size INTEGER How many. [default: 8]",
-                 "--rate FLOAT RANGE A rate. [x>0]", "--workers INTEGER RANGE [default: 0; x>=0]",
-                 "--mode [fast|slow] [default: fast]", "--force Do it anyway.",
-                 "--no-checks Skip the checks.",
-                 "--pair / --no-pair [default: no-pair]"):
+    for text in (
+        "--out PATH Where to write. [required]",
+        "--size INTEGER How many. [default: 8]",
+        "--rate FLOAT RANGE A rate. [x>0]",
+        "--workers INTEGER RANGE [default: 0; x>=0]",
+        "--mode [fast|slow] [default: fast]",
+        "--force Do it anyway.",
+        "--no-checks Skip the checks.",
+        "--pair / --no-pair [default: no-pair]",
+    ):
         assert text in help_text, text
     assert "--rate FLOAT RANGE A rate. [default" not in help_text  # a None default is not shown
 
 
-@pytest.mark.parametrize(("words", "field"), [
-    (("--mode", "medium"), {"mode": "medium"}),
-    (("--workers", "-1"), {"workers": -1}),
-    (("--rate", "0"), {"rate": 0.0}),
-])
+@pytest.mark.parametrize(
+    ("words", "field"),
+    [
+        (("--mode", "medium"), {"mode": "medium"}),
+        (("--workers", "-1"), {"workers": -1}),
+        (("--rate", "0"), {"rate": 0.0}),
+    ],
+)
 def test_construction_refuses_what_click_refuses_in_its_words(words, field):
     """A bad choice or click-checked range fails at construction with the message the command line gives."""
     message = cli_error("s", "--out", "o", *words)
@@ -111,8 +143,8 @@ def test_construction_checks_ranges_click_does_not():
 
 
 def test_stage_commands_are_made_from_their_configs():
-    """prepare, weights, verify, train and extract: one option per command-line field, named by it, each with its help
-    text, and the command knows its config (check-args builds it)."""
+    """prepare, weights, verify, train and extract: one option per command-line field, named by it, each with
+    its help text, and the command knows its config (check-args builds it)."""
     from pipeline.cli import COMMANDS, main
     from pipeline.options import spec_of
 
@@ -121,7 +153,9 @@ def test_stage_commands_are_made_from_their_configs():
         cls = config_of(cmd)
         assert cls is not None and stage in COMMANDS
         wanted = [f.name for f in dataclasses.fields(cls) if spec_of(f).cli]
-        wanted += ["json_stats"] if stage == "extract" else []  # the data-parallel workers' output, not a setting
+        wanted += (
+            ["json_stats"] if stage == "extract" else []
+        )  # the data-parallel workers' output, not a setting
         assert [p.name for p in cmd.params if p.name != "help"] == wanted, stage
         assert [p.name for p in cmd.params if isinstance(p, click.Option) and not p.help] == [], stage
 
@@ -150,8 +184,9 @@ def test_check_args_builds_the_config():
     words = ("check-args", "prepare", "--data", "d", "--model", "m", "--out", "o", "--seq-length")
     proc = run_pipeline(*words, "1")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stdout.strip() == ("FAIL arguments: pipeline prepare: --seq-length 1 is outside the allowed range "
-                                   "(2..1048576)")
+    assert proc.stdout.strip() == (
+        "FAIL arguments: pipeline prepare: --seq-length 1 is outside the allowed range (2..1048576)"
+    )
     proc = run_pipeline(*words, "2")
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
 
@@ -161,31 +196,45 @@ def test_the_option_module_imports_no_ml_stack():
     import subprocess
     import sys
 
-    code = ("import sys, pipeline.options; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'transformers'}))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import sys, pipeline.options; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'transformers'}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
 def test_extract_refuses_at_construction_what_check_args_can_see():
     """extract's ranges and its options that contradict each other are refused when its config is built (so
-    `pipeline check-args` refuses them before the host is touched); layer ids parse from comma-separated words."""
+    `pipeline check-args` refuses them before the host is touched); layer ids parse from comma-separated
+    words."""
     from pipeline.extract import ExtractConfig, command
 
     base = dict(prepared=Path("p"), model=Path("m"), out=Path("o"))
-    for bad, message in [(dict(limit=0), r"^--limit 0 is outside the allowed range"),
-                         (dict(world_size=2, rank=2), r"^--rank 2 must be in 0\.\.1"),
-                         (dict(closing_check="fast"), r"^unknown --closing-check 'fast'"),
-                         (dict(writer_threads=0), r"^--writer-threads 0 must be at least 1"),
-                         (dict(tensor_parallel_size=0), r"^--tensor-parallel-size 0 is outside"),
-                         (dict(data_parallel=2, device="cuda:1"), r"^--data-parallel gives each worker one GPU")]:
+    for bad, message in [
+        (dict(limit=0), r"^--limit 0 is outside the allowed range"),
+        (dict(world_size=2, rank=2), r"^--rank 2 must be in 0\.\.1"),
+        (dict(closing_check="fast"), r"^unknown --closing-check 'fast'"),
+        (dict(writer_threads=0), r"^--writer-threads 0 must be at least 1"),
+        (dict(tensor_parallel_size=0), r"^--tensor-parallel-size 0 is outside"),
+        (dict(data_parallel=2, device="cuda:1"), r"^--data-parallel gives each worker one GPU"),
+    ]:
         with pytest.raises(StageError, match=message):
             ExtractConfig(**base, **bad)
-    ctx = command.make_context("extract", ["--prepared", "p", "--model", "m", "--out", "o", "--layer-ids", "2, 4,5,7"])
+    ctx = command.make_context(
+        "extract", ["--prepared", "p", "--model", "m", "--out", "o", "--layer-ids", "2, 4,5,7"]
+    )
     assert ctx.params["layer_ids"] == (2, 4, 5, 7)
     with pytest.raises(StageError, match=r"^bad --layer-ids '2,x': expected comma-separated integers"):
-        command.make_context("extract", ["--prepared", "p", "--model", "m", "--out", "o", "--layer-ids", "2,x"])
+        command.make_context(
+            "extract", ["--prepared", "p", "--model", "m", "--out", "o", "--layer-ids", "2,x"]
+        )
 
 
 def test_a_config_crosses_to_a_child_as_json_fields():
@@ -197,8 +246,11 @@ def test_a_config_crosses_to_a_child_as_json_fields():
     cfg = ExtractConfig(prepared=Path("p"), model=Path("m"), out=Path("o"), layer_ids=(2, 5), local_rank=1)
     again = from_json(ExtractConfig, to_json(cfg))
     assert again == cfg and isinstance(again.out, Path) and again.layer_ids == (2, 5)
-    for text, words in (('{"prepared": "p", "model": "m", "out": "o", "speed": 1}', "no field speed"),
-                        ('{"prepared": "p", "out": "o"}', "missing model"), ("not json", "as JSON expected"),
-                        ('{"prepared": "p", "model": "m", "out": "o", "limit": 0}', "--limit")):
+    for text, words in (
+        ('{"prepared": "p", "model": "m", "out": "o", "speed": 1}', "no field speed"),
+        ('{"prepared": "p", "out": "o"}', "missing model"),
+        ("not json", "as JSON expected"),
+        ('{"prepared": "p", "model": "m", "out": "o", "limit": 0}', "--limit"),
+    ):
         with pytest.raises(StageError, match=words):
             from_json(ExtractConfig, text)

@@ -44,10 +44,26 @@ def test_a_worker_gets_every_field_of_the_launchers_config():
     check and bar (the launcher's) changed; it reaches the worker as fields, through JSON, unchanged."""
     from pipeline.options import from_json, to_json
 
-    launcher = ExtractConfig(prepared=Path("p"), model=Path("m"), out=Path("o"), backend="vllm", layer_ids=(1, 3),
-                             dtype="float32", max_batch_tokens=999, compile="off", max_batch_size=3, limit=7,
-                             resume=True, enforce_eager=True, trust_remote_code=True, closing_check="full",
-                             writer_threads=2, data_parallel=2, world_size=3, rank=2)
+    launcher = ExtractConfig(
+        prepared=Path("p"),
+        model=Path("m"),
+        out=Path("o"),
+        backend="vllm",
+        layer_ids=(1, 3),
+        dtype="float32",
+        max_batch_tokens=999,
+        compile="off",
+        max_batch_size=3,
+        limit=7,
+        resume=True,
+        enforce_eager=True,
+        trust_remote_code=True,
+        closing_check="full",
+        writer_threads=2,
+        data_parallel=2,
+        world_size=3,
+        rank=2,
+    )
     worker = worker_config(launcher, 1, tensor_parallel_size=4)
     changed = {k: v for k, v in asdict(worker).items() if asdict(launcher)[k] != v}
     assert changed == {"local_rank": 1, "tensor_parallel_size": 4, "verify": False, "progress": False}
@@ -57,36 +73,77 @@ def test_a_worker_gets_every_field_of_the_launchers_config():
 
 def test_data_parallel_files_equal_single_process(tmp_path, tiny_llama, prepared_llama):
     """Two worker processes write the same bytes as one process, as one set with one data_config.json."""
-    common = ["extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 16, "--max-batch-size", 2,
-              "--no-progress"]
+    common = [
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--limit",
+        16,
+        "--max-batch-size",
+        2,
+        "--no-progress",
+    ]
     run_pipeline(*common, "--out", tmp_path / "one", "--no-verify", check=True)
     proc = run_pipeline(*common, "--out", tmp_path / "two", "--data-parallel", 2, check=True)
     assert "OK" in proc.stdout
     assert formats.existing_data_indices(tmp_path / "two") == list(range(16))
     for i in range(16):
-        assert (tmp_path / "one" / f"data_{i}.pt").read_bytes() == (tmp_path / "two" / f"data_{i}.pt").read_bytes()
+        assert (tmp_path / "one" / f"data_{i}.pt").read_bytes() == (
+            tmp_path / "two" / f"data_{i}.pt"
+        ).read_bytes()
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
-    assert summary["ok"] is True and summary["stats"]["closing_check"] == "record"  # the workers' records, folded
+    assert (
+        summary["ok"] is True and summary["stats"]["closing_check"] == "record"
+    )  # the workers' records, folded
 
 
 def test_hosts_shards_merge_into_one_verified_set(tmp_path, tiny_llama, prepared_llama):
     """Hosts 0 and 1 of 2 each verify their own shard; the merged directory verifies as a whole."""
-    common = ["extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 12, "--world-size", 2,
-              "--no-progress"]
+    common = [
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--limit",
+        12,
+        "--world-size",
+        2,
+        "--no-progress",
+    ]
     for rank in (0, 1):
         run_pipeline(*common, "--rank", rank, "--out", tmp_path / f"host{rank}", check=True)
         assert formats.existing_data_indices(tmp_path / f"host{rank}") == list(range(rank, 12, 2))
         summary = json.loads((tmp_path / f"host{rank}" / "summary.json").read_text())
-        assert summary["ok"] is True and summary["stats"]["closing_check"] == "record"  # its own shard's record
+        assert (
+            summary["ok"] is True and summary["stats"]["closing_check"] == "record"
+        )  # its own shard's record
     # one host's shard alone is incomplete as a whole set
     assert run_pipeline("verify", tmp_path / "host0").returncode == 3
     merged = tmp_path / "merged"
     shutil.copytree(tmp_path / "host0", merged)
-    for p in [*(tmp_path / "host1").glob("data_*.pt"), *(tmp_path / "host1").glob(formats.CHECKSUM_INDEX_GLOB)]:
+    for p in [
+        *(tmp_path / "host1").glob("data_*.pt"),
+        *(tmp_path / "host1").glob(formats.CHECKSUM_INDEX_GLOB),
+    ]:
         shutil.copy(p, merged / p.name)
     run_pipeline("verify", merged, check=True)
-    run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--limit", 12, "--no-progress",
-                 "--no-verify", "--out", tmp_path / "single", check=True)
+    run_pipeline(
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--limit",
+        12,
+        "--no-progress",
+        "--no-verify",
+        "--out",
+        tmp_path / "single",
+        check=True,
+    )
     for i in range(12):  # other batch compositions: equal within fp32 summation-order error
         a = formats.read_sample(merged / f"data_{i}.pt")["hidden_states"]
         b = formats.read_sample(tmp_path / "single" / f"data_{i}.pt")["hidden_states"]
@@ -99,7 +156,18 @@ def test_hosts_shards_merge_into_one_verified_set(tmp_path, tiny_llama, prepared
 
 def test_bad_parallel_flags(tmp_path, tiny_llama, prepared_llama):
     """A rank outside the world size is refused with one line, before anything is written."""
-    proc = run_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", tmp_path / "x",
-                        "--world-size", 2, "--rank", 2)
+    proc = run_pipeline(
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--out",
+        tmp_path / "x",
+        "--world-size",
+        2,
+        "--rank",
+        2,
+    )
     assert proc.returncode == 2 and "--rank 2" in proc.stderr
     assert not (tmp_path / "x").exists()

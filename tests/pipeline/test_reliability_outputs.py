@@ -34,8 +34,10 @@ OVERLAPS = {
 
 @pytest.mark.parametrize("case", sorted(OVERLAPS))
 def test_output_overlapping_an_input_is_refused_and_the_input_survives(
-        tmp_path, monkeypatch, capsys, tiny_llama, conversations, prepared_llama, case):
-    """--out equal to, containing, inside or a symlink to an input: one line naming both, the input untouched."""
+    tmp_path, monkeypatch, capsys, tiny_llama, conversations, prepared_llama, case
+):
+    """--out equal to, containing, inside or a symlink to an input: one line naming both, the input
+    untouched."""
     stage, victim, how, flags = OVERLAPS[case]
     root = tmp_path / "inputs"
     model = linked_copy(tiny_llama, root / "model")
@@ -50,11 +52,16 @@ def test_output_overlapping_an_input_is_refused_and_the_input_survives(
     if how == "symlink":
         out = tmp_path / "link"
         out.symlink_to(target)
-    args = {"prepare": ["--data", data, "--model", model],
-            "weights": ["--model", model],
-            "extract": ["--prepared", prepared, "--model", model, "--no-progress"]}[stage]
-    refused(cli(monkeypatch, capsys, stage, *args, "--out", out, *flags), "writing there would destroy an input",
-            f"--{victim}")
+    args = {
+        "prepare": ["--data", data, "--model", model],
+        "weights": ["--model", model],
+        "extract": ["--prepared", prepared, "--model", model, "--no-progress"],
+    }[stage]
+    refused(
+        cli(monkeypatch, capsys, stage, *args, "--out", out, *flags),
+        "writing there would destroy an input",
+        f"--{victim}",
+    )
     after = {k: _tree(v.parent if k == "data" else v) for k, v in paths.items()}
     assert after == before
 
@@ -72,8 +79,13 @@ with output_lock(sys.argv[1]):
 def holder(tmp_path):
     """A real process holding the lock of tmp_path/out through pipeline.outdir, SIGKILLed at the end."""
     out = tmp_path / "out"
-    proc = subprocess.Popen([PYTHON, "-c", HOLDER, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [PYTHON, "-c", HOLDER, str(out)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.stdout.readline().strip() == "holding"
     yield out, proc
     proc.kill()
@@ -81,15 +93,22 @@ def holder(tmp_path):
 
 
 @pytest.mark.parametrize("stage", ["prepare", "weights", "extract"])
-def test_second_writer_is_refused_naming_the_holder(holder, monkeypatch, capsys, tiny_llama, conversations,
-                                                    prepared_llama, stage):
-    """While another process writes an output, a stage writing there is refused naming its pid; nothing written."""
+def test_second_writer_is_refused_naming_the_holder(
+    holder, monkeypatch, capsys, tiny_llama, conversations, prepared_llama, stage
+):
+    """While another process writes an output, a stage writing there is refused naming its pid; nothing
+    written."""
     out, proc = holder
-    args = {"prepare": ["--data", conversations, "--model", tiny_llama],
-            "weights": ["--model", tiny_llama],
-            "extract": ["--prepared", prepared_llama, "--model", tiny_llama, "--no-progress"]}[stage]
-    refused(cli(monkeypatch, capsys, stage, *args, "--out", out, "--overwrite"), f"is being written by pid {proc.pid}",
-            "wait for it to finish")
+    args = {
+        "prepare": ["--data", conversations, "--model", tiny_llama],
+        "weights": ["--model", tiny_llama],
+        "extract": ["--prepared", prepared_llama, "--model", tiny_llama, "--no-progress"],
+    }[stage]
+    refused(
+        cli(monkeypatch, capsys, stage, *args, "--out", out, "--overwrite"),
+        f"is being written by pid {proc.pid}",
+        "wait for it to finish",
+    )
     assert not out.exists()
     assert not list(out.parent.glob(".out.staging-*"))
 
@@ -105,13 +124,18 @@ def test_lock_of_a_killed_writer_is_free_at_once(holder, monkeypatch, capsys, ti
 
 
 def test_shards_of_one_output_lock_separately(tmp_path):
-    """Two hosts' shards of one --out (world size > 1 on a shared disk) do not refuse each other; one shard twice does."""
+    """Two hosts' shards of one --out (world size > 1 on a shared disk) do not refuse each other; one shard
+    twice does."""
     from pipeline.errors import StageError
     from pipeline.outdir import output_lock
 
     out = tmp_path / "states"
-    with (output_lock(out, "rank-0"), output_lock(out, "rank-1"),
-          pytest.raises(StageError, match="is being written by pid"), output_lock(out, "rank-0")):
+    with (
+        output_lock(out, "rank-0"),
+        output_lock(out, "rank-1"),
+        pytest.raises(StageError, match="is being written by pid"),
+        output_lock(out, "rank-0"),
+    ):
         pass
 
 
@@ -129,13 +153,22 @@ def mounted_out(tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
 @pytest.mark.parametrize("stage", ["prepare", "weights"])
 def test_failed_final_rename_names_the_cause_and_leaves_no_staging_dir(
-        mounted_out, monkeypatch, capsys, tiny_llama, conversations, stage):
-    """When the finished output cannot be renamed into place: one line with the cause, no .staging dir, old output kept."""
-    args = {"prepare": ["--data", conversations, "--model", tiny_llama, "--seq-length", 64],
-            "weights": ["--model", tiny_llama]}[stage]
-    refused(cli(monkeypatch, capsys, stage, *args, "--out", mounted_out, "--overwrite"),
-            "cannot move the finished output into place", os.strerror(16))
-    assert not list(mounted_out.parent.glob(".out.staging-*")) and not list(mounted_out.parent.glob(".out.old-*"))
+    mounted_out, monkeypatch, capsys, tiny_llama, conversations, stage
+):
+    """When the finished output cannot be renamed into place: one line with the cause, no .staging dir, old
+    output kept."""
+    args = {
+        "prepare": ["--data", conversations, "--model", tiny_llama, "--seq-length", 64],
+        "weights": ["--model", tiny_llama],
+    }[stage]
+    refused(
+        cli(monkeypatch, capsys, stage, *args, "--out", mounted_out, "--overwrite"),
+        "cannot move the finished output into place",
+        os.strerror(16),
+    )
+    assert not list(mounted_out.parent.glob(".out.staging-*")) and not list(
+        mounted_out.parent.glob(".out.old-*")
+    )
     assert (mounted_out / "old-output.txt").read_text() == "previous run\n"
 
 
@@ -143,17 +176,45 @@ def test_output_checks_run_in_a_real_process(tmp_path, tiny_llama):
     """Across a real process: weights --out MODEL --overwrite is one stderr line, exit 2, the model intact."""
     model = linked_copy(tiny_llama, tmp_path / "model")
     before = _tree(model)
-    proc = subprocess.run([PYTHON, "-m", "pipeline", "weights", "--model", str(model), "--out", str(model),
-                           "--overwrite"], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "destroy an input" in proc.stderr, proc.stderr
+    proc = subprocess.run(
+        [PYTHON, "-m", "pipeline", "weights", "--model", str(model), "--out", str(model), "--overwrite"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=False,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "destroy an input" in proc.stderr, (
+        proc.stderr
+    )
     assert _tree(model) == before
 
 
 def _train_args(inputs, out, *flags):
-    return ["train", "--data", inputs.data, "--verifier", inputs.verifier, "--prepared", inputs.prepared, "--model",
-            inputs.model, "--out", out, "--device", "cpu", "--epochs", "1", "--max-len", "128", "--num-workers", "0",
-            "--no-eval", "--no-plots", *flags]
+    return [
+        "train",
+        "--data",
+        inputs.data,
+        "--verifier",
+        inputs.verifier,
+        "--prepared",
+        inputs.prepared,
+        "--model",
+        inputs.model,
+        "--out",
+        out,
+        "--device",
+        "cpu",
+        "--epochs",
+        "1",
+        "--max-len",
+        "128",
+        "--num-workers",
+        "0",
+        "--no-eval",
+        "--no-plots",
+        *flags,
+    ]
 
 
 TRAIN_OVERLAPS = {
@@ -178,17 +239,24 @@ def test_train_output_overlapping_an_input_is_refused(tmp_path, monkeypatch, cap
     target = getattr(inputs, victim)
     out = {"is": target, "contains": target.parent, "inside": target / "sub"}[how]
     before = _tree(tmp_path / "inputs")
-    refused(cli(monkeypatch, capsys, *_train_args(inputs, out, *flags)), "writing there would destroy an input",
-            f"--{victim}")
+    refused(
+        cli(monkeypatch, capsys, *_train_args(inputs, out, *flags)),
+        "writing there would destroy an input",
+        f"--{victim}",
+    )
     assert _tree(tmp_path / "inputs") == before
 
 
 def test_second_train_into_one_output_is_refused_naming_the_holder(holder, tmp_path, monkeypatch, capsys):
-    """While another process holds the output's lock, train into it is refused naming the holder; nothing written."""
+    """While another process holds the output's lock, train into it is refused naming the holder; nothing
+    written."""
     from tests.train.conftest import write_inputs
 
     out, proc = holder
     inputs = write_inputs(tmp_path / "inputs", samples=8)
-    refused(cli(monkeypatch, capsys, *_train_args(inputs, out)), f"is being written by pid {proc.pid}",
-            "wait for it to finish")
+    refused(
+        cli(monkeypatch, capsys, *_train_args(inputs, out)),
+        f"is being written by pid {proc.pid}",
+        "wait for it to finish",
+    )
     assert not out.exists()

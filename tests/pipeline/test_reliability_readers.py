@@ -73,16 +73,19 @@ CONFIGS = {
 
 @pytest.mark.parametrize("stage", ["prepare", "weights", "extract"])
 @pytest.mark.parametrize("case", sorted(CONFIGS))
-def test_damaged_config_json_is_one_line_in_every_stage(tmp_path, monkeypatch, capsys, tiny_llama, conversations,
-                                                        prepared_llama, stage, case):
+def test_damaged_config_json_is_one_line_in_every_stage(
+    tmp_path, monkeypatch, capsys, tiny_llama, conversations, prepared_llama, stage, case
+):
     """A config.json of the wrong shape or types is named with what is wrong, exit 2, before any output."""
     make, fragment = CONFIGS[case]
     model = linked_copy(tiny_llama, tmp_path / "model", "config.json")
     (model / "config.json").write_bytes(make(tiny_llama))
     out = tmp_path / "out"
-    args = {"prepare": ["--data", conversations, "--model", model, "--out", out],
-            "weights": ["--model", model, "--out", out],
-            "extract": ["--prepared", prepared_llama, "--model", model, "--out", out, "--no-progress"]}[stage]
+    args = {
+        "prepare": ["--data", conversations, "--model", model, "--out", out],
+        "weights": ["--model", model, "--out", out],
+        "extract": ["--prepared", prepared_llama, "--model", model, "--out", out, "--no-progress"],
+    }[stage]
     refused(cli(monkeypatch, capsys, stage, *args), str(model / "config.json"), fragment)
     assert not out.exists()
 
@@ -107,13 +110,20 @@ def test_damaged_tokenizer_is_one_line(tmp_path, monkeypatch, capsys, tiny_llama
     name, damage = TOKENIZERS[case]
     model = linked_copy(tiny_llama, tmp_path / "model", name)
     (model / name).write_bytes(damage((tiny_llama / name).read_bytes()))
-    refused(cli(monkeypatch, capsys, "prepare", "--data", conversations, "--model", model, "--out", tmp_path / "p"),
-            "cannot load the tokenizer", str(model))
+    refused(
+        cli(
+            monkeypatch, capsys, "prepare", "--data", conversations, "--model", model, "--out", tmp_path / "p"
+        ),
+        "cannot load the tokenizer",
+        str(model),
+    )
     assert not (tmp_path / "p").exists()
 
 
 def _index(model: Path, weight_map) -> None:
-    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
 
 
 def _tiny_names(tiny_llama: Path) -> list[str]:
@@ -143,8 +153,15 @@ def _damage_checkpoint(case: str, model: Path, tiny_llama: Path) -> str:
         return "is not a shard file name"
     if case == "shard-lacks-tensor":
         (model / "other.safetensors").symlink_to((tiny_llama / "model.safetensors").resolve())
-        _index(model, {**dict.fromkeys(names, "model.safetensors"), "model.norm.weight": "model.safetensors",
-                       "lm_head.weight": "model.safetensors", "model.embed_tokens.weight": "empty.safetensors"})
+        _index(
+            model,
+            {
+                **dict.fromkeys(names, "model.safetensors"),
+                "model.norm.weight": "model.safetensors",
+                "lm_head.weight": "model.safetensors",
+                "model.embed_tokens.weight": "empty.safetensors",
+            },
+        )
         from safetensors.torch import save_file
 
         save_file({"x": torch.zeros(1)}, str(model / "empty.safetensors"))
@@ -162,8 +179,18 @@ def _damage_checkpoint(case: str, model: Path, tiny_llama: Path) -> str:
     return "not a readable safetensors file"
 
 
-CHECKPOINTS = ["index-array", "index-not-json", "weight-map-list", "weight-map-number", "weight-map-escapes",
-               "shard-lacks-tensor", "shard-missing", "shard-truncated", "shard-random", "shard-empty"]
+CHECKPOINTS = [
+    "index-array",
+    "index-not-json",
+    "weight-map-list",
+    "weight-map-number",
+    "weight-map-escapes",
+    "shard-lacks-tensor",
+    "shard-missing",
+    "shard-truncated",
+    "shard-random",
+    "shard-empty",
+]
 
 
 @pytest.mark.parametrize("case", CHECKPOINTS)
@@ -185,12 +212,19 @@ def _save_npy(path: Path, array, **kwargs) -> None:
 PREPARED = {
     "metadata-array": ("metadata.json", lambda p: p.write_text("[]"), "is a JSON array"),
     "metadata-not-utf8": ("metadata.json", lambda p: p.write_bytes(b"\xc3\x28"), "not UTF-8"),
-    "metadata-count-string": ("metadata.json", "num_samples=\"60\"", "num_samples is string"),
+    "metadata-count-string": ("metadata.json", 'num_samples="60"', "num_samples is string"),
     "metadata-lacks-count": ("metadata.json", "num_samples", "lacks num_samples"),
     "tokens-truncated": ("tokens.npy", "truncate", "tokens.npy: not a readable .npy array"),
-    "tokens-random": ("tokens.npy", lambda p: p.write_bytes(b"\x93NUMPY garbage" * 10), "tokens.npy: not a readable"),
-    "offsets-pickle": ("offsets.npy", lambda p: _save_npy(p, np.array([{}, 1], dtype=object), allow_pickle=True),
-                       "offsets.npy: not a readable .npy array"),
+    "tokens-random": (
+        "tokens.npy",
+        lambda p: p.write_bytes(b"\x93NUMPY garbage" * 10),
+        "tokens.npy: not a readable",
+    ),
+    "offsets-pickle": (
+        "offsets.npy",
+        lambda p: _save_npy(p, np.array([{}, 1], dtype=object), allow_pickle=True),
+        "offsets.npy: not a readable .npy array",
+    ),
     "offsets-2d": ("offsets.npy", lambda p: _save_npy(p, np.zeros((2, 31), dtype=np.int64)), "expected 1-D"),
 }
 
@@ -213,15 +247,31 @@ def _damage(path: Path, how) -> None:
 
 @pytest.mark.parametrize("case", sorted(PREPARED))
 def test_damaged_prepared_set_is_one_line_in_extract_and_a_failed_check_in_verify(
-        tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, case):
-    """extract refuses a damaged prepared file by name (exit 2, no output); verify reports it failed (exit 3)."""
+    tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, case
+):
+    """extract refuses a damaged prepared file by name (exit 2, no output); verify reports it failed
+    (exit 3)."""
     name, how, fragment = PREPARED[case]
     prepared = linked_copy(prepared_llama, tmp_path / "prepared", name)
     shutil.copyfile(prepared_llama / name, prepared / name)
     _damage(prepared / name, how)
     out = tmp_path / "states"
-    refused(cli(monkeypatch, capsys, "extract", "--prepared", prepared, "--model", tiny_llama, "--out", out,
-                "--no-progress"), name, fragment)
+    refused(
+        cli(
+            monkeypatch,
+            capsys,
+            "extract",
+            "--prepared",
+            prepared,
+            "--model",
+            tiny_llama,
+            "--out",
+            out,
+            "--no-progress",
+        ),
+        name,
+        fragment,
+    )
     assert not out.exists()
     refused(cli(monkeypatch, capsys, "verify", prepared), name, fragment, code=3)
 
@@ -237,7 +287,8 @@ VOCAB = {
 
 @pytest.mark.parametrize("case", sorted(VOCAB))
 def test_damaged_vocab_files_fail_verify_by_name(tmp_path, monkeypatch, capsys, prepared_llama, case):
-    """verify of a prepared set with a damaged token_freq.pt, d2t.npy or t2d.npy is a failed check naming it."""
+    """verify of a prepared set with a damaged token_freq.pt, d2t.npy or t2d.npy is a failed check naming
+    it."""
     name, how, fragment = VOCAB[case]
     prepared = linked_copy(prepared_llama, tmp_path / "prepared", name)
     shutil.copyfile(prepared_llama / name, prepared / name)
@@ -249,17 +300,22 @@ def test_damaged_vocab_files_fail_verify_by_name(tmp_path, monkeypatch, capsys, 
 
 STATES = {
     "data-config-array": ("data_config.json", lambda p: p.write_text("[]"), "is a JSON array"),
-    "layer-ids-string": ("data_config.json", "layer_ids=\"2,4,5,7\"", "layer_ids is string"),
+    "layer-ids-string": ("data_config.json", 'layer_ids="2,4,5,7"', "layer_ids is string"),
     "layer-ids-floats": ("data_config.json", "layer_ids=[2.5, 4, 5, 7]", "layer_ids is array"),
     "lacks-hidden-size": ("data_config.json", "hidden_size", "lacks hidden_size"),
     "sample-lengths-array": ("sample_lengths.json", lambda p: p.write_text("[3]"), "is a JSON array"),
-    "sample-lengths-bad-key": ("sample_lengths.json", lambda p: p.write_text('{"zero": 3}'), "not an integer"),
+    "sample-lengths-bad-key": (
+        "sample_lengths.json",
+        lambda p: p.write_text('{"zero": 3}'),
+        "not an integer",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(STATES))
 def test_damaged_hidden_states_index_fails_verify_and_resume_by_name(
-        tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, extracted_llama, case):
+    tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, extracted_llama, case
+):
     """A damaged data_config.json or sample_lengths.json: verify exit 3 naming it; extract --resume exit 2."""
     name, how, fragment = STATES[case]
     states = tmp_path / "states"
@@ -268,14 +324,32 @@ def test_damaged_hidden_states_index_fails_verify_and_resume_by_name(
     refused(cli(monkeypatch, capsys, "verify", states), name, fragment, code=3)
     if name == "data_config.json":
         before = sorted(p.name for p in states.iterdir())
-        refused(cli(monkeypatch, capsys, "extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", states,
-                    "--limit", 24, "--resume", "--no-progress"), name, fragment)
+        refused(
+            cli(
+                monkeypatch,
+                capsys,
+                "extract",
+                "--prepared",
+                prepared_llama,
+                "--model",
+                tiny_llama,
+                "--out",
+                states,
+                "--limit",
+                24,
+                "--resume",
+                "--no-progress",
+            ),
+            name,
+            fragment,
+        )
         assert sorted(p.name for p in states.iterdir()) == before
 
 
 @pytest.mark.parametrize("case", ["verifier-truncated", "verifier-json-array"])
 def test_damaged_verifier_fails_verify_by_name(tmp_path, monkeypatch, capsys, tiny_llama, case):
-    """A truncated verifier.safetensors or a verifier.json that is not an object is a failed check (exit 3)."""
+    """A truncated verifier.safetensors or a verifier.json that is not an object is a failed check
+    (exit 3)."""
     out = tmp_path / "v"
     assert cli(monkeypatch, capsys, "weights", "--model", tiny_llama, "--out", out)[0] == 0
     if case == "verifier-truncated":

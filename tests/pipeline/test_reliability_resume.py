@@ -12,13 +12,17 @@ from tests.pipeline.test_reliability_readers import cli, refused
 
 
 def _copy_over(states, src: int, dst: int) -> None:
-    shutil.copyfile(formats.data_file(states, src), formats.data_file(states, dst))  # a new mtime, as cp gives
+    shutil.copyfile(
+        formats.data_file(states, src), formats.data_file(states, dst)
+    )  # a new mtime, as cp gives
 
 
 def _rewrite(states, i: int, change) -> None:
     """data_i.pt written again with its own tokens and ``change(states list)`` as its hidden states."""
     s = formats.read_sample(formats.data_file(states, i))
-    formats.write_sample(formats.data_file(states, i), s["input_ids"], change(s["hidden_states"]), s["loss_mask"])
+    formats.write_sample(
+        formats.data_file(states, i), s["input_ids"], change(s["hidden_states"]), s["loss_mask"]
+    )
 
 
 def _unrecorded_other_sample(states) -> None:
@@ -29,18 +33,36 @@ def _unrecorded_other_sample(states) -> None:
 
 FOREIGN = {
     # case: (how the set is changed, the file named, what is said)
-    "another-samples-file-copied-over": (lambda s: _copy_over(s, 1, 2), "data_2.pt",
-                                         "holds the bytes extract wrote as data_1.pt"),
-    "another-sets-file-same-tokens-and-shape": (lambda s: _rewrite(s, 3, lambda hs: [h * 2 for h in hs]), "data_3.pt",
-                                                "a well-formed sample whose bytes are not what extract wrote"),
-    "another-samples-tokens-no-index": (_unrecorded_other_sample, "data_4.pt",
-                                        "prepared_match: input_ids/loss_mask differ from prepared row 4"),
-    "another-dtype": (lambda s: _rewrite(s, 6, lambda hs: [h.half() for h in hs]), "data_6.pt",
-                      "hidden_states[0] is float16"),
-    "another-layer-count": (lambda s: _rewrite(s, 7, lambda hs: hs[:3]), "data_7.pt",
-                            "3 hidden-state tensors, expected 4"),
-    "truncated": (lambda s: formats.data_file(s, 8).write_bytes(formats.data_file(s, 8).read_bytes()[:300]),
-                  "data_8.pt", "cannot load"),
+    "another-samples-file-copied-over": (
+        lambda s: _copy_over(s, 1, 2),
+        "data_2.pt",
+        "holds the bytes extract wrote as data_1.pt",
+    ),
+    "another-sets-file-same-tokens-and-shape": (
+        lambda s: _rewrite(s, 3, lambda hs: [h * 2 for h in hs]),
+        "data_3.pt",
+        "a well-formed sample whose bytes are not what extract wrote",
+    ),
+    "another-samples-tokens-no-index": (
+        _unrecorded_other_sample,
+        "data_4.pt",
+        "prepared_match: input_ids/loss_mask differ from prepared row 4",
+    ),
+    "another-dtype": (
+        lambda s: _rewrite(s, 6, lambda hs: [h.half() for h in hs]),
+        "data_6.pt",
+        "hidden_states[0] is float16",
+    ),
+    "another-layer-count": (
+        lambda s: _rewrite(s, 7, lambda hs: hs[:3]),
+        "data_7.pt",
+        "3 hidden-state tensors, expected 4",
+    ),
+    "truncated": (
+        lambda s: formats.data_file(s, 8).write_bytes(formats.data_file(s, 8).read_bytes()[:300]),
+        "data_8.pt",
+        "cannot load",
+    ),
 }
 
 
@@ -49,28 +71,50 @@ def _snapshot(path):
 
 
 def _resume(monkeypatch, capsys, prepared, model, states, *flags):
-    return cli(monkeypatch, capsys, "extract", "--prepared", prepared, "--model", model, "--out", states, "--limit", 24,
-               "--resume", "--no-progress", *flags)
+    return cli(
+        monkeypatch,
+        capsys,
+        "extract",
+        "--prepared",
+        prepared,
+        "--model",
+        model,
+        "--out",
+        states,
+        "--limit",
+        24,
+        "--resume",
+        "--no-progress",
+        *flags,
+    )
 
 
 @pytest.mark.parametrize("case", sorted(FOREIGN))
-def test_resume_refuses_files_that_are_not_this_runs(tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama,
-                                                     extracted_llama, case):
-    """A file --resume would skip that is another sample's, another set's, of another form or damaged: one line
-    naming it, what is wrong and --repair / --overwrite, exit 2; nothing in the directory changes."""
+def test_resume_refuses_files_that_are_not_this_runs(
+    tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, extracted_llama, case
+):
+    """A file --resume would skip that is another sample's, another set's, of another form or damaged: one
+    line naming it, what is wrong and --repair / --overwrite, exit 2; nothing in the directory changes."""
     how, name, fragment = FOREIGN[case]
     states = tmp_path / "states"
     shutil.copytree(extracted_llama, states)  # mtimes kept: the set as extract left it
     how(states)
     before = _snapshot(states)
-    refused(_resume(monkeypatch, capsys, prepared_llama, tiny_llama, states),
-            f"{name} is not this run's file", fragment, "--repair", "--overwrite")
+    refused(
+        _resume(monkeypatch, capsys, prepared_llama, tiny_llama, states),
+        f"{name} is not this run's file",
+        fragment,
+        "--repair",
+        "--overwrite",
+    )
     assert _snapshot(states) == before
 
 
 def test_resume_of_an_intact_set_skips_every_file_and_repair_redoes_a_foreign_one(
-        tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, extracted_llama):
-    """Control: an intact copy resumes with nothing to do, no file rewritten; --repair regenerates a foreign file."""
+    tmp_path, monkeypatch, capsys, tiny_llama, prepared_llama, extracted_llama
+):
+    """Control: an intact copy resumes with nothing to do, no file rewritten; --repair regenerates a foreign
+    file."""
     states = tmp_path / "states"
     shutil.copytree(extracted_llama, states)
     data = {p.name: p.stat().st_mtime_ns for p in states.glob("data_*.pt")}

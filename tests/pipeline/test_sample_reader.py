@@ -25,7 +25,11 @@ class _Payload:
 
 
 def _sample(dtype):
-    return (torch.arange(7), [torch.randn(7, 16).to(dtype) for _ in range(4)], torch.tensor([0, 0, 1, 1, 1, 0, 1]))
+    return (
+        torch.arange(7),
+        [torch.randn(7, 16).to(dtype) for _ in range(4)],
+        torch.tensor([0, 0, 1, 1, 1, 0, 1]),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -48,8 +52,11 @@ def test_a_file_naming_any_other_global_is_refused_without_running_it(tmp_path, 
         monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
     marker = tmp_path / "ran"
     ids, hs, mask = _sample(torch.bfloat16)
-    torch.save({"input_ids": ids, "hidden_states": hs, "loss_mask": mask, "x": _Payload(marker)},
-               tmp_path / "data_0.pt", _use_new_zipfile_serialization=not legacy)
+    torch.save(
+        {"input_ids": ids, "hidden_states": hs, "loss_mask": mask, "x": _Payload(marker)},
+        tmp_path / "data_0.pt",
+        _use_new_zipfile_serialization=not legacy,
+    )
     with pytest.raises(Exception) as info:
         formats.read_sample(tmp_path / "data_0.pt")
     assert not marker.exists()
@@ -73,7 +80,7 @@ def test_verify_reports_such_a_file_as_not_loadable(tmp_path, extracted_llama):
     assert not marker.exists()
 
 
-# ------------------------------------------------------------- verify's buffer path (pipeline/sample_buffer.py)
+# ----------------------------------------------------------- verify's buffer path (pipeline/sample_buffer.py)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -92,7 +99,10 @@ def test_buffer_reads_what_write_sample_wrote_and_reuses_its_memory(tmp_path, dt
         assert [h.dtype for h in got["hidden_states"]] == [dtype] * 4
         assert all(torch.equal(a, b) for a, b in zip(got["hidden_states"], hs))
         # views of the buffer, not copies: nothing allocated per file
-        assert got["hidden_states"][0].untyped_storage().data_ptr() == buffer._buffer.untyped_storage().data_ptr()
+        assert (
+            got["hidden_states"][0].untyped_storage().data_ptr()
+            == buffer._buffer.untyped_storage().data_ptr()
+        )
 
 
 def _save(path, obj, **kwargs):
@@ -100,7 +110,9 @@ def _save(path, obj, **kwargs):
     return path
 
 
-@pytest.mark.parametrize("case", ["non_contiguous", "offset_view", "other_global", "legacy", "truncated", "not_zip", "forced"])
+@pytest.mark.parametrize(
+    "case", ["non_contiguous", "offset_view", "other_global", "legacy", "truncated", "not_zip", "forced"]
+)
 def test_buffer_refuses_anything_write_sample_does_not_write(tmp_path, monkeypatch, case):
     """Each of these goes to formats.read_sample instead (NotFastPath), which then loads or reports it."""
     ids, hs, mask = _sample(torch.bfloat16)
@@ -111,7 +123,9 @@ def test_buffer_refuses_anything_write_sample_does_not_write(tmp_path, monkeypat
         _save(path, sample)
     elif case == "offset_view":
         base = torch.randn(20, 16).to(torch.bfloat16)
-        sample["hidden_states"] = [base[3:10] for _ in hs]  # a view: storage larger than the tensor, offset 3*16
+        sample["hidden_states"] = [
+            base[3:10] for _ in hs
+        ]  # a view: storage larger than the tensor, offset 3*16
         _save(path, sample)
     elif case == "other_global":
         sample["x"] = _Payload(tmp_path / "ran")
@@ -142,7 +156,9 @@ def test_verify_falls_back_for_valid_files_the_buffer_does_not_take(tmp_path, ex
     d = tmp_path / "states"
     shutil.copytree(extracted_llama, d)
     sample = formats.read_sample(d / "data_4.pt")
-    sample["hidden_states"] = [h.t().contiguous().t() for h in sample["hidden_states"]]  # same values, column-major
+    sample["hidden_states"] = [
+        h.t().contiguous().t() for h in sample["hidden_states"]
+    ]  # same values, column-major
     torch.save(sample, d / "data_4.pt")
     (d / formats.CHECKSUMS).unlink()  # rewritten on purpose: its recorded checksum no longer applies
     with pytest.raises(NotFastPath):

@@ -37,16 +37,26 @@ def test_prepare_masks_assistant_text_only(prepared_llama, tiny_llama):
 
 def test_prepare_reads_sharegpt_and_openai_rows_identically(tmp_path, tiny_llama, warm_pipeline):
     """The same conversation in ShareGPT and OpenAI form yields the same tokens and mask."""
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Qu'est-ce que λ ?"},
-            {"role": "assistant", "content": "Une lettre grecque ✓"}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Qu'est-ce que λ ?"},
+        {"role": "assistant", "content": "Une lettre grecque ✓"},
+    ]
     roles = {"system": "system", "user": "human", "assistant": "gpt"}
     data = tmp_path / "rows.jsonl"
-    data.write_text(json.dumps({"messages": msgs}) + "\n" +
-                    json.dumps({"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in msgs]}) + "\n")
+    data.write_text(
+        json.dumps({"messages": msgs})
+        + "\n"
+        + json.dumps({"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in msgs]})
+        + "\n"
+    )
     warm_pipeline("prepare", "--data", data, "--model", tiny_llama, "--out", tmp_path / "p", check=True)
     samples, _ = formats.read_prepared(tmp_path / "p")
     assert len(samples) == 2
-    assert samples.ids(0).tolist() == samples.ids(1).tolist() and samples.mask(0).tolist() == samples.mask(1).tolist()
+    assert (
+        samples.ids(0).tolist() == samples.ids(1).tolist()
+        and samples.mask(0).tolist() == samples.mask(1).tolist()
+    )
     assert 0 < samples.mask(0).sum() < len(samples.ids(0))
 
 
@@ -78,9 +88,13 @@ def test_prepare_stops_when_no_row_has_assistant_tokens(tmp_path, tiny_llama, wa
     """If masking yields no assistant token, prepare stops rather than produce nothing to train on."""
     data = tmp_path / "rows.jsonl"
     # the assistant turn is pushed past the truncation point by a long user turn
-    rows = [{"messages": [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok"}]}] * 3
+    rows = [
+        {"messages": [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok"}]}
+    ] * 3
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = warm_pipeline("prepare", "--data", data, "--model", tiny_llama, "--out", tmp_path / "p", "--seq-length", 64)
+    proc = warm_pipeline(
+        "prepare", "--data", data, "--model", tiny_llama, "--out", tmp_path / "p", "--seq-length", 64
+    )
     one_line_error(proc, "no usable samples")
     assert not (tmp_path / "p").exists()
 
@@ -90,7 +104,10 @@ def test_prepare_stops_when_no_row_has_assistant_tokens(tmp_path, tiny_llama, wa
     [
         (b'{"messages": []}', "conversation is empty"),
         (b'{"messages": [{"content": "hi"}]}', "lacks 'role'"),
-        (b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}', "unknown role"),
+        (
+            b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}',
+            "unknown role",
+        ),
         (b'{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
         (b'{"text": "hello"}', "neither 'messages' nor 'conversations'"),
         (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "invalid UTF-8"),
@@ -100,7 +117,9 @@ def test_prepare_stops_when_no_row_has_assistant_tokens(tmp_path, tiny_llama, wa
 def test_malformed_rows_are_named_by_line(tmp_path, tiny_llama, row, fragment, warm_pipeline):
     """A malformed row gives a one-line error with file:line and the reason; nothing is written."""
     data = tmp_path / "rows.jsonl"
-    good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}).encode()
+    good = json.dumps(
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    ).encode()
     data.write_bytes(good + b"\n" + row + b"\n")
     proc = warm_pipeline("prepare", "--data", data, "--model", tiny_llama, "--out", tmp_path / "p")
     one_line_error(proc, fragment)
@@ -113,7 +132,17 @@ def test_skip_invalid_counts_skipped_rows(tmp_path, tiny_llama, warm_pipeline):
     data = tmp_path / "rows.jsonl"
     good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
     data.write_text(f"{good}\n{{broken\n{good}\n")
-    warm_pipeline("prepare", "--data", data, "--model", tiny_llama, "--out", tmp_path / "p", "--skip-invalid", check=True)
+    warm_pipeline(
+        "prepare",
+        "--data",
+        data,
+        "--model",
+        tiny_llama,
+        "--out",
+        tmp_path / "p",
+        "--skip-invalid",
+        check=True,
+    )
     meta = json.loads((tmp_path / "p" / "metadata.json").read_text())
     assert meta["num_samples"] == 2 and meta["skipped_rows"] == 1
 
@@ -153,8 +182,11 @@ def test_prepare_bad_paths_and_flags(tmp_path, tiny_llama, conversations, case, 
         ("missing-prepared", "not a prepared dataset"),
     ],
 )
-def test_extract_bad_input_writes_nothing(tmp_path, tiny_llama, tiny_deepseek, prepared_llama, case, fragment, warm_pipeline):
-    """Wrong layer ids, a non-empty output, a prepared set from another vocab: refused before loading the model."""
+def test_extract_bad_input_writes_nothing(
+    tmp_path, tiny_llama, tiny_deepseek, prepared_llama, case, fragment, warm_pipeline
+):
+    """Wrong layer ids, a non-empty output, a prepared set from another vocab: refused before loading the
+    model."""
     out = tmp_path / "states"
     model, prepared, extra = tiny_llama, prepared_llama, []
     if case == "layer-ids":
@@ -178,14 +210,28 @@ def test_extract_bad_input_writes_nothing(tmp_path, tiny_llama, tiny_deepseek, p
         assert not out.exists()
 
 
-def test_resume_refuses_a_different_configuration(tmp_path, tiny_llama, prepared_llama, extracted_llama, warm_pipeline):
+def test_resume_refuses_a_different_configuration(
+    tmp_path, tiny_llama, prepared_llama, extracted_llama, warm_pipeline
+):
     """--resume into a directory made with other layer ids is refused, naming the difference."""
     import shutil
 
     out = tmp_path / "states"
     shutil.copytree(extracted_llama, out)
-    proc = warm_pipeline("extract", "--prepared", prepared_llama, "--model", tiny_llama, "--out", out, "--limit", 24,
-                        "--layer-ids", "1,3,5,7", "--resume")
+    proc = warm_pipeline(
+        "extract",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        tiny_llama,
+        "--out",
+        out,
+        "--limit",
+        24,
+        "--layer-ids",
+        "1,3,5,7",
+        "--resume",
+    )
     one_line_error(proc, "layer_ids")
 
 
@@ -196,20 +242,39 @@ def test_weights_reads_three_tensors_and_handles_tied_and_wrapped_models(tmp_pat
     warm_pipeline("weights", "--model", tiny_llama, "--out", tmp_path / "v", check=True)
     v = load_file(tmp_path / "v" / "verifier.safetensors")
     src = load_file(tiny_llama / "model.safetensors")
-    assert torch.equal(v["lm_head.weight"], src["lm_head.weight"]) and torch.equal(v["norm.weight"], src["model.norm.weight"])
+    assert torch.equal(v["lm_head.weight"], src["lm_head.weight"]) and torch.equal(
+        v["norm.weight"], src["model.norm.weight"]
+    )
 
     wrapped = tmp_path / "wrapped"
     wrapped.mkdir()
-    cfg = {**json.loads((tiny_llama / "config.json").read_text()), "num_hidden_layers": 1}  # the one layer below
-    (wrapped / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": cfg,
-                                                     "tie_word_embeddings": True}))
-    shard1 = {"language_model.model.embed_tokens.weight": src["model.embed_tokens.weight"],
-              "vision_tower.embed_tokens.weight": torch.zeros(3, 3)}
-    shard2 = {"language_model.model.norm.weight": src["model.norm.weight"],
-              "language_model.model.layers.0.input_layernorm.weight": src["model.layers.0.input_layernorm.weight"]}
+    cfg = {
+        **json.loads((tiny_llama / "config.json").read_text()),
+        "num_hidden_layers": 1,
+    }  # the one layer below
+    (wrapped / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "text_config": cfg,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
+    shard1 = {
+        "language_model.model.embed_tokens.weight": src["model.embed_tokens.weight"],
+        "vision_tower.embed_tokens.weight": torch.zeros(3, 3),
+    }
+    shard2 = {
+        "language_model.model.norm.weight": src["model.norm.weight"],
+        "language_model.model.layers.0.input_layernorm.weight": src["model.layers.0.input_layernorm.weight"],
+    }
     save_file(shard1, wrapped / "model-00001-of-00002.safetensors")
     save_file(shard2, wrapped / "model-00002-of-00002.safetensors")
-    wmap = {**{k: "model-00001-of-00002.safetensors" for k in shard1}, **{k: "model-00002-of-00002.safetensors" for k in shard2}}
+    wmap = {
+        **{k: "model-00001-of-00002.safetensors" for k in shard1},
+        **{k: "model-00002-of-00002.safetensors" for k in shard2},
+    }
     (wrapped / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
     warm_pipeline("weights", "--model", wrapped, "--out", tmp_path / "vw", check=True)
     vw = load_file(tmp_path / "vw" / "verifier.safetensors")
@@ -261,7 +326,12 @@ def test_verify_names_corrupt_missing_and_wrong_dtype_files(tmp_path, extracted_
     (d / "data_3.pt").write_bytes((d / "data_3.pt").read_bytes()[:500])
     (d / "data_5.pt").unlink()
     sample = formats.read_sample(d / "data_8.pt")
-    formats.write_sample(d / "data_8.pt", sample["input_ids"], [h.to(torch.float16) for h in sample["hidden_states"]], sample["loss_mask"])
+    formats.write_sample(
+        d / "data_8.pt",
+        sample["input_ids"],
+        [h.to(torch.float16) for h in sample["hidden_states"]],
+        sample["loss_mask"],
+    )
     sample = formats.read_sample(d / "data_9.pt")
     sample["hidden_states"][1][0, 0] = float("nan")
     formats.write_sample(d / "data_9.pt", sample["input_ids"], sample["hidden_states"], sample["loss_mask"])
@@ -272,11 +342,17 @@ def test_verify_names_corrupt_missing_and_wrong_dtype_files(tmp_path, extracted_
     assert ("data_3.pt", "loadable") in failed
     assert ("data_8.pt", "shape_dtype") in failed
     assert ("data_9.pt", "nan_inf") in failed
-    assert any(c["name"] == "contiguity" and "data_5" in c["detail"] for c in summary["checks"] if c["status"] == "fail")
+    assert any(
+        c["name"] == "contiguity" and "data_5" in c["detail"]
+        for c in summary["checks"]
+        if c["status"] == "fail"
+    )
 
 
 @pytest.mark.parametrize("corruption", ["normed-twice", "wrong-layer"])
-def test_alignment_passes_on_pre_norm_states_and_fails_on_wrong_ones(tmp_path, extracted_llama, tiny_llama, corruption, warm_pipeline):
+def test_alignment_passes_on_pre_norm_states_and_fails_on_wrong_ones(
+    tmp_path, extracted_llama, tiny_llama, corruption, warm_pipeline
+):
     """lm_head(norm(last)) matches the target's argmax; an already-normed or wrong-layer last state fails."""
     import shutil
 
@@ -293,9 +369,17 @@ def test_alignment_passes_on_pre_norm_states_and_fails_on_wrong_ones(tmp_path, e
     for i in range(24):
         s = formats.read_sample(d / f"data_{i}.pt")
         with torch.inference_mode():
-            last = model.model.norm(s["hidden_states"][-1]) if corruption == "normed-twice" else s["hidden_states"][0]
-        formats.write_sample(d / f"data_{i}.pt", s["input_ids"], [*s["hidden_states"][:-1], last.clone()], s["loss_mask"])
-    (d / formats.CHECKSUMS).unlink()  # as a set written wrong from the start: no checksum names the files first
+            last = (
+                model.model.norm(s["hidden_states"][-1])
+                if corruption == "normed-twice"
+                else s["hidden_states"][0]
+            )
+        formats.write_sample(
+            d / f"data_{i}.pt", s["input_ids"], [*s["hidden_states"][:-1], last.clone()], s["loss_mask"]
+        )
+    (
+        d / formats.CHECKSUMS
+    ).unlink()  # as a set written wrong from the start: no checksum names the files first
     bad = warm_pipeline("verify", d, "--model", tiny_llama, "--recompute-samples", 0)
     assert bad.returncode == 3 and "alignment" in bad.stderr
 

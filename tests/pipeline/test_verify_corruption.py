@@ -46,7 +46,9 @@ def test_truncated_file_is_named_by_its_checksum(states):
     data = (states / "data_3.pt").read_bytes()
     (states / "data_3.pt").write_bytes(data[: len(data) // 2])
     _, failed = failures(states)
-    assert failed[("data_3.pt", "checksum")] == f"truncated: {len(data) // 2} bytes, extract wrote {len(data)}"
+    assert (
+        failed[("data_3.pt", "checksum")] == f"truncated: {len(data) // 2} bytes, extract wrote {len(data)}"
+    )
 
 
 def test_nan_is_named_with_its_layer(states):
@@ -58,6 +60,7 @@ def test_nan_is_named_with_its_layer(states):
 
 def test_swapped_layers_are_named_by_the_layer_profile(states):
     """A file whose first and last layers were swapped fails layer_order, naming both positions."""
+
     def swap(s):
         h = s["hidden_states"]
         h[0], h[3] = h[3], h[0]
@@ -75,7 +78,8 @@ def test_dropped_layer_is_named(states):
     rewrite(states, 11, lambda s: s["hidden_states"].pop(1))
     _, failed = failures(states)
     assert failed[("data_11.pt", "layers")] == (
-        "3 hidden-state tensors, expected 4: layer 4 missing (the 3 tensors present match layers 2, 5, 7)")
+        "3 hidden-state tensors, expected 4: layer 4 missing (the 3 tensors present match layers 2, 5, 7)"
+    )
 
 
 def test_gap_in_numbering_is_named(states):
@@ -84,7 +88,10 @@ def test_gap_in_numbering_is_named(states):
     (states / "data_5.pt").rename(states / "data_30.pt")
     _, failed = failures(states)
     assert failed[(None, "contiguity")] == "missing data_5; unexpected data_30"
-    assert failed[("data_30.pt", "renumbered")] == "holds the bytes extract wrote as data_5.pt: renamed out of its place"
+    assert (
+        failed[("data_30.pt", "renumbered")]
+        == "holds the bytes extract wrote as data_5.pt: renamed out of its place"
+    )
 
 
 def test_file_from_another_set_is_named(states, tmp_path, tiny_llama):
@@ -93,24 +100,49 @@ def test_file_from_another_set_is_named(states, tmp_path, tiny_llama):
     from pipeline.demo.tiny import write_conversations
 
     other_rows = write_conversations(tmp_path / "other.jsonl", n=4, seed=7)
-    run_pipeline("prepare", "--data", other_rows, "--model", tiny_llama, "--out", tmp_path / "op", "--seq-length", 128, check=True)
-    run_pipeline("extract", "--prepared", tmp_path / "op", "--model", tiny_llama, "--out", tmp_path / "os",
-                 "--no-progress", "--no-verify", check=True)
+    run_pipeline(
+        "prepare",
+        "--data",
+        other_rows,
+        "--model",
+        tiny_llama,
+        "--out",
+        tmp_path / "op",
+        "--seq-length",
+        128,
+        check=True,
+    )
+    run_pipeline(
+        "extract",
+        "--prepared",
+        tmp_path / "op",
+        "--model",
+        tiny_llama,
+        "--out",
+        tmp_path / "os",
+        "--no-progress",
+        "--no-verify",
+        check=True,
+    )
     shutil.copy(tmp_path / "os" / "data_2.pt", states / "data_2.pt")
     _, failed = failures(states)
     assert failed[("data_2.pt", "checksum")].startswith(
-        "a well-formed sample whose bytes are not what extract wrote: a file from another set")
+        "a well-formed sample whose bytes are not what extract wrote: a file from another set"
+    )
     assert ("data_2.pt", "prepared_match") in failed
 
 
 def test_shifted_token_is_named_by_the_spot_recomputation(states, tiny_llama):
     """States shifted by one token against input_ids pass every structural check; recomputing the file
     through the model names the shift. The intact files' recomputation agrees."""
+
     def shift(s):
         s["hidden_states"] = [torch.cat([h[1:], h[-1:]]).clone() for h in s["hidden_states"]]
 
     rewrite(states, 4, shift)
-    proc = run_pipeline("verify", states, "--model", tiny_llama, "--recompute-samples", 24, "--recompute-seed", 0)
+    proc = run_pipeline(
+        "verify", states, "--model", tiny_llama, "--recompute-samples", 24, "--recompute-seed", 0
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     summary = json.loads((states / "summary.json").read_text())
     recomputed = {c["file"]: c for c in summary["checks"] if c["name"] == "recompute"}
@@ -122,8 +154,9 @@ def test_shifted_token_is_named_by_the_spot_recomputation(states, tiny_llama):
 
 
 def test_layer_order_ignores_neighbours_an_intact_file_cannot_tell_apart():
-    """A tensor a little nearer its neighbouring layer's profile (adjacent layers of a shallow random model look
-    alike: seen as a false 'layers swapped' on an intact set) is no finding; a first/last swap still is."""
+    """A tensor a little nearer its neighbouring layer's profile (adjacent layers of a shallow random model
+    look alike: seen as a false 'layers swapped' on an intact set) is no finding; a first/last swap still
+    is."""
     import torch
 
     from pipeline import layer_profile as lp

@@ -34,18 +34,33 @@ def test_verify_reads_with_the_bounded_count(monkeypatch, tmp_path):
     """The bound reaches the thread pool verify builds (0 = default), and an explicit --workers wins."""
     out = tmp_path / "hs"
     out.mkdir()
-    dc = formats.DataConfig(model="m", layer_ids=[0, 1, 2, 3], num_layers=4, hidden_size=8, dtype="bfloat16",
-                            num_samples=1, seq_length=16, prepared="", backend="hf")
+    dc = formats.DataConfig(
+        model="m",
+        layer_ids=[0, 1, 2, 3],
+        num_layers=4,
+        hidden_size=8,
+        dtype="bfloat16",
+        num_samples=1,
+        seq_length=16,
+        prepared="",
+        backend="hf",
+    )
     formats.write_data_config(out, dc)
     # one file: a set that selects none is a failed check before any reader starts
-    formats.write_sample(formats.data_file(out, 0), torch.arange(4), [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(4)],
-                         torch.ones(4, dtype=torch.int64))
+    formats.write_sample(
+        formats.data_file(out, 0),
+        torch.arange(4),
+        [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(4)],
+        torch.ones(4, dtype=torch.int64),
+    )
     per_file = 16 * 8 * 4 * 2
     monkeypatch.setattr(verify, "available_memory", lambda: 4 * per_file * 2)  # room for two buffers
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
     seen = []
     real = futures.ThreadPoolExecutor
-    monkeypatch.setattr(verify, "ThreadPoolExecutor", lambda max_workers: seen.append(max_workers) or real(max_workers))
+    monkeypatch.setattr(
+        verify, "ThreadPoolExecutor", lambda max_workers: seen.append(max_workers) or real(max_workers)
+    )
     verify.verify(VerifyConfig(path=out, write_summary=False))
     verify.verify(VerifyConfig(path=out, workers=5, write_summary=False))
     assert seen == [2, 5]

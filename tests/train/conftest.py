@@ -2,8 +2,9 @@
 
 ``make_inputs`` writes hidden states, a vocab mapping, verifier weights and a target config.json with the
 formats module (random tensors with a learnable structure: the target's greedy next token is a fixed
-function of the current token, and the token sequence mostly follows that function), in well under a second. ``tiny_run`` runs the real prepare -> extract ->
-weights stages on the tiny random Llama of pipeline/demo/tiny.py once per session.
+function of the current token, and the token sequence mostly follows that function), in well under a second.
+``tiny_run`` runs the real prepare -> extract -> weights stages on the tiny random Llama of
+pipeline/demo/tiny.py once per session.
 """
 
 from __future__ import annotations
@@ -32,9 +33,21 @@ class Inputs:
     layer_ids: tuple[int, ...]
 
     def config(self, out: Path, **overrides) -> TrainConfig:
-        base = dict(data=self.data, verifier=self.verifier, out=out, prepared=self.prepared, model=self.model,
-                    epochs=2, lr=3e-3, max_len=128, eval_fraction=0.25, eval_max_samples=8, plots=False,
-                    device="cpu", num_workers=0)
+        base = dict(
+            data=self.data,
+            verifier=self.verifier,
+            out=out,
+            prepared=self.prepared,
+            model=self.model,
+            epochs=2,
+            lr=3e-3,
+            max_len=128,
+            eval_fraction=0.25,
+            eval_max_samples=8,
+            plots=False,
+            device="cpu",
+            num_workers=0,
+        )
         base.update(overrides)
         return TrainConfig(**base)
 
@@ -57,12 +70,26 @@ def write_inputs(
     layer_ids = (2, num_layers // 2, num_layers - 3, num_layers - 1)
     model = root / "model"
     model.mkdir(parents=True)
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "vocab_size": vocab,
-        "num_hidden_layers": num_layers, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-        "intermediate_size": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "pad_token_id": 0,
-    }))
-    # target: the last layer's state at token t points at lm_head row successor(t), so its greedy next token is successor(t)
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": hidden,
+                "vocab_size": vocab,
+                "num_hidden_layers": num_layers,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 32,
+                "intermediate_size": 128,
+                "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 512,
+                "pad_token_id": 0,
+            }
+        )
+    )
+    # target: the last layer's state at token t points at lm_head row successor(t), so its greedy next token
+    # is successor(t)
     vh = verifier_hidden or hidden
     lm_head = torch.randn(vocab, vh, generator=g)
     embed = torch.randn(vocab, vh, generator=g)
@@ -72,9 +99,13 @@ def write_inputs(
     verifier.mkdir()
     from safetensors.torch import save_file
 
-    save_file({"embed_tokens.weight": embed, "norm.weight": torch.ones(vh), "lm_head.weight": lm_head},
-              str(verifier / "verifier.safetensors"))
-    (verifier / "verifier.json").write_text(json.dumps({"source": str(model), "hidden_size": vh, "vocab_size": vocab}))
+    save_file(
+        {"embed_tokens.weight": embed, "norm.weight": torch.ones(vh), "lm_head.weight": lm_head},
+        str(verifier / "verifier.safetensors"),
+    )
+    (verifier / "verifier.json").write_text(
+        json.dumps({"source": str(model), "hidden_size": vh, "vocab_size": vocab})
+    )
     data = root / "hidden_states"
     data.mkdir()
     lengths = {}
@@ -84,20 +115,34 @@ def write_inputs(
         for t in range(1, length):  # mostly a chain t -> successor(t), so several draft steps are learnable
             jump = torch.rand(1, generator=g).item() < 0.1
             ids[t] = torch.randint(0, draft_vocab, (1,), generator=g) if jump else successor[ids[t - 1]]
-        last = lm_head[draft_ids[successor[ids]]][:, :hidden] * 3 + 0.1 * torch.randn(length, hidden, generator=g)
-        # the first auxiliary layer at token t already points at the token two steps ahead (as real middle layers do)
+        last = lm_head[draft_ids[successor[ids]]][:, :hidden] * 3 + 0.1 * torch.randn(
+            length, hidden, generator=g
+        )
+        # the first auxiliary layer at token t already points at the token two steps ahead (as real middle
+        # layers do)
         ahead = lm_head[draft_ids[successor[successor[ids]]]][:, :hidden]
         aux = [ahead + 0.1 * torch.randn(length, hidden, generator=g)] + [
-            torch.randn(length, hidden, generator=g) for _ in range(captured - 2)]
+            torch.randn(length, hidden, generator=g) for _ in range(captured - 2)
+        ]
         mask = torch.ones(length, dtype=torch.int64)
         mask[:4] = 0
         formats.write_sample(formats.data_file(data, i), ids, [*aux, last], mask)
         lengths[i] = length
     formats.write_sample_lengths(data, lengths)
-    formats.write_data_config(data, formats.DataConfig(
-        model=str(model), layer_ids=list(layer_ids), num_layers=num_layers, hidden_size=hidden, dtype="float32",
-        num_samples=samples, seq_length=length + 1, prepared=str(root / "prepared"), backend="synthetic",
-    ))
+    formats.write_data_config(
+        data,
+        formats.DataConfig(
+            model=str(model),
+            layer_ids=list(layer_ids),
+            num_layers=num_layers,
+            hidden_size=hidden,
+            dtype="float32",
+            num_samples=samples,
+            seq_length=length + 1,
+            prepared=str(root / "prepared"),
+            backend="synthetic",
+        ),
+    )
     prepared = root / "prepared"
     prepared.mkdir()
     d2t = np.zeros(draft_vocab, dtype=np.int64)
@@ -120,7 +165,8 @@ def make_inputs(tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, tiny_llama, conversations) -> Path:
-    """The real prepare -> extract -> weights stages on the tiny random Llama, with the full vocab as draft vocab.
+    """The real prepare -> extract -> weights stages on the tiny random Llama, with the full vocab as draft
+    vocab.
 
     A random-weight target's greedy tokens have nothing to do with the data's frequent tokens, so a draft
     vocabulary chosen from data frequencies would exclude most of what the target emits.
@@ -134,10 +180,21 @@ def run_stages(model: Path, conversations: Path, root: Path) -> Path:
     from pipeline import extract, prepare, weights
 
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    prepare.run(prepare.PrepareConfig(data=conversations, model=model, out=root / "prepared", seq_length=128,
-                                      draft_vocab_size=vocab))
-    extract.run(extract.ExtractConfig(prepared=root / "prepared", model=model, out=root / "hidden_states",
-                                      device="cpu", verify=False, progress=False))
+    prepare.run(
+        prepare.PrepareConfig(
+            data=conversations, model=model, out=root / "prepared", seq_length=128, draft_vocab_size=vocab
+        )
+    )
+    extract.run(
+        extract.ExtractConfig(
+            prepared=root / "prepared",
+            model=model,
+            out=root / "hidden_states",
+            device="cpu",
+            verify=False,
+            progress=False,
+        )
+    )
     weights.run(model, root / "verifier")
     return root
 

@@ -30,7 +30,9 @@ def test_trained_run_passes_every_check(trained):
         assert s.ok, [c for c in s.checks if c.status != "ok"]
     s = verify_checkpoint(cfg.out)
     status = _status(s)
-    assert status["aux_layer_ids"] == status["acceptance"] == status["vocab_mapping"] == status["finite"] == "ok"
+    assert (
+        status["aux_layer_ids"] == status["acceptance"] == status["vocab_mapping"] == status["finite"] == "ok"
+    )
     assert status["draft_vocab_coverage"] == "ok"
     assert s.stats["acceptance_length"] == round(summary["eval"]["draft"]["acceptance_length"], 4)
 
@@ -93,7 +95,8 @@ def test_low_draft_vocab_coverage_warns(trained, tmp_path):
 
 
 def test_full_vocab_draft_passes_without_mapping_and_fails_with_one(make_inputs, tmp_path):
-    """A full-vocab draft verifies without d2t/t2d; a stray d2t (what vLLM cannot load) fails the vocab check."""
+    """A full-vocab draft verifies without d2t/t2d; a stray d2t (what vLLM cannot load) fails the vocab
+    check."""
     import numpy as np
 
     from pipeline.train import draft as draft_mod
@@ -102,8 +105,13 @@ def test_full_vocab_draft_passes_without_mapping_and_fails_with_one(make_inputs,
     inputs = make_inputs(draft_vocab=96)
     checked = check_inputs(inputs.config(tmp_path / "unused"))
     view = draft_mod.write_verifier_view(tmp_path / "view", checked.verifier, checked.target)
-    config = draft_mod.build_speculator_config(target=checked.target, verifier_view=view, draft_vocab_size=96,
-                                               vllm_aux_layer_ids=checked.vllm_aux_layer_ids, ttt_steps=3)
+    config = draft_mod.build_speculator_config(
+        target=checked.target,
+        verifier_view=view,
+        draft_vocab_size=96,
+        vllm_aux_layer_ids=checked.vllm_aux_layer_ids,
+        ttt_steps=3,
+    )
     draft_mod.new_draft(config, checked.d2t, checked.t2d).save_pretrained(tmp_path / "draft")
     s = verify_checkpoint(tmp_path / "draft")
     assert _status(s)["shapes"] == "ok" and "vocab_mapping" not in _status(s), s.checks

@@ -1,4 +1,5 @@
-"""The speculators 0.9 draft as pipeline/train/draft.py builds it: vocab mapping, attention kernel, save/load round trip."""
+"""The speculators 0.9 draft as pipeline/train/draft.py builds it: vocab mapping, attention kernel, save/load
+round trip."""
 
 from __future__ import annotations
 
@@ -15,8 +16,13 @@ def _model(inputs, tmp_path, d2t=None, t2d=None, seed=0, attention=draft_mod.DEN
     d2t = checked.d2t if d2t is None else d2t
     t2d = checked.t2d if t2d is None else t2d
     view = draft_mod.write_verifier_view(tmp_path / "view", checked.verifier, checked.target)
-    config = draft_mod.build_speculator_config(target=checked.target, verifier_view=view, draft_vocab_size=len(d2t),
-                                               vllm_aux_layer_ids=checked.vllm_aux_layer_ids, ttt_steps=3)
+    config = draft_mod.build_speculator_config(
+        target=checked.target,
+        verifier_view=view,
+        draft_vocab_size=len(d2t),
+        vllm_aux_layer_ids=checked.vllm_aux_layer_ids,
+        ttt_steps=3,
+    )
     draft_mod.set_attention(config, attention)
     torch.manual_seed(seed)
     return draft_mod.new_draft(config, d2t, t2d), checked
@@ -41,7 +47,8 @@ def test_vocab_mapping_selects_lm_head_rows(make_inputs, tmp_path):
 
 
 def test_full_vocab_draft_stores_no_mapping(make_inputs, tmp_path):
-    """A draft whose vocab is the target's saves no d2t/t2d: vLLM has no draft_id_to_target_id to load one into."""
+    """A draft whose vocab is the target's saves no d2t/t2d: vLLM has no draft_id_to_target_id to load one
+    into."""
     inputs = make_inputs(draft_vocab=96)
     model, _ = _model(inputs, tmp_path)
     model.save_pretrained(tmp_path / "saved")
@@ -51,7 +58,8 @@ def test_full_vocab_draft_stores_no_mapping(make_inputs, tmp_path):
 
 
 def test_round_trip_through_speculators_from_pretrained(make_inputs, tmp_path):
-    """A saved draft loads with speculators' from_pretrained into identical tensors and identical proposals."""
+    """A saved draft loads with speculators' from_pretrained into identical tensors and identical
+    proposals."""
     inputs = make_inputs()
     model, _ = _model(inputs, tmp_path)
     with torch.no_grad():
@@ -75,8 +83,9 @@ def test_round_trip_through_speculators_from_pretrained(make_inputs, tmp_path):
 
 
 def test_speculators_step_timer_still_needs_an_accelerator():
-    """Pin canary: speculators 0.9's step timer synchronizes an accelerator unconditionally, which fails on the
-    CPU; when this starts passing without one, drop the timer swap in pipeline/train/stage.py (_on_host)."""
+    """Pin canary: speculators 0.9's step timer synchronizes an accelerator unconditionally, which fails on
+    the CPU; when this starts passing without one, drop the timer swap in pipeline/train/stage.py
+    (_on_host)."""
     from speculators.train.trainer import _StepTimer
 
     timer = _StepTimer(enabled=True)
@@ -86,19 +95,46 @@ def test_speculators_step_timer_still_needs_an_accelerator():
 
 
 def test_layer_config_from_mla_target_uses_plain_heads():
-    """A DeepSeek-V3 (MLA) target yields a Llama draft layer with head_dim = hidden / heads and no rope scaling."""
-    facts = draft_mod.TargetFacts.from_config_dict({
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168, "vocab_size": 163840,
-        "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 64,
-        "intermediate_size": 18432, "rms_norm_eps": 1e-6, "rope_scaling": {"type": "yarn", "factor": 32},
-    })
+    """A DeepSeek-V3 (MLA) target yields a Llama draft layer with head_dim = hidden / heads and no rope
+    scaling."""
+    facts = draft_mod.TargetFacts.from_config_dict(
+        {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "hidden_size": 7168,
+            "vocab_size": 163840,
+            "num_hidden_layers": 61,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 64,
+            "head_dim": 64,
+            "intermediate_size": 18432,
+            "rms_norm_eps": 1e-6,
+            "rope_scaling": {"type": "yarn", "factor": 32},
+        }
+    )
     cfg = draft_mod.draft_layer_config(facts)
-    assert (cfg.head_dim, cfg.num_attention_heads, cfg.hidden_size, cfg.num_hidden_layers) == (112, 64, 7168, 1)
-    assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0} and cfg.tie_word_embeddings is False
-    wrapped = draft_mod.TargetFacts.from_config_dict({"architectures": ["KimiK25ForConditionalGeneration"],
-                                                      "text_config": {"model_type": "deepseek_v3", "hidden_size": 7168,
-                                                                      "vocab_size": 163840, "num_hidden_layers": 61,
-                                                                      "num_attention_heads": 64}})
+    assert (cfg.head_dim, cfg.num_attention_heads, cfg.hidden_size, cfg.num_hidden_layers) == (
+        112,
+        64,
+        7168,
+        1,
+    )
+    assert (
+        cfg.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+        and cfg.tie_word_embeddings is False
+    )
+    wrapped = draft_mod.TargetFacts.from_config_dict(
+        {
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "text_config": {
+                "model_type": "deepseek_v3",
+                "hidden_size": 7168,
+                "vocab_size": 163840,
+                "num_hidden_layers": 61,
+                "num_attention_heads": 64,
+            },
+        }
+    )
     assert wrapped.num_layers == 61 and wrapped.architectures == ("KimiK25ForConditionalGeneration",)
 
 
@@ -113,15 +149,33 @@ def test_flex_attention_refused_on_cpu():
 
 
 def test_rope_of_a_transformers5_config_reaches_the_draft():
-    """A target saved by transformers 5 (rope_parameters, no rope_theta) gives the draft its theta and scaling."""
-    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "vocab_size": 96,
-           "num_hidden_layers": 8, "num_attention_heads": 2,
-           "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    """A target saved by transformers 5 (rope_parameters, no rope_theta) gives the draft its theta and
+    scaling."""
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "vocab_size": 96,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 2,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     cfg = draft_mod.draft_layer_config(draft_mod.TargetFacts.from_config_dict(raw))
     assert cfg.rope_parameters["rope_theta"] == 500000.0 and cfg.rope_parameters["rope_type"] == "llama3"
-    old = draft_mod.TargetFacts.from_config_dict({**{k: v for k, v in raw.items() if k != "rope_parameters"},
-                                                  "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    old = draft_mod.TargetFacts.from_config_dict(
+        {
+            **{k: v for k, v in raw.items() if k != "rope_parameters"},
+            "rope_theta": 1e6,
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+        }
+    )
     assert old.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
 
 
@@ -134,8 +188,17 @@ def test_dense_kernel_matches_flex_forward(make_inputs, tmp_path):
     flex, _ = _model(inputs, tmp_path, attention=draft_mod.FLEX_ATTENTION)
     flex.load_state_dict(dense.state_dict())
     cfg = inputs.config(tmp_path / "out", max_len=128)
-    batch = next(iter(make_loader(checked.train_files, cfg, Runtime(torch.device("cpu")), shuffle_seed=0,
-                                  hidden_size=inputs.hidden)))
+    batch = next(
+        iter(
+            make_loader(
+                checked.train_files,
+                cfg,
+                Runtime(torch.device("cpu")),
+                shuffle_seed=0,
+                hidden_size=inputs.hidden,
+            )
+        )
+    )
     assert int(batch["document_ids"].max()) > 0  # several documents packed: the document mask matters
     call, _ = get_trainer_kwargs(dense, cfg, torch.device("cpu"))
     results = []

@@ -60,7 +60,8 @@ def test_greedy_tokens_use_final_norm_then_lm_head():
 
 
 def test_ngram_continuations_take_the_longest_earliest_match_and_stop_at_the_prefix_end():
-    """Prompt lookup: the longest earlier suffix match wins, at its first occurrence, cut at the known tokens."""
+    """Prompt lookup: the longest earlier suffix match wins, at its first occurrence, cut at the known
+    tokens."""
     from pipeline.train.evaluate import ngram_continuations
 
     toks = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]
@@ -70,11 +71,14 @@ def test_ngram_continuations_take_the_longest_earliest_match_and_stop_at_the_pre
     assert got[6] == [9, 1, 2]  # suffix 1,2,3 (length 3) first seen at 0..2, then 9, 1, 2
     assert got[10] == [9, 1, 2]  # 1,2,3 seen twice: the earliest occurrence's continuation
     assert ngram_continuations([5, 5], 3)[1] == [5]  # the continuation never runs past the prefix
-    assert ngram_continuations([1, 2, 3, 4, 7, 2, 3, 4], 2, n_min=4)[7] == []  # 2,3,4 is too short for n_min 4
+    assert (
+        ngram_continuations([1, 2, 3, 4, 7, 2, 3, 4], 2, n_min=4)[7] == []
+    )  # 2,3,4 is too short for n_min 4
 
 
 def test_ngram_baseline_proposes_from_the_context_in_the_shifted_alignment():
-    """At shifted index i the baseline knows the unshifted ids [: i + 2] and proposes what followed their match."""
+    """At shifted index i the baseline knows the unshifted ids [: i + 2] and proposes what followed their
+    match."""
     from pipeline.train.evaluate import ngram_context
 
     context = torch.tensor([4, 5, 6, 4, 5, 6, 4])

@@ -43,7 +43,11 @@ def test_three_layer_ids_in_data_config_rejected(make_inputs, tmp_path):
 def test_d2t_not_matching_draft_vocab_rejected(make_inputs, tmp_path):
     """A d2t whose length differs from the draft vocab size asked for is rejected."""
     inputs = make_inputs()
-    _assert_rejected(inputs.config(tmp_path / "out", draft_vocab_size=inputs.draft_vocab + 8), "len(d2t) = 64", "draft vocab size is 72")
+    _assert_rejected(
+        inputs.config(tmp_path / "out", draft_vocab_size=inputs.draft_vocab + 8),
+        "len(d2t) = 64",
+        "draft vocab size is 72",
+    )
 
 
 def test_d2t_t2d_disagreeing_rejected(make_inputs, tmp_path):
@@ -63,13 +67,22 @@ def test_t2d_for_another_target_vocab_rejected(make_inputs, tmp_path):
     t2d = np.zeros(inputs.vocab * 2, dtype=bool)
     t2d[: len(d2t)] = True
     formats.write_vocab(inputs.prepared, d2t, t2d)
-    _assert_rejected(inputs.config(tmp_path / "out"), f"len(t2d) = {inputs.vocab * 2}", f"target vocab size is {inputs.vocab}")
+    _assert_rejected(
+        inputs.config(tmp_path / "out"),
+        f"len(t2d) = {inputs.vocab * 2}",
+        f"target vocab size is {inputs.vocab}",
+    )
 
 
 def test_hidden_size_mismatch_rejected(make_inputs, tmp_path):
     """Verifier weights of another hidden size than the hidden states are rejected, naming both sizes."""
     inputs = make_inputs(verifier_hidden=96)
-    _assert_rejected(inputs.config(tmp_path / "out"), "hidden size mismatch", "data_config.json 64", "verifier embed_tokens 96")
+    _assert_rejected(
+        inputs.config(tmp_path / "out"),
+        "hidden size mismatch",
+        "data_config.json 64",
+        "verifier embed_tokens 96",
+    )
 
 
 def test_missing_sample_rejected(make_inputs, tmp_path):
@@ -113,9 +126,27 @@ def test_cli_bad_input_exit_code_and_one_line(make_inputs, tmp_path):
     inputs = make_inputs(captured=3)
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline", "train", "--data", str(inputs.data), "--verifier", str(inputs.verifier),
-         "--prepared", str(inputs.prepared), "--model", str(inputs.model), "--out", str(out), "--device", "cpu"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "train",
+            "--data",
+            str(inputs.data),
+            "--verifier",
+            str(inputs.verifier),
+            "--prepared",
+            str(inputs.prepared),
+            "--model",
+            str(inputs.model),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -133,7 +164,7 @@ def test_resume_with_other_inputs_rejected(make_inputs, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0"]
 
 
-_CUSTOM_CONFIG = '''
+_CUSTOM_CONFIG = """
 from transformers import PretrainedConfig
 
 
@@ -144,17 +175,20 @@ class WrappedConfig(PretrainedConfig):
     def __init__(self, n_heads=2, **kwargs):
         self.n_heads = n_heads
         super().__init__(**kwargs)
-'''
+"""
 
 
 def test_trust_remote_code_reads_the_target_config_through_its_own_code(make_inputs, tmp_path):
-    """A target whose config.json needs its own code (an attribute alias) trains only with --trust-remote-code."""
+    """A target whose config.json needs its own code (an attribute alias) trains only with
+    --trust-remote-code."""
     import json
 
     inputs = make_inputs()
     raw = json.loads((inputs.model / "config.json").read_text())
     del raw["num_attention_heads"]  # only the custom class knows: n_heads, aliased, default 2
-    raw.update(model_type="pipeline_test_wrapped", auto_map={"AutoConfig": "configuration_wrapped.WrappedConfig"})
+    raw.update(
+        model_type="pipeline_test_wrapped", auto_map={"AutoConfig": "configuration_wrapped.WrappedConfig"}
+    )
     (inputs.model / "config.json").write_text(json.dumps(raw))
     (inputs.model / "configuration_wrapped.py").write_text(_CUSTOM_CONFIG)
     with pytest.raises(StageError, match="lacks what the draft needs"):

@@ -26,14 +26,32 @@ DRAFT_VOCAB = 64
 
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory, tiny_llama, conversations) -> Path:
-    """Our prepare -> extract (bf16, as on a GPU) -> weights on the tiny Llama, 24 samples, a reduced draft vocab."""
+    """Our prepare -> extract (bf16, as on a GPU) -> weights on the tiny Llama, 24 samples, a reduced draft
+    vocab."""
     from pipeline import extract, prepare, weights
 
     root = tmp_path_factory.mktemp("interop")
-    prepare.run(prepare.PrepareConfig(data=conversations, model=tiny_llama, out=root / "prepared", seq_length=128,
-                                      draft_vocab_size=DRAFT_VOCAB, max_samples=24))
-    extract.run(extract.ExtractConfig(prepared=root / "prepared", model=tiny_llama, out=root / "hidden_states",
-                                      device="cpu", dtype="bfloat16", verify=False, progress=False))
+    prepare.run(
+        prepare.PrepareConfig(
+            data=conversations,
+            model=tiny_llama,
+            out=root / "prepared",
+            seq_length=128,
+            draft_vocab_size=DRAFT_VOCAB,
+            max_samples=24,
+        )
+    )
+    extract.run(
+        extract.ExtractConfig(
+            prepared=root / "prepared",
+            model=tiny_llama,
+            out=root / "hidden_states",
+            device="cpu",
+            dtype="bfloat16",
+            verify=False,
+            progress=False,
+        )
+    )
     weights.run(tiny_llama, root / "verifier")
     assert formats.read_data_config(root / "hidden_states").dtype == "bfloat16"
     return root
@@ -42,8 +60,9 @@ def ours(tmp_path_factory, tiny_llama, conversations) -> Path:
 @pytest.fixture(scope="module")
 def exported(ours, warm_pipeline) -> Path:
     out = ours / "speculators"
-    proc = warm_pipeline("export-speculators", "--prepared", ours / "prepared", "--data", ours / "hidden_states",
-                        "--out", out)
+    proc = warm_pipeline(
+        "export-speculators", "--prepared", ours / "prepared", "--data", ours / "hidden_states", "--out", out
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "", proc.stderr  # no progress bars on a stage's stderr
     return out
@@ -55,11 +74,36 @@ def _speculators_train(data: Path, save: Path, args: list[str]) -> subprocess.Co
     env = {**os.environ, "COLUMNS": "200"}
     if torch.accelerator.current_accelerator() is None:
         env["PYTHONPATH"] = str(CPU_SHIM)
-    cmd = [sys.executable, "-m", "speculators", "train", "--data-path", str(data), *args, "--save-path", str(save),
-           "--epochs", "1", "--max-steps", "2", "--total-seq-len", "256", "--num-workers", "0",
-           "--hidden-states-dtype", "float32", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
-           "--lr", "1e-3"]
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=save.parent, env=env, timeout=900)
+    cmd = [
+        sys.executable,
+        "-m",
+        "speculators",
+        "train",
+        "--data-path",
+        str(data),
+        *args,
+        "--save-path",
+        str(save),
+        "--epochs",
+        "1",
+        "--max-steps",
+        "2",
+        "--total-seq-len",
+        "256",
+        "--num-workers",
+        "0",
+        "--hidden-states-dtype",
+        "float32",
+        "--draft-attn-impl",
+        "sdpa",
+        "--loss-implementation",
+        "eager",
+        "--lr",
+        "1e-3",
+    ]
+    return subprocess.run(
+        cmd, check=False, capture_output=True, text=True, cwd=save.parent, env=env, timeout=900
+    )
 
 
 def test_speculators_own_train_cli_trains_from_our_export(exported, tmp_path):
@@ -69,7 +113,9 @@ def test_speculators_own_train_cli_trains_from_our_export(exported, tmp_path):
     proc = _speculators_train(exported, tmp_path / "ckpt", record["speculators_train_args"])
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    assert "match input ids" not in log and "unavailable" not in log.lower(), log[-4000:]  # no sample was dropped
+    assert "match input ids" not in log and "unavailable" not in log.lower(), log[
+        -4000:
+    ]  # no sample was dropped
     ckpt = tmp_path / "ckpt" / "0"
     state = json.loads((ckpt / "training_state.json").read_text())
     assert state["global_step"] == 2
@@ -99,7 +145,9 @@ def test_exported_files_are_vllms_native_layout(ours, exported):
         assert torch.equal(hs["hidden_states"][:, -1], ref["hidden_states"][-1])
         row = dataset[i]
         assert row["input_ids"].dtype == torch.int64 and row["input_ids"].tolist() == samples.ids(i).tolist()
-        assert row["loss_mask"].tolist() == samples.mask(i).tolist() and int(row["seq_len"]) == samples.length(i)
+        assert row["loss_mask"].tolist() == samples.mask(i).tolist() and int(
+            row["seq_len"]
+        ) == samples.length(i)
 
 
 def _assert_same_sets(a: Path, b: Path, *, same_metadata: bool = True) -> None:
@@ -110,7 +158,9 @@ def _assert_same_sets(a: Path, b: Path, *, same_metadata: bool = True) -> None:
         assert x.dtype == y.dtype and np.array_equal(x, y), name
     for x, y in zip(formats.read_vocab(a / "prepared"), formats.read_vocab(b / "prepared"), strict=True):
         assert x.dtype == y.dtype and np.array_equal(x, y)
-    assert formats.read_token_freq(a / "prepared" / formats.TOKEN_FREQ) == formats.read_token_freq(b / "prepared" / formats.TOKEN_FREQ)
+    assert formats.read_token_freq(a / "prepared" / formats.TOKEN_FREQ) == formats.read_token_freq(
+        b / "prepared" / formats.TOKEN_FREQ
+    )
     if same_metadata:
         assert asdict(ma) == asdict(mb)
     indices = formats.existing_data_indices(a / "hidden_states")
@@ -123,7 +173,9 @@ def _assert_same_sets(a: Path, b: Path, *, same_metadata: bool = True) -> None:
         assert len(x["hidden_states"]) == len(y["hidden_states"]) == 4
         for hx, hy in zip(x["hidden_states"], y["hidden_states"], strict=True):
             assert hx.dtype == hy.dtype and torch.equal(hx, hy), i
-    assert formats.read_sample_lengths(a / "hidden_states") == formats.read_sample_lengths(b / "hidden_states")
+    assert formats.read_sample_lengths(a / "hidden_states") == formats.read_sample_lengths(
+        b / "hidden_states"
+    )
 
 
 def test_round_trip_ours_speculators_ours_is_identical(ours, exported, tmp_path, warm_pipeline):
@@ -133,7 +185,10 @@ def test_round_trip_ours_speculators_ours_is_identical(ours, exported, tmp_path,
     proc = warm_pipeline("import-speculators", "--data", exported, "--out", back)
     assert proc.returncode == 0, proc.stderr
     _assert_same_sets(ours, back)
-    dc_a, dc_b = formats.read_data_config(ours / "hidden_states"), formats.read_data_config(back / "hidden_states")
+    dc_a, dc_b = (
+        formats.read_data_config(ours / "hidden_states"),
+        formats.read_data_config(back / "hidden_states"),
+    )
     assert {**asdict(dc_a), "prepared": ""} == {**asdict(dc_b), "prepared": ""}
     assert Path(dc_b.prepared) == (back / "prepared").resolve()
     verify = warm_pipeline("verify", back / "hidden_states")
@@ -147,16 +202,33 @@ def test_vllm_native_set_imports_and_our_train_trains_on_it(ours, exported, tiny
     shutil.copytree(exported, native)
     (native / interop.RECORD).unlink()
     back = tmp_path / "back"
-    proc = run_pipeline("import-speculators", "--data", native, "--out", back, "--model", tiny_llama,
-                        "--layer-ids", "3,5,6,8")
+    proc = run_pipeline(
+        "import-speculators", "--data", native, "--out", back, "--model", tiny_llama, "--layer-ids", "3,5,6,8"
+    )
     assert proc.returncode == 0, proc.stderr
     _assert_same_sets(ours, back, same_metadata=False)
     assert formats.read_data_config(back / "hidden_states").layer_ids == [2, 4, 5, 7]
-    train = run_pipeline("train", "--data", back / "hidden_states", "--verifier", ours / "verifier",
-                         "--out", tmp_path / "draft", "--epochs", 1, "--max-len", 256, "--device", "cpu",
-                         "--no-plots", timeout=900)
+    train = run_pipeline(
+        "train",
+        "--data",
+        back / "hidden_states",
+        "--verifier",
+        ours / "verifier",
+        "--out",
+        tmp_path / "draft",
+        "--epochs",
+        1,
+        "--max-len",
+        256,
+        "--device",
+        "cpu",
+        "--no-plots",
+        timeout=900,
+    )
     assert train.returncode == 0, train.stderr[-3000:]
-    assert (tmp_path / "draft" / "draft" / "config.json").is_file(), sorted(p.name for p in (tmp_path / "draft").iterdir())
+    assert (tmp_path / "draft" / "draft" / "config.json").is_file(), sorted(
+        p.name for p in (tmp_path / "draft").iterdir()
+    )
 
 
 def _one_line_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -168,56 +240,107 @@ def _one_line_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> None:
 
 
 def test_bad_inputs_get_one_line_and_exit_2(ours, exported, tiny_llama, tmp_path, warm_pipeline):
-    """Missing dirs, a sample count that does not match, a non-empty --out, a missing, foreign or torn hs file,
-    a foreign set without (or with wrong) layer ids are each refused in one line, exit 2, and --out stays untouched.
-    Each is a real `python -m pipeline` process, forked warm (tests/warm_cli.py): ~0.2 s instead of ~4.5 s."""
+    """Missing dirs, a sample count that does not match, a non-empty --out, a missing, foreign or torn hs
+    file, a foreign set without (or with wrong) layer ids are each refused in one line, exit 2, and --out
+    stays untouched. Each is a real `python -m pipeline` process, forked warm (tests/warm_cli.py): ~0.2 s
+    instead of ~4.5 s."""
     prep, data = ours / "prepared", ours / "hidden_states"
-    _one_line_exit_2(warm_pipeline("export-speculators", "--prepared", tmp_path / "nope", "--data", data,
-                                  "--out", tmp_path / "o1"), "nope", "not a directory")
-    _one_line_exit_2(warm_pipeline("import-speculators", "--data", tmp_path / "nope", "--out", tmp_path / "o2"),
-                     "not a directory")
+    _one_line_exit_2(
+        warm_pipeline(
+            "export-speculators", "--prepared", tmp_path / "nope", "--data", data, "--out", tmp_path / "o1"
+        ),
+        "nope",
+        "not a directory",
+    )
+    _one_line_exit_2(
+        warm_pipeline("import-speculators", "--data", tmp_path / "nope", "--out", tmp_path / "o2"),
+        "not a directory",
+    )
     short = tmp_path / "short"
     shutil.copytree(data, short)
     formats.data_file(short, 3).unlink()
-    _one_line_exit_2(warm_pipeline("export-speculators", "--prepared", prep, "--data", short, "--out", tmp_path / "o3"),
-                     "data_3.pt", "24 prepared samples")
+    _one_line_exit_2(
+        warm_pipeline("export-speculators", "--prepared", prep, "--data", short, "--out", tmp_path / "o3"),
+        "data_3.pt",
+        "24 prepared samples",
+    )
     assert not (tmp_path / "o3").exists()
     moved = tmp_path / "moved"
     shutil.copytree(data, moved)
     shutil.copyfile(formats.data_file(moved, 4), formats.data_file(moved, 3))
-    _one_line_exit_2(warm_pipeline("export-speculators", "--prepared", prep, "--data", moved, "--out", tmp_path / "o9"),
-                     "data_3.pt", "prepared sample 3")
+    _one_line_exit_2(
+        warm_pipeline("export-speculators", "--prepared", prep, "--data", moved, "--out", tmp_path / "o9"),
+        "data_3.pt",
+        "prepared sample 3",
+    )
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
-    _one_line_exit_2(warm_pipeline("export-speculators", "--prepared", prep, "--data", data, "--out", busy),
-                     "not empty", "--overwrite")
+    _one_line_exit_2(
+        warm_pipeline("export-speculators", "--prepared", prep, "--data", data, "--out", busy),
+        "not empty",
+        "--overwrite",
+    )
     assert sorted(p.name for p in busy.iterdir()) == ["keep.txt"]
     gap = tmp_path / "gap"
     shutil.copytree(exported, gap)
     interop.hs_file(gap / "hidden_states", 5).unlink()
-    _one_line_exit_2(warm_pipeline("import-speculators", "--data", gap, "--out", tmp_path / "o4"),
-                     "hs_5.safetensors", "23 hs_")
+    _one_line_exit_2(
+        warm_pipeline("import-speculators", "--data", gap, "--out", tmp_path / "o4"),
+        "hs_5.safetensors",
+        "23 hs_",
+    )
     assert not (tmp_path / "o4").exists()
     swapped = tmp_path / "swapped"
     shutil.copytree(exported, swapped)
     one = load_file(str(interop.hs_file(swapped / "hidden_states", 1)))
     save_file(one, str(interop.hs_file(swapped / "hidden_states", 2)))
-    _one_line_exit_2(warm_pipeline("import-speculators", "--data", swapped, "--out", tmp_path / "o5"),
-                     "hs_2.safetensors", "row 2")
+    _one_line_exit_2(
+        warm_pipeline("import-speculators", "--data", swapped, "--out", tmp_path / "o5"),
+        "hs_2.safetensors",
+        "row 2",
+    )
     foreign = tmp_path / "foreign"
     shutil.copytree(exported, foreign)
     (foreign / interop.RECORD).unlink()
-    _one_line_exit_2(warm_pipeline("import-speculators", "--data", foreign, "--out", tmp_path / "o6"),
-                     "--layer-ids")
-    _one_line_exit_2(warm_pipeline("import-speculators", "--data", foreign, "--out", tmp_path / "o7", "--model",
-                                  tiny_llama, "--layer-ids", "2,4,5,7"), "end with the final state, 8")
+    _one_line_exit_2(
+        warm_pipeline("import-speculators", "--data", foreign, "--out", tmp_path / "o6"), "--layer-ids"
+    )
+    _one_line_exit_2(
+        warm_pipeline(
+            "import-speculators",
+            "--data",
+            foreign,
+            "--out",
+            tmp_path / "o7",
+            "--model",
+            tiny_llama,
+            "--layer-ids",
+            "2,4,5,7",
+        ),
+        "end with the final state, 8",
+    )
     torn = tmp_path / "torn"
     shutil.copytree(exported, torn)
     path = interop.hs_file(torn / "hidden_states", 4)
     path.write_bytes(path.read_bytes()[:100])
-    _one_line_exit_2(warm_pipeline("import-speculators", "--data", torn, "--out", tmp_path / "o8"),
-                     "hs_4.safetensors", "unreadable")
-    _one_line_exit_2(warm_pipeline("import-speculators", "--data", data, "--out", tmp_path / "o10", "--model",
-                                  tiny_llama, "--layer-ids", "3,5,6,8"), "not a dataset written by")
+    _one_line_exit_2(
+        warm_pipeline("import-speculators", "--data", torn, "--out", tmp_path / "o8"),
+        "hs_4.safetensors",
+        "unreadable",
+    )
+    _one_line_exit_2(
+        warm_pipeline(
+            "import-speculators",
+            "--data",
+            data,
+            "--out",
+            tmp_path / "o10",
+            "--model",
+            tiny_llama,
+            "--layer-ids",
+            "3,5,6,8",
+        ),
+        "not a dataset written by",
+    )
     assert not any((tmp_path / f"o{k}").exists() for k in range(1, 11))

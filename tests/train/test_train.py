@@ -17,7 +17,12 @@ def test_checkpoint_per_epoch_and_export(trained):
     assert sorted(p.name for p in ckpt.iterdir()) == ["0", "1", "2", "3"]
     for epoch in range(4):
         names = {p.name for p in (ckpt / str(epoch)).iterdir()}
-        assert {"config.json", "model.safetensors", "optimizer_state_dict.pt", "scheduler_state_dict.pt"} <= names
+        assert {
+            "config.json",
+            "model.safetensors",
+            "optimizer_state_dict.pt",
+            "scheduler_state_dict.pt",
+        } <= names
         assert load_file(str(ckpt / str(epoch) / "model.safetensors"))["fc.weight"].dtype == torch.float32
     draft = load_file(str(cfg.out / "draft" / "model.safetensors"))
     assert draft["fc.weight"].dtype == torch.bfloat16 and draft["d2t"].dtype == torch.int64
@@ -25,7 +30,8 @@ def test_checkpoint_per_epoch_and_export(trained):
 
 
 def test_layer_id_convention_in_saved_config(trained):
-    """The saved config carries vLLM's ids: captured layer OUTPUT k becomes layer INPUT k+1, last layer dropped."""
+    """The saved config carries vLLM's ids: captured layer OUTPUT k becomes layer INPUT k+1, last layer
+    dropped."""
     inputs, cfg, _ = trained
     saved = json.loads((cfg.out / "draft" / "config.json").read_text())
     captured = list(inputs.layer_ids)  # (2, 4, 5, 7) for 8 layers
@@ -38,7 +44,8 @@ def test_layer_id_convention_in_saved_config(trained):
 
 
 def test_metrics_log_loss_and_per_step_accuracy(trained):
-    """metrics.jsonl has one row per step with the loss and the accuracy of each TTT step, plus validation rows."""
+    """metrics.jsonl has one row per step with the loss and the accuracy of each TTT step, plus validation
+    rows."""
     _, cfg, summary = trained
     rows = read_metrics(cfg.out / "metrics.jsonl")
     train = [r for r in rows if "train" in r]
@@ -52,12 +59,18 @@ def test_metrics_log_loss_and_per_step_accuracy(trained):
 
 
 def test_trained_draft_beats_trivial_baselines(trained):
-    """On inputs with learnable structure the trained draft's acceptance length beats every trivial baseline."""
+    """On inputs with learnable structure the trained draft's acceptance length beats every trivial
+    baseline."""
     _, cfg, summary = trained
     ev = summary["eval"]
     assert ev["beats_baseline"], ev
     assert ev["draft"]["acceptance_length"] > 1.2
-    assert set(ev["baselines"]) == {"untrained_draft", "unigram_target", "most_frequent_token", "ngram_context"}
+    assert set(ev["baselines"]) == {
+        "untrained_draft",
+        "unigram_target",
+        "most_frequent_token",
+        "ngram_context",
+    }
     assert json.loads((cfg.out / "eval.json").read_text()) == json.loads(json.dumps(ev))
 
 
@@ -76,7 +89,9 @@ def test_resume_equals_uninterrupted_run(make_inputs, tmp_path):
     run(straight, log=lambda m: None)
     part = inputs.config(tmp_path / "resumed", epochs=2, evaluate=False, stop_after_epochs=1)
     first = run(part, log=lambda m: None)
-    assert first["complete"] is False and sorted(p.name for p in (part.out / "checkpoints").iterdir()) == ["0"]
+    assert first["complete"] is False and sorted(p.name for p in (part.out / "checkpoints").iterdir()) == [
+        "0"
+    ]
     run(inputs.config(tmp_path / "resumed", epochs=2, evaluate=False, resume=True), log=lambda m: None)
     a = load_file(str(straight.out / "checkpoints" / "1" / "model.safetensors"))
     b = load_file(str(part.out / "checkpoints" / "1" / "model.safetensors"))

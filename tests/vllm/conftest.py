@@ -20,13 +20,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def vllm_environment(request) -> None:
-    """Fail (not skip) a `vllm`-marked test when vLLM/speculators are missing; unmarked unit tests run anywhere."""
+    """Fail (not skip) a `vllm`-marked test when vLLM/speculators are missing; unmarked unit tests run
+    anywhere."""
     if request.node.get_closest_marker("vllm") is None:
         return
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
-        pytest.fail(f"vllm-marked tests need the vLLM CPU environment (make env-vllm; run with .venv-vllm/bin/python): {exc}")
+        pytest.fail(
+            "vllm-marked tests need the vLLM CPU environment "
+            f"(make env-vllm; run with .venv-vllm/bin/python): {exc}"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -39,8 +43,16 @@ def llama_backend_small_steps(tiny_llama, tmp_path_factory):
     model = read_model_dir(tiny_llama)
     scratch = tmp_path_factory.mktemp("vllm-scratch")
     backend = VllmBackend(
-        BackendOptions(model=model, layer_ids=(2, 4, 5, 7), dtype="float32", seq_length=128,
-                       tensor_parallel_size=1, max_batch_tokens=128, enforce_eager=True, scratch_dir=scratch)
+        BackendOptions(
+            model=model,
+            layer_ids=(2, 4, 5, 7),
+            dtype="float32",
+            seq_length=128,
+            tensor_parallel_size=1,
+            max_batch_tokens=128,
+            enforce_eager=True,
+            scratch_dir=scratch,
+        )
     )
     yield backend
     backend.close()
@@ -85,7 +97,8 @@ def copy_model(src: Path, dst: Path, drop: tuple[str, ...] = (), **config_change
 
 @pytest.fixture(scope="session")
 def deepseek_for_vllm(tiny_deepseek, tmp_path_factory) -> Path:
-    """The tiny DeepseekV3 with "scoring_func": "sigmoid" in config.json (what real DeepSeek-V3/Kimi configs carry).
+    """The tiny DeepseekV3 with "scoring_func": "sigmoid" in config.json (what real DeepSeek-V3/Kimi configs
+    carry).
 
     transformers' DeepseekV3 always scores with sigmoid; vLLM reads scoring_func and defaults to softmax, so a
     config without it routes differently in vLLM (the preflight's "moe routing" check fails on it).
@@ -94,4 +107,6 @@ def deepseek_for_vllm(tiny_deepseek, tmp_path_factory) -> Path:
 
     if json.loads((tiny_deepseek / "config.json").read_text()).get("scoring_func") == "sigmoid":
         return tiny_deepseek
-    return copy_model(tiny_deepseek, tmp_path_factory.mktemp("dsv3-sigmoid") / "model", scoring_func="sigmoid")
+    return copy_model(
+        tiny_deepseek, tmp_path_factory.mktemp("dsv3-sigmoid") / "model", scoring_func="sigmoid"
+    )

@@ -1,5 +1,5 @@
-"""`extract --backend vllm` on a real vLLM 0.32.0 (CPU build, native extract_hidden_states) against `--backend hf`,
-batched vs one-by-one, resume after SIGKILL, data parallel.
+"""`extract --backend vllm` on a real vLLM 0.32.0 (CPU build, native extract_hidden_states) against
+`--backend hf`, batched vs one-by-one, resume after SIGKILL, data parallel.
 
 Tolerance (fp32 on both sides, so that a real mismatch cannot hide in bf16 rounding): the worst relative
 error of any single token's vector, ||vllm_t - hf_t|| / ||hf_t||, over all samples and the 4 layers, must
@@ -29,8 +29,26 @@ LIMIT = 40  # samples per extraction
 
 def extract(backend: str, prepared, model, out, *extra) -> None:
     eager = ("--enforce-eager",) if backend == "vllm" else ()
-    run_pipeline("extract", "--backend", backend, "--dtype", "float32", "--prepared", prepared, "--model", model,
-                 "--out", out, "--limit", LIMIT, "--no-progress", *eager, *extra, check=True, timeout=900)
+    run_pipeline(
+        "extract",
+        "--backend",
+        backend,
+        "--dtype",
+        "float32",
+        "--prepared",
+        prepared,
+        "--model",
+        model,
+        "--out",
+        out,
+        "--limit",
+        LIMIT,
+        "--no-progress",
+        *eager,
+        *extra,
+        check=True,
+        timeout=900,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +67,18 @@ def test_vllm_llama_matches_hf(tp, tmp_path, prepared_llama, tiny_llama, hf_llam
     assert result["files"] == LIMIT
     assert max(result["worst_per_layer"]) < TOL, result["worst_per_layer"]
     config = formats.read_data_config(out)
-    assert (config.backend, config.dtype, config.layer_ids, config.num_samples) == ("vllm", "float32", [2, 4, 5, 7], LIMIT)
+    assert (config.backend, config.dtype, config.layer_ids, config.num_samples) == (
+        "vllm",
+        "float32",
+        [2, 4, 5, 7],
+        LIMIT,
+    )
     lengths = formats.read_sample_lengths(out)
     assert lengths == formats.read_sample_lengths(hf_llama_states)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ok"] and summary["stats"]["closing_check"] == "record"  # the shared writer recorded every file
+    assert (
+        summary["ok"] and summary["stats"]["closing_check"] == "record"
+    )  # the shared writer recorded every file
 
 
 def test_vllm_deepseek_v3_matches_hf(tmp_path, prepared_llama, deepseek_for_vllm):
@@ -79,11 +104,39 @@ def test_vllm_resume_after_sigkill_is_byte_identical(tmp_path, prepared_llama, t
 
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     extract("vllm", prepared_llama, tiny_llama, whole, "--tensor-parallel-size", 1, "--max-batch-tokens", 512)
-    argv = [sys.executable, "-m", "pipeline", "extract", "--backend", "vllm", "--dtype", "float32", "--prepared",
-            str(prepared_llama), "--model", str(tiny_llama), "--out", str(cut), "--limit", str(LIMIT), "--no-progress",
-            "--enforce-eager", "--tensor-parallel-size", "1", "--max-batch-tokens", "512", "--no-verify"]
-    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "extract",
+        "--backend",
+        "vllm",
+        "--dtype",
+        "float32",
+        "--prepared",
+        str(prepared_llama),
+        "--model",
+        str(tiny_llama),
+        "--out",
+        str(cut),
+        "--limit",
+        str(LIMIT),
+        "--no-progress",
+        "--enforce-eager",
+        "--tensor-parallel-size",
+        "1",
+        "--max-batch-tokens",
+        "512",
+        "--no-verify",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 600
     while len(formats.existing_data_indices(cut)) < 5 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -91,7 +144,17 @@ def test_vllm_resume_after_sigkill_is_byte_identical(tmp_path, prepared_llama, t
     proc.wait()
     done = formats.existing_data_indices(cut)
     assert 5 <= len(done) < LIMIT, len(done)
-    extract("vllm", prepared_llama, tiny_llama, cut, "--tensor-parallel-size", 1, "--max-batch-tokens", 512, "--resume")
+    extract(
+        "vllm",
+        prepared_llama,
+        tiny_llama,
+        cut,
+        "--tensor-parallel-size",
+        1,
+        "--max-batch-tokens",
+        512,
+        "--resume",
+    )
     assert formats.existing_data_indices(cut) == formats.existing_data_indices(whole) == list(range(LIMIT))
     for i in range(LIMIT):
         assert formats.data_file(cut, i).read_bytes() == formats.data_file(whole, i).read_bytes(), i
@@ -113,7 +176,8 @@ def _mixed_batch(n: int, seed: int) -> list[list[int]]:
 
 
 def test_batched_equals_one_by_one_beyond_step_and_seq_limits(llama_backend_small_steps):
-    """A 45-sequence batch of mixed lengths (2,000+ tokens in steps of <= 128, > 32 sequences) equals one-by-one."""
+    """A 45-sequence batch of mixed lengths (2,000+ tokens in steps of <= 128, > 32 sequences) equals
+    one-by-one."""
     backend = llama_backend_small_steps
     batch = _mixed_batch(45, seed=1)
     batch.append(list(batch[7]))  # a duplicate must come back twice, at its own position
@@ -131,13 +195,18 @@ def test_batched_equals_one_by_one_beyond_step_and_seq_limits(llama_backend_smal
 
 
 def test_backend_states_are_the_hf_layer_outputs(llama_backend_small_steps, tiny_llama):
-    """Each of the 4 vLLM states equals the hf backend's output of the same layer (not its input, not another)."""
+    """Each of the 4 vLLM states equals the hf backend's output of the same layer (not its input, not
+    another)."""
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.hf import HFBackend
     from pipeline.modeldir import read_model_dir
 
     batch = _mixed_batch(6, seed=2)
-    hf = HFBackend(BackendOptions(model=read_model_dir(tiny_llama), layer_ids=(2, 4, 5, 7), device="cpu", dtype="float32"))
+    hf = HFBackend(
+        BackendOptions(
+            model=read_model_dir(tiny_llama), layer_ids=(2, 4, 5, 7), device="cpu", dtype="float32"
+        )
+    )
     want = hf.capture(batch)
     got = llama_backend_small_steps.capture(batch)
     for w, g in zip(want, got, strict=True):
@@ -158,6 +227,10 @@ def test_backend_rejects_sequences_longer_than_seq_length(llama_backend_small_st
 def test_forced_settings_are_in_effect(llama_backend_small_steps):
     """Prefix caching and chunked prefill are off, and vLLM's aux layers are ours + 1, in the live engine."""
     s = llama_backend_small_steps.settings
-    assert (s["enable_prefix_caching"], s["enable_chunked_prefill"], s["enforce_eager"]) == (False, False, True)
+    assert (s["enable_prefix_caching"], s["enable_chunked_prefill"], s["enforce_eager"]) == (
+        False,
+        False,
+        True,
+    )
     assert s["aux_layer_ids"] == [3, 5, 6, 8]
     assert llama_backend_small_steps.dtype == torch.float32

@@ -1,10 +1,10 @@
-"""A Kimi-K2.5-layout wrapper target on the real vLLM 0.32.0 (CPU build) against `--backend hf`, and the stated
-bf16 tolerance of vllm vs hf.
+"""A Kimi-K2.5-layout wrapper target on the real vLLM 0.32.0 (CPU build) against `--backend hf`, and the
+stated bf16 tolerance of vllm vs hf.
 
-The tiny Kimi-K2.5 (pipeline/demo/tiny.py, kind "kimi_k25") is the real checkpoint's layout: `Kimi_K25Config` with the
-DeepseekV3 (MLA + MoE, noaux_tc/sigmoid routing) as `text_config`, a one-block vision tower, untied embeddings,
-weights under `language_model.`, `vision_tower.`, `mm_projector.`, the media tokens in the tokenizer and the
-image processor file vLLM's Kimi-K2.5 processing reads at engine start. vLLM runs it as
+The tiny Kimi-K2.5 (pipeline/demo/tiny.py, kind "kimi_k25") is the real checkpoint's layout: `Kimi_K25Config`
+with the DeepseekV3 (MLA + MoE, noaux_tc/sigmoid routing) as `text_config`, a one-block vision tower, untied
+embeddings, weights under `language_model.`, `vision_tower.`, `mm_projector.`, the media tokens in the
+tokenizer and the image processor file vLLM's Kimi-K2.5 processing reads at engine start. vLLM runs it as
 `KimiK25ForConditionalGeneration` with `language_model_only=True` (no vision tower built); transformers as
 `Kimi_K25ForConditionalGeneration`, whose decoder is `model.language_model`.
 
@@ -31,25 +31,44 @@ from tests.vllm.conftest import compare_dirs
 pytestmark = pytest.mark.vllm
 
 TOL = 1e-5  # fp32, as test_extract_vllm.py
-# bf16: per captured layer, relative to the layer's RMS; max = the largest |vllm - hf| of any element, mean = the
-# mean |vllm - hf|. Seen (24 samples): Llama max 0.051-0.074, mean 0.0051-0.0066; Kimi-K2.5 max 2.5-3.0, mean
-# 0.016-0.040. No max for the MoE: a token whose bf16 router scores near-tie picks other experts, and its state
-# moves by its whole size (transformers bf16 vs transformers fp32 does the same: max 2.5-3.0).
+# bf16: per captured layer, relative to the layer's RMS; max = the largest |vllm - hf| of any element, mean =
+# the mean |vllm - hf|. Seen (24 samples): Llama max 0.051-0.074, mean 0.0051-0.0066; Kimi-K2.5 max 2.5-3.0,
+# mean 0.016-0.040. No max for the MoE: a token whose bf16 router scores near-tie picks other experts, and its
+# state moves by its whole size (transformers bf16 vs transformers fp32 does the same: max 2.5-3.0).
 BF16 = {"llama": {"max_rel": 0.15, "mean_rel": 0.015}, "kimi_k25": {"max_rel": None, "mean_rel": 0.08}}
-# vLLM's bf16 states are no farther from the fp32 states (mean |d| / RMS) than this times transformers' bf16 states
+# vLLM's bf16 states are no farther from the fp32 states (mean |d| / RMS) than this times transformers'
+# bf16 states
 BF16_VS_FP32_RATIO = 1.5
 LIMIT = 24  # samples per extraction
 
 
 def extract(backend: str, dtype: str, prepared, model, out, *extra) -> None:
     eager = ("--enforce-eager", "--tensor-parallel-size", 1) if backend == "vllm" else ()
-    run_pipeline("extract", "--backend", backend, "--dtype", dtype, "--prepared", prepared, "--model", model,
-                 "--out", out, "--limit", LIMIT, "--no-progress", *eager, *extra, check=True, timeout=1200)
+    run_pipeline(
+        "extract",
+        "--backend",
+        backend,
+        "--dtype",
+        dtype,
+        "--prepared",
+        prepared,
+        "--model",
+        model,
+        "--out",
+        out,
+        "--limit",
+        LIMIT,
+        "--no-progress",
+        *eager,
+        *extra,
+        check=True,
+        timeout=1200,
+    )
 
 
 def layer_differences(got: Path, want: Path) -> list[dict]:
-    """Per captured layer over every sample: max and mean |got - want|, the RMS of ``want``, and both relative to it
-    (``want`` may be another dtype's set: the fp32 reference of a bf16 one)."""
+    """Per captured layer over every sample: max and mean |got - want|, the RMS of ``want``, and both relative
+    to it (``want`` may be another dtype's set: the fp32 reference of a bf16 one)."""
     ids = formats.existing_data_indices(want)
     assert ids and formats.existing_data_indices(got) == ids
     diffs: list[list[torch.Tensor]] = [[], [], [], []]
@@ -65,16 +84,27 @@ def layer_differences(got: Path, want: Path) -> list[dict]:
     for k in range(4):
         d, r = torch.cat(diffs[k]), torch.cat(refs[k])
         rms = float(r.pow(2).mean().sqrt())
-        stats.append({"layer": k, "rms": rms, "max_abs": float(d.max()), "mean_abs": float(d.mean()),
-                      "max_rel": float(d.max()) / rms, "mean_rel": float(d.mean()) / rms})
+        stats.append(
+            {
+                "layer": k,
+                "rms": rms,
+                "max_abs": float(d.max()),
+                "mean_abs": float(d.mean()),
+                "max_rel": float(d.max()) / rms,
+                "mean_rel": float(d.mean()) / rms,
+            }
+        )
     return stats
 
 
 def show(title: str, stats: list[dict]) -> None:
     print(f"\n{title}")
     for s in stats:
-        print(f"  layer slot {s['layer']}: rms {s['rms']:.4g}  max|d| {s['max_abs']:.3g} = {s['max_rel']:.3g} rms"
-              f"  mean|d| {s['mean_abs']:.3g} = {s['mean_rel']:.3g} rms")
+        print(
+            f"  layer slot {s['layer']}: rms {s['rms']:.4g}  "
+            f"max|d| {s['max_abs']:.3g} = {s['max_rel']:.3g} rms"
+            f"  mean|d| {s['mean_abs']:.3g} = {s['mean_rel']:.3g} rms"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +117,27 @@ def tiny_kimi(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def prepared_kimi(tmp_path_factory, tiny_kimi, conversations) -> Path:
     out = tmp_path_factory.mktemp("prepared-kimi") / "prepared"
-    run_pipeline("prepare", "--data", conversations, "--model", tiny_kimi, "--out", out, "--seq-length", 128,
-                 "--draft-vocab-size", 128, check=True)
+    run_pipeline(
+        "prepare",
+        "--data",
+        conversations,
+        "--model",
+        tiny_kimi,
+        "--out",
+        out,
+        "--seq-length",
+        128,
+        "--draft-vocab-size",
+        128,
+        check=True,
+    )
     return out
 
 
 def test_tiny_kimi_has_the_released_layout(tiny_kimi):
     """The tiny Kimi-K2.5 is a wrapper as released: text_config DeepseekV3 with routing spelled out, untied,
-    weights under language_model., media tokens, image processor file; its checkpoint passes check_checkpoint."""
+    weights under language_model., media tokens, image processor file; its checkpoint passes
+    check_checkpoint."""
     from transformers import AutoTokenizer
 
     from pipeline.modeldir import check_checkpoint, decoder_layers_in, read_model_dir
@@ -103,13 +146,22 @@ def test_tiny_kimi_has_the_released_layout(tiny_kimi):
     raw = json.loads((tiny_kimi / "config.json").read_text())
     assert raw["model_type"] == "kimi_k25" and raw["architectures"] == ["KimiK25ForConditionalGeneration"]
     text = raw["text_config"]
-    assert (text["model_type"], text["topk_method"], text["scoring_func"]) == ("deepseek_v3", "noaux_tc", "sigmoid")
+    assert (text["model_type"], text["topk_method"], text["scoring_func"]) == (
+        "deepseek_v3",
+        "noaux_tc",
+        "sigmoid",
+    )
     assert raw["tie_word_embeddings"] is False and "vision_config" in raw
     names = list(read_weight_map(tiny_kimi))
     assert decoder_layers_in(names) == ("language_model.model.", set(range(8)))
     assert "language_model.lm_head.weight" in names and any(n.startswith("vision_tower.") for n in names)
     model = read_model_dir(tiny_kimi)
-    assert (model.is_wrapper, model.num_layers, model.hidden_size, model.model_type) == (True, 8, 256, "deepseek_v3")
+    assert (model.is_wrapper, model.num_layers, model.hidden_size, model.model_type) == (
+        True,
+        8,
+        256,
+        "deepseek_v3",
+    )
     check_checkpoint(model)
     tok = AutoTokenizer.from_pretrained(tiny_kimi)
     assert tok.convert_tokens_to_ids("<|media_pad|>") == raw["image_token_id"] != tok.unk_token_id
@@ -123,7 +175,9 @@ def test_engine_arguments_read_a_wrapper_as_text_only(tiny_kimi, tiny_llama):
     from pipeline.modeldir import read_model_dir
 
     def args(model):
-        return engine_arguments(BackendOptions(model=read_model_dir(model), layer_ids=(2, 4, 5, 7)), 1, Path("/x"))
+        return engine_arguments(
+            BackendOptions(model=read_model_dir(model), layer_ids=(2, 4, 5, 7)), 1, Path("/x")
+        )
 
     assert args(tiny_kimi)["language_model_only"] is True
     assert "language_model_only" not in args(tiny_llama)
@@ -148,11 +202,14 @@ def hf_kimi_fp32(tmp_path_factory, prepared_kimi, tiny_kimi) -> Path:
 
 
 def test_vllm_kimi_matches_hf_fp32(tmp_path, prepared_kimi, tiny_kimi, hf_kimi_fp32):
-    """extract --backend vllm on the Kimi-K2.5 wrapper writes the hf backend's files, every layer < 1e-5 in fp32."""
+    """extract --backend vllm on the Kimi-K2.5 wrapper writes the hf backend's files, every layer < 1e-5 in
+    fp32."""
     out = tmp_path / "vllm"
     extract("vllm", "float32", prepared_kimi, tiny_kimi, out)
     result = compare_dirs(out, hf_kimi_fp32)
-    print(f"\nKimi-K2.5 fp32 vllm vs hf, worst per-token relative error per layer: {result['worst_per_layer']}")
+    print(
+        f"\nKimi-K2.5 fp32 vllm vs hf, worst per-token relative error per layer: {result['worst_per_layer']}"
+    )
     assert result["files"] == LIMIT
     assert max(result["worst_per_layer"]) < TOL, result["worst_per_layer"]
     config = formats.read_data_config(out)
@@ -162,8 +219,9 @@ def test_vllm_kimi_matches_hf_fp32(tmp_path, prepared_kimi, tiny_kimi, hf_kimi_f
 
 @pytest.mark.parametrize("kind", ["llama", "kimi_k25"])
 def test_vllm_matches_hf_in_bf16_within_the_stated_tolerance(kind, tmp_path, request):
-    """In bfloat16 on both sides every layer's mean (dense: and max) |vllm - hf| stays within the stated share of
-    its RMS, and vLLM's bf16 states are no farther from the fp32 states than transformers' bf16 states are."""
+    """In bfloat16 on both sides every layer's mean (dense: and max) |vllm - hf| stays within the stated share
+    of its RMS, and vLLM's bf16 states are no farther from the fp32 states than transformers' bf16 states
+    are."""
     prepared = request.getfixturevalue("prepared_llama" if kind == "llama" else "prepared_kimi")
     model = request.getfixturevalue("tiny_llama" if kind == "llama" else "tiny_kimi")
     hf, vl = tmp_path / "hf", tmp_path / "vllm"
@@ -174,7 +232,11 @@ def test_vllm_matches_hf_in_bf16_within_the_stated_tolerance(kind, tmp_path, req
     extract("hf", "bfloat16", prepared, model, hf)
     extract("vllm", "bfloat16", prepared, model, vl)
     assert formats.read_data_config(vl).dtype == formats.read_data_config(hf).dtype == "bfloat16"
-    assert all(x.dtype == torch.bfloat16 for d in (hf, vl) for x in formats.read_sample(formats.data_file(d, 0))["hidden_states"])
+    assert all(
+        x.dtype == torch.bfloat16
+        for d in (hf, vl)
+        for x in formats.read_sample(formats.data_file(d, 0))["hidden_states"]
+    )
     stats = layer_differences(vl, hf)
     show(f"{kind} bf16 vllm vs hf ({LIMIT} samples)", stats)
     hf_err, vllm_err = layer_differences(hf, fp32), layer_differences(vl, fp32)

@@ -2,7 +2,8 @@
 is re-applied from pristine, unknown code and wrong versions fail loudly, the marker says what was applied.
 
 The pristine sources come from the apply script's own pristine copies in .venv-vllm, so these tests work on
-the exact files of vLLM 0.32.0 (CPU build); speculators 0.9.0's folder holds no patch, only the note saying why.
+the exact files of vLLM 0.32.0 (CPU build); speculators 0.9.0's folder holds no patch, only the note saying
+why.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ def installed_site() -> Path:
 
 
 def apply(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(APPLY), *map(str, args)], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(APPLY), *map(str, args)], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture
@@ -47,7 +50,9 @@ def fake_site(tmp_path) -> Path:
         (site / package).mkdir(parents=True, exist_ok=True)
         info = site / f"{dist}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: {version}\n")
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: {version}\n"
+        )
     return site
 
 
@@ -56,7 +61,8 @@ def snapshot(site: Path) -> dict[str, bytes]:
 
 
 def test_apply_patches_pristine_files_like_the_installed_ones(fake_site):
-    """Applied to pristine copies, the patches give byte-identical files to the patched .venv-vllm, and --check passes."""
+    """Applied to pristine copies, the patches give byte-identical files to the patched .venv-vllm, and
+    --check passes."""
     assert apply("--check", "--site-packages", fake_site).returncode == 1
     first = apply("--site-packages", fake_site)
     assert first.returncode == 0, first.stderr
@@ -79,7 +85,8 @@ def test_rerun_is_a_noop(fake_site):
 
 
 def test_marker_records_versions_patches_and_hashes(fake_site):
-    """state.json names the version, every patch with its sha256, and each file's pristine and patched sha256."""
+    """state.json names the version, every patch with its sha256, and each file's pristine and patched
+    sha256."""
     import hashlib
 
     apply("--site-packages", fake_site)
@@ -100,7 +107,9 @@ def test_changed_patch_is_reapplied_from_pristine(fake_site, tmp_path):
     target = patches / "vllm" / "0.32.0" / "0002-deepseek-mha-rope-2d.patch"
     text = target.read_text()
     assert "+        # 2-D [tokens, heads * rope_dim]" in text
-    target.write_text(text.replace("+        # 2-D [tokens, heads * rope_dim]", "+        # results follow the inputs"))
+    target.write_text(
+        text.replace("+        # 2-D [tokens, heads * rope_dim]", "+        # results follow the inputs")
+    )
     check = apply("--check", "--site-packages", fake_site, "--patches", patches)
     assert check.returncode == 1 and "patch files changed" in check.stdout
     again = apply("--site-packages", fake_site, "--patches", patches)
@@ -110,11 +119,17 @@ def test_changed_patch_is_reapplied_from_pristine(fake_site, tmp_path):
 
 
 def test_unrecognised_code_fails_loudly_and_writes_nothing(fake_site):
-    """If the installed code differs from what a hunk expects, exit 2 names the patch and file; nothing changes."""
+    """If the installed code differs from what a hunk expects, exit 2 names the patch and file; nothing
+    changes."""
     path = fake_site / "vllm/model_executor/models/deepseek_v2.py"
     code = path.read_text()
     assert code.count("q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)") == 1
-    path.write_text(code.replace("q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)", "q_pe, k_pe = self.rotary_emb(positions, k_pe, q_pe)"))
+    path.write_text(
+        code.replace(
+            "q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)",
+            "q_pe, k_pe = self.rotary_emb(positions, k_pe, q_pe)",
+        )
+    )
     before = snapshot(fake_site)
     result = apply("--site-packages", fake_site)
     assert result.returncode == 2
@@ -122,7 +137,8 @@ def test_unrecognised_code_fails_loudly_and_writes_nothing(fake_site):
     assert "does not match the installed code" in result.stderr
     assert not (fake_site / "_eagle_ops_patches" / "vllm").exists()
     assert {k: v for k, v in snapshot(fake_site).items() if k.startswith("vllm")} == {
-        k: v for k, v in before.items() if k.startswith("vllm")}
+        k: v for k, v in before.items() if k.startswith("vllm")
+    }
 
 
 def test_wrong_version_fails_with_the_supported_one(fake_site):
@@ -179,21 +195,32 @@ def test_a_version_without_patches_needs_its_note(fake_site, tmp_path):
     shutil.copytree(REPO / "patches", patches)
     (patches / "speculators" / "0.9.0" / "NO-PATCHES.md").unlink()
     result = apply("--check", "--site-packages", fake_site, "--patches", patches)
-    assert result.returncode == 2 and "holds no .patch files" in result.stderr and "NO-PATCHES.md" in result.stderr
+    assert (
+        result.returncode == 2
+        and "holds no .patch files" in result.stderr
+        and "NO-PATCHES.md" in result.stderr
+    )
 
 
 def test_every_patch_opens_with_a_header_naming_package_and_version():
-    """Each patch file starts with prose (what it fixes and why) whose first line names the package version."""
+    """Each patch file starts with prose (what it fixes and why) whose first line names the package
+    version."""
     for path in sorted((REPO / "patches").glob("*/*/*.patch")):
         package, version = path.parent.parent.name, path.parent.name
         head = path.read_text().split("\n--- a/", 1)[0]
         first = head.splitlines()[0]
-        assert first.startswith(("speculators " if package == "speculators" else "vLLM ")) and version in first, path
+        assert (
+            first.startswith(("speculators " if package == "speculators" else "vLLM ")) and version in first
+        ), path
         assert len(head.split()) > 40, f"{path.name}: header too short to say what and why"
 
 
 def test_apply_script_runs_on_plain_python_without_project_imports(fake_site):
     """The script uses only the standard library: it runs with python -I -S (no site-packages at all)."""
-    result = subprocess.run([sys.executable, "-I", "-S", str(APPLY), "--site-packages", str(fake_site)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", str(APPLY), "--site-packages", str(fake_site)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr

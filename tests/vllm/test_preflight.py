@@ -1,6 +1,6 @@
-"""`pipeline preflight` on the real vLLM 0.32.0 (CPU build): passes when patched, names every broken check on an
-unpatched install or a vLLM without a patch set of ours, and stops a wrong layer count or vocab file before any
-model load."""
+"""`pipeline preflight` on the real vLLM 0.32.0 (CPU build): passes when patched, names every broken check on
+an unpatched install or a vLLM without a patch set of ours, and stops a wrong layer count or vocab file before
+any model load."""
 
 from __future__ import annotations
 
@@ -24,8 +24,12 @@ pytestmark = pytest.mark.vllm
 PATCH_CHECKS = ["vllm patches", "vllm: connector writes without CUDA", "vllm: DeepseekV2 MHA rope on CPU"]
 # checks of what vLLM 0.32.0 has as released: they pass patched or not
 UPSTREAM_CHECKS = [
-    "vllm version", "vllm: extract_hidden_states", "vllm: hidden-states connector", "vllm: hidden-states files",
-    "vllm: forced settings exist", "eagle-3 capture",
+    "vllm version",
+    "vllm: extract_hidden_states",
+    "vllm: hidden-states connector",
+    "vllm: hidden-states files",
+    "vllm: forced settings exist",
+    "eagle-3 capture",
 ]
 
 
@@ -49,14 +53,21 @@ def preflight(*args, env=None) -> Preflight:
         if env is None:
             proc = run_pipeline(*argv, timeout=300)
         else:
-            proc = subprocess.run([sys.executable, "-m", "pipeline", *argv], capture_output=True, text=True,
-                                  cwd=REPO, env=env, timeout=300)
+            proc = subprocess.run(
+                [sys.executable, "-m", "pipeline", *argv],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                env=env,
+                timeout=300,
+            )
         assert report.is_file(), proc.stdout + proc.stderr
         return Preflight(proc, json.loads(report.read_text()))
 
 
 def test_preflight_passes_on_the_patched_install(tiny_llama, prepared_llama, tmp_path):
-    """Every check is ok (free disk included) on .venv-vllm with the patches applied; exit 0; --json written."""
+    """Every check is ok (free disk included) on .venv-vllm with the patches applied; exit 0; --json
+    written."""
     result = preflight("--model", tiny_llama, "--prepared", prepared_llama, "--out", tmp_path / "states")
     assert result.returncode == 0, result.stdout + result.stderr
     assert set(PATCH_CHECKS + UPSTREAM_CHECKS) <= set(result.status)
@@ -76,14 +87,21 @@ def unpatched_overlay(tmp_path_factory) -> Path:
 
     site = Path(vllm.__file__).resolve().parent.parent
     overlay = tmp_path_factory.mktemp("unpatched")
-    names = ["vllm", "speculators", "_eagle_ops_patches"] + [p.name for p in site.glob("*.dist-info")
-                                                             if p.name.startswith(("vllm", "speculators"))]
+    names = ["vllm", "speculators", "_eagle_ops_patches"] + [
+        p.name for p in site.glob("*.dist-info") if p.name.startswith(("vllm", "speculators"))
+    ]
     for name in names:
         subprocess.run(["cp", "-rs", str(site / name), str(overlay / name)], check=True)
-    result = subprocess.run([sys.executable, str(REPO / "patches" / "apply.py"), "--revert", "--site-packages", str(overlay)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "patches" / "apply.py"), "--revert", "--site-packages", str(overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
-    check = subprocess.run([sys.executable, str(REPO / "patches" / "apply.py"), "--check"], capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, str(REPO / "patches" / "apply.py"), "--check"], capture_output=True, text=True
+    )
     assert check.returncode == 0, "the real .venv-vllm must still be patched"
     return overlay
 
@@ -129,11 +147,14 @@ def test_data_prepared_for_another_vocab_fails(tiny_llama, prepared_llama, tmp_p
     result = preflight("--model", model, "--prepared", prepared_llama, "--backend", "hf")
     found = result.status
     assert result.returncode == 3
-    assert found["prepared data"] == "fail" and found["embedding"] == "fail" and found["vocab files"] == "fail"
+    assert (
+        found["prepared data"] == "fail" and found["embedding"] == "fail" and found["vocab files"] == "fail"
+    )
 
 
 def test_bad_layer_ids_and_tensor_parallel_fail(tiny_llama):
-    """Layer ids not ending at the last layer, and a TP size that does not divide the heads, each fail by name."""
+    """Layer ids not ending at the last layer, and a TP size that does not divide the heads, each fail by
+    name."""
     result = preflight("--model", tiny_llama, "--layer-ids", "1,2,3", "--tensor-parallel-size", "3")
     found = result.status
     assert result.returncode == 3
@@ -173,7 +194,8 @@ def test_preflight_never_reads_weights(tiny_llama, tmp_path):
 
 
 def test_deepseek_without_sigmoid_scoring_fails_moe_routing(tiny_deepseek, deepseek_for_vllm, tmp_path):
-    """A DeepseekV3 config without scoring_func (vLLM would route with softmax) fails 'moe routing'; with it, ok."""
+    """A DeepseekV3 config without scoring_func (vLLM would route with softmax) fails 'moe routing'; with it,
+    ok."""
     bad = copy_model(tiny_deepseek, tmp_path / "model", drop=("scoring_func",))
     result = preflight("--model", bad, "--backend", "hf")
     assert result.returncode == 3 and result.status["moe routing"] == "fail"
@@ -182,13 +204,34 @@ def test_deepseek_without_sigmoid_scoring_fails_moe_routing(tiny_deepseek, deeps
     assert good.returncode == 0 and good.status["moe routing"] == "ok", good.stdout
 
 
-def test_extract_refuses_an_unpatched_install_before_loading(tiny_llama, prepared_llama, unpatched_overlay, tmp_path):
+def test_extract_refuses_an_unpatched_install_before_loading(
+    tiny_llama, prepared_llama, unpatched_overlay, tmp_path
+):
     """extract --backend vllm on the released vLLM stops with a one-line error naming apply.py; no load."""
     env = {**os.environ, "PYTHONPATH": f"{unpatched_overlay}{os.pathsep}{REPO}", "COLUMNS": "200"}
     out = tmp_path / "states"
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "extract", "--backend", "vllm", "--prepared", str(prepared_llama),
-                           "--model", str(tiny_llama), "--out", str(out), "--no-progress"],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "extract",
+            "--backend",
+            "vllm",
+            "--prepared",
+            str(prepared_llama),
+            "--model",
+            str(tiny_llama),
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     error = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(error) == 1 and "python patches/apply.py" in error[0] and "vllm patches" in error[0]
@@ -205,8 +248,12 @@ def _overlay_as_version(unpatched_overlay: Path, tmp_path: Path, version: str) -
     meta = (info / "METADATA").read_text()
     (info / "METADATA").unlink()  # a link into .venv-vllm: replace it, never write through it
     (info / "METADATA").write_text(meta.replace("Version: 0.32.0", f"Version: {version}", 1))
-    subprocess.run([sys.executable, str(REPO / "patches" / "apply.py"), "--revert", "--site-packages", str(overlay)],
-                   capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        [sys.executable, str(REPO / "patches" / "apply.py"), "--revert", "--site-packages", str(overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return overlay
 
 
@@ -222,17 +269,24 @@ def test_a_vllm_without_a_patch_set_is_named(tiny_llama, unpatched_overlay, tmp_
     assert "add " in line and "patches/vllm/0.33.0" in line  # the folder to add, named
 
 
-def test_old_vllm_versions_fail_what_they_cannot_do(tiny_llama, deepseek_for_vllm, unpatched_overlay, tmp_path):
+def test_old_vllm_versions_fail_what_they_cannot_do(
+    tiny_llama, deepseek_for_vllm, unpatched_overlay, tmp_path
+):
     """A vLLM older than 0.31 fails the tensor-parallel connector at TP 2, one older than 0.25 the DeepSeek
     final-layer capture, one older than 0.17 the version itself."""
     overlay = _overlay_as_version(unpatched_overlay, tmp_path, "0.24.0")
     env = {**os.environ, "PYTHONPATH": f"{overlay}{os.pathsep}{REPO}", "COLUMNS": "200"}
     result = preflight("--model", deepseek_for_vllm, "--tensor-parallel-size", "2", env=env)
     assert result.returncode == 3
-    assert result.status["final-layer capture"] == "fail" and result.status["tensor-parallel connector"] == "fail"
+    assert (
+        result.status["final-layer capture"] == "fail"
+        and result.status["tensor-parallel connector"] == "fail"
+    )
     assert "silently one state short" in result.stdout and "fixed in 0.31" in result.stdout
     ok_now = preflight("--model", deepseek_for_vllm, "--tensor-parallel-size", "2")
-    assert ok_now.status["final-layer capture"] == "ok" and ok_now.status["tensor-parallel connector"] == "ok", ok_now.stdout
+    assert (
+        ok_now.status["final-layer capture"] == "ok" and ok_now.status["tensor-parallel connector"] == "ok"
+    ), ok_now.stdout
     ancient = _overlay_as_version(unpatched_overlay, tmp_path / "old", "0.16.0")
     env = {**os.environ, "PYTHONPATH": f"{ancient}{os.pathsep}{REPO}", "COLUMNS": "200"}
     result = preflight("--model", tiny_llama, env=env)
@@ -245,8 +299,20 @@ def test_extract_refuses_softmax_routing_before_loading(tiny_deepseek, prepared_
     write silently different states) stops with one line naming the key, before any model load."""
     bad = copy_model(tiny_deepseek, tmp_path / "model", drop=("scoring_func",))
     out = tmp_path / "states"
-    proc = run_pipeline("extract", "--backend", "vllm", "--prepared", prepared_llama, "--model", bad, "--out", out,
-                        "--no-progress", "--enforce-eager", timeout=300)
+    proc = run_pipeline(
+        "extract",
+        "--backend",
+        "vllm",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        bad,
+        "--out",
+        out,
+        "--no-progress",
+        "--enforce-eager",
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     error = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(error) == 1 and '"scoring_func": "sigmoid"' in error[0], proc.stderr[-2000:]

@@ -59,7 +59,7 @@ def test_hunk_applies_at_a_shifted_position(tmp_path):
     """Context found 3 lines later than the header says still applies, exactly once."""
     apply = load_apply()
     patch = write_patch(tmp_path)
-    code = "# a\n# b\n# c\nimport os\ndef hello():\n    return \"helo\"\n\nx = 1\n"
+    code = '# a\n# b\n# c\nimport os\ndef hello():\n    return "helo"\n\nx = 1\n'
     out = apply.apply_hunks(code, patch.files["pkg/mod.py"], "mod.py")
     assert out == code.replace('"helo"', '"hello"')
 
@@ -129,11 +129,23 @@ def test_checkpoint_layers_against_the_config(tmp_path):
     from pipeline.errors import StageError
     from pipeline.modeldir import check_layers, read_model_dir
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 2,
-        "hidden_size": 8, "vocab_size": 16, "num_nextn_predict_layers": 1}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "model_type": "deepseek_v3",
+                "num_hidden_layers": 2,
+                "hidden_size": 8,
+                "vocab_size": 16,
+                "num_nextn_predict_layers": 1,
+            }
+        )
+    )
     model = read_model_dir(tmp_path)
-    names = [f"model.layers.{i}.mlp.up_proj.weight" for i in (0, 1, 2)] + ["model.embed_tokens.weight", "lm_head.weight"]
+    names = [f"model.layers.{i}.mlp.up_proj.weight" for i in (0, 1, 2)] + [
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    ]
     check_layers(model, names)  # layer 2 is the declared MTP layer
     with pytest.raises(StageError, match="leaves unused"):
         check_layers(model, [*names, "model.layers.3.mlp.up_proj.weight"])
@@ -157,11 +169,14 @@ def test_cuda_usable_names_a_driver_older_than_torchs_cuda(monkeypatch):
 
 @pytest.mark.vllm
 def test_ngram_baseline_is_vllms_own_prompt_lookup():
-    """The offline ngram_context baseline proposes exactly what vLLM's ngram proposer would, on random token runs."""
+    """The offline ngram_context baseline proposes exactly what vLLM's ngram proposer would, on random token
+    runs."""
     import random
 
     import numpy as np
-    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as vllm_lookup
+    from vllm.v1.spec_decode.ngram_proposer import (
+        _find_longest_matched_ngram_and_propose_tokens as vllm_lookup,
+    )
 
     from pipeline.train.evaluate import NGRAM_MAX, NGRAM_MIN, ngram_continuations
 
@@ -170,5 +185,7 @@ def test_ngram_baseline_is_vllms_own_prompt_lookup():
         toks = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
         ours = ngram_continuations(toks, 3)
         for length in range(1, len(toks) + 1):
-            ref = vllm_lookup(np.array(toks[:length], dtype=np.int32), NGRAM_MIN, NGRAM_MAX, 1 << 20, 3).tolist()
+            ref = vllm_lookup(
+                np.array(toks[:length], dtype=np.int32), NGRAM_MIN, NGRAM_MAX, 1 << 20, 3
+            ).tolist()
             assert ours[length - 1] == ref, (toks[:length], ref, ours[length - 1])

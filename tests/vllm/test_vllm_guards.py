@@ -1,6 +1,7 @@
-"""The vllm backend's guards against the seeds' silent failure classes, on real connector files read by vLLM's own
-reader: lost layers, states of another sample (reordered results), states short by whole blocks (a prefix-cache
-hit), and a failed write. Each guard is the only thing between such a file and a wrong data_{i}.pt."""
+"""The vllm backend's guards against the seeds' silent failure classes, on real connector files read by vLLM's
+own reader: lost layers, states of another sample (reordered results), states short by whole blocks (a
+prefix-cache hit), and a failed write. Each guard is the only thing between such a file and a wrong
+data_{i}.pt."""
 
 from __future__ import annotations
 
@@ -29,22 +30,28 @@ def bare_backend():
 
 
 def connector_file(tmp_path: Path, tokens: list[int], layers: int = len(LAYERS), name: str = "0-abc") -> Path:
-    """A file as ExampleHiddenStatesConnector writes it (hidden_states [T, layers, H], token_ids [T]) and its lock."""
+    """A file as ExampleHiddenStatesConnector writes it (hidden_states [T, layers, H], token_ids [T]) and its
+    lock."""
     from safetensors.torch import save_file
 
     path = tmp_path / f"{name}.safetensors"
-    states = torch.arange(len(tokens) * layers * HIDDEN, dtype=torch.float32).reshape(len(tokens), layers, HIDDEN)
+    states = torch.arange(len(tokens) * layers * HIDDEN, dtype=torch.float32).reshape(
+        len(tokens), layers, HIDDEN
+    )
     save_file({"hidden_states": states, "token_ids": torch.tensor(tokens)}, str(path))
     Path(str(path) + ".lock").touch()
     return path
 
 
 def output(tokens: list[int], path: Path | None) -> SimpleNamespace:
-    return SimpleNamespace(prompt_token_ids=tokens, kv_transfer_params={"hidden_states_path": str(path)} if path else None)
+    return SimpleNamespace(
+        prompt_token_ids=tokens, kv_transfer_params={"hidden_states_path": str(path)} if path else None
+    )
 
 
 def test_a_good_file_gives_one_owned_state_per_layer_and_is_removed(tmp_path):
-    """A well-formed file gives 4 contiguous [T, H] tensors (layer j = slice j), then file and lock are gone."""
+    """A well-formed file gives 4 contiguous [T, H] tensors (layer j = slice j), then file and lock are
+    gone."""
     seq = [5, 6, 7]
     path = connector_file(tmp_path, seq)
     states = bare_backend()._read(0, seq, output(seq, path))
@@ -55,17 +62,22 @@ def test_a_good_file_gives_one_owned_state_per_layer_and_is_removed(tmp_path):
 
 
 def test_lost_layers_are_refused(tmp_path):
-    """A file with 3 of the 4 layers (the field bug "1 of 4 layers kept", in kind) is a StageError naming the shape."""
+    """A file with 3 of the 4 layers (the field bug "1 of 4 layers kept", in kind) is a StageError naming the
+    shape."""
     seq = [5, 6, 7]
     with pytest.raises(StageError, match=r"shape \(3, 3, 8\), expected \(3, 4, 8\)"):
         bare_backend()._read(0, seq, output(seq, connector_file(tmp_path, seq, layers=3)))
 
 
 def test_states_short_by_cached_blocks_are_refused(tmp_path):
-    """States for fewer tokens than the sample (prefix caching hands back only the uncached tail) are refused."""
+    """States for fewer tokens than the sample (prefix caching hands back only the uncached tail) are
+    refused."""
     seq = list(range(10, 50))
     path = connector_file(tmp_path, seq[16:])
-    with pytest.raises(StageError, match="other tokens .24 ids, expected 40.: results out of input order or a prefix-cache hit"):
+    with pytest.raises(
+        StageError,
+        match="other tokens .24 ids, expected 40.: results out of input order or a prefix-cache hit",
+    ):
         bare_backend()._read(0, seq, output(seq, path))
 
 
@@ -84,7 +96,8 @@ def test_a_result_for_another_prompt_is_refused(tmp_path):
 
 
 def test_a_missing_or_unwritten_file_is_named(tmp_path):
-    """No path in kv_transfer_params (connector off), or a path whose write failed, is a one-line StageError."""
+    """No path in kv_transfer_params (connector off), or a path whose write failed, is a one-line
+    StageError."""
     seq = [5, 6, 7]
     with pytest.raises(StageError, match="names no hidden-states file"):
         bare_backend()._read(0, seq, output(seq, None))
@@ -95,18 +108,32 @@ def test_a_missing_or_unwritten_file_is_named(tmp_path):
 
 
 def test_engine_arguments_force_extraction_settings_and_map_layer_ids(tmp_path):
-    """The engine gets vLLM ids = ours + 1, prefix caching and chunked prefill off, the connector writing into the
-    scratch folder, and no CPU-only setting (eager mode only when asked)."""
+    """The engine gets vLLM ids = ours + 1, prefix caching and chunked prefill off, the connector writing into
+    the scratch folder, and no CPU-only setting (eager mode only when asked)."""
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.vllm import engine_arguments
 
-    options = BackendOptions(model=SimpleNamespace(path=Path("/m"), is_wrapper=False), layer_ids=(2, 16, 29, 31), seq_length=4096,
-                             max_batch_tokens=1024)
+    options = BackendOptions(
+        model=SimpleNamespace(path=Path("/m"), is_wrapper=False),
+        layer_ids=(2, 16, 29, 31),
+        seq_length=4096,
+        max_batch_tokens=1024,
+    )
     args = engine_arguments(options, 8, tmp_path)
     assert args["speculative_config"] == {
-        "method": "extract_hidden_states", "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [3, 17, 30, 32]}}}
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [3, 17, 30, 32]}},
+    }
     assert args["kv_transfer_config"]["kv_connector"] == "ExampleHiddenStatesConnector"
     assert args["kv_transfer_config"]["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
-    assert (args["enable_prefix_caching"], args["enable_chunked_prefill"], args["enforce_eager"]) == (False, False, False)
-    assert (args["tensor_parallel_size"], args["max_num_batched_tokens"], args["max_model_len"]) == (8, 4096, 4096)
+    assert (args["enable_prefix_caching"], args["enable_chunked_prefill"], args["enforce_eager"]) == (
+        False,
+        False,
+        False,
+    )
+    assert (args["tensor_parallel_size"], args["max_num_batched_tokens"], args["max_model_len"]) == (
+        8,
+        4096,
+        4096,
+    )

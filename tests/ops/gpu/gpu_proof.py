@@ -1,4 +1,5 @@
-"""The GPU proof (issue item 8), run ON a GPU machine without sshd: `python3 tests/ops/gpu/gpu_proof.py OUTDIR`.
+"""The GPU proof (issue item 8), run ON a GPU machine without sshd:
+`python3 tests/ops/gpu/gpu_proof.py OUTDIR`.
 
 Uses ops' local mode (`host = "local"`: the same code, commands through bash instead of SSH) with real
 NVML, real fuser on /dev/nvidia*, and real torch processes holding GPU memory:
@@ -57,15 +58,15 @@ open(pidfile + ".tmp", "w").write(str(os.getpid())); os.rename(pidfile + ".tmp",
 print("ready", child.pid, flush=True)
 while True:
     time.sleep(1)
-"""
+"""  # noqa: E501
 
 HOSTS = f"""[hosts.h200]
 host = "local"
 python = "{sys.executable}"
 server = "pidfile:{PIDFILE}"
 clean_threshold_mib = 1024
-{'gpu_source = "table:/tmp/ops-gpu-proof/gpus.json"' if REHEARSAL else ''}
-{'device_glob = "/tmp/ops-gpu-proof/dev/nvidia*"' if REHEARSAL else ''}
+{'gpu_source = "table:/tmp/ops-gpu-proof/gpus.json"' if REHEARSAL else ""}
+{'device_glob = "/tmp/ops-gpu-proof/dev/nvidia*"' if REHEARSAL else ""}
 [hosts.h200.timeouts]
 grace = 5
 kill_wait = 5
@@ -82,7 +83,9 @@ def ops(*args: str) -> subprocess.CompletedProcess:
     t = time.monotonic()
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, COLUMNS="160"))
     shown = "python -m ops " + " ".join(args) + " --host h200"
-    transcript.append(f"$ {shown}    # exit {res.returncode}, {time.monotonic() - t:.1f} s\n{res.stdout}{res.stderr}")
+    transcript.append(
+        f"$ {shown}    # exit {res.returncode}, {time.monotonic() - t:.1f} s\n{res.stdout}{res.stderr}"
+    )
     return res
 
 
@@ -114,13 +117,27 @@ def as_json(res: subprocess.CompletedProcess) -> dict:
     try:
         return json.loads(res.stdout)
     except ValueError:
-        return {"gpus": [{"memory_used_mib": None, "memory_used_v1_mib": None, "process_pids": ["?"]}], "holders": []}
+        return {
+            "gpus": [{"memory_used_mib": None, "memory_used_v1_mib": None, "process_pids": ["?"]}],
+            "holders": [],
+        }
 
 
 def table(procs: dict[int, int]) -> None:
     if REHEARSAL:
-        (WORK / "gpus.json").write_text(json.dumps({"gpus": [{"name": "rehearsal", "base_used_mib": 600, "processes": [
-            {"pid": p, "used_mib": m} for p, m in procs.items()]}]}))
+        (WORK / "gpus.json").write_text(
+            json.dumps(
+                {
+                    "gpus": [
+                        {
+                            "name": "rehearsal",
+                            "base_used_mib": 600,
+                            "processes": [{"pid": p, "used_mib": m} for p, m in procs.items()],
+                        }
+                    ]
+                }
+            )
+        )
 
 
 def main() -> None:
@@ -130,14 +147,21 @@ def main() -> None:
         (WORK / "dev" / "nvidia0").write_bytes(b"")
         table({})
     else:
-        nv = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv"],
-                            capture_output=True, text=True)
+        nv = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv"],
+            capture_output=True,
+            text=True,
+        )
         transcript.append(f"$ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv\n{nv.stdout}")
     idle = ops("gpu-status", "--json")
     state = as_json(idle)
     g = state["gpus"][0]
-    step("idle NVML facts", idle.returncode == 0,
-         f"v2 used {g['memory_used_mib']} MiB, v1 used {g['memory_used_v1_mib']} MiB, processes {g['process_pids']}")
+    step(
+        "idle NVML facts",
+        idle.returncode == 0,
+        f"v2 used {g['memory_used_mib']} MiB, v1 used {g['memory_used_v1_mib']} MiB, "
+        f"processes {g['process_pids']}",
+    )
     res = ops("gpu-clean")
     step("idle GPU verifies clean", res.returncode == 0 and "clean (nothing to do)" in res.stdout)
 
@@ -151,14 +175,25 @@ def main() -> None:
     res = ops("gpu-status")
     st = as_json(ops("gpu-status", "--json"))
     klass = {h["proc"]["pid"]: h["klass"] for h in st["holders"]}
-    step("gpu-status classifies", klass.get(engine) == "server" and klass.get(orphan.pid) == "orphan"
-         and klass.get(xorg.pid) == "protected", json.dumps({str(k): v for k, v in klass.items()}))
+    step(
+        "gpu-status classifies",
+        klass.get(engine) == "server"
+        and klass.get(orphan.pid) == "orphan"
+        and klass.get(xorg.pid) == "protected",
+        json.dumps({str(k): v for k, v in klass.items()}),
+    )
     res = ops("gpu-clean", "--dry-run")
     step("dry run touches nothing", res.returncode == 0 and all(alive(p) for p in pids.values()))
     res = ops("gpu-clean")
-    step("gpu-clean with a protected holder left: not clean, exit 6",
-         res.returncode == 6 and not alive(engine) and not alive(server.pid) and not alive(orphan.pid)
-         and alive(xorg.pid), f"exit {res.returncode}")
+    step(
+        "gpu-clean with a protected holder left: not clean, exit 6",
+        res.returncode == 6
+        and not alive(engine)
+        and not alive(server.pid)
+        and not alive(orphan.pid)
+        and alive(xorg.pid),
+        f"exit {res.returncode}",
+    )
     xorg.terminate()
     xorg.wait()
     for p in (server, orphan):
@@ -166,8 +201,11 @@ def main() -> None:
     res = ops("gpu-clean")
     step("after the protected holder exits: clean, exit 0", res.returncode == 0 and "clean" in res.stdout)
     final = as_json(ops("gpu-status", "--json"))["gpus"][0]
-    step("final NVML facts", not final["process_pids"],
-         f"v2 used {final['memory_used_mib']} MiB, v1 used {final['memory_used_v1_mib']} MiB")
+    step(
+        "final NVML facts",
+        not final["process_pids"],
+        f"v2 used {final['memory_used_mib']} MiB, v1 used {final['memory_used_v1_mib']} MiB",
+    )
     results["ok"] = all(s["ok"] for s in results["steps"])
 
 
