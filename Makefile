@@ -32,4 +32,13 @@ test-fast: env ## tests that need only the light environment
 
 test: test-fast ## every test (also the vLLM CPU environment's)
 
+# the folders tests/test_lint.py checks (its PATHS)
+LINT_PATHS := contract ops pipeline bench tests docker patches
+.PHONY: lint lint-fix
+lint: env ## ruff check and ruff format --check, as pyproject.toml configures them
+	$(PY) -m ruff check $(LINT_PATHS) && $(PY) -m ruff format --check $(LINT_PATHS)
+
+lint-fix: env ## ruff format, then ruff's safe fixes
+	$(PY) -m ruff format $(LINT_PATHS) && $(PY) -m ruff check --fix $(LINT_PATHS)
+
 -include mk/*.mk

@@ -63,7 +63,6 @@ from pipeline.train.files import (
     TRAIN_CONFIG,
     VERIFIER_VIEW,  # noqa: F401
     last_metrics,
-    read_metrics,
 )
 from pipeline.vocab import vocab_mapping_problems
 

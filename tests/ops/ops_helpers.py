@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ops_sshd import Sshd
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -94,7 +94,6 @@ def test_a_host_threads_ctrl_c_waits_for_its_step_boundary(tmp_path):
 def test_a_host_threads_ctrl_c_acts_at_once_when_interruptible_or_pressed_again(tmp_path):
     """Inside an interruptible block (following the logs) the first Ctrl-C raises at once; inside a step,
     a second one (now=True) does."""
-    import threading
     import time
 
     from ops.interrupts import interrupt_thread

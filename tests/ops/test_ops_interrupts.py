@@ -108,7 +108,7 @@ def test_detach_leaves_the_stage_running_and_attach_collects_it(scene, dk):  # n
     assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=det1"})
 
 
-def _stand_in_stage(dk, img: str, name: str, scene: dict):
+def _stand_in_stage(dk, img: str, name: str, scene: dict):  # noqa: F811 (its own, not the fixtures)
     """A container labelled as another run's stage (as a detached run or one started by hand would be)."""
     return dk.containers.run(
         img,

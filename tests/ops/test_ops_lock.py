@@ -162,7 +162,7 @@ def test_gpu_clean_does_not_kill_a_stage_that_holds_gpus(box, devdir):
     not killed by gpu-clean as an orphan: exit 9 naming the run and `attach`; it and the orphan live on."""
     from ops_docker import client, ensure_base_image, holder_container, remove_test_containers, unique
 
-    dk = client()
+    dk = client()  # noqa: F811 (its own client, not the module's fixture)
     ensure_base_image()
     name = unique("eagle-ops-test-stage")
     try:

@@ -7,7 +7,8 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from pipeline.train.stage import read_metrics, run
+from pipeline.train.files import read_metrics
+from pipeline.train.stage import run
 
 
 def test_checkpoint_per_epoch_and_export(trained):

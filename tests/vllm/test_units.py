@@ -37,7 +37,7 @@ PATCH = textwrap.dedent("""\
     -    return "helo"
     +    return "hello"
      
-    """)
+    """)  # noqa: W293 (the blank context line of a diff is one space)
 
 
 def write_patch(tmp_path, text=PATCH):
