@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
+
+from bench.timing import timed
 
 REPO = Path(__file__).resolve().parent.parent
 # (argv, the exit code it must end with: a run that ends otherwise did something else, and is no figure)
@@ -34,22 +34,14 @@ COMMANDS = (
 
 def wall_seconds(tree: Path, args: tuple[str, ...], code: int) -> float:
     """One `python -m pipeline ARGS` process run from ``tree``, start to exit; it must exit with ``code``."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline", *args],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
+    run = timed(
+        [sys.executable, "-m", "pipeline", *args], env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree
     )
-    seconds = time.perf_counter() - t0
-    if proc.returncode != code:
-        last = "".join((proc.stderr or proc.stdout).strip().splitlines()[-1:]).strip()
+    if run.returncode != code:
+        last = run.lines[-1][1].strip() if run.lines else ""
         what = f"pipeline {' '.join(args)} in {tree}"
-        raise click.ClickException(f"{what} exited {proc.returncode}, not {code}: {last}")
-    return seconds
+        raise click.ClickException(f"{what} exited {run.returncode}, not {code}: {last}")
+    return run.wall
 
 
 @click.command()

@@ -34,6 +34,7 @@ import torch
 from bench.extract_bench import agreement, make_prepared
 from bench.gpu_models import build_model, save_model
 from bench.roofline import model_shape
+from bench.timing import timed
 
 CLOSING = re.compile(
     r"extracted (\d+) samples .*?; ([\d,]+) tok/s(?:, device idle (\d+)%)?"
@@ -76,18 +77,12 @@ class GpuMemory:
 def timed_process(
     argv: list[str], env: dict | None = None, cwd: Path | None = None
 ) -> tuple[float, list[tuple[float, str]]]:
-    """Run ``argv``; its wall seconds and its output lines, each with the seconds since its start."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd
-    )
-    lines = [(time.perf_counter() - t0, line.rstrip()) for line in proc.stdout]
-    proc.wait()
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        tail = "\n".join(line for _, line in lines[-15:])
-        raise SystemExit(f"{' '.join(argv[:4])} exited {proc.returncode}:\n{tail}")
-    return wall, lines
+    """Run ``argv`` (bench/timing.py); its wall seconds and its output lines, each with the seconds since its
+    start. A failed run stops the bench with its last lines."""
+    run = timed(argv, env=env, cwd=cwd)
+    if run.returncode != 0:
+        raise SystemExit(f"{' '.join(argv[:4])} exited {run.returncode}:\n{run.tail()}")
+    return run.wall, run.lines
 
 
 def accuracy(

@@ -37,6 +37,7 @@ from pathlib import Path
 import click
 
 from bench.learned_bench import GpuSampler
+from bench.timing import timed
 from bench.train_bench import Report
 
 # The draft and optimizer `pipeline train` builds (pipeline/train/draft.py: speculators'
@@ -137,20 +138,6 @@ def last_val_ours(out: Path) -> dict:
     return val_figures(val)
 
 
-def timed_lines(argv: list[str], env: dict, log: Path) -> tuple[float, int, list[tuple[float, str]]]:
-    """Run ``argv``; wall seconds, exit code, and each output line with the seconds since start (also to
-    ``log``)."""
-    t0 = time.perf_counter()
-    lines: list[tuple[float, str]] = []
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for line in proc.stdout:
-            lines.append((time.perf_counter() - t0, line.rstrip()))
-            fh.write(f"{lines[-1][0]:9.2f} {line}")
-        proc.wait()
-    return time.perf_counter() - t0, proc.returncode, lines
-
-
 def commands(
     work: Path, tool: str, epochs: int, opts: dict, record: dict, device: str
 ) -> tuple[list[str], Path]:
@@ -234,9 +221,12 @@ def run_one(
         out.mkdir(parents=True)  # its log dir and checkpoints go under it
     click.echo(f"\n$ {shlex.join(argv)}", err=True)
     with GpuSampler() as gpu:
-        wall, rc, lines = timed_lines(
-            argv, {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}, work / f"cmp-{tool}-{epochs}{tag}.log"
+        run = timed(
+            argv,
+            {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
+            log=work / f"cmp-{tool}-{epochs}{tag}.log",
         )
+    wall, rc, lines = run.wall, run.returncode, run.lines
     figures = {"command": shlex.join(argv), "exit_code": rc, "wall_seconds": round(wall, 1), **gpu.figures()}
     if rc != 0:
         figures["error_tail"] = [line for _, line in lines[-12:]]
