@@ -15,7 +15,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -178,6 +178,20 @@ def deal(batches: list[Batch], workers: int, worker: int) -> list[Batch]:
     return mine
 
 
+@dataclass
+class Sample:
+    """One sample for the Writer: its index, token ids, per-layer states [T, H] and loss mask; its batch's
+    ``ready`` (returns once the batch's device-to-host copies are done); and, where the backend made them
+    on the device, each state's ``layer_profile.token_scales`` (None: the writer computes the facts)."""
+
+    index: int
+    ids: torch.Tensor
+    states: list[torch.Tensor]
+    mask: torch.Tensor
+    ready: Callable[[], None] = lambda: None
+    scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
 class Writer:
     """Writes samples on background threads while the device computes the next batches.
 
@@ -208,17 +222,14 @@ class Writer:
 
     def _loop(self) -> None:
         while (item := self.queue.get()) is not None:
-            index, ids, states, mask, ready, *scales = (
-                item  # scales: the backend's token_scales, when it made them
-            )
-            nbytes = _nbytes(states)
+            nbytes = _nbytes(item.states)
             try:
                 if self.error is None:
-                    ready()  # the device-to-host copies of this batch (a no-op for host-computed states)
-                    target = formats.data_file(self.out, index)
+                    item.ready()  # the device-to-host copies of this batch (a no-op for host-computed states)
+                    target = formats.data_file(self.out, item.index)
                     # what the closing check judges, from the tensors in hand
-                    facts = verify.written_facts(ids, states, mask, scales[0] if scales else None)
-                    digest = formats.write_sample(target, ids, states, mask)
+                    facts = verify.written_facts(item.ids, item.states, item.mask, item.scales)
+                    digest = formats.write_sample(target, item.ids, item.states, item.mask)
                     self.journal.record(
                         target.name, replace(digest, mtime_ns=target.stat().st_mtime_ns, facts=facts)
                     )
@@ -229,13 +240,13 @@ class Writer:
             except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
                 self.error = exc
             finally:
-                del item, states, scales  # return the host buffers to the allocator before making room
+                del item  # return the host buffers to the allocator before making room
                 with self._room:
                     self._pending -= nbytes
                     self._room.notify_all()
 
-    def put(self, items: list) -> None:
-        nbytes = sum(_nbytes(item[2]) for item in items)
+    def put(self, items: list[Sample]) -> None:
+        nbytes = sum(_nbytes(item.states) for item in items)
         if items:
             t0 = time.perf_counter()
             with self._room:
@@ -472,7 +483,7 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
     return stats
 
 
-def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_layers, done) -> list:
+def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_layers, done) -> list[Sample]:
     """The writer's items for one captured batch (samples already on disk left out), after checking that the
     backend returned one [T, H] state per layer for every sample."""
     import torch
@@ -496,7 +507,7 @@ def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_la
             continue
         ids = torch.from_numpy(seq.astype("int64"))
         mask = torch.from_numpy(prepared.mask(i).astype("int64"))
-        items.append((i, ids, sample_states, mask, captured.ready, sample_scales))
+        items.append(Sample(i, ids, sample_states, mask, captured.ready, sample_scales))
     return items
 
 

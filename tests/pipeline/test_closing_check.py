@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline import formats, verify
-from pipeline.extract import Writer
+from pipeline.extract import Sample, Writer
 from pipeline.verify import VerifyConfig
 from tests.conftest import run_pipeline
 
@@ -33,7 +33,7 @@ def rewrite_with_writer(d, i, edit):
     s = formats.read_sample(d / f"data_{i}.pt")
     edit(s)
     writer = Writer(d, threads=1)
-    writer.put([(i, s["input_ids"], s["hidden_states"], s["loss_mask"], lambda: None)])
+    writer.put([Sample(i, s["input_ids"], s["hidden_states"], s["loss_mask"])])
     writer.close()
 
 
@@ -230,7 +230,7 @@ def test_facts_from_device_scales_equal_the_writers_own(states):
     twice = [(rms * 2, count) for rms, count in (verify.layer_profile.token_scales(h) for h in hs)]
     (states.parent / "handed").mkdir()
     writer = Writer(states.parent / "handed", threads=1)
-    writer.put([(0, ids, hs, mask, lambda: None, twice)])
+    writer.put([Sample(0, ids, hs, mask, scales=twice)])
     writer.close()
     recorded = formats.read_checksums(states.parent / "handed")["data_0.pt"].facts["log_rms"]
     mine = verify.written_facts(ids, hs, mask)["log_rms"]

@@ -8,12 +8,12 @@ import time
 import torch
 
 from pipeline import formats
-from pipeline.extract import Writer
+from pipeline.extract import Sample, Writer
 
 
 def _item(i: int, states: list[torch.Tensor], ready=lambda: None):
     t = states[0].shape[0]
-    return (i, torch.arange(t), states, torch.ones(t, dtype=torch.int64), ready)
+    return Sample(i, torch.arange(t), states, torch.ones(t, dtype=torch.int64), ready)
 
 
 def test_writer_waits_for_ready_before_writing(tmp_path):
