@@ -128,7 +128,7 @@ ARG BASE_IMAGE
 ARG LOCK
 # The commit the build context was made from (`-dirty` if it had uncommitted changes).
 ARG GIT_REVISION=unknown
-# pipeline/provenance.py records it in every output (the image holds no .git to ask)
+# pipeline/ondisk/provenance.py records it in every output (the image holds no .git to ask)
 ENV EAGLE_OPS_COMMIT=${GIT_REVISION}
 # The oldest NVIDIA driver (major) the GPU code runs on: vLLM 0.32's PyPI wheel and torch 2.13 are CUDA 13.0
 # builds, which need >= 580 (docs/image.md). ops' host preflight compares it with the host's driver before

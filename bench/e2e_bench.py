@@ -94,7 +94,7 @@ def accuracy(
     from safetensors import safe_open
 
     from bench.hf_levers import layer_errors, one_by_one
-    from pipeline import formats
+    from pipeline.ondisk import formats
 
     model = build_model(shape, "cuda" if torch.cuda.is_available() else "cpu")  # same seed: the saved weights
     name, param = next((k, p) for k, p in model.named_parameters() if "layers.1." in k)
@@ -206,7 +206,8 @@ def facts_drift(out: Path, n: int = 8) -> float | None:
     """The largest difference between the log RMS the writer recorded (on a GPU: from the device's figures)
     and the one computed from the file as read back, over the first ``n`` files; exits when they disagree
     beyond float32 rounding or on a non-finite count. None for a set without a version 2 record."""
-    from pipeline import formats, verify
+    from pipeline import verify
+    from pipeline.ondisk import formats
 
     record, worst = formats.read_checksums(out), 0.0
     names = [name for name in sorted(record) if name.startswith("data_")][:n]
@@ -310,7 +311,7 @@ def main(
         built = time.perf_counter() - t0
         prepared = workdir / f"prepared-{shape}"
         make_prepared(prepared, n, seq_length, vocab)
-        from pipeline import formats
+        from pipeline.ondisk import formats
 
         lengths = [int(t) for t in formats.read_prepared(prepared)[0].lengths()]
         roof = model_shape(model_dir)

@@ -44,7 +44,7 @@ PRESETS = {
 
 
 def make_prepared(out: Path, n: int, seq_length: int, vocab: int, seed: int = 0) -> None:
-    from pipeline import formats
+    from pipeline.ondisk import formats
 
     rng = np.random.default_rng(seed)
     lengths = rng.integers(seq_length // 2, seq_length, size=n)  # 50%..100% of seq_length - 1
@@ -70,7 +70,7 @@ def naive(
 ) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from pipeline import formats
+    from pipeline.ondisk import formats
 
     samples, _ = formats.read_prepared(prepared)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
@@ -103,7 +103,7 @@ def _sync(device: str) -> None:
 
 def forward_only(model_dir: Path, prepared: Path, layer_ids: list[int], max_batch_tokens: int) -> float:
     """tokens/s of the hooked forward alone (no host copy, no writes): the ceiling of the loop."""
-    from pipeline import formats
+    from pipeline.ondisk import formats
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.hf import HFBackend
     from pipeline.extract import plan_batches
@@ -130,7 +130,7 @@ def agreement(naive_dir: Path, ours_dir: Path, n: int, layer_ids: list[int]) -> 
     """Worst relative error (per sample and layer, Frobenius) between the loop's files and the naive ones,
     over the layers the naive loop stores pre-norm (hidden_states[k+1] for k < L-1: the last layer comes
     normed)."""
-    from pipeline import formats
+    from pipeline.ondisk import formats
 
     worst = 0.0
     for i in range(n):
@@ -153,7 +153,7 @@ def fp32_errors(
     from transformers import AutoModelForCausalLM
 
     from bench.hf_levers import layer_errors, one_by_one
-    from pipeline import formats
+    from pipeline.ondisk import formats
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -185,7 +185,7 @@ def fp32_errors(
 def main(
     preset: str, workdir: Path, samples: int | None, max_batch_tokens: int | None, json_out: Path | None
 ) -> None:
-    from pipeline import formats
+    from pipeline.ondisk import formats
     from pipeline.extract import ExtractConfig, run
     from pipeline.demo.tiny import build_tiny_model
 

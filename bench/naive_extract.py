@@ -23,7 +23,7 @@ import torch
 @click.option("--limit", type=int, default=None, help="Only the first N samples.")
 def main(prepared: Path, model: Path, out: Path, limit: int | None) -> None:
     from bench.extract_bench import naive
-    from pipeline import formats
+    from pipeline.ondisk import formats
 
     n = len(formats.read_prepared(prepared)[0]) if limit is None else limit
     L = json.loads((model / "config.json").read_text())["num_hidden_layers"]

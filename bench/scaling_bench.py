@@ -83,7 +83,7 @@ def naive_verify(directory: Path) -> float:
 def expected_set_bytes(prepared: Path, model_dir: Path, layers: int = 4) -> int:
     """The size of the hidden states a run writes: every token's states of ``layers`` layers in extract's
     default dtype (bf16 on a GPU, fp32 on the CPU); the files' own overhead, a few KB each, left out."""
-    from pipeline import formats
+    from pipeline.ondisk import formats
 
     _, meta = formats.read_prepared(prepared)
     hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]

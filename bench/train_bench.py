@@ -115,7 +115,9 @@ def build_random_set(
     what the set is."""
     import shutil
 
-    from pipeline import extract, formats, prepare, weights
+    from pipeline import extract, prepare, weights
+
+    from pipeline.ondisk import formats
     from pipeline.demo import tiny
 
     report = report or Report(None)

@@ -29,7 +29,7 @@ from bench.scaling_bench import dd, naive_verify
 
 def make_set(root: Path, gb: float, hidden: int, seq_length: int, layers: int = 4) -> Path:
     """A prepared dir and a hidden-states dir of about ``gb`` GB whose files pass every per-file check."""
-    from pipeline import formats
+    from pipeline.ondisk import formats
 
     per_token = layers * hidden * 2
     n = max(8, int(gb * 1e9 / per_token / (0.75 * seq_length)))

@@ -1,6 +1,6 @@
 """The versioned summary record: the ``summary.json`` a stage writes next to its output and ops reads.
 
-Owns the schema name and version a writer stamps (pipeline/provenance.py ``stamp``), which versions a
+Owns the schema name and version a writer stamps (pipeline/ondisk/provenance.py ``stamp``), which versions a
 reader understands, the one-line note for a summary a reader cannot vouch for, and the provenance facts a
 multi-host merge compares between hosts. Version 1 added ``schema``, ``schema_version``, ``provenance`` and
 ``source_provenance`` (the checked output's own record) to the keys readers had before (kind, path, ok,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.atomic import write_json
+from pipeline.ondisk.atomic import write_json
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 

@@ -24,14 +24,15 @@ import click
 
 from contract.shards import shard
 from contract.summary import CLOSING_CHECKS
-from pipeline import formats, provenance, verify
-from pipeline.atomic import remove_partials
+from pipeline import verify
+from pipeline.ondisk import formats, provenance
+from pipeline.ondisk.atomic import remove_partials
 from pipeline.backends import BACKENDS, Backend, BackendOptions, get_backend
 from pipeline.errors import StageError
 from pipeline.layers import validate_layer_ids
 from pipeline.modeldir import check_checkpoint, read_model_dir
 from pipeline.options import from_json, opt, options, to_json, validate
-from pipeline.outdir import output_lock, refuse_overlap
+from pipeline.ondisk.outdir import output_lock, refuse_overlap
 
 # torch only in annotations here: the functions that use it import it, so that a command that only parses its
 # arguments (--help, check-args) never loads it (tests/pipeline/test_cli_imports.py)

@@ -1,7 +1,7 @@
 """Our sets <-> speculators 0.9's on-disk contract (``speculators train``), both ways, losslessly.
 
-Owns the translation between our prepared dir + hidden-states dir (pipeline/formats.py) and the directory
-``speculators train --data-path`` reads (docs/train.md, "speculators 0.9's on-disk contract"):
+Owns the translation between our prepared dir + hidden-states dir (pipeline/ondisk/formats.py) and the
+directory ``speculators train --data-path`` reads (docs/train.md, "speculators 0.9's on-disk contract"):
 
     DATA/                           a ``datasets`` dir (``save_to_disk``): columns input_ids int64[T],
                                     loss_mask int64[T], seq_len int64, torch format
@@ -15,8 +15,8 @@ Owns the translation between our prepared dir + hidden-states dir (pipeline/form
 ``export_speculators`` writes that from ours; ``import_speculators`` writes ours from it (a set exported
 here, or one written by vLLM's native extraction + ``speculators prepare-data``). Hidden states keep their
 dtype and bits (stacked on dim 1 one way, split the other); token ids and masks are widened/narrowed
-without loss. Both build their output in a staging dir renamed into place (pipeline/outdir.py), refuse a
-non-empty --out without --overwrite, and raise one-line StageErrors. Not done here: checks of values
+without loss. Both build their output in a staging dir renamed into place (pipeline/ondisk/outdir.py),
+refuse a non-empty --out without --overwrite, and raise one-line StageErrors. Not done here: checks of values
 (``pipeline verify`` does those on the imported set).
 """
 
@@ -30,8 +30,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from pipeline import formats
-from pipeline.atomic import write_json
+from pipeline.ondisk import formats
+from pipeline.ondisk.atomic import write_json
 from pipeline.errors import StageError
 from pipeline.layers import NUM_CAPTURED, parse_layer_ids, to_vllm_aux_ids, validate_layer_ids
 
@@ -144,7 +144,7 @@ def export_speculators(prepared: Path, data: Path, out: Path, *, overwrite: bool
     import torch
     from safetensors.torch import save_file
 
-    from pipeline.outdir import staged_dir
+    from pipeline.ondisk.outdir import staged_dir
 
     prepared, data, out = Path(prepared), Path(data), Path(out)
     samples, meta, dc = _check_sets(prepared, data)
@@ -293,7 +293,7 @@ def import_speculators(
     from safetensors.torch import load_file
 
     from pipeline.modeldir import read_model_dir
-    from pipeline.outdir import staged_dir
+    from pipeline.ondisk.outdir import staged_dir
     from pipeline.vocab import token_frequencies
 
     data, out = Path(data), Path(out)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import StageError
-from pipeline.readers import INDEX, read_model_config, read_shard_tensors, read_weight_map
+from pipeline.ondisk.readers import INDEX, read_model_config, read_shard_tensors, read_weight_map
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,7 @@ def check_tokenizer(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResu
 
 
 def check_prepared(prepared: Path, model: ModelDir) -> Iterator[CheckResult]:
-    from pipeline import formats  # imports torch: only once the config-level checks have printed
+    from pipeline.ondisk import formats  # imports torch: only once the config-level checks have printed
 
     try:
         samples, meta = formats.read_prepared(prepared)
@@ -363,7 +363,7 @@ def check_parallel(cfg: PreflightConfig, model: ModelDir, text: dict) -> Iterato
 def check_disk(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
     if cfg.out is None:
         return
-    from pipeline import formats
+    from pipeline.ondisk import formats
 
     out = cfg.out
     stray = (
@@ -639,7 +639,7 @@ def run_checks(cfg: PreflightConfig) -> Iterator[CheckResult]:
 def _write_json(path: Path, results: list[CheckResult], seconds: float) -> None:
     from dataclasses import asdict
 
-    from pipeline.atomic import write_json
+    from pipeline.ondisk.atomic import write_json
 
     write_json(
         path,

@@ -2,7 +2,7 @@
 
 Owns reading conversation rows (OpenAI ``messages`` or ShareGPT ``conversations``), deriving the loss
 mask from the target's own chat template, truncation, and producing the token frequencies and the draft
-vocabulary mapping. File layouts belong to pipeline/formats.py.
+vocabulary mapping. File layouts belong to pipeline/ondisk/formats.py.
 
 The loss mask comes from the chat template itself, applied to the whole conversation once: the sample is
 that rendering, so templates that rewrite earlier turns (Qwen3- and Kimi-K2.5-style thinking templates drop
@@ -42,11 +42,11 @@ from pathlib import Path
 import click
 import numpy as np
 
-from pipeline import formats, provenance, readers
+from pipeline.ondisk import formats, provenance, readers
 from pipeline.errors import StageError
 from pipeline.modeldir import read_model_dir
 from pipeline.options import opt, options, validate
-from pipeline.outdir import staged_dir
+from pipeline.ondisk.outdir import staged_dir
 from pipeline.vocab import build_vocab_mapping, token_frequencies
 
 ROLE_ALIASES = {

@@ -9,10 +9,11 @@ argmax), verifier weights, and draft checkpoints (delegated to pipeline/checkpoi
 It reads outputs; it never modifies them (summary.json aside).
 
 Also extract's closing check by the writer's record (``closing_check="record"``): the value facts a writer
-computes from the tensors it holds (``written_facts``, stored in the checksum record by pipeline/formats.py)
-go through the same judges as a file read back (``_form_findings``, ``_value_findings``,
-``_identity_findings``), and each file is only stat'ed against its recorded size and mtime; what that cannot
-see (bytes changed in place, layer order) is what the full read is for (docs/vllm.md, "The closing check").
+computes from the tensors it holds (``written_facts``, stored in the checksum record by
+pipeline/ondisk/formats.py) go through the same judges as a file read back (``_form_findings``,
+``_value_findings``, ``_identity_findings``), and each file is only stat'ed against its recorded size and
+mtime; what that cannot see (bytes changed in place, layer order) is what the full read is for (docs/vllm.md,
+"The closing check").
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import click
 import numpy as np
 
 from contract.shards import shard
-from pipeline import formats, layer_profile, readers, recompute
+from pipeline import layer_profile, recompute
+from pipeline.ondisk import formats, readers
 from pipeline.checks import CheckResult, Summary, check, fail, ok, render, warn
 from pipeline.errors import CheckFailed, StageError, require_range
 from pipeline.options import opt, options, validate
@@ -203,7 +205,7 @@ def reader_loads():
     through its own ``SampleBuffer`` (the digest hashes the bytes it read) and falls back to
     ``formats.read_sample`` (mapped, and hashed by a read of its own) for a file the buffer path does not
     take; the samples it returns are valid until the same thread loads the next file."""
-    from pipeline.sample_buffer import NotFastPath, SampleBuffer
+    from pipeline.ondisk.sample_buffer import NotFastPath, SampleBuffer
 
     local = threading.local()
 
@@ -1197,11 +1199,13 @@ def verify(cfg: VerifyConfig) -> Summary:
             from pipeline.checkpoint_checks import verify_checkpoint
 
             summary = verify_checkpoint(cfg.path)
-    except StageError as exc:  # a damaged file read on the way (pipeline/readers.py): a failed, named check
+    except (
+        StageError
+    ) as exc:  # a damaged file read on the way (pipeline/ondisk/readers.py): a failed, named check
         summary = Summary(kind, str(cfg.path), [fail("readable", str(exc))])
     if cfg.write_summary:  # next to what was checked: a train dir's own summary.json is train's
-        from pipeline import provenance
-        from pipeline.atomic import write_json
+        from pipeline.ondisk import provenance
+        from pipeline.ondisk.atomic import write_json
 
         write_json(
             Path(summary.path) / SUMMARY,

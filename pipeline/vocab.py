@@ -1,7 +1,7 @@
 """The draft vocabulary: token frequencies and the d2t/t2d mapping between draft and target ids.
 
 Owns how the draft vocabulary is chosen (the most frequent assistant tokens) and the invariants every
-mapping must satisfy. Reading and writing the files is pipeline/formats.py's job.
+mapping must satisfy. Reading and writing the files is pipeline/ondisk/formats.py's job.
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import click
 
-from pipeline.atomic import write_json
+from pipeline.ondisk.atomic import write_json
 from pipeline.errors import StageError
 from pipeline.modeldir import check_checkpoint, read_model_dir, resolve_names
 from pipeline.options import opt, options
-from pipeline.outdir import refuse_overlap, staged_dir
-from pipeline.readers import read_safetensors, read_shard_tensors, read_weight_map
+from pipeline.ondisk.outdir import refuse_overlap, staged_dir
+from pipeline.ondisk.readers import read_safetensors, read_shard_tensors, read_weight_map
 
 VERIFIER_FILE = "verifier.safetensors"
 VERIFIER_META = "verifier.json"

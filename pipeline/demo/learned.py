@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.atomic import atomic_path, write_json
+from pipeline.ondisk.atomic import atomic_path, write_json
 
 STDLIB_PACKAGES = (
     "json",

@@ -22,7 +22,7 @@ import random
 import shutil
 from pathlib import Path
 
-from pipeline.atomic import atomic_path
+from pipeline.ondisk.atomic import atomic_path
 
 SPECIAL_TOKENS = [
     "<|pad|>",

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from pipeline.layers import NUM_CAPTURED
 
 

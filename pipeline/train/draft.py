@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.atomic import atomic_path, write_json
+from pipeline.ondisk.atomic import atomic_path, write_json
 from pipeline.errors import StageError
 
 FLEX_ATTENTION = "simple_flex_attention"  # registered by speculators.models.eagle3.attention

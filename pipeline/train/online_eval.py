@@ -25,7 +25,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.atomic import write_json
+from pipeline.ondisk.atomic import write_json
 from pipeline.errors import StageError
 
 SPEC_METRICS = (
@@ -51,7 +51,7 @@ class OnlineConfig:
 
 def prompts_of(files: list[Path], limit: int) -> list[list[int]]:
     """The prompt of each held-out sample: its tokens before the first assistant (loss_mask) token."""
-    from pipeline import formats
+    from pipeline.ondisk import formats
 
     prompts = []
     for path in files[:limit]:

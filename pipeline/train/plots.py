@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.atomic import atomic_path
+from pipeline.ondisk.atomic import atomic_path
 
 LOSS_PNG = "loss.png"
 ACCEPTANCE_PNG = "acceptance.png"

@@ -21,7 +21,7 @@ Output directory::
     summary.json             train figures + eval.json
     loss.png, acceptance.png
 
-The output follows pipeline/outdir.py's policy: an --out that is, contains or lies inside an input (the
+The output follows pipeline/ondisk/outdir.py's policy: an --out that is, contains or lies inside an input (the
 hidden states, the verifier, the target model, the prepared dir) is refused before anything is deleted, and
 rank 0 holds the output's lock while the run writes it, so that a second train into it is refused.
 
@@ -46,12 +46,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline import formats
-from pipeline.atomic import write_json
+from pipeline.ondisk import formats
+from pipeline.ondisk.atomic import write_json
 from pipeline.train.draft import TargetFacts, read_target_facts
 from pipeline.errors import StageError
 from pipeline.layers import NUM_CAPTURED, to_vllm_aux_ids, validate_layer_ids
-from pipeline.outdir import output_lock, refuse_overlap
+from pipeline.ondisk.outdir import output_lock, refuse_overlap
 from pipeline.train.config import TrainConfig
 from pipeline.train.data import seed_everything
 from pipeline.train.files import (

@@ -15,7 +15,9 @@ import os
 import pytest
 import torch
 
-from pipeline import formats, verify
+from pipeline import verify
+
+from pipeline.ondisk import formats
 from pipeline.extract import Sample, Writer
 from pipeline.verify import VerifyConfig
 from tests.conftest import run_pipeline

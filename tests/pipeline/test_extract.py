@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from pipeline.backends.base import BackendOptions
 from pipeline.backends.hf import HFBackend
 from pipeline.extract import Batch, pending_batches, plan_batches

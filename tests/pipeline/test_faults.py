@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from tests.conftest import run_pipeline
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from pipeline.extract import ExtractConfig, deal, plan_batches, plan_shard, shard_indices, worker_config
 from tests.conftest import run_pipeline
 

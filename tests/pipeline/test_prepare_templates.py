@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from tests.conftest import run_pipeline
 
 QWEN_STYLE = (

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 
-from pipeline import provenance
+from pipeline.ondisk import provenance
 from tests.conftest import REPO, run_pipeline
 
 
@@ -59,7 +59,7 @@ def test_image_digest_and_patch_marker_are_recorded(tmp_path, tiny_llama, monkey
     marker.parent.mkdir(parents=True)
     applied = [{"name": "0001-fix.patch", "sha256": "1" * 64}]
     marker.write_text(json.dumps({"format": 1, "version": "0.9.0", "status": "applied", "patches": applied}))
-    code = "import json; from pipeline import provenance; print(json.dumps(provenance.patches()))"
+    code = "import json; from pipeline.ondisk import provenance; print(json.dumps(provenance.patches()))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -68,7 +68,7 @@ def test_output_overlapping_an_input_is_refused_and_the_input_survives(
 
 HOLDER = """
 import sys, time
-from pipeline.outdir import output_lock
+from pipeline.ondisk.outdir import output_lock
 with output_lock(sys.argv[1]):
     print("holding", flush=True)
     time.sleep(120)
@@ -77,7 +77,8 @@ with output_lock(sys.argv[1]):
 
 @pytest.fixture
 def holder(tmp_path):
-    """A real process holding the lock of tmp_path/out through pipeline.outdir, SIGKILLed at the end."""
+    """A real process holding the lock of tmp_path/out through pipeline.ondisk.outdir, SIGKILLed at the
+    end."""
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [PYTHON, "-c", HOLDER, str(out)],
@@ -127,7 +128,7 @@ def test_shards_of_one_output_lock_separately(tmp_path):
     """Two hosts' shards of one --out (world size > 1 on a shared disk) do not refuse each other; one shard
     twice does."""
     from pipeline.errors import StageError
-    from pipeline.outdir import output_lock
+    from pipeline.ondisk.outdir import output_lock
 
     out = tmp_path / "states"
     with (

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from tests.pipeline.test_reliability_readers import cli, refused
 
 

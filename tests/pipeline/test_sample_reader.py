@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from pipeline import formats
-from pipeline.sample_buffer import NotFastPath, SampleBuffer
+from pipeline.ondisk import formats
+from pipeline.ondisk.sample_buffer import NotFastPath, SampleBuffer
 from pipeline.verify import VerifyConfig, verify
 
 
@@ -80,7 +80,7 @@ def test_verify_reports_such_a_file_as_not_loadable(tmp_path, extracted_llama):
     assert not marker.exists()
 
 
-# ----------------------------------------------------------- verify's buffer path (pipeline/sample_buffer.py)
+# ---------------------------------------------------- verify's buffer path (pipeline/ondisk/sample_buffer.py)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -172,7 +172,7 @@ def test_verify_falls_back_for_valid_files_the_buffer_does_not_take(tmp_path, ex
 def test_a_zip_reader_without_a_method_the_buffer_uses_falls_back(monkeypatch, extracted_llama):
     """torch 2.11's reader lacked a method that 2.13's has; the buffer path must then fall back, never turn
     every file into a finding (what the first H200 run of this code did)."""
-    from pipeline import sample_buffer
+    from pipeline.ondisk import sample_buffer
 
     real = sample_buffer._ZipReader
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import formats
+from pipeline.ondisk import formats
 
 
 def one_line_error(proc, fragment: str, code: int = 2) -> None:

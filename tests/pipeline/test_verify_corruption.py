@@ -12,7 +12,9 @@ import shutil
 
 import torch
 
-from pipeline import formats, verify
+from pipeline import verify
+
+from pipeline.ondisk import formats
 from pipeline.verify import VerifyConfig
 from tests.conftest import run_pipeline
 

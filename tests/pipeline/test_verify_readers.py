@@ -9,7 +9,9 @@ from concurrent import futures
 import pytest
 import torch
 
-from pipeline import formats, verify
+from pipeline import verify
+
+from pipeline.ondisk import formats
 from pipeline.verify import VerifyConfig, available_memory, default_workers
 
 FILE = 470_000_000  # seq 8192 x hidden 7168 x 4 layers x bf16

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from pipeline.extract import Sample, Writer
 
 

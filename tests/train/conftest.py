@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from pipeline.train.stage import TrainConfig
 
 

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from pipeline.errors import StageError
 from pipeline.train.stage import check_inputs, run, split_indices
 

@@ -17,7 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline import formats, interop
+from pipeline import interop
+
+from pipeline.ondisk import formats
 from tests.conftest import run_pipeline
 
 CPU_SHIM = Path(__file__).resolve().parent / "speculators_cpu"

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from pipeline.errors import StageError
 from pipeline.train.online_eval import OnlineConfig, acceptance_from_counters, measure, prompts_of
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import formats
+from pipeline.ondisk import formats
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from tests.conftest import run_pipeline
 from tests.vllm.conftest import compare_dirs, per_token_rel
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import formats
+from pipeline.ondisk import formats
 from tests.conftest import run_pipeline
 from tests.vllm.conftest import compare_dirs
 
@@ -141,7 +141,7 @@ def test_tiny_kimi_has_the_released_layout(tiny_kimi):
     from transformers import AutoTokenizer
 
     from pipeline.modeldir import check_checkpoint, decoder_layers_in, read_model_dir
-    from pipeline.readers import read_weight_map
+    from pipeline.ondisk.readers import read_weight_map
 
     raw = json.loads((tiny_kimi / "config.json").read_text())
     assert raw["model_type"] == "kimi_k25" and raw["architectures"] == ["KimiK25ForConditionalGeneration"]

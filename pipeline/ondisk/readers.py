@@ -4,7 +4,7 @@ Owns reading config.json, the tokenizer, the safetensors index and shards, our o
 (metadata.json, data_config.json, sample_lengths.json), arrays (tokens.npy, d2t.npy, ...) and torch
 files (token_freq.pt): every reader either returns a value of the documented shape or raises a
 StageError of one line, ``PATH: what is wrong (what to do)``. The CLI turns that into exit 2; verify
-turns it into a failed, named check. File names and layouts stay pipeline/formats.py's.
+turns it into a failed, named check. File names and layouts stay pipeline/ondisk/formats.py's.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ check judges instead of reading the file back; version 1 entries (sha256 and byt
 
 Summaries: every ``summary.json`` (verify's; train's through ``provenance.stamp``) carries the header of
 contract/summary.py (schema and version, which ops reads too) and a ``provenance`` record next to its stage
-keys; the provenance record's fields are listed in pipeline/provenance.py.
+keys; the provenance record's fields are listed in pipeline/ondisk/provenance.py.
 
 Nothing else in the project writes these files; this module does no computation beyond (de)serialising.
 """
@@ -65,8 +65,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline import readers
-from pipeline.atomic import atomic_path, write_json
+from pipeline.ondisk import readers
+from pipeline.ondisk.atomic import atomic_path, write_json
 from pipeline.errors import StageError
 
 # torch only in annotations here: the functions that use it import it, so that a command that only parses its
@@ -150,7 +150,7 @@ class PreparedMetadata:
     truncated_rows: int = 0
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
-    provenance: dict = field(default_factory=dict)  # pipeline/provenance.py: how this output was made
+    provenance: dict = field(default_factory=dict)  # pipeline/ondisk/provenance.py: how this output was made
 
 
 def _save_npy(target: Path, array: np.ndarray) -> None:
@@ -365,7 +365,7 @@ class _SamplePickle:
     """The ``pickle_module`` handed to ``torch.load``. Its ``load`` is reached only by torch's legacy
     (pre-zip) format, which this project never writes: refused rather than unpickled unrestricted."""
 
-    __name__ = "pipeline.formats.sample_pickle"
+    __name__ = "pipeline.ondisk.formats.sample_pickle"
     Unpickler = _SampleUnpickler
 
     @staticmethod
