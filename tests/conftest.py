@@ -38,6 +38,11 @@ def run_pipeline(
     return proc
 
 
+def run_extract(prepared, model, out, *more, **kwargs) -> subprocess.CompletedProcess:
+    """``pipeline extract --prepared PREPARED --model MODEL --out OUT MORE...`` through run_pipeline."""
+    return run_pipeline("extract", "--prepared", prepared, "--model", model, "--out", out, *more, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def warm_pipeline():
     """`run_pipeline` without the ~4 s import per command (tests/warm_cli.py): for tests of many refusals."""
@@ -101,13 +106,9 @@ def prepared_llama(tmp_path_factory, tiny_llama, conversations) -> Path:
 def extracted_llama(tmp_path_factory, tiny_llama, prepared_llama) -> Path:
     """Hidden states of the first 24 prepared samples (fp32, CPU)."""
     out = tmp_path_factory.mktemp("states") / "states"
-    run_pipeline(
-        "extract",
-        "--prepared",
+    run_extract(
         prepared_llama,
-        "--model",
         tiny_llama,
-        "--out",
         out,
         "--limit",
         24,

@@ -20,7 +20,7 @@ from pipeline import verify
 from pipeline.ondisk import formats
 from pipeline.extract import Sample, Writer
 from pipeline.verify import VerifyConfig
-from tests.conftest import run_pipeline
+from tests.conftest import run_extract
 
 
 def closing(d, mode="record"):
@@ -152,13 +152,9 @@ def test_resume_leaves_a_record_the_check_accepts(states, tiny_llama, prepared_l
     del index["files"]["data_9.pt"]  # a run killed between the rename and its journal line
     (states / formats.CHECKSUMS).write_text(json.dumps(index))
     os.utime(states / "data_0.pt")  # touched (same bytes): its record is taken again
-    proc = run_pipeline(
-        "extract",
-        "--prepared",
+    proc = run_extract(
         prepared_llama,
-        "--model",
         tiny_llama,
-        "--out",
         states,
         "--limit",
         24,
@@ -177,13 +173,9 @@ def test_repair_leaves_a_record_the_check_accepts(states, tiny_llama, prepared_l
     accepts the repaired set too."""
     p = states / "data_5.pt"
     os.truncate(p, p.stat().st_size - 100)
-    proc = run_pipeline(
-        "extract",
-        "--prepared",
+    proc = run_extract(
         prepared_llama,
-        "--model",
         tiny_llama,
-        "--out",
         states,
         "--limit",
         24,
@@ -247,13 +239,9 @@ def test_resume_does_not_take_a_record_of_other_bytes(states, tiny_llama, prepar
     formats.write_sample(p, s["input_ids"], [h * 1.001 for h in s["hidden_states"]], s["loss_mask"])
     assert p.stat().st_size == before.st_size
     os.utime(p, ns=(before.st_atime_ns, before.st_mtime_ns - 1))
-    proc = run_pipeline(
-        "extract",
-        "--prepared",
+    proc = run_extract(
         prepared_llama,
-        "--model",
         tiny_llama,
-        "--out",
         states,
         "--limit",
         24,

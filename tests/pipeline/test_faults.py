@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from pipeline.ondisk import formats
-from tests.conftest import run_pipeline
+from tests.conftest import run_pipeline, run_extract
 
 
 @pytest.fixture
@@ -69,13 +69,9 @@ def test_repair_regenerates_exactly_the_damaged_files(tmp_path, tiny_llama, prep
     (out / "data_6.pt").unlink()
     untouched = {i: (out / f"data_{i}.pt").stat().st_mtime_ns for i in (0, 1, 3, 5, 7)}
     assert run_pipeline("verify", out).returncode == 3
-    proc = run_pipeline(
-        "extract",
-        "--prepared",
+    proc = run_extract(
         prepared_llama,
-        "--model",
         tiny_llama,
-        "--out",
         out,
         "--limit",
         24,
@@ -113,13 +109,9 @@ def test_full_disk_at_the_last_index_file_is_one_line(tmp_path, tiny_llama, prep
     )
     try:
         out = mnt / "states"
-        proc = run_pipeline(
-            "extract",
-            "--prepared",
+        proc = run_extract(
             prepared_llama,
-            "--model",
             tiny_llama,
-            "--out",
             out,
             "--limit",
             2,

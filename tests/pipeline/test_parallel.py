@@ -11,7 +11,7 @@ import torch
 
 from pipeline.ondisk import formats
 from pipeline.extract import ExtractConfig, deal, plan_batches, plan_shard, shard_indices, worker_config
-from tests.conftest import run_pipeline
+from tests.conftest import run_pipeline, run_extract
 
 
 def test_shards_and_deals_cover_every_sample_once():
@@ -156,13 +156,9 @@ def test_hosts_shards_merge_into_one_verified_set(tmp_path, tiny_llama, prepared
 
 def test_bad_parallel_flags(tmp_path, tiny_llama, prepared_llama):
     """A rank outside the world size is refused with one line, before anything is written."""
-    proc = run_pipeline(
-        "extract",
-        "--prepared",
+    proc = run_extract(
         prepared_llama,
-        "--model",
         tiny_llama,
-        "--out",
         tmp_path / "x",
         "--world-size",
         2,

@@ -16,7 +16,7 @@ from pipeline import verify
 
 from pipeline.ondisk import formats
 from pipeline.verify import VerifyConfig
-from tests.conftest import run_pipeline
+from tests.conftest import run_pipeline, run_extract
 
 
 def rewrite(d, i, edit):
@@ -114,13 +114,9 @@ def test_file_from_another_set_is_named(states, tmp_path, tiny_llama):
         128,
         check=True,
     )
-    run_pipeline(
-        "extract",
-        "--prepared",
+    run_extract(
         tmp_path / "op",
-        "--model",
         tiny_llama,
-        "--out",
         tmp_path / "os",
         "--no-progress",
         "--no-verify",
