@@ -829,7 +829,7 @@ def first_batch_after(stats: dict) -> tuple[float, float] | None:
 @click.command("extract")
 @options(ExtractConfig)
 @click.option(
-    "--json-stats", is_flag=True, hidden=True, help="Print the run's figures as JSON (worker protocol)."
+    "--json-stats", is_flag=True, hidden=True, help="Print the run's figures as one JSON line (benchmarks)."
 )
 def command(json_stats: bool, **kwargs) -> None:
     """Capture the outputs of 4 decoder layers for every prepared sample."""
@@ -838,9 +838,7 @@ def command(json_stats: bool, **kwargs) -> None:
     with output_lock(cfg.out, shard):
         stats = run(cfg)
     if json_stats:
-        import json
-
-        click.echo(json.dumps({k: v for k, v in stats.items() if k != "config"}))
+        echo_stats(stats)
         return
     started = first_batch_after(stats)
     click.echo(
@@ -865,12 +863,17 @@ def command(json_stats: bool, **kwargs) -> None:
 def worker_command() -> None:
     """One data-parallel worker of `pipeline extract` (launch_workers starts it): its ExtractConfig as JSON on
     stdin, its figures as one JSON line on stdout."""
-    import json
-
     cfg = from_json(ExtractConfig, sys.stdin.read())
     if cfg.local_rank is None:
         raise StageError(
             "extract-worker runs one worker of a --data-parallel extract: its config has no local_rank"
         )
-    stats = run(cfg)
+    echo_stats(run(cfg))
+
+
+def echo_stats(stats: dict) -> None:
+    """A run's figures (its resolved config left out) as one JSON line: what launch_workers and the
+    benchmarks read."""
+    import json
+
     click.echo(json.dumps({k: v for k, v in stats.items() if k != "config"}))

@@ -153,9 +153,7 @@ def test_stage_commands_are_made_from_their_configs():
         cls = config_of(cmd)
         assert cls is not None and stage in COMMANDS
         wanted = [f.name for f in dataclasses.fields(cls) if spec_of(f).cli]
-        wanted += (
-            ["json_stats"] if stage == "extract" else []
-        )  # the data-parallel workers' output, not a setting
+        wanted += ["json_stats"] if stage == "extract" else []  # the benchmarks' JSON figures, not a setting
         assert [p.name for p in cmd.params if p.name != "help"] == wanted, stage
         assert [p.name for p in cmd.params if isinstance(p, click.Option) and not p.help] == [], stage
 
