@@ -2,12 +2,13 @@
 behind Backend.
 
 Owns the engine's construction (the speculative method, the KV connector that writes each request's states
-to a file, the settings extraction needs, tensor parallel size, the CPU build's defaults), the mapping of
-our layer ids to vLLM's, reading the files the connector writes, and the validation of every result: one
-result per input in input order, the same token ids, exactly one [T, H] state per requested layer and
-token. The field bug "1 of 4 layers kept", reordered results and states short by whole blocks (prefix
-caching) fail here, loudly, instead of writing wrong files. The extract loop (pipeline/extract.py) owns
-batching, our output files, resume and progress; vLLM's scheduler packs each batch into steps.
+to a file, the settings extraction needs, tensor parallel size; the CPU build's defaults come from
+pipeline/vllm_cpu.py), the mapping of our layer ids to vLLM's, reading the files the connector writes, and
+the validation of every result: one result per input in input order, the same token ids, exactly one [T, H]
+state per requested layer and token. The field bug "1 of 4 layers kept", reordered results and states
+short by whole blocks (prefix caching) fail here, loudly, instead of writing wrong files. The extract loop
+(pipeline/extract.py) owns batching, our output files, resume and progress; vLLM's scheduler packs each
+batch into steps.
 
 Why an in-process ``LLM`` rather than a ``vllm serve`` subprocess (docs/vllm.md): the extract loop already
 owns batching, ordering and back-pressure, so a server would add an HTTP hop, a port and a second process
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from pipeline.backends.base import Backend, BackendOptions, visible_device_count
+from pipeline import vllm_cpu
 from pipeline.errors import StageError
 
 METHOD = "extract_hidden_states"
@@ -39,7 +41,6 @@ CONNECTOR = "ExampleHiddenStatesConnector"
 # What extraction needs from the engine, checked on the built engine (``settings``): prefix caching hands
 # back states short by whole cached blocks; a chunked prefill would split a sample over several steps.
 FORCED_SETTINGS = {"enable_prefix_caching": False, "enable_chunked_prefill": False}
-CPU_KVCACHE_GIB_DEFAULT = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's own default is half the RAM
 
 
 def vllm_layer_ids(layer_ids: Sequence[int]) -> list[int]:
@@ -49,49 +50,6 @@ def vllm_layer_ids(layer_ids: Sequence[int]) -> list[int]:
 
 def default_tensor_parallel_size() -> int:
     return max(1, visible_device_count())
-
-
-def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND value giving each rank a disjoint slice of ``cpus`` ("0|1", "0-3|4-7")."""
-    cpus = sorted(cpus)
-    if len(cpus) < tensor_parallel_size:
-        raise StageError(
-            f"tensor parallel size {tensor_parallel_size} needs at least that many CPU cores on the CPU "
-            f"backend, {len(cpus)} available: lower --tensor-parallel-size"
-        )
-    per = len(cpus) // tensor_parallel_size
-    parts = []
-    for r in range(tensor_parallel_size):
-        chunk = cpus[r * per : (r + 1) * per]
-        parts.append(",".join(str(c) for c in chunk))
-    return "|".join(parts)
-
-
-def cpu_environment(tensor_parallel_size: int) -> dict[str, str]:
-    """Environment defaults for vLLM's CPU build (no GPU visible); an operator's own settings always win.
-    Never applied where a GPU is visible."""
-    env = {}
-    if "VLLM_MLA_DISABLE" not in os.environ:  # the CPU build refuses MLA for most head sizes (DeepSeek/Kimi)
-        env["VLLM_MLA_DISABLE"] = "1"
-    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        env["VLLM_CPU_KVCACHE_SPACE"] = CPU_KVCACHE_GIB_DEFAULT
-    if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
-            tensor_parallel_size, sorted(os.sched_getaffinity(0))
-        )
-    return env
-
-
-def cpu_engine_arguments(dtype: str) -> dict:
-    """Engine settings for vLLM's CPU build (no GPU visible; never applied where one is). vllm-cpu 0.32.0
-    picks its AMX attention kernels for bf16 with a block size that is a multiple of 32, and on a machine
-    with AMX-BF16 (a CI-like machine, 2026-12-02) the worker then dies on its first forward with no
-    message; block size 16 selects the vec16 kernels, which gave the fp32 run's greedy tokens there."""
-    import torch
-
-    if dtype in ("bfloat16", "auto") and torch.cpu._is_amx_tile_supported():
-        return {"block_size": 16}
-    return {}
 
 
 def check_patched() -> None:
@@ -182,7 +140,7 @@ class VllmBackend(Backend):
                 "lower it or make more devices visible"
             )
         if devices == 0:
-            os.environ.update(cpu_environment(self.tensor_parallel_size))
+            os.environ.update(vllm_cpu.extraction_environment(self.tensor_parallel_size))
         check_patched()
         check_routing(options)
         self.layer_ids = [int(k) for k in options.layer_ids]
@@ -196,7 +154,7 @@ class VllmBackend(Backend):
         try:
             args = engine_arguments(options, self.tensor_parallel_size, self._storage)
             if devices == 0:
-                args.update(cpu_engine_arguments(args["dtype"]))
+                args.update(vllm_cpu.engine_arguments(args["dtype"]))
             self._llm = LLM(**args)
         except BaseException:
             shutil.rmtree(self._storage, ignore_errors=True)

@@ -7,8 +7,8 @@ target alone, then the target with ``speculative_config={"model": DRAFT, "method
 "num_speculative_tokens": k}``. Reported: whether both runs produced the same tokens (speculative decoding
 must not change greedy output) and vLLM's own spec-decode counters (``vllm:spec_decode_num_drafts``,
 ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``), from which the mean acceptance length
-is 1 + accepted / drafts, vLLM's definition. Settings vLLM needs on a CPU (``VLLM_CPU_KVCACHE_SPACE``) are
-the caller's environment, not set here.
+is 1 + accepted / drafts, vLLM's definition. Where no GPU is visible the engine gets the CPU build's engine
+arguments (pipeline/vllm_cpu.py); the CPU build's environment (``VLLM_CPU_KVCACHE_SPACE``) is the caller's.
 """
 
 from __future__ import annotations
@@ -97,6 +97,12 @@ def _serve_once(cfg: OnlineConfig, prompts: list[list[int]], with_draft: bool) -
             "method": "eagle3",
             "num_speculative_tokens": cfg.k,
         }
+    from pipeline.backends.base import visible_device_count
+
+    if visible_device_count() == 0:
+        from pipeline import vllm_cpu
+
+        kwargs.update(vllm_cpu.engine_arguments(cfg.dtype))
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

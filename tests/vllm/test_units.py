@@ -98,8 +98,8 @@ def test_no_newline_at_end_of_file_marker(tmp_path):
 
 def test_cpu_thread_binding_splits_cores_between_ranks():
     """TP ranks get disjoint CPU sets; more ranks than cores is a one-line error."""
-    from pipeline.backends.vllm import cpu_thread_binding
     from pipeline.errors import StageError
+    from pipeline.vllm_cpu import thread_binding as cpu_thread_binding
 
     assert cpu_thread_binding(2, [0, 1]) == "0|1"
     assert cpu_thread_binding(2, [3, 2, 1, 0]) == "0,1|2,3"
@@ -110,15 +110,33 @@ def test_cpu_thread_binding_splits_cores_between_ranks():
 
 def test_cpu_environment_never_overrides_the_operator(monkeypatch):
     """Defaults are filled in only where the operator set nothing."""
-    from pipeline.backends import vllm as backend
+    from pipeline import vllm_cpu
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
     monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    env = backend.cpu_environment(1)
+    env = vllm_cpu.extraction_environment(1)
     assert env == {"VLLM_MLA_DISABLE": "1"}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in backend.cpu_environment(2)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_cpu.extraction_environment(2)
+
+
+def test_cpu_engine_arguments_follow_the_cpus_amx_tiles():
+    """Where AMX tiles exist every CPU engine gets the reference MLA backend (AMX_MLA takes bf16 weights
+    only) and, in bf16, 16-token blocks (the AMX attention kernel kills the worker); elsewhere nothing.
+    The ``vllm serve`` flags say the same."""
+    from pipeline import vllm_cpu
+
+    assert vllm_cpu.engine_arguments("bfloat16", amx=False) == {}
+    assert vllm_cpu.engine_arguments("float32", amx=True) == {"attention_backend": "CPU_MLA"}
+    assert vllm_cpu.engine_arguments("auto", amx=True) == {"attention_backend": "CPU_MLA", "block_size": 16}
+    assert vllm_cpu.cli_arguments("bfloat16", amx=True) == [
+        "--attention-backend",
+        "CPU_MLA",
+        "--block-size",
+        "16",
+    ]
+    assert vllm_cpu.cli_arguments("float32", amx=False) == []
 
 
 def test_checkpoint_layers_against_the_config(tmp_path):
