@@ -30,7 +30,15 @@ demo: env ## tiny model end to end: prepare -> extract -> weights -> train -> ve
 test-fast: env ## tests that need only the light environment
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
 
-test: test-fast ## every test (also the vLLM CPU environment's)
+# `make test` runs the suites in TEST_SUITES side by side, each one's output printed whole when it ends: each
+# keeps about one of CI's 2 cores busy (the light suite mostly waits on sshd, Docker and subprocesses; the
+# vLLM CPU suite's load average is ~1.1). Then TEST_AFTER, one at a time: those share the Docker engine and
+# test containers with the light suite's ops tests. The mk/ files add their suites.
+TEST_SUITES := test-fast
+TEST_AFTER :=
+test: ## every test: the light suite and the vLLM CPU suite side by side, then the ones that need them alone
+	$(MAKE) --no-print-directory -j2 --keep-going --output-sync=target $(TEST_SUITES)
+	$(if $(strip $(TEST_AFTER)),$(MAKE) --no-print-directory $(TEST_AFTER))
 
 # the folders tests/test_lint.py checks (its PATHS)
 LINT_PATHS := contract ops pipeline bench tests docker patches

@@ -38,7 +38,7 @@ bench-ops: env ## remote-extract overhead and SSH connection count against a loo
 test-ops-vllm: env patch-vllm ## ops against a real `vllm serve` (.venv-vllm with patches/ applied: 0003 lets `vllm` start)
 	$(PY) -m pytest -m vllm tests/ops $(PYTEST_ARGS)
 
-test: test-ops-vllm
+TEST_AFTER += test-ops-vllm
 
 .PHONY: bench-remote-preflight
 bench-remote-preflight: env ## remote-extract on a misconfigured run: seconds from the laptop command to the error line

@@ -31,7 +31,7 @@ patch-vllm: env-vllm ## apply patches/ to .venv-vllm (a no-op when already appli
 test-vllm: patch-vllm ## tests on a real vLLM 0.32.0 (CPU build) + speculators 0.9.0
 	$(VLLM_PY) -m pytest -m vllm tests/vllm tests/train $(PYTEST_ARGS)
 
-test: test-vllm
+TEST_SUITES += test-vllm
 
 .PHONY: bench-preflight
 bench-preflight: patch-vllm ## preflight's time to the first error vs. extract's time to its model load

@@ -18,6 +18,12 @@ PYTHON = sys.executable
 # Python's own handler back, so that those tests exercise ops, not how the run was launched.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# Likewise a make that a test starts (the image tests read targets with `make -n`) must see what an
+# operator's shell gives it: under `make test`, which runs suites with -j2, the outer make's jobserver and
+# command-line variables would leak into it through these.
+for _name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):
+    os.environ.pop(_name, None)
+
 
 def run_pipeline(
     *args: str, check: bool = False, timeout: float = 600, **kwargs
