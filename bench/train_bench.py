@@ -79,7 +79,12 @@ def attention_check(cfg) -> dict:
             )
         )
     )
-    batch = {k: v.to(device) for k, v in batch.items() if k != "error_records"}
+    # fp32, as the kernels are compared without the trainer's autocast (a GPU's loader hands bf16 states)
+    batch = {
+        k: v.to(device).float() if v.is_floating_point() else v.to(device)
+        for k, v in batch.items()
+        if k != "error_records"
+    }
     results = {}
     for impl in (draft_mod.FLEX_ATTENTION, draft_mod.DENSE_ATTENTION):  # speculators picks the mask at load
         model = draft_mod.load_draft(cfg.out / DRAFT, attention=impl).to(device).eval()

@@ -1,5 +1,5 @@
 # The train stage: benchmark and its tests. `make test` runs tests/train (vLLM-marked ones via test-vllm).
-.PHONY: bench-train bench-train-compare test-train
+.PHONY: bench-train bench-train-compare bench-train-loader test-train
 bench-train: env ## draft training: tokens/s + offline acceptance vs baselines (tiny, CPU); BENCH_ARGS="--preset llama-1b" on a GPU
 	$(PY) bench/train_bench.py --preset tiny --json runs/bench-train.json $(BENCH_ARGS)
 
@@ -12,3 +12,6 @@ test-train: env ## the train stage's tests in the light environment
 .PHONY: demo-learned
 demo-learned: env ## make demo on a tiny Llama trained for a minute on the stdlib's sources (its acceptance table means something)
 	$(PY) -m pipeline.demo --workdir $(DEMO_DIR)-learned --kind learned $(DEMO_ARGS)
+
+bench-train-loader: env ## the training loader's host cost, fp32 against bf16 batches, side by side (CPU)
+	$(PY) -m bench.loader_bench --workdir /tmp/loader-bench --json-out runs/loader_bench.json $(BENCH_ARGS)

@@ -75,14 +75,16 @@ def make_loader(
     seed: int,
     workers: int,
     pin_memory: bool,
+    dtype: torch.dtype = torch.float32,
 ):
-    """Packed batches of ``files`` for one data-parallel rank, speculators' sampler and collate."""
+    """Packed batches of ``files`` for one data-parallel rank, speculators' sampler and collate; the hidden
+    states in ``dtype`` (the trainer's autocast dtype: pipeline/train/stage.py ``states_dtype``)."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
     from torch.utils.data import DataLoader
 
-    dataset = sample_dataset(files, max_len)
+    dataset = sample_dataset(files, max_len, dtype)
     sampler = MultipackDistributedBatchSamplerV2(
         batch_max_length=max_len,
         lengths=dataset.approx_lengths,
@@ -91,7 +93,7 @@ def make_loader(
         seed=seed,
     )
     collate = CollateFn(
-        max_len, hidden_size, num_target_layers=NUM_CAPTURED - 1, dtype=torch.float32, preprocess=shift_batch
+        max_len, hidden_size, num_target_layers=NUM_CAPTURED - 1, dtype=dtype, preprocess=shift_batch
     )
     return DataLoader(
         dataset,

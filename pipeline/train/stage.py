@@ -500,6 +500,15 @@ def _trainer_class():
     return PipelineTrainer
 
 
+def states_dtype(device: torch.device) -> torch.dtype:
+    """The dtype hidden states travel in, from the loader to the step, and the trainer's autocast dtype: one
+    choice. bf16 on GPUs, as speculators' own loader and trainer do: the autocast casts every matmul input to
+    bf16 either way, and bf16 batches halve the host's conversion, collation and pinning work and the bytes
+    copied to the device against fp32 ones (docs/train.md). fp32 on the CPU, which trains in fp32 (its
+    autocast has only 16-bit types)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def make_loader(files: list[Path], cfg: TrainConfig, rt: Runtime, *, shuffle_seed: int, hidden_size: int):
     from pipeline.train.data import make_loader as loader
 
@@ -513,6 +522,7 @@ def make_loader(files: list[Path], cfg: TrainConfig, rt: Runtime, *, shuffle_see
         seed=shuffle_seed,
         workers=workers,
         pin_memory=rt.device.type == "cuda",
+        dtype=states_dtype(rt.device),
     )
 
 
@@ -712,8 +722,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             val_call_kwargs=val_call,
             scheduler_type=cfg.scheduler,
             scheduler_warmup_steps=cfg.warmup_steps,
-            # autocast dtype: bf16 on GPUs (speculators' default); the CPU trains in fp32
-            hidden_states_dtype=torch.bfloat16 if rt.device.type == "cuda" else torch.float32,
+            hidden_states_dtype=states_dtype(rt.device),  # the autocast dtype, the loader's too
         )
         metric_logger = logging.getLogger("speculators.metrics")
         metric_logger.setLevel(logging.INFO)

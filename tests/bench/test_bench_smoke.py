@@ -180,3 +180,27 @@ def test_scaling_bench_without_verify_frees_the_last_set_before_dd(tmp_path):
     )
     assert not (root / "run0-dp1").exists()
     assert "verify_ok" not in r and r["dd_read_gb_s"] > 0 and r["runs"][0]["bytes"] > 0
+
+
+def test_loader_bench_times_both_dtypes_on_the_same_batches(tmp_path):
+    r = _run(
+        tmp_path,
+        "-m",
+        "bench.loader_bench",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--samples",
+        "6",
+        "--length",
+        "128",
+        "--hidden",
+        "64",
+        "--max-len",
+        "256",
+        "--rounds",
+        "1",
+    )
+    assert set(r["tokens_per_s"]) == {"float32", "bfloat16"} and all(
+        v > 0 for v in r["tokens_per_s"].values()
+    )
+    assert r["tokens_per_pass"] > 0 and not (tmp_path / "w" / "hidden_states").exists()

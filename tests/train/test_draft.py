@@ -210,3 +210,48 @@ def test_dense_kernel_matches_flex_forward(make_inputs, tmp_path):
     (tf, lf), (td, ld) = results
     assert torch.allclose(lf, ld, rtol=1e-4, atol=1e-5), (lf, ld)
     assert all(torch.equal(a, b) for a, b in zip(tf, td, strict=True))
+
+
+def test_bf16_batches_are_the_fp32_ones_rounded_and_step_alike(make_inputs, tmp_path):
+    """GPUs get bf16 batches (stage.states_dtype, what speculators' own loader hands its trainer): the same
+    packing as fp32 batches with the states rounded to bf16, and under the bf16 autocast of a GPU step (run
+    here with the CPU's bf16 autocast) the draft takes them and gives the fp32 batch's loss up to rounding."""
+    from pipeline.train.data import make_loader
+    from pipeline.train.stage import get_trainer_kwargs, states_dtype
+
+    assert states_dtype(torch.device("cuda")) == torch.bfloat16
+    assert states_dtype(torch.device("cpu")) == torch.float32
+    inputs = make_inputs()
+    model, checked = _model(inputs, tmp_path)
+
+    def first(dtype):
+        loader = make_loader(
+            checked.train_files,
+            max_len=128,
+            hidden_size=inputs.hidden,
+            world_size=1,
+            rank=0,
+            seed=0,
+            workers=0,
+            pin_memory=False,
+            dtype=dtype,
+        )
+        return next(iter(loader))
+
+    b32, b16 = first(torch.float32), first(torch.bfloat16)
+    assert b32.keys() == b16.keys()
+    for key, value in b32.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            assert value.dtype == torch.float32 and b16[key].dtype == torch.bfloat16, key
+            assert torch.equal(value.to(torch.bfloat16), b16[key]), key
+        elif isinstance(value, torch.Tensor):
+            assert torch.equal(value, b16[key]), key
+        else:
+            assert value == b16[key], key
+    call, _ = get_trainer_kwargs(model, inputs.config(tmp_path / "out"), torch.device("cpu"))
+    losses = []
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for batch in (b32, b16):
+            _, loss, _ = model(**{k: v for k, v in batch.items() if k != "error_records"}, **call)
+            losses.append(float(loss))
+    assert all(np.isfinite(losses)) and losses[1] == pytest.approx(losses[0], rel=1e-3), losses
