@@ -431,9 +431,10 @@ class RemoteRunner:
             while True:
                 got = _drain(chan.recv_ready, chan.recv, out, stream)
                 got = _drain(chan.recv_stderr_ready, chan.recv_stderr, err, stream) or got
-                if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                state = _state(chan, transport, out, err, stream)
+                if state == "done":
                     break
-                if chan.closed or not transport.is_active():  # connection dropped: no exit status will come
+                if state == "lost":  # connection dropped: no exit status will come
                     raise OpsError(
                         f"connection to {self.label} lost during {_brief(command)} (no exit status came)"
                     )
@@ -482,12 +483,13 @@ class RemoteRunner:
                     _drain(chan.recv_ready, chan.recv, out, None)
                     _drain(chan.recv_stderr_ready, chan.recv_stderr, err, None)
                 chan.shutdown_write()
-                while not (
-                    chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready()
-                ):
+                while True:
                     got = _drain(chan.recv_ready, chan.recv, out, None)
                     got = _drain(chan.recv_stderr_ready, chan.recv_stderr, err, None) or got
-                    if chan.closed or not transport.is_active():
+                    state = _state(chan, transport, out, err, None)
+                    if state == "done":
+                        break
+                    if state == "lost":
                         raise OpsError(
                             f"connection to {self.label} lost during {_brief(command)} (no exit status came)"
                         )
@@ -524,6 +526,23 @@ class RemoteRunner:
 def _brief(command: str) -> str:
     """What a remote command is, for a message: its program and first words, at most 80 characters."""
     return f"`{command[:77] + '...' if len(command) > 80 else command}`"
+
+
+def _state(chan, transport, out: bytearray, err: bytearray, stream: IO[str] | None) -> str:
+    """Where a command's channel stands: "done" (its exit status came and everything it sent is read),
+    "lost" (the channel or the connection closed with no exit status) or "running". The close is looked at
+    first: the server sends the status before it closes the channel (OpenSSH: exit-status, EOF, close), so
+    a channel seen closed already holds any status it will get, and what was buffered before the close is
+    read then. Looking at the status first let paramiko's transport thread take all three between the two
+    looks, and a complete command read as a lost connection (seen under load: "connection lost during
+    `docker load` (no exit status came)")."""
+    if chan.closed or not transport.is_active():
+        _drain(chan.recv_ready, chan.recv, out, stream)
+        _drain(chan.recv_stderr_ready, chan.recv_stderr, err, stream)
+        return "done" if chan.exit_status_ready() else "lost"
+    if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+        return "done"
+    return "running"
 
 
 def _drain(ready, recv, buf: bytearray, stream: IO[str] | None) -> bool:

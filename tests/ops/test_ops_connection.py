@@ -132,3 +132,77 @@ def test_local_feed_streams_bytes_and_stops_when_the_command_exits():
 
     early = LocalRunner().feed("head -c 10 >/dev/null; exit 3", endless(), lambda _n: None)
     assert early.exit_code == 3
+
+
+class _ClosingChannel:
+    """A channel on which the server's exit status, its last output and its close all land between two
+    of the runner's checks: the first look finds no status and an open channel, the next a closed one
+    holding the status and unread output (paramiko's transport thread does this under load)."""
+
+    def __init__(self):
+        self.looks = 0
+        self.closed = False
+        self._out = [b"loaded\n"]
+
+    def exec_command(self, command):
+        pass
+
+    def sendall(self, data):
+        pass
+
+    def shutdown_write(self):
+        pass
+
+    def close(self):
+        pass
+
+    def exit_status_ready(self):
+        self.looks += 1
+        if self.looks > 1:
+            self.closed = True  # status, EOF and close came in one go
+        return self.looks > 2
+
+    def recv_ready(self):
+        return self.closed and bool(self._out)
+
+    def recv(self, n):
+        return self._out.pop()
+
+    def recv_stderr_ready(self):
+        return False
+
+    def recv_stderr(self, n):
+        return b""
+
+    def recv_exit_status(self):
+        return 0
+
+    def fileno(self):  # select() on it: a pipe that is never ready
+        import os
+
+        if not hasattr(self, "_pipe"):
+            self._pipe = os.pipe()
+        return self._pipe[0]
+
+
+@pytest.mark.parametrize("how", ["run", "feed"])
+def test_a_close_right_after_the_exit_status_is_not_a_lost_connection(how):
+    """The race behind a false "connection lost during `docker load` (no exit status came)" after a
+    complete load: a channel closed by the server with its status and output in hand is a finished command,
+    its output read whole."""
+    from types import SimpleNamespace
+
+    import paramiko
+
+    from ops.connection import CommandLog
+
+    chan = _ClosingChannel()
+    transport = SimpleNamespace(is_active=lambda: True, open_session=lambda: chan)
+    runner = object.__new__(RemoteRunner)
+    runner.label, runner.log, runner._paramiko = "t", CommandLog(), paramiko
+    runner._conn = SimpleNamespace(client=SimpleNamespace(get_transport=lambda: transport))
+    if how == "run":
+        result = runner.run("docker load")
+    else:
+        result = runner.feed("docker load", [b"x"], lambda n: None)
+    assert (result.exit_code, result.stdout) == (0, "loaded\n")
