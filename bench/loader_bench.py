@@ -7,7 +7,8 @@ packing with speculators' sampler and collate, and pinning (where CUDA is presen
 here: whether the loader bounds a GPU step is the trainer's ``fetch_frac`` on a GPU run.
 
 Writes a synthetic set of the llama-1b preset's shape (hidden 2048, 4 captured layers, stored in bf16 as
-extract writes it) into --workdir, then alternates the two dtypes --rounds times after one warm-up pass of
+extract writes it; bench/verify_bench.py ``make_set``, mixed lengths up to --length) into --workdir, then
+alternates the two dtypes --rounds times after one warm-up pass of
 each and reports tokens/s per dtype (median of the rounds) and their ratio.
 
     python -m bench.loader_bench --workdir /tmp/loader-bench --json-out runs/loader_bench.json
@@ -28,26 +29,8 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline.layers import NUM_CAPTURED
+from bench.verify_bench import make_set
 from pipeline.ondisk import formats
-
-
-def write_set(directory: Path, samples: int, length: int, hidden: int) -> list[Path]:
-    """``samples`` random samples of ``length`` tokens, layers stored in bf16 (as extract writes them)."""
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(0)
-    files, lengths = [], {}
-    for i in range(samples):
-        ids = torch.randint(0, 32000, (length,), generator=gen)
-        states = [torch.randn(length, hidden, generator=gen).to(torch.bfloat16) for _ in range(NUM_CAPTURED)]
-        mask = torch.ones(length, dtype=torch.int64)
-        path = formats.data_file(directory, i)
-        formats.write_sample(path, ids, states, mask)
-        files.append(path)
-        lengths[i] = length
-    formats.write_sample_lengths(directory, lengths)
-    return files
 
 
 def one_pass(files: list[Path], dtype: torch.dtype, *, max_len: int, hidden: int, workers: int) -> dict:
@@ -76,15 +59,18 @@ def one_pass(files: list[Path], dtype: torch.dtype, *, max_len: int, hidden: int
 @click.option(
     "--workdir", type=click.Path(path_type=Path), required=True, help="Where the synthetic set goes."
 )
-@click.option("--samples", default=48, show_default=True, help="Samples in the set.")
-@click.option("--length", default=2048, show_default=True, help="Tokens per sample.")
+@click.option("--gb", default=1.2, show_default=True, help="Size of the set in GB.")
+@click.option("--length", default=2048, show_default=True, help="Longest sample, in tokens.")
 @click.option("--hidden", default=2048, show_default=True, help="Hidden size (llama-1b preset: 2048).")
 @click.option("--max-len", default=2048, show_default=True, help="Tokens per packed batch.")
 @click.option("--workers", default=0, show_default=True, help="DataLoader workers (0: in this process).")
 @click.option("--rounds", default=3, show_default=True, help="Alternating measured passes per dtype.")
 @click.option("--json-out", type=click.Path(path_type=Path), help="Write the figures here too.")
-def main(workdir, samples, length, hidden, max_len, workers, rounds, json_out):
-    files = write_set(workdir / "hidden_states", samples, length, hidden)
+def main(workdir, gb, length, hidden, max_len, workers, rounds, json_out):
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    states = make_set(workdir, gb, hidden, length)
+    files = [formats.data_file(states, i) for i in formats.existing_data_indices(states)]
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     for dtype in dtypes.values():  # warm-up: page cache, imports, allocator
         one_pass(files, dtype, max_len=max_len, hidden=hidden, workers=workers)
@@ -101,7 +87,7 @@ def main(workdir, samples, length, hidden, max_len, workers, rounds, json_out):
         "host": platform.node(),
         "cpus": len(os.sched_getaffinity(0)),
         "torch": torch.__version__,
-        "set": {"samples": samples, "length": length, "hidden": hidden, "stored": "bfloat16"},
+        "set": {"samples": len(files), "max_length": length, "hidden": hidden, "stored": "bfloat16"},
         "workers": workers,
         "tokens_per_s": rates,
         "bf16_over_fp32": rates["bfloat16"] / rates["float32"],
@@ -115,7 +101,7 @@ def main(workdir, samples, length, hidden, max_len, workers, rounds, json_out):
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=2) + "\n")
-    shutil.rmtree(workdir / "hidden_states", ignore_errors=True)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
