@@ -5,7 +5,10 @@ Issue #17 item 5. Both trainers get one set: ours reads what `prepare` + `extrac
 the flags the export records. Each tool runs as its own process with its own defaults, except the ones the
 comparison must hold equal: epochs, tokens per packed batch (our ``--max-len`` = its ``--total-seq-len``),
 learning rate, TTT steps and the seed. Both hold out 10% of the samples and train the same EAGLE-3 draft
-(speculators' model, one layer, KL loss).
+(speculators' model, one layer, KL loss). Not the same 10%: ours holds out a seeded shuffle's share
+(pipeline/train/stage.py ``split_indices``), speculators the dataset's last rows, so the two validation
+losses are over different samples; on a random target every sample is about equally unpredictable, on a
+learned one they are not.
 
 The runs alternate (ours, speculators) at ``--epochs-short`` and then at ``--epochs-long`` epochs, so the
 GPU's state is shared as evenly as one run allows. Per run: whole-process seconds, seconds inside the
@@ -64,36 +67,57 @@ def epoch_seconds(lines: list[tuple[float, str]]) -> float | None:
     return total if done and not started else None
 
 
-PROFILE_FIELD = re.compile(r"profile/(tokens_per_s|step_ms)=([0-9.e+-]+)")
+# speculators' step timer (speculators/train/trainer.py ``_StepTimer.profile``), which both tools run: each
+# logged step's phases in ms, its tokens/s and the share of it spent waiting for the batch (fetch_frac).
+PROFILE_FIELD = re.compile(r"profile/([a-z0-9_]+)=([0-9.e+-]+)")
+PHASES = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms", "step_ms")
+Profile = dict[str, float]
 
 
-def steady_rate(steps: list[tuple[float, float]]) -> float | None:
+def steady_rate(steps: list[Profile]) -> float | None:
     """Tokens per second over the logged steps after the first (which carries the compile and the first
-    fetch): ``steps`` is each logged step's (tokens/s, step ms) from speculators' step timer, which both
-    tools run."""
-    later = steps[1:]
-    seconds = sum(ms for _, ms in later) / 1000
-    return round(sum(tps * ms / 1000 for tps, ms in later) / seconds, 1) if later and seconds > 0 else None
+    fetch)."""
+    later = [s for s in steps[1:] if "tokens_per_s" in s and "step_ms" in s]
+    seconds = sum(s["step_ms"] for s in later) / 1000
+    if not later or seconds <= 0:
+        return None
+    return round(sum(s["tokens_per_s"] * s["step_ms"] / 1000 for s in later) / seconds, 1)
 
 
-def profiles_from_log(lines: list[tuple[float, str]]) -> list[tuple[float, float]]:
-    """(tokens/s, step ms) of each step `speculators train` logged (its console lines, in order)."""
-    values: dict[str, float] = {}
-    steps = []
+def steady_phases(steps: list[Profile]) -> dict | None:
+    """Where a step's time went over the logged steps after the first: mean ms of each phase, and the share
+    of the step spent getting its batch onto the device (``fetch_ms``: the wait for the loader plus the
+    host-to-device copy, ``h2d_ms``, which is also given where logged)."""
+    later = [s for s in steps[1:] if all(k in s for k in PHASES)]
+    if not later:
+        return None
+    keys = PHASES + (("h2d_ms",) if all("h2d_ms" in s for s in later) else ())
+    means = {k: round(sum(s[k] for s in later) / len(later), 2) for k in keys}
+    total = sum(s["step_ms"] for s in later)
+    return {**means, "fetch_share": round(sum(s["fetch_ms"] for s in later) / total, 3) if total else None}
+
+
+def profiles_from_log(lines: list[tuple[float, str]]) -> list[Profile]:
+    """Each step's profile fields as `speculators train` logged them (its console lines, in order, wherever
+    rich wrapped them): a field seen again starts the next step."""
+    steps: list[Profile] = []
+    current: Profile = {}
     for _, line in lines:
         for key, value in PROFILE_FIELD.findall(line):
-            values[key] = float(value)
-            if len(values) == 2:
-                steps.append((values.pop("tokens_per_s"), values.pop("step_ms")))
-    return steps
+            if key in current:
+                steps.append(current)
+                current = {}
+            current[key] = float(value)
+    steps.append(current)
+    return [s for s in steps if "tokens_per_s" in s and "step_ms" in s]
 
 
-def profiles_from_metrics(out: Path) -> list[tuple[float, float]]:
-    """(tokens/s, step ms) of each step our train wrote to metrics.jsonl."""
+def profiles_from_metrics(out: Path) -> list[Profile]:
+    """Each step's profile as our train wrote it to metrics.jsonl (val rows have none)."""
     metrics = out / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     return [
-        (r["profile"]["tokens_per_s"], r["profile"]["step_ms"])
+        {k: v for k, v in r["profile"].items() if isinstance(v, (int, float))}
         for r in rows
         if isinstance(r.get("profile"), dict)
     ]
@@ -210,6 +234,11 @@ def commands(
     )
 
 
+def steady_figures(steps: list[Profile]) -> dict:
+    """The steady-state figures of one run's step profiles."""
+    return {"steady_tokens_per_s": steady_rate(steps), "steady_phase_ms": steady_phases(steps)}
+
+
 def run_one(
     work: Path, tool: str, epochs: int, opts: dict, record: dict, device: str, env: dict, tag: str = ""
 ) -> dict:
@@ -237,14 +266,14 @@ def run_one(
             figures.update(
                 epoch_seconds=train["train_seconds"],
                 tokens_per_epoch=train["train_tokens_per_epoch"],
-                steady_tokens_per_s=steady_rate(profiles_from_metrics(out)),
+                **steady_figures(profiles_from_metrics(out)),
                 **last_val_ours(out),
             )
         else:
             figures.update(
                 epoch_seconds=epoch_seconds(lines),
                 tokens_per_epoch=speculators_train_tokens(work / "speculators"),
-                steady_tokens_per_s=steady_rate(profiles_from_log(lines)),
+                **steady_figures(profiles_from_log(lines)),
                 **last_val_speculators(out),
             )
     except Exception as exc:  # noqa: BLE001 - e.g. a library of the host that the reader trips on
@@ -260,6 +289,17 @@ def marginal(short: dict, long: dict, epochs: tuple[int, int]) -> float | None:
         return None
     extra = long["epoch_seconds"] - short["epoch_seconds"]
     return round(long["tokens_per_epoch"] * (epochs[1] - epochs[0]) / extra, 1) if extra > 0 else None
+
+
+def no_marginal_reason(short: dict, long: dict) -> str | None:
+    """Why :func:`marginal` gives no rate although both runs timed their epochs, or None."""
+    a, b = short.get("epoch_seconds"), long.get("epoch_seconds")
+    if a and b and b <= a:
+        return (
+            f"the long run's epochs took {b:.1f} s, no more than the short run's {a:.1f} s (the short run "
+            "paid a cold compile or first read that the long run found cached); compare the steady rates"
+        )
+    return None
 
 
 @click.command()
@@ -408,19 +448,20 @@ def main(
 
     click.echo(
         "\n| tool | epochs | whole process s | epochs s | tokens/s (epochs) | "
-        "tokens/s (steps after the first) "
+        "tokens/s (steps after the first) | fetch share of a step "
         "| GPU util % | peak GPU GiB | last val loss [step accuracies] |"
     )
-    click.echo("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    click.echo("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for epochs in (epochs_short, epochs_long):
         for tool in TOOLS:
             f = runs[tool][epochs]
             if f["exit_code"] != 0:
-                click.echo(f"| {tool} | {epochs} | failed (exit {f['exit_code']}) | | | | | | |")
+                click.echo(f"| {tool} | {epochs} | failed (exit {f['exit_code']}) | | | | | | | |")
                 continue
             click.echo(
                 f"| {tool} | {epochs} | {f['wall_seconds']:.1f} | {f['epoch_seconds'] or 0:.1f} | "
                 f"{f.get('tokens_per_s', 0):,.0f} | {f.get('steady_tokens_per_s') or 0:,.0f} | "
+                f"{(f.get('steady_phase_ms') or {}).get('fetch_share', '-')} | "
                 f"{f.get('gpu_util_mean_pct', '-')} | {f.get('gpu_mem_peak_gib', '-')} | "
                 f"{f.get('val_loss')} {f.get('val_full_acc', '')} |"
             )
@@ -431,6 +472,9 @@ def main(
         f"ours {m['ours']}, speculators {m['speculators']}"
         + (f" -> ours / speculators = {ratio:.2f}x" if ratio else "")
     )
+    for tool in TOOLS:
+        if why := no_marginal_reason(runs[tool][epochs_short], runs[tool][epochs_long]):
+            click.echo(f"no marginal rate for {tool}: {why}")
     if any(runs[t][e]["exit_code"] != 0 for t in TOOLS for e in (epochs_short, epochs_long)):
         raise SystemExit(1)
 

@@ -156,30 +156,70 @@ def test_speculators_cli_builds_the_same_draft_as_ours_from_the_bench_command(on
 
 
 def test_step_profiles_parse_speculators_console_lines_and_skip_the_first_step():
-    """The two profile fields are read wherever rich wrapped them; the first step (compile) is left out."""
+    """Each step's fields are read wherever rich wrapped them (a field seen again starts the next step);
+    the first step (compile) is left out of the steady figures."""
     lines = [
         (93.1, "INFO train/loss=2.688, profile/fetch_ms=2.11e+04,"),
         (
             93.1,
             "     profile/opt_ms=54.571, profile/step_ms=6.47e+04, profile/tokens_per_s=31.436, profile/x=1",
         ),
-        (93.3, "     profile/step_ms=50.0, profile/tokens_per_s=4.0e+04,"),
-        (93.4, "     profile/tokens_per_s=2.0e+04, profile/fetch_frac=0.3,"),
+        (93.3, "     profile/step_ms=50.0, profile/tokens_per_s=4.0e+04, profile/memory_mb/start=9.0,"),
+        (93.4, "     profile/tokens_per_s=2.0e+04, profile/fetch_frac=0.3, profile/h2d_ms=1.5,"),
         (93.4, "  profile/step_ms=150.0"),
     ]
     steps = train_compare.profiles_from_log(lines)
-    assert steps == [(31.436, 64700.0), (40000.0, 50.0), (20000.0, 150.0)]
+    assert [(s["tokens_per_s"], s["step_ms"]) for s in steps] == [
+        (31.436, 64700.0),
+        (40000.0, 50.0),
+        (20000.0, 150.0),
+    ]
+    assert steps[2]["h2d_ms"] == 1.5 and "memory_mb" not in steps[1]
     assert train_compare.steady_rate(steps) == pytest.approx((40000 * 0.05 + 20000 * 0.15) / 0.2)
     assert train_compare.steady_rate(steps[:1]) is None
+    assert train_compare.steady_phases(steps) is None  # no later step logged every phase
+
+
+def test_steady_phases_give_each_phase_and_the_fetch_share_after_the_first_step():
+    """Mean ms per phase over the steps after the first; the fetch share is total fetch over total step."""
+    first = {"fetch_ms": 9000.0, "fwd_ms": 1.0, "bwd_ms": 1.0, "opt_ms": 1.0, "step_ms": 9003.0}
+    a = {"fetch_ms": 2.0, "fwd_ms": 20.0, "bwd_ms": 10.0, "opt_ms": 2.0, "step_ms": 34.0, "h2d_ms": 1.0}
+    b = {"fetch_ms": 10.0, "fwd_ms": 24.0, "bwd_ms": 12.0, "opt_ms": 2.0, "step_ms": 48.0, "h2d_ms": 3.0}
+    phases = train_compare.steady_phases([first, a, b])
+    assert phases == {
+        "fetch_ms": 6.0,
+        "fwd_ms": 22.0,
+        "bwd_ms": 11.0,
+        "opt_ms": 2.0,
+        "step_ms": 41.0,
+        "h2d_ms": 2.0,
+        "fetch_share": round(12 / 82, 3),
+    }
+    assert "h2d_ms" not in train_compare.steady_phases(
+        [first, a, {k: v for k, v in b.items() if k != "h2d_ms"}]
+    )
+
+
+def test_no_marginal_rate_is_explained_when_the_long_run_was_quicker():
+    """A short run that paid the cold compile can take longer than the long one: no rate, and the reason."""
+    short = {"epoch_seconds": 48.8, "tokens_per_epoch": 1000}
+    long = {"epoch_seconds": 15.9, "tokens_per_epoch": 1000}
+    assert train_compare.marginal(short, long, (1, 2)) is None
+    assert "15.9 s, no more than the short run's 48.8 s" in train_compare.no_marginal_reason(short, long)
+    assert train_compare.no_marginal_reason(long, short) is None
+    assert train_compare.no_marginal_reason({"epoch_seconds": None}, long) is None
 
 
 def test_our_step_profiles_come_from_metrics_jsonl(tmp_path):
-    """metrics.jsonl rows with a profile give (tokens/s, step ms); val rows have none."""
+    """metrics.jsonl rows with a profile give its numeric fields; val rows have none."""
     rows = [
         {"step": 0, "train": {}, "profile": {"tokens_per_s": 10.0, "step_ms": 9000.0}},
-        {"step": 1, "train": {}, "profile": {"tokens_per_s": 1000.0, "step_ms": 20.0}},
+        {"step": 1, "train": {}, "profile": {"tokens_per_s": 1000.0, "step_ms": 20.0, "memory_mb": {"a": 1}}},
         {"step": 2, "val": {"loss_epoch": 1.5, "full_acc_0_epoch": 0.5}},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert train_compare.profiles_from_metrics(tmp_path) == [(10.0, 9000.0), (1000.0, 20.0)]
+    assert train_compare.profiles_from_metrics(tmp_path) == [
+        {"tokens_per_s": 10.0, "step_ms": 9000.0},
+        {"tokens_per_s": 1000.0, "step_ms": 20.0},
+    ]
     assert train_compare.last_val_ours(tmp_path) == {"val_loss": 1.5, "val_full_acc": [0.5]}
