@@ -5,10 +5,9 @@ Issue #17 item 5. Both trainers get one set: ours reads what `prepare` + `extrac
 the flags the export records. Each tool runs as its own process with its own defaults, except the ones the
 comparison must hold equal: epochs, tokens per packed batch (our ``--max-len`` = its ``--total-seq-len``),
 learning rate, TTT steps and the seed. Both hold out 10% of the samples and train the same EAGLE-3 draft
-(speculators' model, one layer, KL loss). Not the same 10%: ours holds out a seeded shuffle's share
-(pipeline/train/stage.py ``split_indices``), speculators the dataset's last rows, so the two validation
-losses are over different samples; on a random target every sample is about equally unpredictable, on a
-learned one they are not.
+(speculators' model, one layer, KL loss), on the same samples: ours with ``--held-out last``, speculators
+with ``--train-data-ratio 0.9`` on rows written in sample order (before 2026-12-02 18:40 ours held out a
+seeded shuffle's share, so the two validation losses were over different samples).
 
 The runs alternate (ours, speculators) at ``--epochs-short`` and then at ``--epochs-long`` epochs, so the
 GPU's state is shared as evenly as one run allows. Per run: whole-process seconds, seconds inside the
@@ -50,6 +49,9 @@ from bench.train_bench import Report
 SAME_DRAFT = ("--optimizer", "adamw", "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output")
 EPOCH_LINE = re.compile(r"Training epoch (\d+)/(\d+) (started|completed)")
 TOOLS = ("ours", "speculators")
+# both tools hold out this share, and the same samples: ours its last ones (`--held-out last`), speculators
+# the last rows of the dataset export-speculators writes in sample order (`--train-data-ratio 1 - HELD_OUT`)
+HELD_OUT = 0.1
 
 
 def epoch_seconds(lines: list[tuple[float, str]]) -> float | None:
@@ -123,7 +125,7 @@ def profiles_from_metrics(out: Path) -> list[Profile]:
     ]
 
 
-def speculators_train_tokens(dataset: Path, train_ratio: float = 0.9) -> int:
+def speculators_train_tokens(dataset: Path, train_ratio: float = 1 - HELD_OUT) -> int:
     """Tokens in the split `speculators train` trains on: its ArrowDataset's first ``int(N x ratio)`` rows."""
     from datasets import load_from_disk
 
@@ -198,6 +200,10 @@ def commands(
                 "0",
                 "--device",
                 device,
+                "--eval-fraction",
+                str(HELD_OUT),
+                "--held-out",
+                "last",
                 "--no-eval",
                 "--no-plots",
             ],
@@ -213,6 +219,8 @@ def commands(
             "--data-path",
             str(work / "speculators"),
             *record["speculators_train_args"],
+            "--train-data-ratio",
+            str(1 - HELD_OUT),
             "--save-path",
             str(save),
             "--epochs",

@@ -44,6 +44,12 @@ class TrainConfig:
     )
     max_len: int = opt(2048, help="Tokens per packed batch.")  # samples are packed up to this length
     eval_fraction: float = opt(0.1, help="Share of samples held out.")  # for validation and acceptance
+    held_out: str = opt(
+        "shuffled",
+        choices=("shuffled", "last"),
+        help="Which samples are held out: a seeded shuffle's share, or the last ones, as `speculators train "
+        "--train-data-ratio 1-F` splits what export-speculators writes (then both hold out the same ones).",
+    )
     eval_k: int | None = opt(None, help="Draft tokens per position when measuring [default: --ttt-steps].")
     eval_max_samples: int = opt(64, help="Held-out samples the acceptance is measured on.")
     seed: int = opt(0, help="Seeds python, numpy, torch, the split and the sampler.")

@@ -130,14 +130,21 @@ def _read_verifier(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
-def split_indices(n: int, eval_fraction: float, seed: int, min_eval: int = 1) -> tuple[list[int], list[int]]:
-    """Seeded shuffle of 0..n-1 into (train, held-out); both non-empty."""
+def split_indices(
+    n: int, eval_fraction: float, seed: int, min_eval: int = 1, held_out: str = "shuffled"
+) -> tuple[list[int], list[int]]:
+    """0..n-1 split into (train, held-out), both non-empty: a seeded shuffle's share held out, or with
+    ``held_out="last"`` the last samples, at the boundary speculators' ArrowDataset draws for the rows
+    export-speculators writes in sample order (``int(n * train_ratio)``, train_ratio = 1 - eval_fraction)."""
     if n < 2:
         raise StageError(
             f"{n} sample(s) in the hidden-states dir: at least 2 are needed (one to train on, one held out)"
         )
     if not 0.0 < eval_fraction < 1.0:
         raise StageError(f"--eval-fraction {eval_fraction} must be between 0 and 1 (exclusive)")
+    if held_out == "last":
+        boundary = min(n - min_eval, max(1, int(n * (1.0 - eval_fraction))))
+        return list(range(boundary)), list(range(boundary, n))
     order = list(range(n))
     random.Random(seed).shuffle(order)
     n_eval = min(n - 1, max(min_eval, round(n * eval_fraction)))
@@ -252,7 +259,7 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
     for path in {files[0], files[-1]}:
         _check_sample(path, dc, target.vocab_size)
 
-    train_idx, eval_idx = split_indices(len(files), cfg.eval_fraction, cfg.seed)
+    train_idx, eval_idx = split_indices(len(files), cfg.eval_fraction, cfg.seed, held_out=cfg.held_out)
     lengths = formats.read_sample_lengths(data)
     train_tokens = sum(min(lengths.get(i, 0), cfg.max_len + 1) - 1 for i in train_idx) if lengths else 0
     return TrainInputs(

@@ -112,6 +112,22 @@ def test_split_is_seeded_and_disjoint():
     assert split_indices(2, 0.01, 0) == ([1], [0]) or split_indices(2, 0.01, 0) == ([0], [1])
 
 
+@pytest.mark.parametrize("n", [2, 10, 19, 1500, 1501])
+def test_held_out_last_is_speculators_split_of_the_exported_rows(n):
+    """--held-out last holds out what `speculators train --train-data-ratio 1-F` validates on: its
+    ArrowDataset's rows from int(n * ratio) (read in its source here, so a change there fails this test);
+    export-speculators writes sample i as row i."""
+    import inspect
+
+    from speculators.train.data import ArrowDataset
+
+    assert "split_idx = int(len(self.data) * train_ratio)" in inspect.getsource(ArrowDataset.__init__)
+    train, held = split_indices(n, 0.1, 7, held_out="last")
+    boundary = max(1, min(n - 1, int(n * 0.9)))
+    assert train == list(range(boundary)) and held == list(range(boundary, n))
+    assert split_indices(n, 0.1, 8, held_out="last") == (train, held)  # the seed plays no part
+
+
 def test_good_inputs_pass(make_inputs, tmp_path):
     """Consistent inputs pass the checks and give vLLM's layer ids."""
     inputs = make_inputs()
