@@ -108,6 +108,21 @@ def test_e2e_bench_runs_both_processes_and_checks_them_against_fp32(tmp_path):
     assert max(tiny["rel_err_vs_fp32_per_layer"]["ours"]) < 1e-4
 
 
+def test_e2e_bench_keeps_only_the_files_it_compares_before_the_naive_run(tmp_path):
+    """After ours' figures, only the first COMPARED data files stay (the comparisons read no others); the rest
+    of the directory is left alone, and the freed bytes are counted."""
+    from bench import e2e_bench
+
+    for i in range(20):
+        (tmp_path / f"data_{i}.pt").write_bytes(b"x" * (i + 1))
+    (tmp_path / "data_config.json").write_text("{}")
+    freed = e2e_bench.keep_compared(tmp_path)
+    left = sorted(int(p.stem.split("_")[1]) for p in tmp_path.glob("data_*.pt"))
+    assert left == list(range(e2e_bench.COMPARED)) and (tmp_path / "data_config.json").is_file()
+    assert freed == sum(i + 1 for i in range(e2e_bench.COMPARED, 20))
+    assert e2e_bench.keep_compared(tmp_path) == 0
+
+
 def test_verify_bench_compares_both_loaders_on_a_set_verify_passes(tmp_path):
     r = _run(
         tmp_path,

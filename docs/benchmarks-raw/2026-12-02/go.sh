@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 2026-12-02 H200 runs: $1 = e2e [limit s] [samples] [shapes] (issue #21) | compare-1b | learned-compare (issue #17 item 5)
+# 2026-12-02 H200 runs: $1 = e2e [limit s] [samples] [shapes] [baseline tree | none] (issue #21) | compare-1b | learned-compare (issue #17 item 5)
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -8,7 +8,7 @@ case "$1" in
   e2e)
     export PYTHONPATH=.
     timeout ${2:-560} python3 -m bench.e2e_bench --shapes ${4:-llama-1b,llama-8b} --samples ${3:-1024,256} \
-      --workdir /dev/shm/e2e --baseline runs/base --json-out $OUT/e2e.json > $OUT/e2e.log 2>&1
+      --workdir /dev/shm/e2e $([ "${5:-runs/base}" = none ] || echo --baseline ${5:-runs/base}) --json-out $OUT/e2e.json > $OUT/e2e.log 2>&1
     echo "e2e rc=$?"; grep -v '^ ' $OUT/e2e.log | tail -40 ;;
   compare-1b)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site runs/wheels/*.whl || exit 3
