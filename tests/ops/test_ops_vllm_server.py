@@ -153,7 +153,11 @@ def test_pidfile_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mode
 @pytest.mark.docker
 def test_container_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_model):
     """vllm serve in a container; its API process is SIGKILLed and the (paused) engine is left under the
-    container's init shell; stop-server by container stops the container and the engine is gone."""
+    container's init shell; stop-server by container stops the container and the engine is gone.
+
+    The init shell outlives the server (as entrypoints that keep a container up for debugging do): only
+    then can a container hold an orphaned engine. A shell that just runs the server exits with it, and the
+    kernel then kills everything in the container's pid namespace (CI stop 26 failed on that race)."""
     dk = client()
     image, mounts = stage_image(dk, REPO, sys.base_prefix)
     name, port = unique("ops-test-vllm"), free_port()
@@ -167,9 +171,10 @@ def test_container_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mo
     cmd = " ".join(serve_argv(str(VLLM), tiny_model, port))
     # vLLM 0.32's engine needs 160 MiB of shared memory for its message queue; docker's default /dev/shm
     # is 64 MiB
+    init = f"trap 'exit 0' TERM; {cmd}; while :; do sleep 0.2; done"
     ctr = dk.containers.run(
         image,
-        ["sh", "-c", cmd],
+        ["sh", "-c", init],
         name=name,
         detach=True,
         network_mode="host",
