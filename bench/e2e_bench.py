@@ -35,6 +35,7 @@ from bench.extract_bench import agreement, make_prepared
 from bench.gpu_models import build_model, save_model
 from bench.roofline import model_shape
 from bench.timing import timed
+from pipeline.ondisk import formats
 
 CLOSING = re.compile(
     r"extracted (\d+) samples .*?; ([\d,]+) tok/s(?:, device idle (\d+)%)?"
@@ -133,10 +134,10 @@ def keep_compared(out: Path, keep: int = COMPARED) -> int:
     naive run's set, not two whole sets, is what memory holds next (llama-1b writes 16 KiB of states per
     token: 91 GB at 5.5M tokens). Returns the bytes freed."""
     freed = 0
-    for path in out.glob("data_*.pt"):
-        if int(path.stem.rsplit("_", 1)[1]) >= keep:
-            freed += path.stat().st_size
-            path.unlink()
+    for index in formats.existing_data_indices(out)[keep:]:
+        path = formats.data_file(out, index)
+        freed += path.stat().st_size
+        path.unlink()
     return freed
 
 

@@ -6,7 +6,7 @@ the flags the export records. Each tool runs as its own process with its own def
 comparison must hold equal: epochs, tokens per packed batch (our ``--max-len`` = its ``--total-seq-len``),
 learning rate, TTT steps and the seed. Both hold out 10% of the samples and train the same EAGLE-3 draft
 (speculators' model, one layer, KL loss), on the same samples: ours with ``--held-out last``, speculators
-with ``--train-data-ratio 0.9`` on rows written in sample order (before 2026-12-02 18:40 ours held out a
+with ``--train-data-ratio 0.9`` on rows written in sample order (before 2026-12-02 18:27 ours held out a
 seeded shuffle's share, so the two validation losses were over different samples).
 
 The runs alternate (ours, speculators) at ``--epochs-short`` and then at ``--epochs-long`` epochs, so the
