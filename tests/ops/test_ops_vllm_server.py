@@ -202,8 +202,9 @@ def test_container_stop_after_api_sigkill_leaves_nothing(tmp_path, sshd, tiny_mo
         engine = [
             pid for pid, (ppid, comm) in top.items() if ppid == api[0] and comm.startswith("VLLM::EngineCor")
         ]
-        # the engine is paused first: on a loaded machine it sometimes exited on its own once the API was
-        # gone (CI flake), and the point here is what stop-server does with one that does not
+        # the engine is paused first, so that it cannot leave on its own once the API is gone: the point
+        # here is what stop-server does with one that does not (the engine death CI saw in stop 26 was
+        # instead the pid-namespace kill that the init shell above now prevents)
         for pid in engine:
             __import__("os").kill(pid, signal.SIGSTOP)
         engine = [pid for pid in engine if alive(pid)]
