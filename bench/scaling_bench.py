@@ -23,6 +23,7 @@ import click
 import torch
 
 from bench.extract_bench import PRESETS, make_prepared
+from pipeline.extract import WRITER_THREADS
 
 
 def dd(path: Path, size_bytes: int) -> dict:
@@ -98,7 +99,7 @@ def expected_set_bytes(prepared: Path, model_dir: Path, layers: int = 4) -> int:
     "--out-root", type=click.Path(path_type=Path), default=Path("/tmp/scaling-bench"), show_default=True
 )
 @click.option("--max-batch-tokens", type=int, default=32768, show_default=True)
-@click.option("--writer-threads", type=int, default=4, show_default=True)
+@click.option("--writer-threads", type=int, default=WRITER_THREADS, show_default=True)
 @click.option(
     "--verify/--no-verify",
     "with_verify",

@@ -40,6 +40,11 @@ if TYPE_CHECKING:
     import torch
 
 
+# Writer threads per process: on the H200 host (16 cores, tmpfs), 4 left the loop waiting on them (123-144k
+# tok/s, 0.1-1.2 s of writer wait per 0.8M tokens) where 8 and 16 kept up (154-164k, no wait; device busy 90%
+# of the loop): docs/benchmarks.md, 2026-12-03. Each thread mostly waits in write(2) and sha256, which
+# release the GIL, so more threads than cores cost little.
+WRITER_THREADS = 8
 VLLM_SCRATCH_GLOB = ".vllm-states-*"  # pipeline/backends/vllm.py's per-run scratch folders in --out
 
 
@@ -86,7 +91,10 @@ class ExtractConfig:
         "and hashes every byte, as `pipeline verify`).",
     )
     progress: bool = opt(True, decls="--no-progress", help="No progress bar (logs, CI).")
-    writer_threads: int = opt(4, help="Threads writing files, per process.")
+    writer_threads: int = opt(
+        WRITER_THREADS,
+        help="Threads writing files (hashing and copying into the page cache), per process.",
+    )
     data_parallel: int = opt(
         1, help="Processes on this host: hf one per GPU; vllm one per --tensor-parallel-size GPUs."
     )
@@ -203,7 +211,7 @@ class Writer:
     copies (``ready``); the main thread never does.
     """
 
-    def __init__(self, out: Path, threads: int = 4, max_pending_bytes: int = 2 << 30):
+    def __init__(self, out: Path, threads: int = WRITER_THREADS, max_pending_bytes: int = 2 << 30):
         self.out = out
         self.queue: queue.Queue = queue.Queue()  # unbounded: the byte count below is the bound
         self.error: BaseException | None = None
@@ -431,7 +439,7 @@ def run_loop(
     total: int,
     done: set[int],
     progress: bool,
-    writer_threads: int = 4,
+    writer_threads: int = WRITER_THREADS,
 ) -> dict:
     """Capture every pending batch (whole, so results never depend on what was done before) and write the
     samples not already on disk; return throughput figures."""
