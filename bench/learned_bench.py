@@ -109,7 +109,7 @@ PRESETS = {
         16,
         2500,
         192,
-        512,
+        1024,
         1024,
         {"epochs": 5, "max_len": 8192, "lr": 5e-4},
         128,
@@ -361,7 +361,13 @@ def main(
         )
         del texts
         rows, gen = learned.regenerate(
-            workdir / "model", prompts, max_new_tokens=p.max_new_tokens, batch=p.gen_batch, device=device
+            workdir / "model",
+            prompts,
+            max_new_tokens=p.max_new_tokens,
+            batch=p.gen_batch,
+            device=device,
+            # room for a whole batch of the longest prompts: HF generate is bound by its per-step overhead
+            batch_tokens=p.gen_batch * p.seq_length,
         )
         learned.write_rows(workdir / "conversations.jsonl", rows)
         learned.write_rows(
