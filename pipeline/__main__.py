@@ -1,4 +1,5 @@
 from pipeline.cli import run
+from pipeline.process_exit import run_then_exit
 
 if __name__ == "__main__":
-    run()
+    run_then_exit(run)  # ends the process without the interpreter's teardown (pipeline/process_exit.py)

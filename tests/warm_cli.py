@@ -17,7 +17,6 @@ Run as `python -m tests.warm_cli` (one JSON request per stdin line, one JSON ans
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import json
 import os
@@ -29,6 +28,8 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+
+from pipeline.process_exit import exit_status, finish
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,16 +50,6 @@ def _capture_fds(work):
         return result, out.read(), err.read()
 
 
-def _exit_code(exc: SystemExit) -> int:
-    """The status Python's own exit gives for SystemExit(code)."""
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code
-    print(exc.code, file=sys.stderr)
-    return 1
-
-
 def _child(req: dict, preamble: tuple[bytes, bytes]) -> None:
     """The forked child: become `python -m pipeline ARGV` in REQ's cwd and environment; never returns."""
     code = 1
@@ -76,20 +67,16 @@ def _child(req: dict, preamble: tuple[bytes, bytes]) -> None:
         os.environ.update(req["env"])
         sys.argv = ["pipeline", *req["argv"]]
         try:
+            # `python -m pipeline`'s own __main__ ends the process itself (pipeline/process_exit.py)
             runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exc:
-            code = _exit_code(exc)
+            code = exit_status(exc)
         except BaseException:  # noqa: BLE001 - as Python does: the traceback on stderr, exit 1
             traceback.print_exc()
             code = 1
-        atexit._run_exitfuncs()
     finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        finish(code)
 
 
 def serve() -> None:
