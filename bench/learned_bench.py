@@ -6,9 +6,10 @@ template), draws held-apart "continue this file" prompts and has the target answ
 words: what EAGLE drafts are trained on, and what the offline acceptance compares with), then runs the
 product's real command lines, each its own process: ``prepare -> extract (hf) -> weights -> train -> verify``.
 The train stage closes with the offline acceptance at k=3 against its trivial baselines; this script reads it
-from ``train/summary.json``, prints one table, checks the goal (>= 2.5 and >= 1.3x the best baseline) and
-writes every figure to --json after each phase, so a run cut short still reports what it finished. GPU
-utilisation and memory (NVML, sampled every 0.5 s) are recorded per phase.
+from ``train/summary.json``, prints one table, checks the goal (>= 2.5 and >= 1.3x the best trivial,
+context-free baseline; vLLM's n-gram prompt lookup is reported beside it) and writes every figure to
+--json after each phase, so a run cut short still reports what it finished. GPU utilisation and memory
+(NVML, sampled every 0.5 s) are recorded per phase.
 
     python bench/learned_bench.py --preset h200 --json runs/bench-learned.json  # one GPU, ~10 min
     python bench/learned_bench.py --preset tiny                                 # CPU, ~2 min (the smoke test)
@@ -35,7 +36,8 @@ import click
 
 from bench.train_bench import Report
 
-GOAL_ACCEPTANCE, GOAL_RATIO = 2.5, 1.3
+GOAL_ACCEPTANCE, GOAL_RATIO = 2.5, 1.3  # issue #17 item 4, against the trivial baselines
+NGRAM = "ngram_context"  # pipeline/train/evaluate.py's vLLM prompt-lookup baseline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,45 @@ PRESETS = {
         128,
     ),
 }
+
+
+def verdict(ev: dict) -> dict:
+    """The goal of issue #17 item 4 judged on the train stage's offline evaluation ``ev``: the draft's
+    acceptance length >= GOAL_ACCEPTANCE and >= GOAL_RATIO x the best trivial (context-free) baseline.
+    vLLM's n-gram prompt lookup is a serving method of its own, not a trivial proposer: it is reported
+    beside the goal (a draft that does not beat it is not worth serving, and `pipeline verify` fails it)."""
+    al = ev["draft"]["acceptance_length"]
+    trivial = {n: r["acceptance_length"] for n, r in ev["baselines"].items() if n != NGRAM}
+    best = max(trivial, key=trivial.__getitem__)
+    ratio = al / trivial[best]
+    ngram = ev["baselines"].get(NGRAM, {}).get("acceptance_length")
+    return {
+        "acceptance_length": al,
+        "per_position": ev["draft"]["per_position"],
+        "best_trivial_baseline": best,
+        "best_trivial_baseline_acceptance": trivial[best],
+        "ratio": round(ratio, 3),
+        "goal": f">= {GOAL_ACCEPTANCE} and >= {GOAL_RATIO}x the best trivial baseline",
+        "goal_met": al >= GOAL_ACCEPTANCE and ratio >= GOAL_RATIO,
+        "ngram_acceptance": ngram,
+        "ratio_ngram": round(al / ngram, 3) if ngram else None,
+        "beats_ngram": al > ngram if ngram else None,
+    }
+
+
+def verdict_rows(res: dict) -> list[tuple[str, str]]:
+    """The closing table's rows for a `verdict`."""
+    rows = [
+        (
+            f"goal ({res['goal']})",
+            f"{'MET' if res['goal_met'] else 'NOT MET'}: {res['acceptance_length']:.3f}, "
+            f"{res['ratio']:.2f}x {res['best_trivial_baseline']}",
+        )
+    ]
+    if res["ngram_acceptance"]:
+        ahead = "ahead" if res["beats_ngram"] else "NOT ahead: `pipeline verify` fails such a draft"
+        rows.append(("vs vLLM's n-gram prompt lookup", f"{res['ratio_ngram']:.2f}x ({ahead})"))
+    return rows
 
 
 class GpuSampler:
@@ -418,21 +459,9 @@ def main(
         shutil.rmtree(workdir / "hidden_states", ignore_errors=True)
 
     ev = report.data["phases"]["train"]["eval"]
-    draft, best = ev["draft"], ev["baselines"][ev["best_baseline"]]
-    ratio = draft["acceptance_length"] / best["acceptance_length"]
-    met = draft["acceptance_length"] >= GOAL_ACCEPTANCE and ratio >= GOAL_RATIO
-    context_free = max(r["acceptance_length"] for n, r in ev["baselines"].items() if n != "ngram_context")
-    report.data["result"] = {
-        "acceptance_length": draft["acceptance_length"],
-        "per_position": draft["per_position"],
-        "best_baseline": ev["best_baseline"],
-        "best_baseline_acceptance": best["acceptance_length"],
-        "ratio": round(ratio, 3),
-        "ratio_context_free": round(draft["acceptance_length"] / context_free, 3),
-        "goal": f">= {GOAL_ACCEPTANCE} and >= {GOAL_RATIO}x",
-        "goal_met": met,
-        "total_seconds": round(time.perf_counter() - t_all, 1),
-    }
+    res = report.data["result"] = verdict(ev)
+    res["total_seconds"] = round(time.perf_counter() - t_all, 1)
+    draft = ev["draft"]
     report.write()
     tr = report.data["phases"]["train"]["train"]
     rows_out = [
@@ -473,16 +502,7 @@ def main(
         ),
     ]
     rows_out += [(f"baseline {n}", f"{r['acceptance_length']:.3f}") for n, r in ev["baselines"].items()]
-    rows_out.append(
-        (
-            "goal",
-            (
-                f"{'MET' if met else 'NOT MET'}: {draft['acceptance_length']:.3f} vs {GOAL_ACCEPTANCE}, "
-                f"{ratio:.2f}x the best baseline ({ev['best_baseline']}) vs {GOAL_RATIO}x; "
-                f"{draft['acceptance_length'] / context_free:.2f}x the best context-free one"
-            ),
-        )
-    )
+    rows_out += verdict_rows(res)
     click.echo("\n| figure | value |\n|---|---|")
     for k, v in rows_out:
         click.echo(f"| {k} | {v} |")

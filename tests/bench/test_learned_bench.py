@@ -36,3 +36,39 @@ def test_sampler_draws_the_same_bounded_windows_for_a_seed():
         name, shown = user.removeprefix("Continue ").split(":\n", 1)
         source = dict(texts)[name]
         assert f"{shown}\n{answer}" in source and len(shown) + len(answer) <= 3000
+
+
+def _eval(draft: float, **baselines: float) -> dict:
+    return {
+        "draft": {"acceptance_length": draft, "per_position": [0.7, 0.5, 0.4]},
+        "baselines": {n: {"acceptance_length": a} for n, a in baselines.items()},
+    }
+
+
+def test_the_goal_is_judged_against_the_trivial_baselines_and_the_ngram_lookup_beside_it():
+    """Issue #17 item 4's goal counts the context-free baselines; vLLM's n-gram lookup is reported apart
+    (the 2026-12-03 H200 run's figures: the goal met, the lookup not beaten)."""
+    ev = _eval(
+        2.887, most_frequent_token=1.063, unigram_target=1.048, untrained_draft=1.0, ngram_context=2.917
+    )
+    res = learned_bench.verdict(ev)
+    assert res["best_trivial_baseline"] == "most_frequent_token" and res["ratio"] == 2.716
+    assert res["goal_met"] is True
+    assert res["beats_ngram"] is False and res["ratio_ngram"] == 0.99
+    rows = dict(learned_bench.verdict_rows(res))
+    assert next(iter(rows.values())).startswith("MET: 2.887, 2.72x most_frequent_token")
+    assert rows["vs vLLM's n-gram prompt lookup"].startswith("0.99x (NOT ahead")
+
+    ahead = learned_bench.verdict(_eval(2.862, most_frequent_token=1.059, ngram_context=2.707))
+    assert ahead["goal_met"] and ahead["beats_ngram"]
+    assert dict(learned_bench.verdict_rows(ahead))["vs vLLM's n-gram prompt lookup"] == "1.06x (ahead)"
+
+
+def test_the_goal_fails_below_either_bar():
+    """Under 2.5, or under 1.3x the best trivial baseline, is NOT MET; no n-gram row without that baseline."""
+    low = learned_bench.verdict(_eval(2.4, most_frequent_token=1.0))
+    assert not low["goal_met"] and low["ngram_acceptance"] is None
+    rows = learned_bench.verdict_rows(low)
+    assert len(rows) == 1 and rows[0][1].startswith("NOT MET")
+    close = learned_bench.verdict(_eval(2.6, most_frequent_token=1.0, unigram_target=2.1, ngram_context=1.5))
+    assert close["best_trivial_baseline"] == "unigram_target" and not close["goal_met"]
