@@ -413,6 +413,7 @@ def main(
                     f"{x['closing_check_seconds']['record']:.2f} | {x['closing_check_seconds']['full']:.2f} |"
                 )
     if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(results, indent=2) + "\n")
     if failures:
         raise SystemExit("; ".join(failures))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from pathlib import Path
 
 import click
 import numpy as np
@@ -271,6 +272,7 @@ def main(
                 f"{r['worst_rel_err_vs_one_by_one']:.2g} |"
             )
     if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         with open(json_out, "w") as fh:
             json.dump(results, fh, indent=2)
 
