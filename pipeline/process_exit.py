@@ -36,13 +36,14 @@ def exit_status(exc: SystemExit) -> int:
 
 
 def finish(code: int) -> NoReturn:
-    """Join the non-daemon threads, run the atexit handlers, flush stdout and stderr, then end with ``code``
-    without the interpreter's teardown."""
+    """Join the non-daemon threads, run the atexit handlers, flush stdout and stderr, as Python's exit does,
+    then end with ``code`` without the interpreter's teardown."""
     try:
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()  # what Py_FinalizeEx runs first; prints a failing handler's traceback
+        # Py_FinalizeEx's own first steps, in its order: threading's exit hooks (concurrent.futures wakes
+        # the idle workers of executors never shut down, which are not daemons) and the join of every
+        # non-daemon thread; then the atexit handlers (a failing one's traceback is printed, as Python does)
+        threading._shutdown()
+        atexit._run_exitfuncs()
     finally:
         try:
             sys.stdout.flush()

@@ -15,6 +15,7 @@ from tests.conftest import REPO
 SCRIPT = textwrap.dedent(
     """
     import atexit, sys, threading, time
+    from concurrent.futures import ThreadPoolExecutor
     from pipeline.process_exit import run_then_exit
 
     class Teardown:
@@ -22,6 +23,7 @@ SCRIPT = textwrap.dedent(
             print("teardown ran", flush=True)
 
     keep = Teardown()  # a module global: only the interpreter's teardown deletes it
+    pools = []
 
     def late():
         time.sleep(0.3)
@@ -29,6 +31,8 @@ SCRIPT = textwrap.dedent(
 
     def main():
         threading.Thread(target=late).start()  # not a daemon: the exit must wait for it
+        pools.append(ThreadPoolExecutor(2))  # kept and never shut down: its idle workers are not daemons
+        pools[0].submit(time.sleep, 0.1)
         atexit.register(lambda: print("atexit ran"))
         sys.stdout.write("buffered, no newline;")  # still in the buffer: stdout is a pipe
         EXIT
