@@ -37,13 +37,15 @@ def exit_status(exc: SystemExit) -> int:
 
 def finish(code: int) -> NoReturn:
     """Join the non-daemon threads, run the atexit handlers, flush stdout and stderr, as Python's exit does,
-    then end with ``code`` without the interpreter's teardown."""
+    then end with ``code`` (130 if interrupted meanwhile) without the interpreter's teardown."""
     try:
         # Py_FinalizeEx's own first steps, in its order: threading's exit hooks (concurrent.futures wakes
         # the idle workers of executors never shut down, which are not daemons) and the join of every
         # non-daemon thread; then the atexit handlers (a failing one's traceback is printed, as Python does)
         threading._shutdown()
         atexit._run_exitfuncs()
+    except KeyboardInterrupt:
+        code = 130  # Ctrl-C while waiting for a thread or a handler: not a clean exit, whatever the command
     finally:
         try:
             sys.stdout.flush()

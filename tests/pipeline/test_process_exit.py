@@ -4,9 +4,11 @@ its modules. Real interpreters, real exits."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -99,3 +101,30 @@ def test_python_m_pipeline_ends_through_the_fast_exit():
     assert result.returncode == 2, result.stderr
     assert result.stdout.startswith("FAIL arguments: pipeline prepare: Missing option"), result.stdout
     assert result.stderr == "finish(2)\n"  # and nothing after it: the process ended there
+
+
+def test_ctrl_c_while_the_exit_waits_for_a_thread_ends_with_130(tmp_path):
+    """A command that returned 0 but left a thread running: Ctrl-C during the wait is no clean exit."""
+    script = textwrap.dedent(
+        """
+        import sys, threading, time
+        from pipeline.process_exit import run_then_exit
+
+        def main():
+            threading.Thread(target=time.sleep, args=(60,)).start()
+            print("returned", flush=True)
+
+        run_then_exit(main)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline() == "returned\n"
+        time.sleep(0.5)  # into the join
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 130
+    finally:
+        proc.kill()
+        proc.wait()
