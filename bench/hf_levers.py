@@ -3,7 +3,8 @@
 For each model shape (built on the GPU, never saved), every variant of the backend runs the same samples
 (random ids, lengths uniform in [seq/2, seq)) through ``capture_async`` as the extract loop does (the next
 batch queued before the previous batch's copies are waited for; no files): padded vs. packed batches,
-eager vs. ``torch.compile``d layers, and several ``max_batch_tokens``. Each variant reports tokens/s,
+eager vs. ``torch.compile``d layers, eager RMSNorms vs. torch's fused kernel
+(pipeline/backends/fused_norms.py), and several ``max_batch_tokens``. Each variant reports tokens/s,
 the decoder roofline fraction (bench/roofline.py), the device's busy time, its first two batches' seconds
 (compilation included) and its worst relative error against the plain backend run one sample at a time.
 CUDA graphs are measured at one recurring shape: the first batch's forward, eager or compiled, launched
@@ -26,15 +27,16 @@ import torch
 from bench.gpu_models import build_model
 from bench.roofline import DecoderShape, is_decoder_param
 
-VARIANTS = {  # name: (packed, compile, max_batch_tokens)
-    "plain-16k": (False, False, 16384),
-    "plain-32k": (False, False, 32768),
-    "plain-64k": (False, False, 65536),
-    "packed-32k": (True, False, 32768),
-    "compiled-32k": (False, True, 32768),
-    "packed-compiled-16k": (True, True, 16384),
-    "packed-compiled-32k": (True, True, 32768),
-    "packed-compiled-64k": (True, True, 65536),
+VARIANTS = {  # name: (packed, compile, max_batch_tokens, fused RMSNorms)
+    "plain-16k": (False, False, 16384, False),
+    "plain-32k": (False, False, 32768, False),
+    "plain-64k": (False, False, 65536, False),
+    "packed-32k": (True, False, 32768, False),
+    "packed-fused-32k": (True, False, 32768, True),
+    "compiled-32k": (False, True, 32768, False),
+    "packed-compiled-16k": (True, True, 16384, False),
+    "packed-compiled-32k": (True, True, 32768, False),
+    "packed-compiled-64k": (True, True, 65536, False),
 }
 
 
@@ -54,7 +56,7 @@ def samples(n: int, seq_length: int, vocab: int, seed: int = 0) -> list[list[int
     ]
 
 
-def backend_for(model, packed: bool, compiled: bool, max_batch_tokens: int):
+def backend_for(model, packed: bool, compiled: bool, max_batch_tokens: int, fused: bool = False):
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.hf import HFBackend
 
@@ -66,6 +68,7 @@ def backend_for(model, packed: bool, compiled: bool, max_batch_tokens: int):
         max_batch_tokens=max_batch_tokens,
         packed=packed,
         compile=compiled,
+        fused_norms=fused,
     )
     return HFBackend(options, model=model)
 
@@ -146,9 +149,9 @@ def measure(model, name: str, seqs, probe, reference, fp32, roof: DecoderShape, 
 
     from pipeline.extract import plan_batches
 
-    packed, compiled, mbt = VARIANTS[name]
+    packed, compiled, mbt, fused = VARIANTS[name]
     lengths = [len(s) for s in seqs]
-    backend = backend_for(model, packed, compiled, mbt)
+    backend = backend_for(model, packed, compiled, mbt, fused)
     try:
         batches = plan_batches(lengths, mbt, 64)
         graphs0 = counters["stats"]["unique_graphs"]
@@ -166,6 +169,7 @@ def measure(model, name: str, seqs, probe, reference, fp32, roof: DecoderShape, 
             "packed": packed,
             "compiled": compiled,
             "max_batch_tokens": mbt,
+            "fused_norms": len(backend.fused_norms),
             "batches": len(batches),
             "first_two_batches_seconds": first,
             "tokens_per_s": sum(lengths) / wall,

@@ -49,6 +49,7 @@ class BackendOptions:
     trust_remote_code: bool = False
     packed: bool | None = None  # hf: samples end to end in one row, varlen attention; None = on a GPU only
     compile: bool | None = None  # hf: torch.compile each decoder layer; None = on a GPU, for long runs
+    fused_norms: bool | None = None  # hf: RMSNorms through torch's fused kernel; None = on a GPU, when eager
     planned_tokens: int | None = None  # tokens the run will capture (None: unknown), for the compile decision
     enforce_eager: bool = False  # vllm only: no CUDA graphs / torch.compile (faster start, slower loop)
     scratch_dir: Path | None = None  # vllm only: where the engine's per-request files wait to be read

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pipeline.backends import fused_norms
 from pipeline.backends.base import (
     Backend,
     BackendOptions,
@@ -183,6 +184,9 @@ class HFBackend(Backend):
         if self.compiled:
             for layer in layers:  # the hooks stay outside the compiled forward
                 layer.forward = torch.compile(layer.forward, dynamic=True)
+        # compiled layers fuse their norms themselves; eager ones on a GPU take torch's fused kernel
+        fuse = on_gpu and not self.compiled if options.fused_norms is None else options.fused_norms
+        self.fused_norms = fused_norms.fuse(self.decoder) if fuse else []
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [layers[k].register_forward_hook(self._hook(k)) for k in options.layer_ids]
         self.pad_id = 0
@@ -279,6 +283,7 @@ class HFBackend(Backend):
         self._hooks.clear()
         for layer in self._layers:
             layer.__dict__.pop("forward", None)  # the compiled forward, if any: back to the class's
+        fused_norms.restore(self.decoder, self.fused_norms)
         self.decoder.config._attn_implementation = self._attn_before
         self.model = self.decoder = None
         if self.device.type == "cuda":

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# 2026-12-03 afternoon H200 runs (issue #21). $1 =
+#   levers [limit s]             bench.hf_levers: packed eager, packed eager with fused RMSNorms, packed compiled,
+#                                llama-1b and llama-8b, against fp32; then the compile's first batches with an
+#                                empty inductor cache and again, in a fresh process, with the cache it left
+#   e2e [limit s] [samples] [shapes]   bench.e2e_bench with the default flags, no baseline tree
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+case "$1" in
+  levers)
+    timeout ${2:-330} python3 -m bench.hf_levers --shapes llama-1b,llama-8b --samples 384,128 \
+      --variants packed-32k,packed-fused-32k,packed-compiled-32k,packed-fused-32k,packed-32k --fp32-reference \
+      --json-out $OUT/levers.json > $OUT/levers.log 2>&1
+    echo "levers rc=$?"; grep -v '^ ' $OUT/levers.log | grep '^|' | tail -14
+    rm -rf /tmp/ic; mkdir -p /tmp/ic
+    for run in cold warm; do
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ic/inductor TRITON_CACHE_DIR=/tmp/ic/triton timeout 150 \
+        python3 -m bench.hf_levers --shapes llama-1b --samples 48 --variants packed-compiled-32k \
+        --json-out $OUT/cache-$run.json > $OUT/cache-$run.log 2>&1
+      echo "cache $run rc=$? $(grep -o '"first_two_batches_seconds": [0-9.]*' $OUT/cache-$run.log)"
+    done
+    du -sh /tmp/ic/* ;;
+  e2e)
+    timeout ${2:-560} python3 -m bench.e2e_bench --shapes ${4:-llama-1b} --samples ${3:-3584} \
+      --workdir /dev/shm/e2e --json-out $OUT/e2e.json > $OUT/e2e.log 2>&1
+    echo "e2e rc=$?"; grep -v '^ ' $OUT/e2e.log | tail -24 ;;
+esac
