@@ -2,7 +2,7 @@
 
 Owns the text of compose.yaml: the inference server and one service per pipeline stage (plus the extract
 preflight), each with the command, mounts, environment and GPUs of the stage table (STAGES,
-stage_mounts, container_env, privilege defaults). `python -m ops.composefile --write` rewrites the file;
+stage_mounts, CACHE_ENV, privilege defaults). `python -m ops.composefile --write` rewrites the file;
 tests/ops/test_ops_compose.py fails when the committed file and this rendering (or ops' plans) differ.
 Compose cannot look into the image, so extract's backend is `${EXTRACT_BACKEND:-vllm}` (the project's
 image has vLLM) and tensor parallelism is the pipeline's default, all visible GPUs: what ops resolves
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ops.hosts import HostConfig
-from ops.stage import CACHE, DATA, MODEL, STAGES, container_env, stage_mounts
+from ops.stage import CACHE, CACHE_ENV, DATA, MODEL, STAGES, stage_mounts
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "compose.yaml"
 HOST_DIRS = {
@@ -39,7 +39,8 @@ HEADER = """\
 # ops finds the server as `compose:eagle-ops/vllm-server` through the labels compose adds
 # (com.docker.compose.project / com.docker.compose.service); `eagle-ops.role=server` marks it too.
 # Mounts and folders are ops' own (docs/ops.md): model -> /model (read-only), data -> /data (prepared/,
-# hidden_states/, verifier/, train/), cache -> /cache (HF_HOME=/cache/hf, HOME=/cache/home).
+# hidden_states/, verifier/, train/), cache -> /cache (HF_HOME=/cache/hf, HOME=/cache/home,
+# TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor).
 # Host paths and arguments come from the environment (or an .env file next to this one):
 #   EAGLE_OPS_IMAGE   image to run                    (default eagle-ops:latest)
 #   EAGLE_MODEL_DIR   target model on the host         -> /model (read-only)
@@ -178,9 +179,7 @@ def _wrap(words: list[str], width: int = 100) -> list[str]:
 
 def render() -> str:
     host = HostConfig(name="compose", host="local")  # the hosts-file defaults: mounts and privileges
-    env = "".join(
-        f"    {k}: {v}\n" for k, v in container_env("")[1:3]
-    )  # HF_HOME, HOME (run id and USER: ops')
+    env = "".join(f"    {k}: {v}\n" for k, v in CACHE_ENV)  # run id and USER: ops' own
     text = HEADER + ANCHORS % {"env": env, "pids": host.stage_pids_limit, "shm": host.stage_shm_size}
     text += SERVER % {"model": MODEL, "volumes": _volumes(stage_mounts(host, STAGES["extract"]))}
     extract = STAGES["extract"]

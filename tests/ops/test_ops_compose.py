@@ -56,7 +56,8 @@ def test_committed_compose_file_is_the_rendered_table():
 def test_compose_stage_services_agree_with_ops_plans():
     """Per stage, compose's command is ops' stage argv (layout: vllm, compose's default, with the tensor
     parallel size left to the pipeline), its mounts are ops' container paths (model read-only, none for
-    verify), HF_HOME/HOME are ops', GPUs exactly where ops passes --gpus, and the privileges are ops'."""
+    verify), the caches' environment is ops', GPUs exactly where ops passes --gpus, and the privileges are
+    ops'."""
     services = compose_config()["services"]
     host = HostConfig(name="h", host="local")
     env = dict(container_env("r"))
@@ -70,9 +71,8 @@ def test_compose_stage_services_agree_with_ops_plans():
         assert svc["command"] == want, stage
         mounts = sorted((v["target"], bool(v.get("read_only"))) for v in svc["volumes"])
         assert mounts == sorted((dst, ro) for _, dst, ro in stage_mounts(host, spec)), stage
-        assert {k: svc["environment"][k] for k in ("HF_HOME", "HOME")} == {
-            k: env[k] for k in ("HF_HOME", "HOME")
-        }
+        caches = ("HF_HOME", "HOME", "TORCHINDUCTOR_CACHE_DIR")
+        assert {k: svc["environment"][k] for k in caches} == {k: env[k] for k in caches}
         assert ("deploy" in svc) == ("--gpus" in plan.docker_run), stage
         assert svc["cap_drop"] == ["ALL"] and svc["read_only"] is True and svc["ipc"] == "private"
         assert (

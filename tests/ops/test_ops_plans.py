@@ -67,6 +67,8 @@ def test_extract_plan_exact_argv():
         "--env",
         "HOME=/cache/home",
         "--env",
+        "TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor",
+        "--env",
         "USER=eagle-stage",
         "--mount",
         "type=bind,source=/srv/m,target=/model,readonly",
