@@ -27,3 +27,11 @@ case "$1" in
       --workdir /dev/shm/e2e --json-out $OUT/e2e.json > $OUT/e2e.log 2>&1
     echo "e2e rc=$?"; grep -v '^ ' $OUT/e2e.log | tail -24 ;;
 esac
+# load [shape]: load_probe.py, the model built and saved once in /dev/shm, then the two ways in turns
+if [ "$1" = load ]; then
+  P=docs/benchmarks-raw/2026-12-03/load_probe.py; M=/dev/shm/lp-${2:-llama-8b}
+  python3 $P build ${2:-llama-8b} $M 2>&1 | grep -v "it/s\]" ; du -sh $M
+  for way in cpu-then-to device-map cpu-then-to device-map cpu-then-to device-map; do
+    timeout 120 python3 $P load $way $M 2>&1 | grep '^{' || echo "$way failed"
+  done
+fi
