@@ -35,3 +35,11 @@ if [ "$1" = load ]; then
     timeout 120 python3 $P load $way $M 2>&1 | grep '^{' || echo "$way failed"
   done
 fi
+# imports: what the hf backend's start-up imports cost, two fresh processes (-X importtime, top 40 kept)
+if [ "$1" = imports ]; then
+  for i in 1 2; do
+    /usr/bin/time -f "wall %e s" python3 -X importtime -c \
+      "import torch; from transformers import AutoModelForCausalLM; torch.cuda.init()" 2> $OUT/imp$i.txt
+    tail -1 $OUT/imp$i.txt; sort -t'|' -k2 -n -r $OUT/imp$i.txt | head -25 | cut -c1-120
+  done
+fi
