@@ -48,11 +48,15 @@ def candidates(root: nn.Module) -> list[tuple[str, nn.Module, float]]:
     return found
 
 
-def fused_forward(weight: nn.Parameter, eps: float):
-    """The fused kernel as a forward over the last dimension."""
-    shape = (weight.numel(),)
+def fused_forward(module: nn.Module, eps: float):
+    """The fused kernel as ``module``'s forward over the last dimension. A call with more than the hidden
+    states (a gated norm's gate, say) goes to the class's own forward: the probe proved the plain call
+    only."""
+    weight, shape, own = module.weight, (module.weight.numel(),), type(module).forward
 
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs:
+            return own(module, hidden_states, *args, **kwargs)
         return torch.nn.functional.rms_norm(hidden_states, shape, weight, eps)
 
     return forward
@@ -82,7 +86,7 @@ def fuse(root: nn.Module) -> list[str]:
     """Give every proven RMS norm under ``root`` the fused forward; the names of the modules fused."""
     fused = []
     for name, module, eps in candidates(root):
-        forward = fused_forward(module.weight, eps)
+        forward = fused_forward(module, eps)
         if agrees(module, forward):
             module.forward = forward
             fused.append(name)

@@ -62,6 +62,25 @@ def test_only_norms_that_agree_with_the_fused_kernel_are_fused():
     assert "forward" not in root["rms"].__dict__
 
 
+class GatedRMSNorm(PlainRMSNorm):
+    """An RMS norm with an optional gate (Qwen3-Next's form): plain without it, gated with it."""
+
+    def forward(self, x, gate=None):
+        out = super().forward(x)
+        return out if gate is None else out * torch.nn.functional.silu(gate)
+
+
+def test_a_call_with_more_than_the_hidden_states_runs_the_module_s_own_forward():
+    """The probe proves the plain call only: a gated call of a fused norm computes the gated norm."""
+    norm = GatedRMSNorm(64).requires_grad_(False)
+    x, gate = torch.randn(3, 64) + 1, torch.randn(3, 64)
+    want_plain, want_gated = norm(x), norm(x, gate)
+    assert fused_norms.fuse(norm) == [""]
+    torch.testing.assert_close(norm(x), want_plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(norm(x, gate), want_gated, atol=0, rtol=0)
+    torch.testing.assert_close(norm(x, gate=gate), want_gated, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_fused_norm_computes_what_the_module_computes(dtype):
     """On inputs other than the probe: within fp32 summation order, or within bf16's roundings."""
