@@ -70,6 +70,14 @@ def should_compile(
     return on_gpu and (planned_tokens is None or 2 * decoder_params * planned_tokens >= COMPILE_MIN_FLOPS)
 
 
+def should_fuse_norms(option: bool | None, on_gpu: bool, compiled: bool) -> bool:
+    """The fused-norm decision: as asked; else on a GPU when the layers run eagerly (compiled layers fuse
+    their norms themselves; the CPU has no fused kernel to gain from)."""
+    if option is not None:
+        return option
+    return on_gpu and not compiled
+
+
 def find_decoder(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.ModuleList]:
     """The module that runs the decoder stack, and its list of decoder layers."""
     candidates = []
@@ -186,8 +194,7 @@ class HFBackend(Backend):
         if self.compiled:
             for layer in layers:  # the hooks stay outside the compiled forward
                 layer.forward = torch.compile(layer.forward, dynamic=True)
-        # compiled layers fuse their norms themselves; eager ones on a GPU take torch's fused kernel
-        fuse = on_gpu and not self.compiled if options.fused_norms is None else options.fused_norms
+        fuse = should_fuse_norms(options.fused_norms, on_gpu, self.compiled)
         self.fused_norms = fused_norms.fuse(self.decoder) if fuse else []
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [layers[k].register_forward_hook(self._hook(k)) for k in options.layer_ids]

@@ -113,7 +113,15 @@ def test_fused_norms_leave_the_states_as_they_were(family, tiny_llama, tiny_deep
 
 
 def test_fused_norms_default_to_eager_gpu_runs_only(tiny_llama):
-    """The default: not on the CPU (no fused kernel there to gain from)."""
+    """The default: on a GPU when the layers run eagerly; not compiled (inductor fuses the norms itself), not
+    on the CPU; an explicit choice wins. A CPU backend built with the defaults fuses nothing."""
+    from pipeline.backends.hf import should_fuse_norms
+
+    assert should_fuse_norms(None, on_gpu=True, compiled=False)
+    assert not should_fuse_norms(None, on_gpu=True, compiled=True)
+    assert not should_fuse_norms(None, on_gpu=False, compiled=False)
+    assert should_fuse_norms(True, on_gpu=False, compiled=True)
+    assert not should_fuse_norms(False, on_gpu=True, compiled=False)
     md = read_model_dir(tiny_llama)
     backend = HFBackend(BackendOptions(model=md, layer_ids=(2,), device="cpu", dtype="float32"))
     assert backend.fused_norms == []
