@@ -234,7 +234,8 @@ class Writer:
             nbytes = _nbytes(item.states)
             try:
                 if self.error is None:
-                    item.ready()  # the device-to-host copies of this batch (a no-op for host-computed states)
+                    # the batch's device-to-host copies (hf), the sample's own file read (vllm), or nothing
+                    item.ready()
                     target = formats.data_file(self.out, item.index)
                     # what the closing check judges, from the tensors in hand
                     facts = verify.written_facts(item.ids, item.states, item.mask, item.scales)
@@ -505,7 +506,9 @@ def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_la
         )
     items = []
     scales = captured.scales or [None] * len(states)
-    for i, seq, sample_states, sample_scales in zip(batch.indices, seqs, states, scales, strict=True):
+    for k, (i, seq, sample_states, sample_scales) in enumerate(
+        zip(batch.indices, seqs, states, scales, strict=True)
+    ):
         for h in sample_states:
             if h.shape != (len(seq), hidden_size):
                 raise StageError(
@@ -513,10 +516,11 @@ def _checked_items(backend, prepared, batch, seqs, captured, hidden_size, num_la
                     f"expected ({len(seq)}, {hidden_size})"
                 )
         if i in done:
+            captured.discard(k)
             continue
         ids = torch.from_numpy(seq.astype("int64"))
         mask = torch.from_numpy(prepared.mask(i).astype("int64"))
-        items.append(Sample(i, ids, sample_states, mask, captured.ready, sample_scales))
+        items.append(Sample(i, ids, sample_states, mask, captured.ready_of(k), sample_scales))
     return items
 
 

@@ -142,6 +142,22 @@ class Captured:
     #: per sample, per state, its ``layer_profile.token_scales`` (host tensors, valid after ``ready()``)
     #: where the backend computed them on the device; None: the writer computes them from the states
     scales: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    #: per sample, a ``ready`` of its own (the vllm backend fills each sample's states from its own file, on
+    #: the writer thread that writes it); None: every sample waits on the batch's ``ready``
+    sample_ready: list[Callable[[], None]] | None = None
+    #: frees what the backend holds for sample k when nobody will read it (a resumed batch's samples already
+    #: on disk); a no-op for backends that hold nothing per sample
+    discard: Callable[[int], None] = field(default=lambda k: None)
+
+    def ready_of(self, k: int) -> Callable[[], None]:
+        """What sample k waits on before its states are read."""
+        return self.sample_ready[k] if self.sample_ready is not None else self.ready
+
+    def wait_all(self) -> list[list[torch.Tensor]]:
+        """Every sample's states, once all are ready (the synchronous ``capture``)."""
+        for k in range(len(self.states)):
+            self.ready_of(k)()
+        return self.states
 
 
 class Backend(ABC):

@@ -25,14 +25,17 @@ points must be import-safe (``if __name__ == "__main__":``), which ``python -m p
 from __future__ import annotations
 
 import os
-import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
-from pipeline.backends.base import Backend, BackendOptions, visible_device_count
+from pipeline.backends import vllm_scratch
+from pipeline.backends.base import Backend, BackendOptions, Captured, visible_device_count
+from pipeline.backends.vllm_feed import EngineFeed
 from pipeline import vllm_cpu
 from pipeline.errors import StageError
 
@@ -106,6 +109,9 @@ def engine_arguments(options: BackendOptions, tensor_parallel_size: int, storage
         },
         disable_log_stats=True,
         enforce_eager=options.enforce_eager,
+        # prompts are token ids and the one sampled token is dropped: no tokenizer is needed, so a model
+        # folder without tokenizer files starts (vLLM would otherwise load one at engine start)
+        skip_tokenizer_init=True,
     )
     args.update(FORCED_SETTINGS)
     if options.model.is_wrapper:
@@ -144,12 +150,20 @@ class VllmBackend(Backend):
         check_patched()
         check_routing(options)
         self.layer_ids = [int(k) for k in options.layer_ids]
-        scratch = options.scratch_dir
-        if scratch is not None:
-            scratch.mkdir(parents=True, exist_ok=True)
-        # the connector's files live here only until capture() has read them
-        self._storage = Path(tempfile.mkdtemp(prefix=".vllm-states-", dir=scratch))
-        from vllm import LLM
+        # the connector's files live here only until a writer thread has read them (vllm_scratch.py)
+        dtype_bytes = 4 if options.dtype == "float32" else 2
+        need = vllm_scratch.in_flight_bytes(
+            max(options.max_batch_tokens, options.seq_length),
+            len(self.layer_ids),
+            options.model.hidden_size,
+            dtype_bytes,
+        )
+        where = vllm_scratch.choose(options.scratch_dir or Path(tempfile.gettempdir()), need)
+        self.scratch_reason = where.reason
+        print(f"vllm backend: the engine's per-request files wait in {where.reason}", file=sys.stderr)
+        self._scratch = vllm_scratch.Scratch(where.root)
+        self._storage = self._scratch.path
+        from vllm import LLM, SamplingParams
 
         try:
             args = engine_arguments(options, self.tensor_parallel_size, self._storage)
@@ -157,8 +171,10 @@ class VllmBackend(Backend):
                 args.update(vllm_cpu.engine_arguments(args["dtype"]))
             self._llm = LLM(**args)
         except BaseException:
-            shutil.rmtree(self._storage, ignore_errors=True)
+            self._scratch.close()
             raise
+        # no detokenizer: the engine has none (skip_tokenizer_init) and the one sampled token is not kept
+        self._feed = EngineFeed(self._llm, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
         config = self._llm.llm_engine.vllm_config
         self._dtype = config.model_config.dtype
         self.settings = {
@@ -187,9 +203,14 @@ class VllmBackend(Backend):
         return self._dtype
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
+        return self.capture_async(batch).wait_all()
+
+    def capture_async(self, batch: Sequence[Sequence[int]]) -> Captured:
+        """Queue the batch's requests behind those already in the engine and return at once: each sample's
+        states are allocated empty, and its ``ready`` (run by the writer thread that writes it) waits for its
+        request, reads and checks its file into them, and deletes the file."""
         if not batch:
-            return []
-        from vllm import SamplingParams
+            return Captured([])
         from vllm.inputs import TokensPrompt
 
         seqs = [[int(t) for t in s] for s in batch]
@@ -201,21 +222,56 @@ class VllmBackend(Backend):
                 f"sample {i} of the batch has {len(seqs[i])} tokens; the vllm backend takes 1..{limit} "
                 "(seq_length - 1): re-run prepare with this --seq-length"
             )
-        outputs = self._llm.generate(
-            [TokensPrompt(prompt_token_ids=s) for s in seqs],
-            SamplingParams(max_tokens=1, temperature=0.0),
-            use_tqdm=False,
+        try:
+            futures = self._feed.submit([TokensPrompt(prompt_token_ids=s) for s in seqs])
+        except Exception as exc:  # noqa: BLE001 - the engine's own error, in one line
+            raise StageError(f"the vLLM engine stopped: {type(exc).__name__}: {exc}") from exc
+        hidden = self.options.model.hidden_size
+        states = [
+            [torch.empty(len(s), hidden, dtype=self._dtype) for _ in self.layer_ids] for s in seqs
+        ]
+        readies = [
+            _Once(lambda k=k: self._fill(k, seqs[k], futures[k], states[k])) for k in range(len(seqs))
+        ]
+        return Captured(
+            states,
+            sample_ready=readies,
+            discard=lambda k: readies[k].skip(lambda: self._drop(futures[k])),
         )
-        if len(outputs) != len(seqs):
-            raise StageError(
-                f"vLLM returned {len(outputs)} results for a batch of {len(seqs)}: "
-                "requests were lost or duplicated"
-            )
-        return [self._read(i, seq, out) for i, (seq, out) in enumerate(zip(seqs, outputs, strict=True))]
 
-    def _read(self, i: int, seq: list[int], output) -> list[torch.Tensor]:
+    def _fill(self, k: int, seq: list[int], future: Future, into: list[torch.Tensor]) -> None:
+        try:
+            output = future.result()
+        except StageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine's own error, in one line
+            raise StageError(f"the vLLM engine stopped: {type(exc).__name__}: {exc}") from exc
+        self._read(k, seq, output, into)
+
+    def _drop(self, future: Future) -> None:
+        """A request whose states nobody reads (its sample is already on disk): its file goes once written."""
+
+        def remove(done: Future) -> None:
+            if done.exception() is not None:
+                return
+            path = (done.result().kv_transfer_params or {}).get("hidden_states_path")
+            if path:
+                from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+                    cleanup_hidden_states,
+                    load_hidden_states,
+                )
+
+                try:
+                    load_hidden_states(path)  # waits for the write (its lock) so the removal is final
+                except (OSError, ValueError):
+                    pass
+                cleanup_hidden_states(path)
+
+        future.add_done_callback(remove)
+
+    def _read(self, i: int, seq: list[int], output, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Sample i's states from the connector's file (waiting on its lock), checked, then the file
-        removed."""
+        removed; copied into ``into`` (one [T, H] tensor per layer) when given, else fresh tensors."""
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
             load_hidden_states,
@@ -255,13 +311,52 @@ class VllmBackend(Backend):
                 f"vLLM's states of sample {i} have shape {tuple(states.shape)}, expected {want} "
                 f"(tokens, one per layer {self.layer_ids}, hidden)"
             )
-        return [states[:, j].contiguous() for j in range(len(self.layer_ids))]
+        if into is None:
+            return [states[:, j].contiguous() for j in range(len(self.layer_ids))]
+        for j, h in enumerate(into):
+            h.copy_(states[:, j])
+        return into
 
     def close(self) -> None:
+        feed = getattr(self, "_feed", None)
+        self._feed = None
+        if feed is not None:
+            feed.close()
         llm = getattr(self, "_llm", None)
         self._llm = None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        storage = getattr(self, "_storage", None)
-        if storage is not None:
-            shutil.rmtree(storage, ignore_errors=True)
+        scratch = getattr(self, "_scratch", None)
+        self._scratch = None
+        if scratch is not None:
+            scratch.close()
+
+
+class _Once:
+    """A sample's ``ready``: runs its read once (thread-safe); later calls return, or raise its error again.
+    ``skip`` runs another action instead when the read has not run (a sample nobody will read)."""
+
+    def __init__(self, fn):
+        import threading
+
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+
+    def __call__(self) -> None:
+        with self._lock:
+            if not self._done:
+                self._done = True
+                try:
+                    self._fn()
+                except BaseException as exc:
+                    self._error = exc
+            if self._error is not None:
+                raise self._error
+
+    def skip(self, instead) -> None:
+        with self._lock:
+            if not self._done:
+                self._done = True
+                instead()
