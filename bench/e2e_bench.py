@@ -148,7 +148,10 @@ def run_ours(
     ``tree``, from another source tree (the baseline: its own pipeline/ and contract/ come first)."""
     # compiled kernels are cached on disk between runs: a fresh cache, as on a fresh machine
     env = dict(
-        os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton")
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+        TRITON_CACHE_DIR=str(cache / "triton"),
+        VLLM_CACHE_ROOT=str(cache / "vllm"),
     )
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
@@ -185,6 +188,8 @@ def run_ours(
         "first_batch_seconds": float(m.group(4)) if m.group(4) else None,
         "model_load_seconds": float(m.group(5)) if m.group(5) else None,
         "closing_line": next(line for _, line in lines if CLOSING.search(line)),
+        # the backends' own lines: where the vllm backend's files waited, its engine steps and reads
+        "backend_lines": [line for _, line in lines if line.startswith(("vllm backend:", "hf backend:"))],
         "verify_seconds": wall - at,
         "peak_gpu_mib": mem.peak_mib,
         "bytes": dir_bytes(out),
@@ -289,6 +294,13 @@ def run_naive(prepared: Path, model: Path, out: Path) -> dict:
 @click.option(
     "--extract-args", default="", help="Extra flags for pipeline extract (default: none, its defaults)."
 )
+@click.option(
+    "--also",
+    multiple=True,
+    help="NAME[@CACHE]:FLAGS - another `pipeline extract` row on the same set with FLAGS instead of "
+    "--extract-args (e.g. 'hf:--backend hf'); @CACHE reuses the compile caches of the row named CACHE "
+    "(a warm start), else the row starts with empty caches.",
+)
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 @click.option(
     "--baseline",
@@ -305,7 +317,9 @@ def main(
     extract_args: str,
     json_out: Path | None,
     baseline: Path | None,
+    also: tuple[str, ...],
 ) -> None:
+    rows = [parse_also(a) for a in also]
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     gpu = torch.cuda.is_available()
@@ -332,7 +346,11 @@ def main(
         lengths = [int(t) for t in formats.read_prepared(prepared)[0].lengths()]
         roof = model_shape(model_dir)
         ours = run_ours(
-            prepared, model_dir, workdir / f"ours-{shape}", extract_args.split(), workdir / f"cache-{shape}"
+            prepared,
+            model_dir,
+            workdir / f"ours-{shape}",
+            extract_args.split(),
+            workdir / f"cache-ours-{shape}",
         )
         runs = {"ours": ours}
         keep_compared(workdir / f"ours-{shape}")
@@ -348,6 +366,11 @@ def main(
             # only ours and the naive run are compared file by file: the baseline's set goes at once, so
             # the disk holds two sets at a time, not three
             shutil.rmtree(workdir / f"baseline-{shape}")
+        for name, cache_of, flags in rows:
+            runs[name] = run_ours(
+                prepared, model_dir, workdir / f"{name}-{shape}", flags, workdir / f"cache-{cache_of}-{shape}"
+            )
+            keep_compared(workdir / f"{name}-{shape}")
         naive = runs["naive"] = run_naive(prepared, model_dir, workdir / f"naive-{shape}")
         for r in runs.values():
             loop = sum(lengths) / r["loop_tokens_per_s"]
@@ -359,12 +382,17 @@ def main(
             shape,
             model_dir,
             prepared,
-            {"ours": workdir / f"ours-{shape}", "naive": workdir / f"naive-{shape}"},
+            {
+                "ours": workdir / f"ours-{shape}",
+                "naive": workdir / f"naive-{shape}",
+                **{name: workdir / f"{name}-{shape}" for name, _, _ in rows},
+            },
         )
         # ours may be no less exact than the naive bf16 script, layer by layer (a slack of a quarter
         # plus 5e-3)
-        if any(o > 1.25 * b + 5e-3 for o, b in zip(errors["ours"], errors["naive"], strict=True)):
-            failures.append(f"{shape}: ours is further from fp32 than naive: {errors}")
+        for who in ["ours", *(name for name, _, _ in rows)]:
+            if any(o > 1.25 * b + 5e-3 for o, b in zip(errors[who], errors["naive"], strict=True)):
+                failures.append(f"{shape}: {who} is further from fp32 than naive: {errors}")
         if gpu:
             torch.cuda.empty_cache()
         results["shapes"][shape] = {
@@ -379,12 +407,12 @@ def main(
             "rel_err_vs_fp32_per_layer": errors,
         }
         print(json.dumps({shape: results["shapes"][shape]}, indent=1), flush=True)
-        for who in ("ours", "naive"):
+        for who in ("ours", "naive", *(name for name, _, _ in rows)):
             shutil.rmtree(workdir / f"{who}-{shape}")
     print("\n| shape | run | whole process s | loop tok/s | decoder roofline | peak GPU MiB | write GB/s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for shape, r in results["shapes"].items():
-        for who in ("ours", "baseline", "naive"):
+        for who in ("ours", "baseline", *(name for name, _, _ in rows), "naive"):
             if who not in r:
                 continue
             x = r[who]
@@ -405,7 +433,7 @@ def main(
     print("\n| shape | closing check of the run | its seconds | record check s | full read s |")
     print("|---|---|---:|---:|---:|")
     for shape, r in results["shapes"].items():
-        for who in ("ours", "baseline"):
+        for who in ("ours", "baseline", *(name for name, _, _ in rows)):
             if who in r:
                 x = r[who]
                 print(
@@ -417,6 +445,22 @@ def main(
         json_out.write_text(json.dumps(results, indent=2) + "\n")
     if failures:
         raise SystemExit("; ".join(failures))
+
+
+def parse_also(spec: str) -> tuple[str, str, list[str]]:
+    """``NAME[@CACHE]:FLAGS`` as (name, the row whose caches it uses, flags)."""
+    head, sep, flags = spec.partition(":")
+    name, _, cache_of = head.partition("@")
+    if (
+        not sep
+        or not name
+        or not re.fullmatch(r"[A-Za-z0-9_-]+", name)
+        or name in ("ours", "naive", "baseline")
+    ):
+        raise click.BadParameter(
+            f"{spec!r}: expected NAME[@CACHE]:FLAGS with a new row name", param_hint="--also"
+        )
+    return name, cache_of or name, flags.split()
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ class ExtractConfig:
     compile: str = opt(
         "auto",
         choices=("auto", "on", "off"),
-        help="hf: torch.compile the decoder layers (auto: on a GPU, for runs long enough to repay it).",
+        help="torch.compile the model (auto: on a GPU, for runs long enough to repay it; vllm: never "
+        "CUDA graphs).",
     )
     max_batch_size: int = opt(64, help="Samples per forward at most.")
     limit: int | None = opt(None, low=1, help="Only the first N samples.")

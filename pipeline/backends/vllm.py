@@ -27,6 +27,8 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -85,8 +87,31 @@ def _vllm_dtype(dtype: str) -> str:
     return dtype
 
 
-def engine_arguments(options: BackendOptions, tensor_parallel_size: int, storage: Path) -> dict:
-    """The keyword arguments of ``vllm.LLM`` for an extraction run (pure: tests assert them)."""
+# Planned tokens from which --compile auto compiles the model (vLLM's torch.compile, no CUDA graphs): set
+# from the H200 runs in docs/benchmarks.md ("2026-12-03 evening"), where the compile's start-up cost and its
+# gain per token were measured side by side.
+COMPILE_MIN_TOKENS = 20_000_000
+
+
+def should_compile(options: BackendOptions, on_gpu: bool) -> bool:
+    """vLLM's compile decision: never with --enforce-eager; as asked by --compile on/off; else (auto) on a
+    GPU for runs planned at ``COMPILE_MIN_TOKENS`` or more (never on the CPU build: its inductor build takes
+    minutes there). CUDA graphs are never captured for extraction: its steps are prefills of up to
+    ``max_num_batched_tokens`` tokens, past the largest size graphs are captured for (512 by default; 1,024
+    on data-center Blackwell), so capturing them costs start-up and serves no step of the loop."""
+    if options.enforce_eager:
+        return False
+    if options.compile is not None:
+        return options.compile
+    return on_gpu and (options.planned_tokens is None or options.planned_tokens >= COMPILE_MIN_TOKENS)
+
+
+def engine_arguments(
+    options: BackendOptions, tensor_parallel_size: int, storage: Path, compiled: bool | None = None
+) -> dict:
+    """The keyword arguments of ``vllm.LLM`` for an extraction run (pure: tests assert them). ``compiled``:
+    torch.compile without CUDA graphs (True) or eager (False); None keeps the engine's defaults unless
+    --enforce-eager."""
     args = dict(
         model=str(options.model.path),
         tensor_parallel_size=tensor_parallel_size,
@@ -108,12 +133,14 @@ def engine_arguments(options: BackendOptions, tensor_parallel_size: int, storage
             "kv_connector_extra_config": {"shared_storage_path": str(storage)},
         },
         disable_log_stats=True,
-        enforce_eager=options.enforce_eager,
+        enforce_eager=options.enforce_eager if compiled is None else not compiled,
         # prompts are token ids and the one sampled token is dropped: no tokenizer is needed, so a model
         # folder without tokenizer files starts (vLLM would otherwise load one at engine start)
         skip_tokenizer_init=True,
     )
     args.update(FORCED_SETTINGS)
+    if compiled:
+        args["compilation_config"] = {"cudagraph_mode": "NONE"}
     if options.model.is_wrapper:
         # a vision-language wrapper (Kimi-K2.5) reads text only here: no vision tower built or loaded (its
         # memory stays free), no image profiling; vLLM ignores the flag for a model that is not multimodal
@@ -166,13 +193,15 @@ class VllmBackend(Backend):
         from vllm import LLM, SamplingParams
 
         try:
-            args = engine_arguments(options, self.tensor_parallel_size, self._storage)
+            self.compiled = should_compile(options, on_gpu=devices > 0)
+            args = engine_arguments(options, self.tensor_parallel_size, self._storage, self.compiled)
             if devices == 0:
                 args.update(vllm_cpu.engine_arguments(args["dtype"]))
             self._llm = LLM(**args)
         except BaseException:
             self._scratch.close()
             raise
+        self.profile = Profile()
         # no detokenizer: the engine has none (skip_tokenizer_init) and the one sampled token is not kept
         self._feed = EngineFeed(self._llm, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
         config = self._llm.llm_engine.vllm_config
@@ -227,12 +256,8 @@ class VllmBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - the engine's own error, in one line
             raise StageError(f"the vLLM engine stopped: {type(exc).__name__}: {exc}") from exc
         hidden = self.options.model.hidden_size
-        states = [
-            [torch.empty(len(s), hidden, dtype=self._dtype) for _ in self.layer_ids] for s in seqs
-        ]
-        readies = [
-            _Once(lambda k=k: self._fill(k, seqs[k], futures[k], states[k])) for k in range(len(seqs))
-        ]
+        states = [[torch.empty(len(s), hidden, dtype=self._dtype) for _ in self.layer_ids] for s in seqs]
+        readies = [_Once(lambda k=k: self._fill(k, seqs[k], futures[k], states[k])) for k in range(len(seqs))]
         return Captured(
             states,
             sample_ready=readies,
@@ -240,13 +265,14 @@ class VllmBackend(Backend):
         )
 
     def _fill(self, k: int, seq: list[int], future: Future, into: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
         try:
             output = future.result()
-        except StageError:
-            raise
         except Exception as exc:  # noqa: BLE001 - the engine's own error, in one line
             raise StageError(f"the vLLM engine stopped: {type(exc).__name__}: {exc}") from exc
+        t1 = time.perf_counter()
         self._read(k, seq, output, into)
+        self.profile.add(engine_wait=t1 - t0, read=time.perf_counter() - t1, samples=1)
 
     def _drop(self, future: Future) -> None:
         """A request whose states nobody reads (its sample is already on disk): its file goes once written."""
@@ -269,7 +295,9 @@ class VllmBackend(Backend):
 
         future.add_done_callback(remove)
 
-    def _read(self, i: int, seq: list[int], output, into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def _read(
+        self, i: int, seq: list[int], output, into: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """Sample i's states from the connector's file (waiting on its lock), checked, then the file
         removed; copied into ``into`` (one [T, H] tensor per layer) when given, else fresh tensors."""
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -322,6 +350,8 @@ class VllmBackend(Backend):
         self._feed = None
         if feed is not None:
             feed.close()
+            if self.profile.samples:
+                print(f"vllm backend: {feed.steps} engine steps; {self.profile.line()}", file=sys.stderr)
         llm = getattr(self, "_llm", None)
         self._llm = None
         if llm is not None:
@@ -330,6 +360,30 @@ class VllmBackend(Backend):
         self._scratch = None
         if scratch is not None:
             scratch.close()
+
+
+class Profile:
+    """Where the writer threads' time on vLLM's results went, summed over threads (thread-safe): waiting for
+    the engine to finish a request, and reading its file (the connector's write still running under the
+    lock, the load, the checks, the copy into the sample's states)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.engine_wait = self.read = 0.0
+        self.samples = 0
+
+    def add(self, engine_wait: float, read: float, samples: int) -> None:
+        with self._lock:
+            self.engine_wait += engine_wait
+            self.read += read
+            self.samples += samples
+
+    def line(self) -> str:
+        n = max(1, self.samples)
+        return (
+            f"{self.samples} samples read; per sample {1e3 * self.engine_wait / n:.1f} ms waiting for the "
+            f"engine, {1e3 * self.read / n:.1f} ms reading its file (thread-seconds)"
+        )
 
 
 class _Once:

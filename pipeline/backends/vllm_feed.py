@@ -84,7 +84,9 @@ class EngineFeed:
                     if output.finished:
                         future = self._waiting.pop(output.request_id, None)
                         if future is None:
-                            raise RuntimeError(f"vLLM finished request {output.request_id}, which was not ours")
+                            raise RuntimeError(
+                                f"vLLM finished request {output.request_id}, which was not ours"
+                            )
                         future.set_result(output)
                 self.steps += 1
                 if self._waiting and not engine.has_unfinished_requests():

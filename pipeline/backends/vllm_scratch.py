@@ -7,9 +7,9 @@ so they go to shared memory (``/dev/shm``, a tmpfs) when it has room for what ca
 a scratch folder in ``--out`` otherwise (the choice and its reason are returned, for the run's log).
 
 Owns: the choice, the folder's life, and the removal of folders left by killed runs. A live folder holds an
-exclusive ``flock`` on its ``owner.lock`` for as long as its backend lives; a folder whose lock can be taken is
-orphaned (its process is gone, also one in another container sharing ``/dev/shm``: locks do not depend on
-PIDs) and is removed. A folder of a live run is never touched.
+exclusive ``flock`` on its ``owner.lock`` for as long as its backend lives; a folder whose lock can be
+taken is orphaned (its process is gone, also one in another container sharing ``/dev/shm``: locks do not
+depend on PIDs) and is removed. A folder of a live run is never touched.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 
 Tolerance (fp32 on both sides, so that a real mismatch cannot hide in bf16 rounding): the worst relative
 error of any single token's vector, ||vllm_t - hf_t|| / ||hf_t||, over all samples and the 4 layers, must
-stay below 1e-5 (seen on 0.16.0: 4e-7 for the Llama at TP 1 and 2, 8e-7 for the DeepseekV3 with MLA disabled).
+stay below 1e-5 on the CPU (seen on 0.16.0: 4e-7 for the Llama at TP 1 and 2, 8e-7 for the DeepseekV3 with MLA
+disabled) and 3e-3 on a GPU, where vLLM's Triton attention runs fp32 dots as TF32 (conftest.py says why).
 An off-by-one layer (vLLM's ids are layer INPUTS: ours + 1), a missing layer, a reordered sample, the CPU rope
 bug (vLLM patch 0002: 37-53% from layer 2 on) or softmax-instead-of-sigmoid MoE routing (up to 0.9) all
 exceed it by orders of magnitude. Engines run with --enforce-eager: torch.compile on this CPU adds minutes.
@@ -19,11 +20,11 @@ import torch
 
 from pipeline.ondisk import formats
 from tests.conftest import run_pipeline
-from tests.vllm.conftest import compare_dirs, per_token_rel
+from tests.vllm.conftest import compare_dirs, fp32_tolerance, per_token_rel
 
 pytestmark = pytest.mark.vllm
 
-TOL = 1e-5
+TOL = fp32_tolerance()  # tests/vllm/conftest.py: 1e-5 on the CPU, TF32 attention on a GPU
 LIMIT = 40  # samples per extraction
 
 
