@@ -24,6 +24,7 @@ points must be import-safe (``if __name__ == "__main__":``), which ``python -m p
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 import tempfile
@@ -87,10 +88,11 @@ def _vllm_dtype(dtype: str) -> str:
     return dtype
 
 
-# Planned tokens from which --compile auto compiles the model (vLLM's torch.compile, no CUDA graphs): set
-# from the H200 runs in docs/benchmarks.md ("2026-12-03 evening"), where the compile's start-up cost and its
-# gain per token were measured side by side.
-COMPILE_MIN_TOKENS = 20_000_000
+# Planned tokens from which --compile auto compiles the model (vLLM's torch.compile, no CUDA graphs). On the
+# H200 (docs/benchmarks.md, "2026-12-03 evening", llama-1b): a cold compile put the first batch 118 s later
+# than eager (185 s against 67 s) and saved 1.3 us per token in the loop (139k against 118k tok/s), so it
+# pays from ~90M tokens; from a warm cache (32 s to the first batch) it costs nothing at start.
+COMPILE_MIN_TOKENS = 90_000_000
 
 
 def should_compile(options: BackendOptions, on_gpu: bool) -> bool:
@@ -298,11 +300,14 @@ class VllmBackend(Backend):
     def _read(
         self, i: int, seq: list[int], output, into: list[torch.Tensor] | None = None
     ) -> list[torch.Tensor]:
-        """Sample i's states from the connector's file (waiting on its lock), checked, then the file
-        removed; copied into ``into`` (one [T, H] tensor per layer) when given, else fresh tensors."""
+        """Sample i's states from the connector's file (waiting on its write's lock), checked, then the file
+        removed. The shape is checked from the header before the block is read; each layer becomes a [T, H]
+        tensor owning its storage. With ``into`` (the sample's list of states, allocated empty and never
+        touched) the list's entries are replaced by them, so the writer holding that list sees them: no
+        copy into the placeholders."""
+        from safetensors import SafetensorError, safe_open
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
-            load_hidden_states,
         )
 
         if list(output.prompt_token_ids or []) != seq:
@@ -316,34 +321,40 @@ class VllmBackend(Backend):
                 f"(kv_transfer_params={output.kv_transfer_params}): "
                 f"is the {CONNECTOR} connector active?"
             )
+        want = (len(seq), len(self.layer_ids), self.options.model.hidden_size)
         try:
-            data = load_hidden_states(path)
-        except (OSError, ValueError) as exc:
+            with open(path + ".lock") as lock:
+                fcntl.flock(lock, fcntl.LOCK_SH)  # sleeps until the connector's writer releases LOCK_EX
+                with safe_open(path, framework="pt", device="cpu") as fh:
+                    names = set(fh.keys())
+                    if not {"token_ids", "hidden_states"} <= names:
+                        raise StageError(
+                            f"vLLM's file {path} lacks token_ids or hidden_states (has {sorted(names)})"
+                        )
+                    ids = fh.get_tensor("token_ids")
+                    if ids.tolist() != seq:
+                        raise StageError(
+                            f"vLLM's states of sample {i} are for other tokens ({len(ids)} ids, expected "
+                            f"{len(seq)}): results out of input order or a prefix-cache hit"
+                        )
+                    shape = tuple(fh.get_slice("hidden_states").get_shape())
+                    if shape != want:
+                        raise StageError(
+                            f"vLLM's states of sample {i} have shape {shape}, expected "
+                            f"{want} (tokens, one per layer {self.layer_ids}, hidden)"
+                        )
+                    block = fh.get_tensor("hidden_states")
+            states = [block[:, j].contiguous() for j in range(want[1])]
+        except (OSError, ValueError, SafetensorError) as exc:
             raise StageError(
                 f"cannot read vLLM's hidden states of sample {i} from {path}: {exc} "
                 "(vLLM's log says why the write failed: 'Hidden-states write failed')"
             ) from None
         finally:
             cleanup_hidden_states(path)
-        ids, states = data.get("token_ids"), data.get("hidden_states")
-        if ids is None or states is None:
-            raise StageError(f"vLLM's file {path} lacks token_ids or hidden_states (has {sorted(data)})")
-        if ids.tolist() != seq:
-            raise StageError(
-                f"vLLM's states of sample {i} are for other tokens ({len(ids)} ids, expected {len(seq)}): "
-                "results out of input order or a prefix-cache hit"
-            )
-        want = (len(seq), len(self.layer_ids), self.options.model.hidden_size)
-        if tuple(states.shape) != want:
-            raise StageError(
-                f"vLLM's states of sample {i} have shape {tuple(states.shape)}, expected {want} "
-                f"(tokens, one per layer {self.layer_ids}, hidden)"
-            )
-        if into is None:
-            return [states[:, j].contiguous() for j in range(len(self.layer_ids))]
-        for j, h in enumerate(into):
-            h.copy_(states[:, j])
-        return into
+        if into is not None:
+            into[:] = states
+        return states
 
     def close(self) -> None:
         feed = getattr(self, "_feed", None)
