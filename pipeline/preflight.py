@@ -142,12 +142,11 @@ def check_model(cfg: PreflightConfig) -> Iterator[CheckResult]:
 
 
 def readable_model(cfg: PreflightConfig) -> ModelDir | None:
-    """The model directory when check_model could read its config and architecture (None: it said why)."""
+    """The model directory when its config reads (None: check_model said why)."""
     try:
-        model = read_model_dir(cfg.model)
+        return read_model_dir(cfg.model)
     except StageError:
         return None
-    return model if model.architecture else None
 
 
 def check_model_imports(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
@@ -661,7 +660,7 @@ def import_checks(cfg: PreflightConfig) -> Iterator[CheckResult]:
     if cfg.backend not in ("vllm", "hf"):
         return
     model = readable_model(cfg)
-    if model is not None:
+    if model is not None and model.architecture:  # without one, check_model stopped at `model config`
         yield from check_model_imports(cfg, model)
     if cfg.backend == "vllm" and vllm_new_enough():
         modules, failures = _import_modules()
