@@ -28,9 +28,9 @@ class StageSpec:
         False  # takes the host's parallel layout (ops.layout): --backend, --tensor-parallel-size ...
     )
     # what runs inside the image before anything on the host is stopped (preflight_script):
-    # "args": `pipeline check-args` of the exact argv; "model": that and `pipeline preflight` of the model
-    # (config, checkpoint headers, tokenizer, chat template); "extract": that and the full extraction
-    # preflight
+    # "args": `pipeline check-args` of the exact argv; "model": `pipeline preflight` of the model (config,
+    # checkpoint headers, tokenizer, chat template) that checks the argv first; "extract": the full
+    # extraction preflight that checks the argv first (one process either way)
     preflight: str = "args"
     # check names that refuse the run ("" = every failed check); others are reported as warnings
     fatal: tuple[str, ...] = ()

@@ -190,30 +190,27 @@ def _container_args(
 
 
 def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
-    """The shell line the preflight container runs: `pipeline check-args` of the exact stage argv, and
-    for prepare and extract `pipeline preflight` with the stage's own values (both run, each prints its
-    failures; the line fails if either did)."""
+    """The one process the preflight container runs. Prepare and extract: `pipeline preflight` with the
+    stage's own values, failing fast on the checks the stage refuses on (its StageSpec.fatal; every check
+    for extract), then STAGE ARGS, the exact stage argv, which it checks first as `pipeline check-args`
+    does; a refusal found by reading files (arguments, config, checkpoint headers, layer ids, data, disk)
+    then costs no torch, transformers or vLLM import. Other stages: `pipeline check-args` of the argv."""
     spec = STAGES[stage]
     args = stage_argv[4:]
-    cmds = [("python", "-m", "pipeline", "check-args", stage, *args)]
-    if spec.preflight in ("model", "extract"):
-        pf = ["python", "-m", "pipeline", "preflight"]
-        flags = PREFLIGHT_FLAGS if spec.preflight == "extract" else ("--model",)
-        values = last_values(args, flags, where="in the stage's arguments")
-        for flag in flags:
-            if flag in values:
-                pf += [flag, values[flag]]
-        if spec.preflight == "model":
-            pf += ["--backend", "hf"]  # prepare loads no model: its tokenizer and config matter, not vLLM
-        if "--trust-remote-code" in args:
-            pf.append("--trust-remote-code")
-        cmds.append(tuple(pf))
-    if len(cmds) == 1:
-        return shlex.join(cmds[0])
-    # side by side (each starts an interpreter and imports torch: on a many-core host the wall time is the
-    # slower one's); check-args prints its one line when it exits, so lines never interleave mid-way
-    first, second = shlex.join(cmds[0]), shlex.join(cmds[1])
-    return f"{first} & a=$!; {second}; b=$?; wait $a; a=$?; [ $a -eq 0 ] && [ $b -eq 0 ]"
+    if spec.preflight not in ("model", "extract"):
+        return shlex.join(("python", "-m", "pipeline", "check-args", stage, *args))
+    pf = ["python", "-m", "pipeline", "preflight"]
+    flags = PREFLIGHT_FLAGS if spec.preflight == "extract" else ("--model",)
+    values = last_values(args, flags, where="in the stage's arguments")
+    for flag in flags:
+        if flag in values:
+            pf += [flag, values[flag]]
+    if spec.preflight == "model":
+        pf += ["--backend", "hf"]  # prepare loads no model: its tokenizer and config matter, not vLLM
+    if "--trust-remote-code" in args:
+        pf.append("--trust-remote-code")
+    pf += ["--fail-fast-on", ",".join(spec.fatal) or "any"]
+    return shlex.join((*pf, "--", stage, *args))
 
 
 def plan_stage(

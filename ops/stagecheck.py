@@ -3,8 +3,9 @@
 Owns three steps of remote-run's preflight that need the image: the look into it (does it have vLLM:
 for `backend = "auto"`), the resolution of the stage's parallel layout (ops.layout) from that and the
 host's GPU count, and the preflight container: `docker run --rm` with the stage's exact user, mounts,
-environment and GPUs running `pipeline check-args` and, for prepare and extract, `pipeline preflight`
-with the stage's own values (ops.stage.preflight_script). Its output lines `FAIL name: detail` become
+environment and GPUs running one process: for prepare and extract `pipeline preflight` with the stage's own
+values and argv (its `arguments` check is `pipeline check-args`'), else `pipeline check-args`
+(ops.stage.preflight_script). Its output lines `FAIL name: detail` become
 CheckResults (its whole output is kept in preflight.log). The containers hold no GPU memory, carry no
 secrets and are never stage containers (no run-id label); the server keeps running throughout.
 """

@@ -11,8 +11,12 @@ THIS target (EAGLE-3 aux capture for its architecture, the final layer on the De
 that is safe at this tensor parallel size). It never reads a weight: safetensors files are opened for their
 JSON headers only, and vLLM's model classes are imported, never built.
 
-Checks return CheckResult values (pipeline/checks.py), cheapest first; only ``command`` turns them into
-output lines and an exit code.
+Checks return CheckResult values (pipeline/checks.py) in two groups: first those that read files and
+package metadata only (the stage's command line when STAGE ARGS are given, via pipeline/argcheck.py; config,
+checkpoint headers, prepared data, free disk, vLLM's version and patch set), then those that import
+transformers, torch or vLLM (tokenizer, chat template, devices, vLLM's APIs and model classes), which a
+fail-fast run skips once a file check has refused it. Only ``command`` turns them into output lines and an
+exit code. The ops preflight runs this command, once, in the stage's image (ops/stage.py preflight_script).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import re
 import shutil
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +108,8 @@ def checkpoint_tensor_names(model_dir: Path) -> tuple[dict[str, str], str]:
 
 
 def check_model(cfg: PreflightConfig) -> Iterator[CheckResult]:
+    """The model's checks that read files only: config, checkpoint headers, layer ids, prepared data and
+    vocab files (numpy), free disk for the output."""
     try:
         model = read_model_dir(cfg.model)
     except StageError as exc:
@@ -132,9 +138,22 @@ def check_model(cfg: PreflightConfig) -> Iterator[CheckResult]:
     yield from check_layer_ids(cfg, model)
     if cfg.prepared is not None:
         yield from check_prepared(cfg.prepared, model)
-    yield from check_tokenizer(cfg, model)  # imports transformers: after the checks that need only numpy
-    yield from check_parallel(cfg, model, text)
     yield from check_disk(cfg, model)
+
+
+def readable_model(cfg: PreflightConfig) -> ModelDir | None:
+    """The model directory when its config reads (None: check_model said why)."""
+    try:
+        return read_model_dir(cfg.model)
+    except StageError:
+        return None
+
+
+def check_model_imports(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
+    """The model's checks that import packages: the tokenizer and its chat template (transformers, which
+    imports torch) and, for vLLM, the devices and tensor parallel size (torch)."""
+    yield from check_tokenizer(cfg, model)
+    yield from check_parallel(cfg, model, model.raw.get("text_config") or model.raw)
 
 
 def check_checkpoint(model_dir: Path, model: ModelDir, text: dict) -> Iterator[CheckResult]:
@@ -612,25 +631,74 @@ def installed_vllm_checks() -> list[CheckResult]:
     return results + failures + list(check_apis(modules))
 
 
-def run_checks(cfg: PreflightConfig) -> Iterator[CheckResult]:
-    """Every check, cheapest first, as results (never raises for a failed check)."""
+def vllm_new_enough() -> bool:
+    """vLLM is installed in a version with native extraction (what check_vllm_version fails without): the
+    checks that import it are worth running."""
+    found = installed_version("vllm")
+    return found is not None and version_tuple(found[1]) >= SINCE["extract_hidden_states"]
+
+
+def file_checks(cfg: PreflightConfig, stage_args: tuple[str, ...] = ()) -> Iterator[CheckResult]:
+    """The checks that read files and package metadata only (no torch, transformers or vLLM import): the
+    stage's command line (``pipeline check-args``) when given, the model's files, the prepared data, free
+    disk, and for vLLM its installed version and patch set."""
+    if stage_args:
+        from pipeline.argcheck import stage_args_check
+
+        yield stage_args_check(stage_args[0], tuple(stage_args[1:]))
     if cfg.backend not in ("vllm", "hf"):
         yield fail("backend", f"unknown backend {cfg.backend!r}: choose vllm or hf")
         return
     yield from check_model(cfg)
     if cfg.backend == "vllm":
-        installed = list(check_vllm_version())
-        yield from installed
-        if any(r.name == "vllm version" and r.failed for r in installed):
-            return
+        yield from check_vllm_version()
+
+
+def import_checks(cfg: PreflightConfig) -> Iterator[CheckResult]:
+    """The checks that import transformers, torch or vLLM: tokenizer, chat template, devices and tensor
+    parallel size, the installed vLLM's APIs and what it can capture for this target."""
+    if cfg.backend not in ("vllm", "hf"):
+        return
+    model = readable_model(cfg)
+    if model is not None and model.architecture:  # without one, check_model stopped at `model config`
+        yield from check_model_imports(cfg, model)
+    if cfg.backend == "vllm" and vllm_new_enough():
         modules, failures = _import_modules()
         yield from failures
         yield from check_apis(modules)
-        try:
-            model = read_model_dir(cfg.model)
-        except StageError:
-            return  # check_model said so
-        yield from check_target(cfg, model, modules)
+        if model is not None:
+            yield from check_target(cfg, model, modules)
+
+
+def skipped_names(cfg: PreflightConfig) -> list[str]:
+    """What import_checks would have checked, by name (for the line that says they were skipped)."""
+    names = ["tokenizer", "chat template"]
+    if cfg.backend == "vllm":
+        names += ["cuda", "tensor parallel", "vllm imports and APIs", "eagle-3 capture"]
+    return names
+
+
+ANY = "any"  # fail_fast_on: a failure of any check
+
+
+def run_checks(
+    cfg: PreflightConfig, stage_args: tuple[str, ...] = (), fail_fast_on: Collection[str] = ()
+) -> Iterator[CheckResult]:
+    """Every check as results (never raises for a failed check): first those that read files only, then
+    those that import transformers, torch or vLLM. ``stage_args`` (STAGE ARGS...): also check that
+    ``pipeline STAGE ARGS`` would accept its command line, first. ``fail_fast_on`` (check names, or ANY):
+    once one of these file checks has failed, the import checks are not run (one ``skipped`` warning names
+    them): the run is refused either way, and its refusal then costs no torch import. A caller that
+    tolerates some failures (ops demotes the checkpoint's for prepare) names only the ones it refuses on."""
+    first = None
+    for result in file_checks(cfg, stage_args):
+        if first is None and result.failed and (ANY in fail_fast_on or result.name in fail_fast_on):
+            first = result.name
+        yield result
+    if first is not None:
+        yield warn("skipped", f"{', '.join(skipped_names(cfg))}: not checked, `{first}` failed (fail fast)")
+        return
+    yield from import_checks(cfg)
 
 
 # ------------------------------------------------------------------ CLI
@@ -651,7 +719,9 @@ def _write_json(path: Path, results: list[CheckResult], seconds: float) -> None:
     )
 
 
-@click.command("preflight")
+# the stage's arguments (STAGE ARGS) begin at the first word that is no option of preflight's: theirs are
+# never read as preflight's own (extract's --model, --prepared and --out are both)
+@click.command("preflight", context_settings={"allow_interspersed_args": False})
 @click.option("--model", type=click.Path(path_type=Path), required=True, help="Target model directory.")
 @click.option(
     "--prepared", type=click.Path(path_type=Path), default=None, help="Output of `pipeline prepare`."
@@ -671,13 +741,28 @@ def _write_json(path: Path, results: list[CheckResult], seconds: float) -> None:
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the results here."
 )
-def command(layer_ids: str | None, json_path: Path | None, **kwargs) -> None:
-    """Check model, data, devices, disk and the installed vLLM before any model load."""
+@click.option(
+    "--fail-fast-on",
+    "fail_fast_on",
+    default="",
+    metavar="CHECKS",
+    help=f"Comma-separated check names, or `{ANY}`: once one of them has failed, skip the checks that import "
+    "transformers, torch or vLLM (tokenizer, chat template, devices, vLLM APIs).",
+)
+@click.argument("stage_args", nargs=-1, type=click.UNPROCESSED, metavar="[STAGE ARGS]...")
+def command(
+    layer_ids: str | None, json_path: Path | None, fail_fast_on: str, stage_args: tuple[str, ...], **kwargs
+) -> None:
+    """Check model, data, devices, disk and the installed vLLM before any model load.
+
+    STAGE ARGS (after the options, or after `--`): first check that `pipeline STAGE ARGS` would accept its
+    command line, as `pipeline check-args` does, in the same process."""
     t0 = time.perf_counter()
     ids = parse_layer_ids(layer_ids)
     cfg = PreflightConfig(layer_ids=tuple(ids) if ids else None, **kwargs)
     results = []
-    for result in run_checks(cfg):
+    names = tuple(n.strip() for n in fail_fast_on.split(",") if n.strip())
+    for result in run_checks(cfg, stage_args, names):
         results.append(result)
         color = {"ok": "green", "warn": "yellow", "fail": "red"}[result.status]
         status = click.style(f"{result.status:<4}", fg=color, bold=result.failed)

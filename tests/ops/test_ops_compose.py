@@ -87,7 +87,7 @@ def test_compose_preflight_service_is_ops_extract_preflight():
     values."""
     svc = compose_config()["services"]["preflight"]
     plan = plan_stage(HostConfig(name="h", host="local"), "extract", run_id="r", layout=Layout("vllm", 1, 1))
-    ops_preflight = plan.preflight_run[-1].split("; ")[1].split()
+    ops_preflight = plan.preflight_run[-1].split(" --fail-fast-on ")[0].split()  # before the argv check
     ops_preflight = [w for w in ops_preflight if w not in ("--tensor-parallel-size", "1")]
     assert svc["command"][: len(ops_preflight)] == ops_preflight
 

@@ -3,6 +3,8 @@ from a stage's exact argv, and the reading of the preflight's check lines."""
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from ops.errors import ConfigError
@@ -74,8 +76,9 @@ def test_hosts_file_layout_keys_are_validated():
 
 
 def test_preflight_script_carries_the_stage_argv_exactly():
-    """extract: check-args of the whole argv, then pipeline preflight with its model, data, layout and
-    trust flag; prepare: the model's preflight (hf); train: check-args only."""
+    """extract: one `pipeline preflight` with its model, data, layout and trust flag, failing fast on any
+    check, then the whole stage argv (its `arguments` check); prepare: the model's preflight (hf), failing
+    fast only on what prepare refuses on; train: check-args only. One python process each."""
     host = HostConfig(name="h", host="h", docker_gpus="")
     plan = plan_stage(
         host,
@@ -85,19 +88,32 @@ def test_preflight_script_carries_the_stage_argv_exactly():
         extra_args=("--layer-ids", "1,2,3,4", "--trust-remote-code", "--limit", "3"),
     )
     assert plan.preflight_run[-1] == (
-        "python -m pipeline check-args extract --prepared /data/prepared --model /model "
-        "--out /data/hidden_states --no-progress --backend vllm --tensor-parallel-size 8 "
-        "--layer-ids 1,2,3,4 --trust-remote-code --limit 3 & "
-        "a=$!; python -m pipeline preflight --model /model --prepared /data/prepared "
+        "python -m pipeline preflight --model /model --prepared /data/prepared "
         "--out /data/hidden_states --backend vllm --layer-ids 1,2,3,4 --tensor-parallel-size 8 "
-        "--trust-remote-code; b=$?; wait $a; a=$?; "
-        "[ $a -eq 0 ] && [ $b -eq 0 ]"
+        "--trust-remote-code --fail-fast-on any -- "
+        "extract --prepared /data/prepared --model /model "
+        "--out /data/hidden_states --no-progress --backend vllm --tensor-parallel-size 8 "
+        "--layer-ids 1,2,3,4 --trust-remote-code --limit 3"
     )
-    assert preflight_script("prepare", plan_stage(host, "prepare", run_id="r").stage_argv).endswith(
-        "python -m pipeline preflight --model /model --backend hf; b=$?; wait $a; a=$?; "
-        "[ $a -eq 0 ] && [ $b -eq 0 ]"
+    prepare = plan_stage(host, "prepare", run_id="r")
+    assert preflight_script("prepare", prepare.stage_argv) == (
+        "python -m pipeline preflight --model /model --backend hf "
+        "--fail-fast-on 'arguments,model config,tokenizer,chat template,stage preflight' -- "
+        "prepare --data /data/conversations.jsonl --model /model --out /data/prepared"
     )
-    assert preflight_script("train", plan_stage(host, "train", run_id="r").stage_argv).count("python") == 1
+    assert preflight_script("train", plan_stage(host, "train", run_id="r").stage_argv) == shlex.join(
+        (
+            "python",
+            "-m",
+            "pipeline",
+            "check-args",
+            "train",
+            *plan_stage(host, "train", run_id="r").stage_argv[4:],
+        )
+    )
+    for stage in ("prepare", "extract", "weights", "train", "verify"):
+        words = shlex.split(preflight_script(stage, plan_stage(host, stage, run_id="r").stage_argv))
+        assert words.count("python") == 1 and not {"&", ";", "&&", "|"} & set(words), stage
     run = plan.preflight_run
     assert run[:4] == ("docker", "run", "--rm", "--name") and "eagle-ops.run-id=r" not in " ".join(run)
     assert (

@@ -1,6 +1,7 @@
 """The stage's own preflight inside the image, before anything is stopped: real sshd, real dockerd, the real
-`pipeline check-args` / `pipeline preflight` in the stage container on a tiny real model. A misconfigured
-run ends with exit 4 naming the failed check, and the server container was never stopped."""
+`pipeline preflight -- STAGE ARGV` (which checks the argv as `pipeline check-args` does) in the stage
+container on a tiny real model. A misconfigured run ends with exit 4 naming the failed check, and the
+server container was never stopped; the preflight container starts one python process."""
 
 from __future__ import annotations
 
@@ -96,6 +97,27 @@ def scene(tmp_path_factory, dk, sshd, warm_pipeline):
     remove_test_containers(dk, [name])
 
 
+def counting_image(dk, base: str) -> str:
+    """The stage image with a `python` first on PATH that appends its arguments (their first line) to
+    /data/python-calls.log, then runs the venv's python: every python process a container of it starts by
+    name is on record."""
+    # a printf format (its \n are newlines); single-quoted, so "$*" and "$@" reach the script as written
+    shim, where = (
+        rf'#!/bin/sh\necho "$*" | head -n 1 >> /data/python-calls.log\nexec {sys.prefix}/bin/python "$@"\n',
+        "/opt/counted",
+    )
+    dockerfile = (
+        f"FROM {base}\n"
+        f"RUN mkdir -p {where} && printf '{shim}' > {where}/python && chmod 755 {where}/python\n"
+        f"ENV PATH={where}:{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin\n"
+    )
+    tag = f"{base.split(':')[0]}-counted:{base.split(':')[1]}"
+    dk.images.build(
+        fileobj=io.BytesIO(dockerfile.encode()), tag=tag, pull=False, rm=True, labels={TEST_LABEL: "1"}
+    )
+    return tag
+
+
 def data_root(scene, label: str, *, prepared: bool = True) -> Path:
     """A fresh data root (cache, and a copy of the good prepared samples)."""
     root = scene["tmp"] / f"data-{label}"
@@ -148,8 +170,27 @@ def test_wrong_layer_ids_are_refused_before_the_server_stops(scene):
     print(f"layer ids refused in {seconds:.1f} s")
 
 
+def test_the_image_preflight_is_one_python_process(scene, dk):
+    """The preflight container starts one python process, `pipeline preflight ... -- extract ARGV`, which
+    refuses wrong layer ids (exit 4, server untouched) without loading the tokenizer (the checks that import
+    transformers and torch are skipped and said so). The other python process in the image is the layout's
+    look for vLLM (backend auto), a container of its own that imports neither."""
+    root = data_root(scene, "count")
+    hosts = scene["hosts"]("count", data_root=str(root), image=counting_image(dk, scene["image"]))
+    res, seconds = refused(scene, hosts, "--run-id", "pf-count", "--", "--layer-ids", "0,1,2")
+    assert "error: preflight failed: layer ids: " in res.stderr
+    calls = (root / "python-calls.log").read_text().splitlines()
+    assert len(calls) == 2 and calls[0].startswith("-c import importlib.metadata"), calls
+    assert calls[1].startswith("-m pipeline preflight --model /model --prepared /data/prepared "), calls
+    assert " --fail-fast-on any -- extract --prepared /data/prepared " in calls[1]
+    log = (scene["tmp"] / "runs" / "pfbox" / "pf-count" / "preflight.log").read_text()
+    assert "warn skipped: tokenizer, chat template: not checked, `layer ids` failed" in log
+    print(f"layer ids refused in {seconds:.1f} s, python processes in the image: {calls}")
+
+
 def test_misspelt_stage_argument_is_refused(scene):
-    """An option the stage does not know (`--layer-id`) is refused by `pipeline check-args`, exit 4."""
+    """An option the stage does not know (`--layer-id`) is refused by the preflight's `arguments` check
+    (`pipeline check-args`' own), exit 4."""
     hosts = scene["hosts"]("args", data_root=str(data_root(scene, "args")))
     res, _ = refused(scene, hosts, "--run-id", "pf-args", "--", "--layer-id", "0,1,2,3")
     assert "error: preflight failed: arguments: pipeline extract: No such option '--layer-id'" in res.stderr

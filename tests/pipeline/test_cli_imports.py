@@ -37,8 +37,10 @@ CASES = (
 )
 
 
-def import_log(args: tuple[str, ...], code: int, run: tuple[str, ...] = ("-m", "pipeline")) -> str:
-    """The -X importtime log of `python -m pipeline ARGS`, once the process exited with ``code``."""
+def importtime_run(
+    args: tuple[str, ...], code: int, run: tuple[str, ...] = ("-m", "pipeline")
+) -> subprocess.CompletedProcess:
+    """`python -X importtime -m pipeline ARGS`, which must exit with ``code``; its stderr holds the log."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     proc = subprocess.run(
         [PYTHON, "-X", "importtime", *run, *args],
@@ -50,7 +52,12 @@ def import_log(args: tuple[str, ...], code: int, run: tuple[str, ...] = ("-m", "
     )
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert "import time:" in proc.stderr  # the log is there to be read
-    return proc.stderr
+    return proc
+
+
+def import_log(args: tuple[str, ...], code: int, run: tuple[str, ...] = ("-m", "pipeline")) -> str:
+    """The -X importtime log of `python -m pipeline ARGS`, once the process exited with ``code``."""
+    return importtime_run(args, code, run).stderr
 
 
 def torch_lines(args: tuple[str, ...], code: int, run: tuple[str, ...] = ("-m", "pipeline")) -> list[str]:
@@ -86,3 +93,83 @@ def test_the_summaries_are_the_commands_own():
         stand_in = click.Command(name, help=text)
         for limit in range(10, 200):
             assert stand_in.get_short_help_str(limit) == real.get_short_help_str(limit), (name, limit)
+
+
+# `pipeline preflight` as the ops preflight container runs it (ops/stage.py preflight_script): one process
+# that checks the stage's argv first, then the files, then what needs transformers/torch/vLLM
+def container_preflight(model, prepared, out, *, flags=(), argv=(), fail_fast="any") -> tuple[str, ...]:
+    paths = ("--prepared", str(prepared), "--model", str(model), "--out", str(out))
+    return (
+        "preflight",
+        *paths,
+        "--backend",
+        "hf",
+        *flags,
+        "--fail-fast-on",
+        fail_fast,
+        "--",
+        "extract",
+        *paths,
+        "--backend",
+        "hf",
+        *argv,
+    )
+
+
+REFUSED_BY_FILES = {  # failed check -> (preflight flags, stage argv) of a misconfiguration found in files
+    "layer ids": (("--layer-ids", "0,1,2"), ("--layer-ids", "0,1,2")),
+    "arguments": ((), ("--layer-id", "0,1,2,3")),
+}
+
+
+def _run(args: tuple[str, ...], code: int) -> tuple[str, list[str]]:
+    """stdout and the torch lines of the import log of `python -X importtime -m pipeline ARGS`."""
+    proc = importtime_run(args, code)
+    return proc.stdout, [m.group(0) for m in TORCH_LINE.finditer(proc.stderr)]
+
+
+@pytest.mark.parametrize("check", sorted(REFUSED_BY_FILES))
+def test_container_preflight_refused_by_a_file_check_imports_no_torch(
+    check, tiny_llama, prepared_llama, tmp_path
+):
+    """A misconfigured extract (layer ids the model lacks; an option extract does not know) is refused by
+    the one preflight process with exit 3, naming the check, the tokenizer checks skipped and said so,
+    and torch never imported."""
+    flags, argv = REFUSED_BY_FILES[check]
+    args = container_preflight(tiny_llama, prepared_llama, tmp_path / "states", flags=flags, argv=argv)
+    stdout, torch = _run(args, 3)
+    assert torch == []
+    failed = [ln for ln in stdout.splitlines() if "s] fail " in ln]
+    assert len(failed) == 1 and f"fail {check}: " in failed[0], stdout
+    assert "warn skipped: tokenizer, chat template: not checked" in stdout
+    assert "ok   model config" in stdout and "free disk" in stdout  # the other file checks still ran
+
+
+def test_container_preflight_that_passes_imports_torch_for_the_tokenizer(
+    tiny_llama, prepared_llama, tmp_path
+):
+    """The check above can fail: a run that passes loads the tokenizer (transformers imports torch) in the
+    same process that checked the arguments."""
+    args = container_preflight(tiny_llama, prepared_llama, tmp_path / "states")
+    stdout, torch = _run(args, 0)
+    assert torch
+    assert "ok   arguments: pipeline extract accepts" in stdout and "ok   tokenizer: " in stdout
+    assert "skipped" not in stdout
+
+
+def test_a_failure_the_caller_tolerates_does_not_skip_the_tokenizer(tiny_llama, tmp_path):
+    """prepare's preflight fails fast only on the checks prepare refuses on (ops: StageSpec.fatal): a
+    checkpoint that disagrees with config.json (a warning for prepare) still has the tokenizer and chat
+    template checked."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (model / "config.json").write_text(json.dumps(config))
+    fatal = "arguments,model config,tokenizer,chat template,stage preflight"
+    stdout, _ = _run(("preflight", "--model", str(model), "--backend", "hf", "--fail-fast-on", fatal), 3)
+    assert "fail layer count: " in stdout
+    assert "ok   tokenizer: " in stdout and "ok   chat template: " in stdout and "skipped" not in stdout
