@@ -333,7 +333,11 @@ def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
     lengths = [prepared.length(i) for i in range(n)]
     width = torch.empty((), dtype=dtype).element_size()
     sizes = [states.sample_bytes(t, model.hidden_size, len(layer_ids), width) for t in lengths]
-    plan = states.plan_states(cfg.states_mode, states.parse_bytes(cfg.states_budget), sizes, train, held_out)
+    # the training samples evaluate.py's unigram baseline reads at the end: kept too
+    measured = train[: cfg.eval_max_samples] if cfg.evaluate else []
+    plan = states.plan_states(
+        cfg.states_mode, states.parse_bytes(cfg.states_budget), sizes, train, held_out, measured
+    )
     dc = formats.DataConfig(
         model=str(model.path.resolve()),
         layer_ids=list(layer_ids),

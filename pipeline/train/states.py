@@ -109,28 +109,38 @@ class StatesPlan:
 
 
 def plan_states(
-    mode: str, budget: int, sizes: Sequence[int], train: Sequence[int], held_out: Sequence[int]
+    mode: str,
+    budget: int,
+    sizes: Sequence[int],
+    train: Sequence[int],
+    held_out: Sequence[int],
+    measured: Sequence[int] = (),
 ) -> StatesPlan:
     """The keep set under ``budget`` (``sizes``: each sample's ``sample_bytes``). The held-out samples are
-    always kept; ``online`` keeps nothing else; ``hybrid`` keeps training samples in index order while a
-    window of at least the largest training sample and 1/WINDOW_SHARE of the rest of the budget stays free
-    for the producer. Refuses a budget that cannot hold the held-out states and one training sample."""
+    always kept, and ``measured`` (the training samples the acceptance measurement reads for its unigram
+    baseline, pipeline/train/evaluate.py); ``online`` keeps nothing else; ``hybrid`` keeps training samples
+    in index order while a window of at least the largest training sample and 1/WINDOW_SHARE of the rest of
+    the budget stays free for the producer. Refuses a budget that cannot hold what is always kept and one
+    training sample."""
     if mode not in ("online", "hybrid"):
         raise StageError(f"--states-mode {mode!r}: states are planned for online or hybrid only")
-    held = sum(sizes[i] for i in held_out)
+    always = set(held_out) | set(measured)
+    held = sum(sizes[i] for i in always)
     largest = max((sizes[i] for i in train), default=0)
     need = held + largest
     if budget < need:
+        baseline = len(set(measured) - set(held_out))
         raise StageError(
-            f"--states-budget {budget:,} bytes cannot hold the {len(held_out)} held-out samples' states "
-            f"({held:,} bytes, kept for validation) and the largest training sample ({largest:,}): "
-            f"give at least {need:,} bytes, or hold out fewer samples (--eval-fraction)"
+            f"--states-budget {budget:,} bytes cannot hold the states kept for the whole run ({held:,} "
+            f"bytes: {len(held_out)} held-out samples for validation, {baseline} training "
+            f"samples for the acceptance baseline) and the largest training sample ({largest:,}): give at "
+            f"least {need:,} bytes, hold out fewer samples (--eval-fraction, --eval-max-samples) or --no-eval"
         )
-    keep = set(held_out)
+    keep = set(always)
     kept = held
     if mode == "hybrid":
         reserve = max(largest, (budget - held) // WINDOW_SHARE)
-        for i in sorted(train):
+        for i in sorted(set(train) - keep):
             if kept + sizes[i] + reserve > budget:
                 break
             keep.add(i)
