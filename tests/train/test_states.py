@@ -186,7 +186,8 @@ def _cli_args(cfg: TrainConfig) -> list[str]:
         ("--states-max-batch-size", cfg.states_max_batch_size),
         ("--checkpoint-steps", cfg.checkpoint_steps),
     ):
-        args += [flag, str(value)]
+        if value is not None:
+            args += [flag, str(value)]
     return [*args, "--no-eval", "--no-plots"]
 
 
@@ -226,6 +227,7 @@ def _losses(out: Path) -> list[float]:
     return [r["train"]["loss"] for r in read_metrics(out / "metrics.jsonl") if "train" in r]
 
 
+@pytest.mark.slow
 def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_path):
     """One sample per forward on both sides: online training writes the same bytes as extract for every
     state it keeps, and ends with the same weights, losses and acceptance as offline training on the same
@@ -264,6 +266,7 @@ def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_p
     assert not [c for c in result.checks if c.status == "fail"], result.checks
 
 
+@pytest.mark.slow
 def test_hybrid_reuses_what_it_keeps_and_stays_close_to_offline(stage_inputs, offline, tmp_path):
     """hybrid with batched forwards: the kept training samples are produced once, the others each epoch;
     the draft differs from offline only by the batch composition's rounding of the states (fp32, ~1e-7):
@@ -303,6 +306,7 @@ def _state_bytes_watch(directory: Path, stop: threading.Event, seen: list[int]) 
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume(stage_inputs, offline, tmp_path):
     """A hybrid `pipeline train` process SIGKILLed in its second epoch, then resumed: the resumed process
     starts at the last checkpointed step (none before it trained again, metrics.jsonl has every step once),
