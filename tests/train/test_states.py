@@ -269,8 +269,9 @@ def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_p
 @pytest.mark.slow
 def test_hybrid_reuses_what_it_keeps_and_stays_close_to_offline(stage_inputs, offline, tmp_path):
     """hybrid with batched forwards: the kept training samples are produced once, the others each epoch;
-    the draft differs from offline only by the batch composition's rounding of the states (fp32, ~1e-7):
-    final weights within 1e-4 and the last loss within 1e-4 relative. Deleting a kept file fails verify."""
+    the draft differs from offline only by the batch composition's rounding of the states (fp32, ~3e-7):
+    final weights within 1e-6 and the last loss within 1e-5 relative (seen: 7.1e-8, 1.2e-6), acceptance at
+    k=3 within the issue's 0.05 (seen: equal). Deleting a kept file fails verify."""
     from pipeline import verify
     from pipeline.train.stage import run
 
@@ -287,9 +288,11 @@ def test_hybrid_reuses_what_it_keeps_and_stays_close_to_offline(stage_inputs, of
     assert st["produced_samples"] == 4 + 12 + (12 - kept_train) and st["peak_bytes"] <= int(budget)
     a, b = _weights(ref.out, EPOCHS - 1), _weights(cfg.out, EPOCHS - 1)
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-    assert worst < 1e-4, worst
+    assert worst < 1e-6, worst
     la, lb = _losses(ref.out)[-1], _losses(cfg.out)[-1]
-    assert abs(la - lb) <= 1e-4 * abs(la), (la, lb)
+    assert abs(la - lb) <= 1e-5 * abs(la), (la, lb)
+    ours, theirs = (r["eval"]["draft"]["acceptance_length"] for r in (summary, offline["summary"]))
+    assert abs(ours - theirs) <= 0.05, (ours, theirs)
     assert not [c for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"]
     formats.data_file(cfg.data, kept[0]).unlink()
     failed = {c.name for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"}
@@ -344,6 +347,13 @@ def test_sigkill_mid_epoch_then_resume(stage_inputs, offline, tmp_path):
         assert steps + 2 <= len(rows) < EPOCHS * steps, f"kill landed outside epoch 1 ({len(rows)} steps)"
         for i in formats.existing_data_indices(cfg.data):  # complete files only: written under a temp name
             formats.read_sample(formats.data_file(cfg.data, i))
+        keep = set(formats.read_data_config(cfg.data).extra["states"]["kept"])
+        kept_then = {
+            i: formats.data_file(cfg.data, i).stat().st_mtime_ns
+            for i in formats.existing_data_indices(cfg.data)
+            if i in keep
+        }
+        assert len(kept_then) > 4  # the kill came after epoch 1 made the hybrid cache
         state = json.loads((cfg.out / "checkpoints" / "1" / "training_state.json").read_text())
         committed = state["global_step"]
         assert state["local_step"] > 0 and committed >= len(read_metrics(cfg.out / "metrics.jsonl")) - 2
@@ -366,6 +376,10 @@ def test_sigkill_mid_epoch_then_resume(stage_inputs, offline, tmp_path):
     assert not list(cfg.data.glob(".*partial")) and len(kept) == st["kept_samples"]
     # only the transient samples of the steps after the checkpoint are produced again; kept files are reused
     assert st["produced_samples"] < 12
+    assert {i: formats.data_file(cfg.data, i).stat().st_mtime_ns for i in kept_then} == kept_then
+    from pipeline import verify
+
+    assert not [c for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"]
     for epoch in range(EPOCHS):
         a, b = _weights(ref.out, epoch), _weights(cfg.out, epoch)
         assert all(torch.equal(a[k], b[k]) for k in a), epoch
