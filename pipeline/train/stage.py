@@ -936,8 +936,6 @@ def run(cfg: TrainConfig, log=print) -> dict:
             if produced is not None:
                 producer = _start_producer(cfg, produced, backend, train_loader, trainer, present, log)
             epochs_run = trainer.run_training()
-            if producer is not None:
-                producer.join()
         finally:
             if handler:
                 metric_logger.removeHandler(handler)
@@ -1086,10 +1084,16 @@ def _finish_producer(cfg: TrainConfig, produced: Produced, producer, train_loade
     from pipeline.train import states
 
     directory = Path(cfg.data)
-    producer.stop()
-    for i in formats.existing_data_indices(directory):
-        if i not in produced.plan.keep:
-            formats.data_file(directory, i).unlink()
+    unmade = producer.finish()  # the producer's error, if any, is the run's
+    unread = [i for i in formats.existing_data_indices(directory) if i not in produced.plan.keep]
+    for i in unread:
+        formats.data_file(directory, i).unlink()
+    if unmade or unread:  # the producer's schedule and the trainer's reads disagreed
+        raise StageError(
+            f"states: {unmade} scheduled samples not produced and {len(unread)} produced but never read: "
+            "the producer's order is not the trainer's (a bug; the draft is saved, the states dir holds only "
+            "kept files)"
+        )
     files = states.finish_states_dir(directory, produced.data_config)
     st = producer.stats
     return {

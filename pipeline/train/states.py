@@ -171,7 +171,9 @@ def production_order(
     """Sample indices in the order the producer makes them: each epoch's batches (``epochs[0]`` from step
     ``first_step``: a resumed epoch skips the steps its checkpoint holds) read through ``train`` (dataset
     index -> sample index), a kept sample only while it is neither on disk (``present``) nor produced
-    earlier; the held-out samples not on disk after the first epoch's (the first validation reads them)."""
+    earlier; the held-out samples not on disk after the first epoch's (the first validation reads them);
+    last, any other kept sample still missing (one whose step a resumed run skips), so that the run ends
+    with every kept file, as verify expects."""
     order: list[int] = []
     made = set(present)
     for e, batches in enumerate(epochs):
@@ -187,6 +189,8 @@ def production_order(
             made.update(held_out)
     if not epochs:
         order.extend(i for i in held_out if i not in made)
+        made.update(held_out)
+    order.extend(i for i in sorted(keep) if i not in made)
     return order
 
 
@@ -377,17 +381,18 @@ class Producer:
         return self
 
     def stop(self) -> None:
-        """Stop after the forward in progress (the trainer ended: stopped after N epochs, or failed)."""
+        """Stop after the forward in progress (the trainer ended, or failed)."""
         self._stop.set()
         self._thread.join()
         self.journal.close()
 
-    def join(self) -> None:
-        """Wait for the whole schedule; raise the producer's error."""
-        self._thread.join()
-        self.journal.close()
+    def finish(self) -> int:
+        """The trainer is done: stop, raise the producer's error, return the samples of the schedule it did
+        not make (none when the schedule was the trainer's)."""
+        self.stop()
         if self.error is not None:
             raise self.error
+        return len(self.order) - self.stats.samples
 
     def _on_disk(self) -> int:
         for i in [i for i in self.waiting if not formats.data_file(self.directory, i).exists()]:

@@ -86,7 +86,9 @@ def test_production_order_follows_the_trainer_and_skips_what_is_kept():
         10, 11, 12, 13, 20, 13, 11, 10,
     ]  # fmt: skip
     assert states.production_order(epochs, 1, train, [20], keep, frozenset({12, 20})) == [13, 13, 11, 10]
-    assert states.production_order([], 0, train, [20], keep, frozenset()) == [20]
+    # kept 12 lost while its step is already trained: made at the end, so the run ends with every kept file
+    assert states.production_order(epochs[1:], 2, train, [20], keep, frozenset({20})) == [12]
+    assert states.production_order([], 0, train, [20], keep, frozenset()) == [20, 12]
 
 
 def test_chunks_follow_extracts_batch_rule_and_the_room():
@@ -98,6 +100,24 @@ def test_chunks_follow_extracts_batch_rule_and_the_room():
     assert states.next_chunk([0, 1, 2, 3], 0, lengths, sizes, 1000, 3, 100) == 3
     assert states.next_chunk([0, 1, 2, 3], 0, lengths, sizes, 1000, 64, 4) == 2
     assert states.next_chunk([0, 1, 2, 3], 1, lengths, sizes, 1000, 64, 1) == 1
+
+
+def test_a_reader_waiting_for_a_file_learns_why_it_will_not_come(tmp_path):
+    """The trainer's wait for a state ends in one line when the producer failed or finished without it,
+    instead of hanging; a file that appears ends it at once."""
+    target = formats.data_file(tmp_path, 3)
+    (tmp_path / states.FAILED).write_text("OSError: disk full\n")
+    with pytest.raises(StageError, match="producer failed: OSError: disk full"):
+        states.wait_for(target, tmp_path)
+    (tmp_path / states.FAILED).unlink()
+    (tmp_path / states.DONE).write_text("done\n")
+    with pytest.raises(StageError, match="did not make it"):
+        states.wait_for(target, tmp_path)
+    (tmp_path / states.DONE).unlink()
+    threading.Timer(0.05, target.write_bytes, args=(b"x",)).start()
+    states.wait_for(target, tmp_path, timeout=10)
+    with pytest.raises(StageError, match="did not appear"):
+        states.wait_for(formats.data_file(tmp_path, 4), tmp_path, timeout=0.05)
 
 
 def test_replayed_batches_are_the_loaders_own(tmp_path):
