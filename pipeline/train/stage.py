@@ -855,6 +855,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
             # loaded before the seed: a model load may draw from torch's generator, the draft's init must not
             # see it
             backend = held.enter_context(get_backend(cfg.states_backend, produced.backend_options))
+            if rt.device.type == "cuda":  # the hf backend made its own device the current one: the trainer's
+                torch.cuda.set_device(rt.device)
 
         seed_everything(cfg.seed)
         spec_config = draft_mod.build_speculator_config(

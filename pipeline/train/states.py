@@ -28,6 +28,7 @@ only (a data-parallel run would need one schedule per rank: refused).
 from __future__ import annotations
 
 import re
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -240,7 +241,7 @@ def prepare_states_dir(
     killed run, kept files that are not this run's (produced again), partial files. Then data_config.json
     (with the plan) and sample_lengths.json are written, before any state."""
     from pipeline import verify
-    from pipeline.extract import record_missing_checksums
+    from pipeline.extract import VLLM_SCRATCH_GLOB, record_missing_checksums
     from pipeline.ondisk.atomic import remove_partials
 
     directory = Path(directory)
@@ -279,6 +280,8 @@ def prepare_states_dir(
     for name in (FAILED, DONE):
         (directory / name).unlink(missing_ok=True)
     remove_partials(directory)
+    for stale in directory.glob(VLLM_SCRATCH_GLOB):  # the vllm backend's files of a killed run
+        shutil.rmtree(stale, ignore_errors=True)
     present = formats.existing_data_indices(directory)
     if overwrite and not resume:
         drop = present
@@ -409,6 +412,12 @@ class Producer:
 
     def _run(self) -> None:
         try:
+            # the hf backend's device: CUDA's current device is per thread, this one starts on cuda:0
+            device = getattr(self.backend, "device", None)
+            if device is not None and getattr(device, "type", None) == "cuda":
+                import torch
+
+                torch.cuda.set_device(device)
             pos = 0
             while pos < len(self.order) and not self._stop.is_set():
                 room = self.plan.budget - self.kept_bytes

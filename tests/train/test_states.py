@@ -291,7 +291,8 @@ def test_hybrid_reuses_what_it_keeps_and_stays_close_to_offline(stage_inputs, of
     """hybrid with batched forwards: the kept training samples are produced once, the others each epoch;
     the draft differs from offline only by the batch composition's rounding of the states (fp32, ~3e-7):
     final weights within 1e-6 and the last loss within 1e-5 relative (seen: 7.1e-8, 1.2e-6), acceptance at
-    k=3 within the issue's 0.05 (seen: equal). Deleting a kept file fails verify."""
+    k=3 within the issue's 0.05 (seen: equal). A file it does not keep, or a kept one missing, fails
+    verify."""
     from pipeline import verify
     from pipeline.train.stage import run
 
@@ -314,9 +315,14 @@ def test_hybrid_reuses_what_it_keeps_and_stays_close_to_offline(stage_inputs, of
     ours, theirs = (r["eval"]["draft"]["acceptance_length"] for r in (summary, offline["summary"]))
     assert abs(ours - theirs) <= 0.05, (ours, theirs)
     assert not [c for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"]
+    transient = next(i for i in range(SAMPLES) if i not in kept)
+    formats.data_file(cfg.data, transient).write_bytes(formats.data_file(cfg.data, kept[0]).read_bytes())
+    failed = {c.name for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"}
+    assert "contiguity" in failed  # a file the run does not keep
+    formats.data_file(cfg.data, transient).unlink()
     formats.data_file(cfg.data, kept[0]).unlink()
     failed = {c.name for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"}
-    assert {"contiguity", "count"} <= failed
+    assert {"contiguity", "count"} <= failed  # a kept file missing
 
 
 def _state_bytes_watch(directory: Path, stop: threading.Event, seen: list[int]) -> None:
