@@ -28,6 +28,13 @@ rank 0 holds the output's lock while the run writes it, so that a second train i
 Data parallel: started by ``torchrun --nproc-per-node N -m pipeline train ...`` each process trains on its
 shard through speculators' DDP setup (one GPU per process); rank 0 writes everything else. The draft
 architecture and its config live in pipeline/train/draft.py.
+
+``--states-mode online|hybrid``: no finished states set; ``--data`` is a states dir this run fills while it
+trains, from ``--prepared`` through ``--model`` with an extract backend, its state files held to
+``--states-budget`` (the plan, the producer thread and the waiting dataset: pipeline/train/states.py). This
+module checks those inputs (``produced_inputs``), starts the producer at the trainer's resume point, stops
+it at the end and reports its figures under ``train.states`` in the summary; one process only.
+``--checkpoint-steps N`` adds checkpoints inside an epoch, and a resumed run starts at the last one.
 """
 
 from __future__ import annotations
