@@ -49,6 +49,9 @@ FILE_OVERHEAD = 4096
 FAILED = ".producer-failed"  # the producer's error, for a reader waiting on a file that will not come
 DONE = ".producer-done"  # the producer finished its schedule: a file still missing then is an error
 WAIT_POLL_S = 0.005
+# a producer's error by states dir, for readers in its own process (the FAILED file is for worker processes,
+# and may not be writable on a full disk)
+_FAILED_HERE: dict[str, str] = {}
 WINDOW_SHARE = 8  # hybrid: at least 1/8 of the budget left after the held-out states is the producer's window
 _UNITS = {
     "": 1,
@@ -380,6 +383,7 @@ class Producer:
         self.journal = formats.ChecksumJournal(self.directory)
 
     def start(self) -> Producer:
+        _FAILED_HERE.pop(str(self.directory), None)
         self._thread.start()
         return self
 
@@ -437,9 +441,18 @@ class Producer:
                 pos += n
             if not self._stop.is_set():
                 (self.directory / DONE).write_text("done\n")
-        except BaseException as exc:  # noqa: BLE001 - re-raised by join() on the trainer's thread
+        except BaseException as exc:  # noqa: BLE001 - re-raised by finish() on the trainer's thread
+            if isinstance(exc, OSError):  # a full disk, a read-only dir: the operator's to fix, in one line
+                exc = StageError(
+                    f"writing states to {self.directory} failed: {exc.strerror or exc} "
+                    "(free space or lower --states-budget, then re-run with --resume)"
+                )
             self.error = exc
-            (self.directory / FAILED).write_text(f"{type(exc).__name__}: {exc}\n")
+            _FAILED_HERE[str(self.directory)] = str(exc)
+            try:
+                (self.directory / FAILED).write_text(f"{exc}\n")
+            except OSError:  # a disk too full even for this line: readers in this process still see it
+                pass
 
     def _produce(self, chunk: list[int]) -> None:
         import torch
@@ -495,6 +508,8 @@ def wait_for(path: Path, directory: Path, timeout: float | None = None) -> None:
     delay = WAIT_POLL_S / 5
     while not path.exists():
         failed = directory / FAILED
+        if str(directory) in _FAILED_HERE:
+            raise StageError(f"the states producer failed: {_FAILED_HERE[str(directory)]}")
         if failed.exists():
             raise StageError(f"the states producer failed: {failed.read_text().strip()}")
         if (directory / DONE).exists() and not path.exists():

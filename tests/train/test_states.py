@@ -440,3 +440,31 @@ def test_bad_inputs_are_one_line_and_touch_nothing(stage_inputs, offline, tmp_pa
         str(tmp_path / "o2"), "--states-budget", "1G",
     ]  # fmt: skip
     _one_line_exit_2(warm_pipeline(*offline_budget), "only with --states-mode online or hybrid")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A states dir on a 1 MiB tmpfs: room for two or three of the tiny Llama's states."""
+    states_dir = tmp_path / "states"
+    states_dir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(states_dir)], check=True)
+    yield states_dir
+    subprocess.run(["umount", "-l", str(states_dir)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
+def test_a_full_disk_under_the_producer_ends_the_run_in_one_line(
+    stage_inputs, small_disk, tmp_path, warm_pipeline
+):
+    """The disk fills before the budget does: the trainer, waiting for a state, ends the run with the
+    producer's cause in one line, exit 2, instead of hanging; no partial file is left, every file there is
+    complete."""
+    cfg = _config(stage_inputs, small_disk, tmp_path / "out", states_mode="online", states_budget="50M")
+    proc = warm_pipeline(*_cli_args(cfg), timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert last.startswith("error: the states producer failed: writing states to") and os.strerror(28) in last
+    assert "--resume" in last
+    assert not list(small_disk.glob(".*partial"))
+    for i in formats.existing_data_indices(small_disk):
+        formats.read_sample(formats.data_file(small_disk, i))
