@@ -645,6 +645,7 @@ def make_loader(
     workers = cfg.num_workers if cfg.num_workers is not None else (4 if rt.device.type == "cuda" else 0)
     dataset = None
     if transient is not None:
+        workers = 0  # no worker forked while the producer thread runs (TrainConfig refuses --num-workers)
         from pipeline.train.states import produced_dataset
 
         dataset = produced_dataset(files, cfg.max_len, states_dtype(rt.device), transient)

@@ -421,8 +421,8 @@ def _one_line_exit_2(proc, *needles: str) -> None:
 
 
 def test_bad_inputs_are_one_line_and_touch_nothing(stage_inputs, offline, tmp_path, warm_pipeline):
-    """No budget, a budget too small, a finished extract set as the states dir, offline-only flags mixed
-    up: each one line, exit 2, and the extract set is left as it was."""
+    """No budget, a budget too small, a finished extract set as the states dir, online-only flags offline,
+    loader workers beside the producer: each one line, exit 2, and the extract set is left as it was."""
     ref = offline["cfg"]
     cfg = _config(stage_inputs, tmp_path / "s", tmp_path / "o", states_mode="online", states_budget="1G")
     base = _cli_args(cfg)
@@ -440,6 +440,8 @@ def test_bad_inputs_are_one_line_and_touch_nothing(stage_inputs, offline, tmp_pa
         str(tmp_path / "o2"), "--states-budget", "1G",
     ]  # fmt: skip
     _one_line_exit_2(warm_pipeline(*offline_budget), "only with --states-mode online or hybrid")
+    workers = [("2" if a == "0" and base[k - 1] == "--num-workers" else a) for k, a in enumerate(base)]
+    _one_line_exit_2(warm_pipeline(*workers), "--num-workers 2 with --states-mode online")
 
 
 @pytest.fixture
