@@ -5,7 +5,8 @@ states (count, contiguity, each file's sha256 against the one extract recorded, 
 NaN/Inf, lengths, equality with the prepared rows, layer order and scale against the set's own profile
 (pipeline/layer_profile.py), with ``--model`` a spot re-computation of K files (pipeline/recompute.py), and
 the alignment check: final norm + lm_head on the last captured layer must give the target's own next-token
-argmax), verifier weights, and draft checkpoints (delegated to pipeline/checkpoint_checks.py).
+argmax; of a states dir that online or hybrid training keeps, its kept files: pipeline/train/states.py),
+verifier weights, and draft checkpoints (delegated to pipeline/checkpoint_checks.py).
 It reads outputs; it never modifies them (summary.json aside).
 
 Also extract's closing check by the writer's record (``closing_check="record"``): the value facts a writer
@@ -851,10 +852,15 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
         )
         return s
     present = formats.existing_data_indices(path)
-    extra = sorted(set(present) - set(range(dc.num_samples)))
+    kept = _kept_samples(dc)
+    if kept is not None:  # a states dir of online/hybrid training: only its kept files are meant to stay
+        expected &= kept
+    extra = sorted(set(present) - (kept if kept is not None else set(range(dc.num_samples))))
     indices = sorted(set(present) & expected)
     missing = sorted(expected - set(indices))
     which = f" (shard {cfg.rank}/{cfg.world_size})" if cfg.world_size > 1 else ""
+    if kept is not None:
+        which += f", the {len(kept)} kept by {dc.extra['states'].get('mode')} training"
     s.checks.append(
         check(
             "contiguity",
@@ -956,6 +962,15 @@ def verify_hidden_states(cfg: VerifyConfig) -> Summary:
         readable = [i for i in checked if f"data_{i}.pt" not in unreadable]
         s.checks.extend(_model_checks(cfg, dc, readable, s))
     return s
+
+
+def _kept_samples(dc: formats.DataConfig) -> set[int] | None:
+    """The samples a states dir of ``pipeline train --states-mode online|hybrid`` keeps (its data config's
+    ``extra["states"]["kept"]``: pipeline/train/states.py); None for an extract's set, which keeps all."""
+    states = dc.extra.get("states") if isinstance(dc.extra, dict) else None
+    if not isinstance(states, dict) or not isinstance(states.get("kept"), list):
+        return None
+    return {int(i) for i in states["kept"]}
 
 
 def _renamed(path: Path, extra: list[int], ctx: SetContext) -> list[CheckResult]:

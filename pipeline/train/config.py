@@ -20,7 +20,9 @@ class TrainConfig:
     """Options of the train stage; flags only override these defaults (the command line is made from these
     fields: pipeline/options.py)."""
 
-    data: Path = opt(help="Hidden-states dir (pipeline extract).")
+    data: Path = opt(
+        help="Hidden-states dir: read (offline: pipeline extract's), or written (online, hybrid)."
+    )
     # verifier.safetensors + verifier.json
     verifier: Path = opt(help="Verifier weights dir (pipeline weights).")
     # layout: the module docstring
@@ -83,6 +85,30 @@ class TrainConfig:
     )
     online_prompts: int = opt(16, help="With --online-eval: held-out prompts to generate from.")
     online_max_tokens: int = opt(32, help="With --online-eval: greedy tokens per prompt.")
+    states_mode: str = opt(
+        "offline",
+        choices=("offline", "online", "hybrid"),
+        help="offline: train on the finished states in --data. online: produce states from --prepared with "
+        "--model while the draft trains, into --data, deleting each after use; hybrid: keep what "
+        "--states-budget holds and reuse it in later epochs, produce the rest again.",
+    )
+    states_budget: str | None = opt(
+        None, help="online/hybrid: bytes of state files on disk at most (e.g. 500G, 2T, 64GiB)."
+    )
+    states_backend: str = opt("hf", choices=("hf", "vllm"), help="online/hybrid: the extract backend.")
+    states_device: str = opt("auto", help="online/hybrid: the producing device (auto, cpu, cuda:N).")
+    states_dtype: str = opt("auto", help="online/hybrid: dtype of the states (as extract's --dtype).")
+    layer_ids: tuple[int, ...] | None = opt(
+        None, help="online/hybrid: captured decoder layers, comma-separated (default 2,L//2,L-3,L-1)."
+    )
+    states_max_batch_tokens: int = opt(32768, help="online/hybrid: padded tokens per producing forward.")
+    states_max_batch_size: int = opt(64, help="online/hybrid: samples per producing forward at most.")
+    checkpoint_steps: int | None = opt(
+        None,
+        low=1,
+        help="Also checkpoint every N steps inside an epoch (resume then redoes none of them) "
+        "[default: at epoch ends only].",
+    )
     evaluate: bool = opt(True, decls="--no-eval", help="Skip the acceptance measurement.")  # and the plots
     plots: bool = opt(True, decls="--no-plots", help="Skip the PNG plots.")
 
@@ -92,3 +118,34 @@ class TrainConfig:
             raise StageError(f"--ttt-steps {self.ttt_steps} must be at least 1")
         if self.epochs < 1:
             raise StageError(f"--epochs {self.epochs} must be at least 1")
+        produced = self.states_mode != "offline"
+        if produced:
+            from pipeline.train.states import parse_bytes
+
+            if self.states_budget is None:
+                raise StageError(f"--states-mode {self.states_mode} needs --states-budget (bytes on disk)")
+            parse_bytes(self.states_budget)
+            if self.num_workers:
+                raise StageError(
+                    f"--num-workers {self.num_workers} with --states-mode {self.states_mode}: the loader "
+                    "reads in the training process (a worker would fork while the producer runs); drop it"
+                )
+            missing = [f for f, v in (("--prepared", self.prepared), ("--model", self.model)) if v is None]
+            if missing:
+                raise StageError(
+                    f"--states-mode {self.states_mode} produces the states: it needs {' and '.join(missing)}"
+                )
+        else:
+            given = [
+                flag
+                for flag, v, default in (
+                    ("--states-budget", self.states_budget, None),
+                    ("--layer-ids", self.layer_ids, None),
+                    ("--states-backend", self.states_backend, "hf"),
+                )
+                if v != default
+            ]
+            if given:
+                raise StageError(f"{', '.join(given)}: only with --states-mode online or hybrid")
+        if self.states_max_batch_tokens < 1 or self.states_max_batch_size < 1:
+            raise StageError("--states-max-batch-tokens and --states-max-batch-size must be at least 1")

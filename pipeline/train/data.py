@@ -46,8 +46,13 @@ def _dataset_class():
                 )
             return lengths
 
+        def _load(self, index: int) -> dict:
+            """File ``index`` as ``formats.read_sample`` gives it (pipeline/train/states.py waits for it
+            first)."""
+            return formats.read_sample(self.files[index], mmap=True)
+
         def _get_raw_data(self, index: int) -> dict:
-            sample = formats.read_sample(self.files[index], mmap=True)
+            sample = self._load(index)
             layers = sample["hidden_states"]
             dtype = self.hidden_states_dtype
             return {
@@ -76,15 +81,17 @@ def make_loader(
     workers: int,
     pin_memory: bool,
     dtype: torch.dtype = torch.float32,
+    dataset=None,
 ):
     """Packed batches of ``files`` for one data-parallel rank, speculators' sampler and collate; the hidden
-    states in ``dtype`` (the trainer's autocast dtype: pipeline/train/stage.py ``states_dtype``)."""
+    states in ``dtype`` (the trainer's autocast dtype: pipeline/train/stage.py ``states_dtype``). ``dataset``:
+    another dataset over the same files (pipeline/train/states.py's, which waits for produced ones)."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
     from torch.utils.data import DataLoader
 
-    dataset = sample_dataset(files, max_len, dtype)
+    dataset = sample_dataset(files, max_len, dtype) if dataset is None else dataset
     sampler = MultipackDistributedBatchSamplerV2(
         batch_max_length=max_len,
         lengths=dataset.approx_lengths,

@@ -28,6 +28,13 @@ rank 0 holds the output's lock while the run writes it, so that a second train i
 Data parallel: started by ``torchrun --nproc-per-node N -m pipeline train ...`` each process trains on its
 shard through speculators' DDP setup (one GPU per process); rank 0 writes everything else. The draft
 architecture and its config live in pipeline/train/draft.py.
+
+``--states-mode online|hybrid``: no finished states set; ``--data`` is a states dir this run fills while it
+trains, from ``--prepared`` through ``--model`` with an extract backend, its state files held to
+``--states-budget`` (the plan, the producer thread and the waiting dataset: pipeline/train/states.py). This
+module checks those inputs (``produced_inputs``), starts the producer at the trainer's resume point, stops
+it at the end and reports its figures under ``train.states`` in the summary; one process only.
+``--checkpoint-steps N`` adds checkpoints inside an epoch, and a resumed run starts at the last one.
 """
 
 from __future__ import annotations
@@ -208,9 +215,26 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
             "(3 auxiliary layers + the last): re-run `pipeline extract`"
         )
     layer_ids = validate_layer_ids(dc.layer_ids, dc.num_layers)
-
     verifier, meta = _read_verifier(Path(cfg.verifier))
     model_dir = _resolve_model(cfg, meta, dc)
+    inputs = target_inputs(cfg, dc, layer_ids, model_dir, verifier, _resolve_prepared(cfg, dc))
+    for path in {inputs.files[0], inputs.files[-1]}:
+        _check_sample(path, dc, inputs.target.vocab_size)
+    return inputs
+
+
+def target_inputs(
+    cfg: TrainConfig,
+    dc: formats.DataConfig,
+    layer_ids: list[int],
+    model_dir: Path,
+    verifier: dict[str, torch.Tensor],
+    prepared: Path,
+    lengths: dict[int, int] | None = None,
+) -> TrainInputs:
+    """The checks that join a states set's description (``dc``: found on disk offline, planned online) to
+    the target, the verifier and the vocab mapping; the split of its ``dc.num_samples`` samples."""
+    data = Path(cfg.data)
     target = read_target_facts(model_dir, cfg.trust_remote_code)
     emb, norm, head = verifier["embed_tokens.weight"], verifier["norm.weight"], verifier["lm_head.weight"]
     sizes = {
@@ -243,7 +267,6 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
             + ": re-run `pipeline weights` for this target"
         )
 
-    prepared = _resolve_prepared(cfg, dc)
     d2t, t2d = formats.read_vocab(prepared)
     expected_draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else len(d2t)
     problems = vocab_mapping_problems(d2t, t2d, expected_draft, target.vocab_size)
@@ -255,12 +278,9 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
     freq_path = prepared / formats.TOKEN_FREQ
     token_freq = formats.read_token_freq(freq_path) if freq_path.is_file() else {}
 
-    files = [formats.data_file(data, i) for i in indices]
-    for path in {files[0], files[-1]}:
-        _check_sample(path, dc, target.vocab_size)
-
+    files = [formats.data_file(data, i) for i in range(dc.num_samples)]
     train_idx, eval_idx = split_indices(len(files), cfg.eval_fraction, cfg.seed, held_out=cfg.held_out)
-    lengths = formats.read_sample_lengths(data)
+    lengths = formats.read_sample_lengths(data) if lengths is None else lengths
     train_tokens = sum(min(lengths.get(i, 0), cfg.max_len + 1) - 1 for i in train_idx) if lengths else 0
     return TrainInputs(
         files=files,
@@ -277,6 +297,82 @@ def check_inputs(cfg: TrainConfig) -> TrainInputs:
         token_freq=token_freq,
         train_tokens=train_tokens,
     )
+
+
+@dataclass
+class Produced:
+    """An online or hybrid run's producing side, checked and planned (pipeline/train/states.py); the
+    backend is loaded later, once the output is locked."""
+
+    prepared: formats.PreparedSamples
+    data_config: formats.DataConfig
+    plan: object  # states.StatesPlan
+    sizes: list[int]
+    train: list[int]  # dataset index -> sample index
+    held_out: list[int]
+    backend_options: object  # BackendOptions
+
+
+def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
+    """The inputs of a run that produces its states: the prepared set and the target as extract checks
+    them, the states dir's description as extract would write it (plus the plan), then the same checks
+    against the verifier and the vocab mapping as an offline run's."""
+    from pipeline.backends.base import BackendOptions, resolve_device, resolve_dtype
+    from pipeline.modeldir import check_checkpoint, read_model_dir
+    from pipeline.ondisk import provenance
+    from pipeline.train import states
+
+    prepared, meta = formats.read_prepared(Path(cfg.prepared))
+    model = read_model_dir(cfg.model)
+    check_checkpoint(model)
+    if meta.target_vocab_size != model.vocab_size:
+        raise StageError(
+            f"{cfg.prepared} was prepared for a vocab of {meta.target_vocab_size}, "
+            f"but {cfg.model} has {model.vocab_size}: re-run prepare with this model"
+        )
+    layer_ids = validate_layer_ids(cfg.layer_ids, model.num_layers)
+    dtype = resolve_dtype(
+        cfg.states_dtype if cfg.states_backend == "hf" or cfg.states_dtype != "auto" else "bfloat16",
+        resolve_device(cfg.states_device) if cfg.states_backend == "hf" else torch.device("cpu"),
+    )
+    n = len(prepared)
+    train, held_out = split_indices(n, cfg.eval_fraction, cfg.seed, held_out=cfg.held_out)
+    lengths = [prepared.length(i) for i in range(n)]
+    width = torch.empty((), dtype=dtype).element_size()
+    sizes = [states.sample_bytes(t, model.hidden_size, len(layer_ids), width) for t in lengths]
+    # the training samples evaluate.py's unigram baseline reads at the end: kept too
+    measured = train[: cfg.eval_max_samples] if cfg.evaluate else []
+    plan = states.plan_states(
+        cfg.states_mode, states.parse_bytes(cfg.states_budget), sizes, train, held_out, measured
+    )
+    dc = formats.DataConfig(
+        model=str(model.path.resolve()),
+        layer_ids=list(layer_ids),
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        dtype=str(dtype).removeprefix("torch."),
+        num_samples=n,
+        seq_length=meta.seq_length,
+        prepared=str(Path(cfg.prepared).resolve()),
+        backend=cfg.states_backend,
+        extra={"states": plan.record()},
+        provenance=provenance.record("train-states"),
+    )
+    verifier, _ = _read_verifier(Path(cfg.verifier))
+    inputs = target_inputs(
+        cfg, dc, layer_ids, model.path, verifier, Path(cfg.prepared), dict(enumerate(lengths))
+    )
+    options = BackendOptions(
+        model=model,
+        layer_ids=tuple(layer_ids),
+        device=cfg.states_device,
+        dtype=cfg.states_dtype,
+        seq_length=meta.seq_length,
+        max_batch_tokens=cfg.states_max_batch_tokens,
+        trust_remote_code=cfg.trust_remote_code,
+        scratch_dir=Path(cfg.data),
+    )
+    return inputs, Produced(prepared, dc, plan, sizes, train, held_out, options)
 
 
 # ---------------------------------------------------------------- runtime
@@ -440,9 +536,17 @@ def _trainer_class():
     class PipelineTrainer(Trainer):
         """speculators' Trainer plus: any device, fp32 atomic checkpoints, stop-after, timing."""
 
-        def __init__(self, *args, runtime: Runtime, stop_after: int | None, **kwargs):
+        def __init__(
+            self,
+            *args,
+            runtime: Runtime,
+            stop_after: int | None,
+            checkpoint_steps: int | None = None,
+            **kwargs,
+        ):
             self.runtime = runtime
             self.stop_after = stop_after
+            self.checkpoint_steps = checkpoint_steps
             self.epoch_seconds: list[float] = []
             super().__init__(*args, **kwargs)
 
@@ -452,9 +556,19 @@ def _trainer_class():
             self.device_type = self.runtime.device.type
             self.checkpointer = DeviceCheckpointer(self.config.save_path, self.runtime.device)
             super().setup_trainer()
-            self.global_step = self.current_epoch * len(self.train_loader)
+            self.steps_per_epoch = len(self.train_loader)  # before a resumed epoch's skip shortens it
+            # a checkpoint taken inside an epoch resumes at its step (speculators skips the steps it holds)
+            self.resume_step = self._resume_local_step
+            self.global_step = self.current_epoch * self.steps_per_epoch + self.resume_step
 
-        def save_checkpoint(self, epoch: int):
+        def _step_done(self, epoch: int) -> None:
+            """After each training step: with --checkpoint-steps N, a checkpoint every N steps of the epoch
+            (not after its last step: the epoch's own checkpoint follows its validation)."""
+            local = self.global_step - epoch * self.steps_per_epoch
+            if self.checkpoint_steps and local % self.checkpoint_steps == 0 and local < self.steps_per_epoch:
+                self.save_checkpoint(epoch, local_step=local)
+
+        def save_checkpoint(self, epoch: int, local_step: int = 0):
             final_root = self.checkpointer.path
             staging_root = final_root / ".staging"
             self.checkpointer.path = staging_root
@@ -466,10 +580,9 @@ def _trainer_class():
                 )
                 if self.schedulers:
                     self.checkpointer.save_scheduler_state_dict(self.schedulers, epoch)
-                if (
-                    self.runtime.is_main
-                ):  # end of epoch: speculators' own --resume continues with the next one
-                    self._save_training_state(epoch, 0)
+                if self.runtime.is_main:
+                    # local_step 0: the epoch's end (resume continues with the next one); else the steps done
+                    self._save_training_state(epoch, local_step)
             finally:
                 self.checkpointer.path = final_root
             if self.runtime.is_main:
@@ -492,7 +605,7 @@ def _trainer_class():
                     break
                 start = time.perf_counter()
                 with _on_host(self.runtime.device):
-                    self.train_epoch(epoch)
+                    self.train_epoch(epoch, step_callback=lambda e=epoch: self._step_done(e))
                 if self.runtime.device.type == "cuda":
                     torch.cuda.synchronize()
                 self.epoch_seconds.append(time.perf_counter() - start)
@@ -516,10 +629,26 @@ def states_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def make_loader(files: list[Path], cfg: TrainConfig, rt: Runtime, *, shuffle_seed: int, hidden_size: int):
+def make_loader(
+    files: list[Path],
+    cfg: TrainConfig,
+    rt: Runtime,
+    *,
+    shuffle_seed: int,
+    hidden_size: int,
+    transient: frozenset[str] | None = None,
+):
+    """The loader of ``files``; with ``transient`` (online/hybrid) over files still being produced, those
+    named deleted once read (pipeline/train/states.py)."""
     from pipeline.train.data import make_loader as loader
 
     workers = cfg.num_workers if cfg.num_workers is not None else (4 if rt.device.type == "cuda" else 0)
+    dataset = None
+    if transient is not None:
+        workers = 0  # no worker forked while the producer thread runs (TrainConfig refuses --num-workers)
+        from pipeline.train.states import produced_dataset
+
+        dataset = produced_dataset(files, cfg.max_len, states_dtype(rt.device), transient)
     return loader(
         files,
         max_len=cfg.max_len,
@@ -530,6 +659,7 @@ def make_loader(files: list[Path], cfg: TrainConfig, rt: Runtime, *, shuffle_see
         workers=workers,
         pin_memory=rt.device.type == "cuda",
         dtype=states_dtype(rt.device),
+        dataset=dataset,
     )
 
 
@@ -660,8 +790,18 @@ def run(cfg: TrainConfig, log=print) -> dict:
     if rt.device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls: the draft trains in fp32 parameters
     held = contextlib.ExitStack()  # the output's lock, held by rank 0 until the run ends
+    producer = None
     try:
-        inputs = check_inputs(cfg)
+        produced = None
+        if cfg.states_mode == "offline":
+            inputs = check_inputs(cfg)
+        elif rt.distributed:
+            raise StageError(
+                f"--states-mode {cfg.states_mode} trains in one process: its producer follows one sampler; "
+                "run without torchrun"
+            )
+        else:
+            inputs, produced = produced_inputs(cfg)
         attention = draft_mod.choose_attention(rt.device, cfg.attention)
         if attention == draft_mod.FLEX_ATTENTION and cfg.max_len % FLEX_BLOCK:
             raise StageError(
@@ -682,8 +822,20 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 "--prepared": _resolve_prepared(cfg, inputs.data_config),
             },
         )
+        if produced is not None:  # the states dir is written and emptied: it must not hold an input either
+            refuse_overlap(
+                Path(cfg.data),
+                {
+                    "--out": cfg.out,
+                    "--verifier": cfg.verifier,
+                    "--model": cfg.model,
+                    "--prepared": cfg.prepared,
+                },
+            )
         if rt.is_main:  # for the whole torchrun job: the other ranks are its processes, not other writers
             held.enter_context(output_lock(cfg.out))
+            if produced is not None:
+                held.enter_context(output_lock(cfg.data))
         _prepare_out(cfg, rt)
         out = Path(cfg.out)
         view = out / VERIFIER_VIEW
@@ -694,6 +846,25 @@ def run(cfg: TrainConfig, log=print) -> dict:
             draft_mod.write_verifier_view(view, inputs.verifier, inputs.target)
             write_json(out / TRAIN_CONFIG, record)
         _barrier(rt)
+        backend = None
+        if produced is not None:
+            from pipeline.backends import get_backend
+            from pipeline.train import states
+
+            present = states.prepare_states_dir(
+                Path(cfg.data),
+                produced.data_config,
+                produced.plan,
+                produced.prepared,
+                resume=cfg.resume,
+                overwrite=cfg.overwrite,
+                log=log,
+            )
+            # loaded before the seed: a model load may draw from torch's generator, the draft's init must not
+            # see it
+            backend = held.enter_context(get_backend(cfg.states_backend, produced.backend_options))
+            if rt.device.type == "cuda":  # the hf backend made its own device the current one: the trainer's
+                torch.cuda.set_device(rt.device)
 
         seed_everything(cfg.seed)
         spec_config = draft_mod.build_speculator_config(
@@ -710,8 +881,24 @@ def run(cfg: TrainConfig, log=print) -> dict:
         model = draft_mod.new_draft(spec_config, inputs.d2t, inputs.t2d)
 
         hidden = inputs.target.hidden_size
-        train_loader = make_loader(inputs.train_files, cfg, rt, shuffle_seed=cfg.seed, hidden_size=hidden)
-        val_loader = make_loader(inputs.eval_files, cfg, rt, shuffle_seed=cfg.seed, hidden_size=hidden)
+        transient = None
+        if produced is not None:
+            transient = frozenset(
+                formats.data_file(Path(cfg.data), i).name
+                for i in range(len(produced.prepared))
+                if i not in produced.plan.keep
+            )
+        train_loader = make_loader(
+            inputs.train_files, cfg, rt, shuffle_seed=cfg.seed, hidden_size=hidden, transient=transient
+        )
+        val_loader = make_loader(
+            inputs.eval_files,
+            cfg,
+            rt,
+            shuffle_seed=cfg.seed,
+            hidden_size=hidden,
+            transient=frozenset() if produced is not None else None,
+        )
         if len(train_loader) == 0:
             raise StageError(
                 f"no training batch could be formed from {len(inputs.train_files)} samples "
@@ -731,26 +918,42 @@ def run(cfg: TrainConfig, log=print) -> dict:
             scheduler_warmup_steps=cfg.warmup_steps,
             hidden_states_dtype=states_dtype(rt.device),  # the autocast dtype, the loader's too
         )
+        trainer = _trainer_class()(
+            model,
+            tconfig,
+            train_loader,
+            val_loader,
+            runtime=rt,
+            stop_after=cfg.stop_after_epochs,
+            checkpoint_steps=cfg.checkpoint_steps,
+        )
+        start_epoch = trainer.current_epoch
+        if rt.is_main and cfg.resume:
+            # steps after the checkpoint are trained again: their rows of the killed run go
+            trim_metrics(out / METRICS, trainer.global_step, start_epoch)
         metric_logger = logging.getLogger("speculators.metrics")
         metric_logger.setLevel(logging.INFO)
         handler = MetricsFile(out / METRICS) if rt.is_main else None
         if handler:
             metric_logger.addHandler(handler)
         try:
-            trainer = _trainer_class()(
-                model, tconfig, train_loader, val_loader, runtime=rt, stop_after=cfg.stop_after_epochs
-            )
-            start_epoch = trainer.current_epoch
             log(
                 f"training epochs {start_epoch}..{cfg.epochs - 1} on {rt.device} x{rt.world_size}: "
                 f"{len(inputs.train_files)} train / {len(inputs.eval_files)} held-out samples, "
                 f"{len(train_loader)} steps per epoch"
+                + (f"; resuming at step {trainer.global_step}" if cfg.resume else "")
             )
+            if produced is not None:
+                producer = _start_producer(cfg, produced, backend, train_loader, trainer, present, log)
             epochs_run = trainer.run_training()
         finally:
             if handler:
                 metric_logger.removeHandler(handler)
                 handler.close()
+        states_stats = None
+        if producer is not None:
+            states_stats = _finish_producer(cfg, produced, producer, train_loader)
+            producer = None
         final = last_epoch(out)
         complete = final is not None and final == cfg.epochs - 1
         tokens = inputs.train_tokens * epochs_run
@@ -764,8 +967,10 @@ def run(cfg: TrainConfig, log=print) -> dict:
             "train_tokens_per_epoch": inputs.train_tokens,
             "train_seconds": round(seconds, 3),
             "train_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
-            "steps_per_epoch": len(train_loader),
+            "steps_per_epoch": trainer.steps_per_epoch,
         }
+        if states_stats is not None:
+            train_stats["states"] = states_stats
         if not rt.is_main:
             return {}
         if not complete:
@@ -815,11 +1020,106 @@ def run(cfg: TrainConfig, log=print) -> dict:
             plots.draw_all(out)
         return summary
     finally:
+        if producer is not None:  # the trainer failed: stop producing before the backend is closed
+            producer.stop()
         held.close()
         if rt.distributed:
             from speculators.train.distributed import maybe_destroy_distributed
 
             maybe_destroy_distributed()
+
+
+def trim_metrics(path: Path, global_step: int, epoch: int) -> int:
+    """Resume: drop metrics.jsonl's training rows of steps >= ``global_step`` and validation rows of epochs
+    >= ``epoch`` (a killed run logged them after its last checkpoint; they are run again), atomically;
+    return the rows dropped."""
+    from pipeline.train.files import read_metrics
+
+    rows = read_metrics(path)
+    keep = [
+        r
+        for r in rows
+        if not ("train" in r and (r.get("step") or 0) >= global_step)
+        and not ("val" in r and r.get("epoch", -1) >= epoch)
+    ]
+    if len(keep) != len(rows):
+        from pipeline.ondisk.atomic import atomic_path
+
+        with atomic_path(path) as tmp:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    return len(rows) - len(keep)
+
+
+def _start_producer(cfg: TrainConfig, produced: Produced, backend, train_loader, trainer, present, log):
+    """The producer of the epochs this invocation trains, from the trainer's resume point on."""
+    from pipeline.train import states
+
+    last = (
+        cfg.epochs
+        if cfg.stop_after_epochs is None
+        else min(cfg.epochs, trainer.current_epoch + cfg.stop_after_epochs)
+    )
+    lengths = train_loader.dataset.approx_lengths
+    epochs = [
+        states.epoch_batches(lengths, cfg.max_len, cfg.seed, e) for e in range(trainer.current_epoch, last)
+    ]
+    order = states.production_order(
+        epochs, trainer.resume_step, produced.train, produced.held_out, produced.plan.keep, present
+    )
+    directory = Path(cfg.data)
+    present_bytes = sum(formats.data_file(directory, i).stat().st_size for i in present)
+    log(
+        f"states ({cfg.states_mode}): {len(order)} samples to produce with the {cfg.states_backend} backend, "
+        f"{len(produced.plan.keep)} kept ({len(present)} on disk already), budget "
+        f"{produced.plan.budget:,} bytes"
+    )
+    return states.Producer(
+        backend,
+        directory,
+        produced.prepared,
+        order,
+        produced.plan,
+        produced.sizes,
+        present=present,
+        present_bytes=present_bytes,
+        hidden_size=produced.data_config.hidden_size,
+        num_layers=len(produced.data_config.layer_ids),
+        max_batch_tokens=cfg.states_max_batch_tokens,
+        max_batch_size=cfg.states_max_batch_size,
+    ).start()
+
+
+def _finish_producer(cfg: TrainConfig, produced: Produced, producer, train_loader) -> dict:
+    """After training: no transient state left on disk, the kept files' records folded; the figures."""
+    from pipeline.train import states
+
+    directory = Path(cfg.data)
+    unmade = producer.finish()  # the producer's error, if any, is the run's
+    unread = [i for i in formats.existing_data_indices(directory) if i not in produced.plan.keep]
+    for i in unread:
+        formats.data_file(directory, i).unlink()
+    if unmade or unread:  # the producer's schedule and the trainer's reads disagreed
+        raise StageError(
+            f"states: {unmade} scheduled samples not produced and {len(unread)} produced but never read: "
+            "the producer's order is not the trainer's (a bug; the draft is saved, the states dir holds only "
+            "kept files)"
+        )
+    files = states.finish_states_dir(directory, produced.data_config)
+    st = producer.stats
+    return {
+        "mode": cfg.states_mode,
+        "budget_bytes": produced.plan.budget,
+        "kept_samples": len(produced.plan.keep),
+        "files_on_disk": files,
+        "bytes_on_disk": states.state_file_bytes(directory),
+        "peak_bytes": st.peak_bytes,
+        "produced_samples": st.samples,
+        "produced_tokens": st.tokens,
+        "produced_bytes": st.bytes_written,
+        "capture_seconds": round(st.capture_seconds, 3),
+        "producer_room_wait_seconds": round(st.room_wait_seconds, 3),
+        "trainer_wait_seconds": round(getattr(train_loader.dataset, "wait_seconds", 0.0), 3),
+    }
 
 
 def _online(cfg: TrainConfig, inputs: TrainInputs, out: Path) -> dict:

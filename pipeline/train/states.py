@@ -1,0 +1,547 @@
+"""States produced while the draft trains (``pipeline train --states-mode online|hybrid``), disk held to a
+budget.
+
+Owns, for the modes in which no finished hidden-states set exists:
+
+* the plan, pure (``plan_states``, ``epoch_batches``, ``production_order``, ``next_chunk``): which samples'
+  states stay on disk for the whole run (the held-out ones always: validation reads them every epoch and
+  the acceptance measurement at the end; in ``hybrid`` also as many training samples as the budget holds
+  beside a producing window), the order in which the trainer will read the others (speculators' own sampler,
+  replayed), and how the producer groups them into forwards;
+* the states dir (``--data``): the same ``data_{i}.pt`` files, ``data_config.json`` and
+  ``sample_lengths.json`` that ``pipeline extract`` writes, the data config recording the mode, the budget
+  and the kept samples (``extra["states"]``) so that ``pipeline verify`` checks exactly the kept files; the
+  kept files' checksums in the extract journal and index; resume (partial files and transient states of a
+  killed run removed, kept files proved to be this run's or produced again);
+* ``Producer``: a thread that runs a ``Backend`` (the extract backends' interface: the hf backend here, the
+  vllm one plugs in the same way) over the samples in the order the trainer reads them and writes each with
+  ``formats.write_sample``, never letting the state files on disk (kept, waiting and being written) exceed the
+  budget: it waits for the trainer to use and delete waiting files (back-pressure in bytes);
+* ``ProducedDataset``: the trainer's dataset over those files (pipeline/train/data.py's, speculators'
+  ``BaseDataset``), which waits for a file to appear, reads it whole, and deletes it when it is transient.
+
+It does not train (pipeline/train/stage.py) and does not change how states are computed: the backend
+(pipeline/backends/) and the file format (pipeline/ondisk/formats.py) are extract's. One trainer process
+only (a data-parallel run would need one schedule per rank: refused).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.errors import StageError
+from pipeline.ondisk import formats
+
+if TYPE_CHECKING:
+    import torch
+
+MODES = ("offline", "online", "hybrid")
+# bytes a data_{i}.pt holds beyond its tensors' payload: torch's zip records and pickle; measured 2.5-2.7 KB
+# for every length, width and dtype (tests/train/test_states.py holds the bound)
+FILE_OVERHEAD = 4096
+FAILED = ".producer-failed"  # the producer's error, for a reader waiting on a file that will not come
+DONE = ".producer-done"  # the producer finished its schedule: a file still missing then is an error
+WAIT_POLL_S = 0.005
+# a producer's error by states dir, for readers in its own process (the FAILED file is for worker processes,
+# and may not be writable on a full disk)
+_FAILED_HERE: dict[str, str] = {}
+WINDOW_SHARE = 8  # hybrid: at least 1/8 of the budget left after the held-out states is the producer's window
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str, flag: str = "--states-budget") -> int:
+    """``"500G"`` -> 500e9 bytes; decimal units (k, M, G, T, with or without B) and binary ones (KiB, MiB,
+    GiB, TiB); a bare number is bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise StageError(f"{flag} {text!r} is not a size: write e.g. 500G, 2T, 64GiB or a number of bytes")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise StageError(f"{flag} {text!r} must be more than 0 bytes")
+    return value
+
+
+def sample_bytes(length: int, hidden: int, layers: int, dtype_bytes: int) -> int:
+    """An upper bound on one ``data_{i}.pt``'s size: its states, int64 ids and mask, the file's records."""
+    return layers * length * hidden * dtype_bytes + 16 * length + FILE_OVERHEAD
+
+
+# ---------------------------------------------------------------- the plan (pure)
+
+
+@dataclass(frozen=True)
+class StatesPlan:
+    """What stays on disk for the whole run, and the room left for states that wait to be read."""
+
+    mode: str
+    budget: int
+    keep: frozenset[int]  # sample indices whose files are kept once produced
+    kept_bytes: int  # their sizes' bound
+    window: int  # budget - kept_bytes: the producer's room for transient states
+
+    def record(self) -> dict:
+        """What data_config.json's ``extra["states"]`` holds (verify reads ``kept``)."""
+        return {
+            "mode": self.mode,
+            "budget": self.budget,
+            "kept": sorted(self.keep),
+            "kept_bytes_bound": self.kept_bytes,
+        }
+
+
+def plan_states(
+    mode: str,
+    budget: int,
+    sizes: Sequence[int],
+    train: Sequence[int],
+    held_out: Sequence[int],
+    measured: Sequence[int] = (),
+) -> StatesPlan:
+    """The keep set under ``budget`` (``sizes``: each sample's ``sample_bytes``). The held-out samples are
+    always kept, and ``measured`` (the training samples the acceptance measurement reads for its unigram
+    baseline, pipeline/train/evaluate.py); ``online`` keeps nothing else; ``hybrid`` keeps training samples
+    in index order while a window of at least the largest training sample and 1/WINDOW_SHARE of the rest of
+    the budget stays free for the producer. Refuses a budget that cannot hold what is always kept and one
+    training sample."""
+    if mode not in ("online", "hybrid"):
+        raise StageError(f"--states-mode {mode!r}: states are planned for online or hybrid only")
+    always = set(held_out) | set(measured)
+    held = sum(sizes[i] for i in always)
+    largest = max((sizes[i] for i in train), default=0)
+    need = held + largest
+    if budget < need:
+        baseline = len(set(measured) - set(held_out))
+        raise StageError(
+            f"--states-budget {budget:,} bytes cannot hold the states kept for the whole run ({held:,} "
+            f"bytes: {len(held_out)} held-out samples for validation, {baseline} training "
+            f"samples for the acceptance baseline) and the largest training sample ({largest:,}): give at "
+            f"least {need:,} bytes, hold out fewer samples (--eval-fraction, --eval-max-samples) or --no-eval"
+        )
+    keep = set(always)
+    kept = held
+    if mode == "hybrid":
+        reserve = max(largest, (budget - held) // WINDOW_SHARE)
+        for i in sorted(set(train) - keep):
+            if kept + sizes[i] + reserve > budget:
+                break
+            keep.add(i)
+            kept += sizes[i]
+    return StatesPlan(mode, budget, frozenset(keep), kept, budget - kept)
+
+
+def epoch_batches(lengths: Sequence[int], max_len: int, seed: int, epoch: int) -> list[list[int]]:
+    """The trainer's batches of one epoch as dataset indices, in order: speculators' own packing sampler
+    with the arguments pipeline/train/data.py gives it (one process)."""
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    sampler = MultipackDistributedBatchSamplerV2(
+        batch_max_length=max_len, lengths=list(lengths), num_replicas=1, rank=0, seed=seed
+    )
+    sampler.set_epoch(epoch)
+    return [[int(i) for i in batch] for batch in sampler]
+
+
+def production_order(
+    epochs: Sequence[list[list[int]]],
+    first_step: int,
+    train: Sequence[int],
+    held_out: Sequence[int],
+    keep: frozenset[int],
+    present: frozenset[int],
+) -> list[int]:
+    """Sample indices in the order the producer makes them: each epoch's batches (``epochs[0]`` from step
+    ``first_step``: a resumed epoch skips the steps its checkpoint holds) read through ``train`` (dataset
+    index -> sample index), a kept sample only while it is neither on disk (``present``) nor produced
+    earlier; the held-out samples not on disk after the first epoch's (the first validation reads them);
+    last, any other kept sample still missing (one whose step a resumed run skips), so that the run ends
+    with every kept file, as verify expects."""
+    order: list[int] = []
+    made = set(present)
+    for e, batches in enumerate(epochs):
+        for batch in batches[first_step if e == 0 else 0 :]:
+            for j in batch:
+                i = train[j]
+                if i in keep and i in made:
+                    continue
+                order.append(i)
+                made.add(i)
+        if e == 0:
+            order.extend(i for i in held_out if i not in made)
+            made.update(held_out)
+    if not epochs:
+        order.extend(i for i in held_out if i not in made)
+        made.update(held_out)
+    order.extend(i for i in sorted(keep) if i not in made)
+    return order
+
+
+def next_chunk(
+    order: Sequence[int],
+    start: int,
+    lengths: Sequence[int],
+    sizes: Sequence[int],
+    max_batch_tokens: int,
+    max_batch_size: int,
+    room: int,
+) -> int:
+    """How many samples from ``order[start:]`` go into the next forward: extract's rule (batch size x longest
+    <= max_batch_tokens, at most max_batch_size), and their files' bound within ``room``; at least one."""
+    n, longest, total = 0, 0, 0
+    for i in order[start:]:
+        longest2 = max(longest, int(lengths[i]))
+        if n and ((n + 1) * longest2 > max_batch_tokens or n >= max_batch_size or total + sizes[i] > room):
+            break
+        n, longest, total = n + 1, longest2, total + sizes[i]
+    return n
+
+
+# ---------------------------------------------------------------- the states dir
+
+
+def is_states_dir(dc: formats.DataConfig) -> bool:
+    """A states dir this module writes (not a finished extract set)."""
+    return isinstance(dc.extra, dict) and isinstance(dc.extra.get("states"), dict)
+
+
+def prepare_states_dir(
+    directory: Path,
+    expected: formats.DataConfig,
+    plan: StatesPlan,
+    prepared: formats.PreparedSamples,
+    *,
+    resume: bool,
+    overwrite: bool,
+    log=print,
+) -> frozenset[int]:
+    """Apply the --resume/--overwrite policy to the states dir; return the kept samples already on disk.
+
+    A new run needs an empty or absent dir. --overwrite empties a states dir of this module only (never an
+    extract's set). --resume keeps the kept files that are this run's (ids and mask against the prepared row,
+    shapes and dtype: ``verify.foreign_files``) and deletes every other state file: transient states of the
+    killed run, kept files that are not this run's (produced again), partial files. Then data_config.json
+    (with the plan) and sample_lengths.json are written, before any state."""
+    from pipeline import verify
+    from pipeline.extract import VLLM_SCRATCH_GLOB, record_missing_checksums
+    from pipeline.ondisk.atomic import remove_partials
+
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise StageError(f"--data {directory} exists and is not a directory: choose another states dir")
+    has_any = directory.is_dir() and any(directory.iterdir())
+    found = None
+    if (directory / formats.DATA_CONFIG).is_file():
+        found = formats.read_data_config(directory)
+        if not is_states_dir(found):
+            raise StageError(
+                f"--data {directory} holds a finished hidden-states set (pipeline extract): online and "
+                "hybrid training write their own states dir; train on that set with --states-mode offline, "
+                "or choose another --data"
+            )
+    if has_any and not (resume or overwrite):
+        raise StageError(
+            f"states dir {directory} is not empty: pass --resume to continue its run, --overwrite to replace "
+            "it, or choose another --data"
+        )
+    if has_any and found is None:
+        raise StageError(
+            f"states dir {directory} has files but no data_config.json: not a states dir of online training; "
+            "choose another --data"
+        )
+    if resume and found is not None:
+        keys = ("model", "layer_ids", "hidden_size", "dtype", "num_samples", "seq_length", "prepared")
+        diff = [k for k in keys if getattr(found, k) != getattr(expected, k)]
+        if diff:
+            k = diff[0]
+            raise StageError(
+                f"cannot --resume with states dir {directory}: its data_config.json has {k}="
+                f"{getattr(found, k)!r}, this run {getattr(expected, k)!r}; use --overwrite or another --data"
+            )
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in (FAILED, DONE):
+        (directory / name).unlink(missing_ok=True)
+    remove_partials(directory)
+    for stale in directory.glob(VLLM_SCRATCH_GLOB):  # the vllm backend's files of a killed run
+        shutil.rmtree(stale, ignore_errors=True)
+    present = formats.existing_data_indices(directory)
+    if overwrite and not resume:
+        drop = present
+    else:
+        drop = [i for i in present if i not in plan.keep or i >= expected.num_samples]
+    for i in drop:
+        formats.data_file(directory, i).unlink(missing_ok=True)
+    kept = sorted(set(present) - set(drop))
+    if kept:
+        foreign = verify.foreign_files(directory, kept, expected, prepared)
+        for i, reason in sorted(foreign.items()):
+            log(f"states: data_{i}.pt will be produced again ({reason})")
+            formats.data_file(directory, i).unlink(missing_ok=True)
+        kept = [i for i in kept if i not in foreign]
+    if drop and resume:
+        log(f"states: removed {len(drop)} state files the plan does not keep (a killed run's transient ones)")
+    formats.write_data_config(directory, expected)
+    formats.write_sample_lengths(directory, {i: prepared.length(i) for i in range(expected.num_samples)})
+    if kept:
+        record_missing_checksums(directory, set(kept))
+    return frozenset(kept)
+
+
+def finish_states_dir(directory: Path, expected: formats.DataConfig) -> int:
+    """After a run: the kept files' checksums folded into checksums.json, the journals removed, the data
+    config's provenance stamped now; return the files on disk."""
+    from pipeline.ondisk import provenance
+
+    (Path(directory) / DONE).unlink(missing_ok=True)
+    formats.fold_checksums(directory, set(range(expected.num_samples)))
+    formats.write_data_config(directory, replace(expected, provenance=provenance.record("train-states")))
+    return len(formats.existing_data_indices(directory))
+
+
+def state_file_bytes(directory: Path) -> int:
+    """Bytes of the state files in ``directory`` now: ``data_{i}.pt`` and their partial writes (what the
+    budget bounds; the small json records are not counted)."""
+    total = 0
+    for p in Path(directory).iterdir():
+        if formats.DATA_FILE_RE.match(p.name) or p.name.endswith(".partial"):
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+# ---------------------------------------------------------------- producer
+
+
+@dataclass
+class ProducerStats:
+    samples: int = 0
+    tokens: int = 0
+    bytes_written: int = 0
+    capture_seconds: float = 0.0
+    room_wait_seconds: float = 0.0  # waiting for the trainer to use states: the producer was ahead
+    peak_bytes: int = 0  # state files on disk at most, by the producer's ledger
+    errors: list[str] = field(default_factory=list)
+
+
+class Producer:
+    """Produces ``order``'s samples with ``backend`` into ``directory`` on a background thread, the state
+    files on disk (kept ones, ones waiting to be read, the one being written) never above ``plan.budget``.
+
+    Kept samples' files stay and their checksums go to the extract journal; transient ones are deleted by
+    their reader (``ProducedDataset``), which the producer sees by their absence."""
+
+    def __init__(
+        self,
+        backend,
+        directory: Path,
+        prepared: formats.PreparedSamples,
+        order: Sequence[int],
+        plan: StatesPlan,
+        sizes: Sequence[int],
+        *,
+        present: frozenset[int],
+        present_bytes: int,
+        hidden_size: int,
+        num_layers: int,
+        max_batch_tokens: int,
+        max_batch_size: int,
+    ):
+        self.backend, self.directory, self.prepared = backend, Path(directory), prepared
+        self.order, self.plan, self.sizes = list(order), plan, sizes
+        self.hidden_size, self.num_layers = hidden_size, num_layers
+        self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
+        self.lengths = prepared.lengths()
+        self.kept_bytes = present_bytes  # real sizes of the kept files on disk
+        self.waiting: dict[int, int] = {}  # transient sample -> its file's size, until its reader deletes it
+        self.stats = ProducerStats(peak_bytes=present_bytes)
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="states-producer", daemon=True)
+        self.journal = formats.ChecksumJournal(self.directory)
+
+    def start(self) -> Producer:
+        _FAILED_HERE.pop(str(self.directory), None)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop after the forward in progress (the trainer ended, or failed)."""
+        self._stop.set()
+        self._thread.join()
+        self.journal.close()
+
+    def finish(self) -> int:
+        """The trainer is done: stop, raise the producer's error, return the samples of the schedule it did
+        not make (none when the schedule was the trainer's)."""
+        self.stop()
+        if self.error is not None:
+            raise self.error
+        return len(self.order) - self.stats.samples
+
+    def _on_disk(self) -> int:
+        for i in [i for i in self.waiting if not formats.data_file(self.directory, i).exists()]:
+            del self.waiting[i]
+        return self.kept_bytes + sum(self.waiting.values())
+
+    def _wait_for_room(self, need: int) -> bool:
+        t0 = time.perf_counter()
+        while self._on_disk() + need > self.plan.budget:
+            if self._stop.wait(WAIT_POLL_S):
+                return False
+        self.stats.room_wait_seconds += time.perf_counter() - t0
+        return True
+
+    def _run(self) -> None:
+        try:
+            # the hf backend's device: CUDA's current device is per thread, this one starts on cuda:0
+            device = getattr(self.backend, "device", None)
+            if device is not None and getattr(device, "type", None) == "cuda":
+                import torch
+
+                torch.cuda.set_device(device)
+            pos = 0
+            while pos < len(self.order) and not self._stop.is_set():
+                room = self.plan.budget - self.kept_bytes
+                n = next_chunk(
+                    self.order,
+                    pos,
+                    self.lengths,
+                    self.sizes,
+                    self.max_batch_tokens,
+                    self.max_batch_size,
+                    room,
+                )
+                chunk = self.order[pos : pos + n]
+                if not self._wait_for_room(sum(self.sizes[i] for i in chunk)):
+                    return
+                self._produce(chunk)
+                pos += n
+            if not self._stop.is_set():
+                (self.directory / DONE).write_text("done\n")
+        except BaseException as exc:  # noqa: BLE001 - re-raised by finish() on the trainer's thread
+            if isinstance(exc, OSError):  # a full disk, a read-only dir: the operator's to fix, in one line
+                exc = StageError(
+                    f"writing states to {self.directory} failed: {exc.strerror or exc} "
+                    "(free space or lower --states-budget, then re-run with --resume)"
+                )
+            self.error = exc
+            _FAILED_HERE[str(self.directory)] = str(exc)
+            try:
+                (self.directory / FAILED).write_text(f"{exc}\n")
+            except OSError:  # a disk too full even for this line: readers in this process still see it
+                pass
+
+    def _produce(self, chunk: list[int]) -> None:
+        import torch
+
+        from pipeline import verify
+
+        seqs = [self.prepared.ids(i).tolist() for i in chunk]
+        t0 = time.perf_counter()
+        states = self.backend.capture(seqs)
+        self.stats.capture_seconds += time.perf_counter() - t0
+        if len(states) != len(chunk) or any(len(s) != self.num_layers for s in states):
+            raise StageError(
+                f"backend {self.backend.name} returned {len(states)} samples for {len(chunk)}, "
+                f"or not {self.num_layers} layers each"
+            )
+        for i, seq, sample_states in zip(chunk, seqs, states, strict=True):
+            for h in sample_states:
+                if tuple(h.shape) != (len(seq), self.hidden_size):
+                    raise StageError(
+                        f"sample {i}: backend returned a state of shape {tuple(h.shape)}, "
+                        f"expected ({len(seq)}, {self.hidden_size})"
+                    )
+            ids = torch.as_tensor(seq, dtype=torch.int64)
+            mask = torch.from_numpy(self.prepared.mask(i).astype("int64"))
+            target = formats.data_file(self.directory, i)
+            kept = i in self.plan.keep
+            facts = verify.written_facts(ids, sample_states, mask) if kept else None
+            digest = formats.write_sample(target, ids, sample_states, mask)
+            if digest.bytes > self.sizes[i]:
+                raise StageError(
+                    f"data_{i}.pt has {digest.bytes} bytes, more than the {self.sizes[i]} planned for it: "
+                    "the file-size bound (pipeline/train/states.py FILE_OVERHEAD) is wrong"
+                )
+            if kept:
+                self.journal.record(
+                    target.name, replace(digest, mtime_ns=target.stat().st_mtime_ns, facts=facts)
+                )
+                self.kept_bytes += digest.bytes
+            else:
+                self.waiting[i] = digest.bytes
+            self.stats.samples += 1
+            self.stats.tokens += len(seq)
+            self.stats.bytes_written += digest.bytes
+            self.stats.peak_bytes = max(self.stats.peak_bytes, self.kept_bytes + sum(self.waiting.values()))
+
+
+# ---------------------------------------------------------------- the trainer's side
+
+
+def wait_for(path: Path, directory: Path, timeout: float | None = None) -> None:
+    """Return once ``path`` exists; raise if the producer failed or finished without it."""
+    t0 = time.monotonic()
+    delay = WAIT_POLL_S / 5
+    while not path.exists():
+        failed = directory / FAILED
+        if str(directory) in _FAILED_HERE:
+            raise StageError(f"the states producer failed: {_FAILED_HERE[str(directory)]}")
+        if failed.exists():
+            raise StageError(f"the states producer failed: {failed.read_text().strip()}")
+        if (directory / DONE).exists() and not path.exists():
+            raise StageError(f"{path.name} was read but the producer's schedule did not make it (a bug)")
+        if timeout is not None and time.monotonic() - t0 > timeout:
+            raise StageError(f"{path} did not appear within {timeout:.0f} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def produced_dataset(files: list[Path], max_len: int, dtype: torch.dtype, transient: frozenset[str]):
+    """The trainer's dataset over produced files: speculators' ``BaseDataset`` through pipeline/train/data.py,
+    each read waiting for its file; a file named in ``transient`` is read whole and deleted."""
+    from pipeline.train.data import _dataset_class
+
+    base = _dataset_class()
+
+    class ProducedDataset(base):
+        def __init__(self):
+            self.transient = transient
+            self.wait_seconds = 0.0
+            super().__init__(files, max_len, dtype)
+
+        def _load(self, index: int) -> dict:
+            path = self.files[index]
+            t0 = time.perf_counter()
+            wait_for(path, path.parent)
+            self.wait_seconds += time.perf_counter() - t0
+            if path.name not in self.transient:
+                return formats.read_sample(path, mmap=True)
+            sample = formats.read_sample(path)
+            path.unlink()
+            return sample
+
+    return ProducedDataset()

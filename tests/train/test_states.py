@@ -1,0 +1,472 @@
+"""Training on states produced while the draft trains (``--states-mode online|hybrid``): the plan, the same
+draft as offline, the budget on disk, resume after SIGKILL, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.errors import StageError
+from pipeline.ondisk import formats
+from pipeline.train import states
+from pipeline.train.config import TrainConfig
+from pipeline.train.files import read_metrics
+from tests.conftest import REPO
+
+SAMPLES = 16  # prepared samples: 12 train, 4 held out
+MAX_LEN = 256
+EPOCHS = 2
+
+
+# ---------------------------------------------------------------- the plan (pure)
+
+
+def test_budget_sizes_parse_and_bad_ones_are_refused():
+    """Decimal and binary units and plain bytes are read; anything else is one line naming the flag."""
+    assert states.parse_bytes("500G") == 500 * 10**9
+    assert states.parse_bytes("1.5T") == 1_500_000_000_000
+    assert states.parse_bytes("64GiB") == 64 * 2**30
+    assert states.parse_bytes("12345") == 12345
+    for bad in ("", "ten", "5X", "-1G", "0"):
+        with pytest.raises(StageError, match="--states-budget"):
+            states.parse_bytes(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_file_size_bound_holds_for_real_files(tmp_path, dtype):
+    """``sample_bytes`` bounds the size of the file ``write_sample`` writes (the budget relies on it), and
+    not loosely: within FILE_OVERHEAD of it."""
+    for length in (1, 2, 9, 130):
+        for hidden in (8, 64, 300):
+            hs = [torch.randn(length, hidden).to(dtype) for _ in range(4)]
+            digest = formats.write_sample(tmp_path / "d.pt", torch.arange(length), hs, torch.ones(length))
+            bound = states.sample_bytes(length, hidden, 4, hs[0].element_size())
+            assert bound - states.FILE_OVERHEAD < digest.bytes <= bound, (length, hidden, digest.bytes)
+
+
+def test_plan_keeps_held_out_always_and_train_samples_only_in_hybrid():
+    """online keeps the held-out states only; hybrid also keeps training samples in index order while a
+    window of at least the largest training sample and 1/8 of the rest stays free; kept + window = budget."""
+    sizes = [100] * 10
+    train, held = list(range(8)), [8, 9]
+    online = states.plan_states("online", 1000, sizes, train, held)
+    assert online.keep == {8, 9} and online.kept_bytes == 200 and online.window == 800
+    hybrid = states.plan_states("hybrid", 1000, sizes, train, held)
+    assert hybrid.keep == {8, 9, 0, 1, 2, 3, 4, 5, 6} and hybrid.kept_bytes + hybrid.window == 1000
+    assert hybrid.window >= max(100, (1000 - 200) // states.WINDOW_SHARE)
+    big = states.plan_states("hybrid", 10_000, sizes, train, held)
+    assert big.keep == set(range(10)) and big.record()["kept"] == list(range(10))
+
+
+def test_plan_refuses_a_budget_without_room_for_the_held_out_and_one_sample():
+    """The smallest budget that can train is named in the one-line refusal."""
+    with pytest.raises(StageError, match="give at least 300 bytes"):
+        states.plan_states("online", 299, [100] * 4, [0, 1], [2, 3])
+    assert states.plan_states("online", 300, [100] * 4, [0, 1], [2, 3]).window == 100
+
+
+def test_production_order_follows_the_trainer_and_skips_what_is_kept():
+    """Each epoch's batches in order, the held-out after the first epoch's, a kept sample only once, a
+    resumed epoch from its checkpointed step, kept files on disk never again."""
+    train = [10, 11, 12, 13]  # dataset index -> sample index
+    epochs = [[[0, 1], [2, 3]], [[3, 2], [1, 0]]]
+    keep = frozenset({12, 20})
+    assert states.production_order(epochs, 0, train, [20], keep, frozenset()) == [
+        10, 11, 12, 13, 20, 13, 11, 10,
+    ]  # fmt: skip
+    assert states.production_order(epochs, 1, train, [20], keep, frozenset({12, 20})) == [13, 13, 11, 10]
+    # kept 12 lost while its step is already trained: made at the end, so the run ends with every kept file
+    assert states.production_order(epochs[1:], 2, train, [20], keep, frozenset({20})) == [12]
+    assert states.production_order([], 0, train, [20], keep, frozenset()) == [20, 12]
+
+
+def test_chunks_follow_extracts_batch_rule_and_the_room():
+    """A forward takes samples in order while batch x longest <= max tokens, size <= max size, bytes <=
+    room; one at least, whatever its size."""
+    lengths, sizes = [10, 30, 20, 5], [1, 3, 2, 1]
+    assert states.next_chunk([0, 1, 2, 3], 0, lengths, sizes, 1000, 64, 100) == 4
+    assert states.next_chunk([0, 1, 2, 3], 0, lengths, sizes, 60, 64, 100) == 2  # 3 x 30 > 60
+    assert states.next_chunk([0, 1, 2, 3], 0, lengths, sizes, 1000, 3, 100) == 3
+    assert states.next_chunk([0, 1, 2, 3], 0, lengths, sizes, 1000, 64, 4) == 2
+    assert states.next_chunk([0, 1, 2, 3], 1, lengths, sizes, 1000, 64, 1) == 1
+
+
+def test_a_reader_waiting_for_a_file_learns_why_it_will_not_come(tmp_path):
+    """The trainer's wait for a state ends in one line when the producer failed or finished without it,
+    instead of hanging; a file that appears ends it at once."""
+    target = formats.data_file(tmp_path, 3)
+    (tmp_path / states.FAILED).write_text("OSError: disk full\n")
+    with pytest.raises(StageError, match="producer failed: OSError: disk full"):
+        states.wait_for(target, tmp_path)
+    (tmp_path / states.FAILED).unlink()
+    (tmp_path / states.DONE).write_text("done\n")
+    with pytest.raises(StageError, match="did not make it"):
+        states.wait_for(target, tmp_path)
+    (tmp_path / states.DONE).unlink()
+    threading.Timer(0.05, target.write_bytes, args=(b"x",)).start()
+    states.wait_for(target, tmp_path, timeout=10)
+    with pytest.raises(StageError, match="did not appear"):
+        states.wait_for(formats.data_file(tmp_path, 4), tmp_path, timeout=0.05)
+
+
+def test_replayed_batches_are_the_loaders_own(tmp_path):
+    """The producer's order is the batches speculators' sampler gives the trainer, epoch by epoch."""
+    from pipeline.train.data import make_loader
+
+    lengths = {i: 20 + (i * 37) % 90 for i in range(30)}
+    formats.write_sample_lengths(tmp_path, lengths)
+    files = [formats.data_file(tmp_path, i) for i in range(30)]
+    loader = make_loader(
+        files, max_len=200, hidden_size=8, world_size=1, rank=0, seed=3, workers=0, pin_memory=False
+    )
+    for epoch in range(3):
+        loader.batch_sampler.set_epoch(epoch)
+        real = [[int(i) for i in b] for b in loader.batch_sampler]
+        assert states.epoch_batches(loader.dataset.approx_lengths, 200, 3, epoch) == real
+    assert states.epoch_batches(loader.dataset.approx_lengths, 200, 3, 0) != states.epoch_batches(
+        loader.dataset.approx_lengths, 200, 3, 1
+    )
+
+
+# ---------------------------------------------------------------- on the tiny Llama, real stages
+
+
+@pytest.fixture(scope="module")
+def stage_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
+    """prepare (full vocab as draft vocab) and weights for the tiny Llama; the first SAMPLES samples."""
+    from pipeline import prepare, weights
+
+    root = tmp_path_factory.mktemp("states-inputs")
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    full = root / "full"
+    prepare.run(
+        prepare.PrepareConfig(
+            data=conversations, model=tiny_llama, out=full, seq_length=128, draft_vocab_size=vocab
+        )
+    )
+    samples, meta = formats.read_prepared(full)
+    rows = [(samples.ids(i).tolist(), samples.mask(i).tolist()) for i in range(SAMPLES)]
+    part = formats.PreparedSamples.from_rows(rows)
+    meta.num_samples, meta.num_tokens = SAMPLES, int(part.offsets[-1])
+    formats.write_prepared(root / "prepared", part, meta)
+    for name in (formats.D2T, formats.T2D, formats.TOKEN_FREQ):
+        (root / "prepared" / name).write_bytes((full / name).read_bytes())
+    weights.run(tiny_llama, root / "verifier")
+    return {"prepared": root / "prepared", "verifier": root / "verifier", "model": tiny_llama}
+
+
+def _config(inputs: dict, data: Path, out: Path, **overrides) -> TrainConfig:
+    base = dict(
+        data=data,
+        verifier=inputs["verifier"],
+        out=out,
+        prepared=inputs["prepared"],
+        model=inputs["model"],
+        epochs=EPOCHS,
+        lr=3e-3,
+        max_len=MAX_LEN,
+        eval_fraction=0.25,
+        eval_max_samples=4,
+        plots=False,
+        device="cpu",
+        num_workers=0,
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def _cli_args(cfg: TrainConfig) -> list[str]:
+    args = ["train"]
+    for flag, value in (
+        ("--data", cfg.data),
+        ("--verifier", cfg.verifier),
+        ("--out", cfg.out),
+        ("--prepared", cfg.prepared),
+        ("--model", cfg.model),
+        ("--epochs", cfg.epochs),
+        ("--lr", cfg.lr),
+        ("--max-len", cfg.max_len),
+        ("--eval-fraction", cfg.eval_fraction),
+        ("--eval-max-samples", cfg.eval_max_samples),
+        ("--device", "cpu"),
+        ("--num-workers", 0),
+        ("--states-mode", cfg.states_mode),
+        ("--states-budget", cfg.states_budget),
+        ("--states-max-batch-size", cfg.states_max_batch_size),
+        ("--checkpoint-steps", cfg.checkpoint_steps),
+    ):
+        if value is not None:
+            args += [flag, str(value)]
+    return [*args, "--no-eval", "--no-plots"]
+
+
+@pytest.fixture(scope="module")
+def offline(stage_inputs, tmp_path_factory) -> dict:
+    """The reference: extract (one sample per forward) then offline train, in process."""
+    from pipeline import extract
+    from pipeline.train.stage import run
+
+    root = tmp_path_factory.mktemp("offline")
+    extract.run(
+        extract.ExtractConfig(
+            prepared=stage_inputs["prepared"],
+            model=stage_inputs["model"],
+            out=root / "states",
+            device="cpu",
+            max_batch_size=1,
+            verify=False,
+            progress=False,
+        )
+    )
+    cfg = _config(stage_inputs, root / "states", root / "out")
+    return {"cfg": cfg, "summary": run(cfg, log=lambda m: None)}
+
+
+def _budget(cfg_inputs: dict, offline_states: Path, held: int) -> str:
+    """A budget holding the held-out files and two more of the largest: much less than the set."""
+    sizes = sorted(p.stat().st_size for p in offline_states.glob("data_*.pt"))
+    return str(sum(sizes[-held:]) + 2 * sizes[-1] + 2 * states.FILE_OVERHEAD)
+
+
+def _weights(out: Path, epoch: int) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "checkpoints" / str(epoch) / "model.safetensors"))
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["train"]["loss"] for r in read_metrics(out / "metrics.jsonl") if "train" in r]
+
+
+@pytest.mark.slow
+def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_path):
+    """One sample per forward on both sides: online training writes the same bytes as extract for every
+    state it keeps, and ends with the same weights, losses and acceptance as offline training on the same
+    data, steps and seed; its state files never exceed the budget; what it keeps passes `pipeline verify`."""
+    from pipeline import verify
+    from pipeline.train.stage import run
+
+    ref = offline["cfg"]
+    budget = _budget(stage_inputs, ref.data, held=8)
+    total = sum(p.stat().st_size for p in ref.data.glob("data_*.pt"))
+    assert int(budget) < 0.75 * total  # the whole set would not fit
+    cfg = _config(
+        stage_inputs,
+        tmp_path / "states",
+        tmp_path / "out",
+        states_mode="online",
+        states_budget=budget,
+        states_max_batch_size=1,
+    )
+    summary = run(cfg, log=lambda m: None)
+    st = summary["train"]["states"]
+    # held-out 4 and the 4 training samples the acceptance baseline reads are kept: produced once
+    assert st["peak_bytes"] <= int(budget) and st["produced_samples"] == 4 + 12 + 8 * (EPOCHS - 1)
+    kept = formats.existing_data_indices(cfg.data)
+    record = json.loads((cfg.out / "train_config.json").read_text())
+    expected = {*record["eval_files"], *record["train_files"][:4]}
+    assert {formats.data_file(cfg.data, i).name for i in kept} == expected and len(kept) == 8
+    for i in kept:
+        assert formats.data_file(cfg.data, i).read_bytes() == formats.data_file(ref.data, i).read_bytes()
+    for epoch in range(EPOCHS):
+        a, b = _weights(ref.out, epoch), _weights(cfg.out, epoch)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _losses(cfg.out) == _losses(ref.out)
+    assert summary["eval"]["draft"] == offline["summary"]["eval"]["draft"]
+    result = verify.verify(verify.VerifyConfig(path=cfg.data))
+    assert not [c for c in result.checks if c.status == "fail"], result.checks
+
+
+@pytest.mark.slow
+def test_hybrid_reuses_what_it_keeps_and_stays_close_to_offline(stage_inputs, offline, tmp_path):
+    """hybrid with batched forwards: the kept training samples are produced once, the others each epoch;
+    the draft differs from offline only by the batch composition's rounding of the states (fp32, ~3e-7):
+    final weights within 1e-6 and the last loss within 1e-5 relative (seen: 7.1e-8, 1.2e-6), acceptance at
+    k=3 within the issue's 0.05 (seen: equal). A file it does not keep, or a kept one missing, fails
+    verify."""
+    from pipeline import verify
+    from pipeline.train.stage import run
+
+    ref = offline["cfg"]
+    budget = _budget(stage_inputs, ref.data, held=11)  # room for about 3 more training samples
+    cfg = _config(
+        stage_inputs, tmp_path / "states", tmp_path / "out", states_mode="hybrid", states_budget=budget
+    )
+    summary = run(cfg, log=lambda m: None)
+    st = summary["train"]["states"]
+    kept = formats.existing_data_indices(cfg.data)
+    kept_train = len(kept) - 4  # the 4 the acceptance baseline reads among them
+    assert 4 < kept_train < 12, kept
+    assert st["produced_samples"] == 4 + 12 + (12 - kept_train) and st["peak_bytes"] <= int(budget)
+    a, b = _weights(ref.out, EPOCHS - 1), _weights(cfg.out, EPOCHS - 1)
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst < 1e-6, worst
+    la, lb = _losses(ref.out)[-1], _losses(cfg.out)[-1]
+    assert abs(la - lb) <= 1e-5 * abs(la), (la, lb)
+    ours, theirs = (r["eval"]["draft"]["acceptance_length"] for r in (summary, offline["summary"]))
+    assert abs(ours - theirs) <= 0.05, (ours, theirs)
+    assert not [c for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"]
+    transient = next(i for i in range(SAMPLES) if i not in kept)
+    formats.data_file(cfg.data, transient).write_bytes(formats.data_file(cfg.data, kept[0]).read_bytes())
+    failed = {c.name for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"}
+    assert "contiguity" in failed  # a file the run does not keep
+    formats.data_file(cfg.data, transient).unlink()
+    formats.data_file(cfg.data, kept[0]).unlink()
+    failed = {c.name for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"}
+    assert {"contiguity", "count"} <= failed  # a kept file missing
+
+
+def _state_bytes_watch(directory: Path, stop: threading.Event, seen: list[int]) -> None:
+    while not stop.is_set():
+        if directory.is_dir():
+            try:
+                seen.append(states.state_file_bytes(directory))
+            except OSError:
+                pass
+        time.sleep(0.005)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume(stage_inputs, offline, tmp_path):
+    """A hybrid `pipeline train` process SIGKILLed in its second epoch, then resumed: the resumed process
+    starts at the last checkpointed step (none before it trained again, metrics.jsonl has every step once),
+    no partial or transient state file is left, the kept ones are reused, the state files never exceeded
+    the budget, and the draft equals the uninterrupted offline one bit for bit (one sample per forward)."""
+    ref = offline["cfg"]
+    budget = _budget(stage_inputs, ref.data, held=8)
+    cfg = _config(
+        stage_inputs,
+        tmp_path / "states",
+        tmp_path / "out",
+        states_mode="hybrid",
+        states_budget=str(int(budget) * 2),
+        states_max_batch_size=1,
+        checkpoint_steps=1,
+    )
+    steps = offline["summary"]["train"]["steps_per_epoch"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "pipeline", *_cli_args(cfg)]
+    stop, seen = threading.Event(), []
+    watch = threading.Thread(target=_state_bytes_watch, args=(cfg.data, stop, seen), daemon=True)
+    watch.start()
+    try:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 300
+        rows = []
+        while proc.poll() is None and time.monotonic() < deadline:
+            rows = [r for r in read_metrics(cfg.out / "metrics.jsonl") if "train" in r]
+            if len(rows) >= steps + 2:
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed_at = time.time()
+        assert steps + 2 <= len(rows) < EPOCHS * steps, f"kill landed outside epoch 1 ({len(rows)} steps)"
+        for i in formats.existing_data_indices(cfg.data):  # complete files only: written under a temp name
+            formats.read_sample(formats.data_file(cfg.data, i))
+        keep = set(formats.read_data_config(cfg.data).extra["states"]["kept"])
+        kept_then = {
+            i: formats.data_file(cfg.data, i).stat().st_mtime_ns
+            for i in formats.existing_data_indices(cfg.data)
+            if i in keep
+        }
+        assert len(kept_then) > 4  # the kill came after epoch 1 made the hybrid cache
+        state = json.loads((cfg.out / "checkpoints" / "1" / "training_state.json").read_text())
+        committed = state["global_step"]
+        assert state["local_step"] > 0 and committed >= len(read_metrics(cfg.out / "metrics.jsonl")) - 2
+        resumed = subprocess.run(
+            [*argv, "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
+    finally:
+        stop.set()
+        watch.join()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming at step {committed}" in resumed.stderr
+    assert max(seen) <= int(cfg.states_budget), (max(seen), cfg.states_budget)
+    rows = [r for r in read_metrics(cfg.out / "metrics.jsonl") if "train" in r]
+    assert [r["step"] for r in rows] == list(range(EPOCHS * steps))
+    again = [r["step"] for r in rows if r["time"] > killed_at]
+    assert min(again) == committed, "a step the killed run had checkpointed was trained again"
+    summary = json.loads((cfg.out / "summary.json").read_text())
+    st = summary["train"]["states"]
+    kept = formats.existing_data_indices(cfg.data)
+    assert not list(cfg.data.glob(".*partial")) and len(kept) == st["kept_samples"]
+    # only the transient samples of the steps after the checkpoint are produced again; kept files are reused
+    assert st["produced_samples"] < 12
+    assert {i: formats.data_file(cfg.data, i).stat().st_mtime_ns for i in kept_then} == kept_then
+    from pipeline import verify
+
+    assert not [c for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"]
+    for epoch in range(EPOCHS):
+        a, b = _weights(ref.out, epoch), _weights(cfg.out, epoch)
+        assert all(torch.equal(a[k], b[k]) for k in a), epoch
+    assert np.isclose(_losses(cfg.out)[-1], _losses(ref.out)[-1], rtol=0, atol=0)
+
+
+def _one_line_exit_2(proc, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_inputs_are_one_line_and_touch_nothing(stage_inputs, offline, tmp_path, warm_pipeline):
+    """No budget, a budget too small, a finished extract set as the states dir, online-only flags offline,
+    loader workers beside the producer: each one line, exit 2, and the extract set is left as it was."""
+    ref = offline["cfg"]
+    cfg = _config(stage_inputs, tmp_path / "s", tmp_path / "o", states_mode="online", states_budget="1G")
+    base = _cli_args(cfg)
+    no_budget = [a for a in base if a not in ("--states-budget", "1G")]
+    _one_line_exit_2(warm_pipeline(*no_budget), "needs --states-budget")
+    small = [("10k" if a == "1G" else a) for a in base]
+    _one_line_exit_2(warm_pipeline(*small), "cannot hold", "give at least")
+    assert not (tmp_path / "s").exists() and not (tmp_path / "o").exists()
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in ref.data.iterdir())
+    on_extract = [(str(ref.data) if a == str(tmp_path / "s") else a) for a in base]
+    _one_line_exit_2(warm_pipeline(*on_extract, "--overwrite"), "finished hidden-states set")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in ref.data.iterdir()) == before
+    offline_budget = [
+        "train", "--data", str(ref.data), "--verifier", str(stage_inputs["verifier"]), "--out",
+        str(tmp_path / "o2"), "--states-budget", "1G",
+    ]  # fmt: skip
+    _one_line_exit_2(warm_pipeline(*offline_budget), "only with --states-mode online or hybrid")
+    workers = [("2" if a == "0" and base[k - 1] == "--num-workers" else a) for k, a in enumerate(base)]
+    _one_line_exit_2(warm_pipeline(*workers), "--num-workers 2 with --states-mode online")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A states dir on a 1 MiB tmpfs: room for two or three of the tiny Llama's states."""
+    states_dir = tmp_path / "states"
+    states_dir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(states_dir)], check=True)
+    yield states_dir
+    subprocess.run(["umount", "-l", str(states_dir)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
+def test_a_full_disk_under_the_producer_ends_the_run_in_one_line(
+    stage_inputs, small_disk, tmp_path, warm_pipeline
+):
+    """The disk fills before the budget does: the trainer, waiting for a state, ends the run with the
+    producer's cause in one line, exit 2, instead of hanging; no partial file is left, every file there is
+    complete."""
+    cfg = _config(stage_inputs, small_disk, tmp_path / "out", states_mode="online", states_budget="50M")
+    proc = warm_pipeline(*_cli_args(cfg), timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert last.startswith("error: the states producer failed: writing states to") and os.strerror(28) in last
+    assert "--resume" in last
+    assert not list(small_disk.glob(".*partial"))
+    for i in formats.existing_data_indices(small_disk):
+        formats.read_sample(formats.data_file(small_disk, i))
