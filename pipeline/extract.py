@@ -28,6 +28,7 @@ from pipeline import verify
 from pipeline.ondisk import formats, provenance
 from pipeline.ondisk.atomic import remove_partials
 from pipeline.backends import BACKENDS, Backend, BackendOptions, get_backend
+from pipeline.backends.base import visible_device_count
 from pipeline.errors import StageError
 from pipeline.layers import validate_layer_ids
 from pipeline.modeldir import check_checkpoint, read_model_dir
@@ -634,9 +635,11 @@ def run(cfg: ExtractConfig) -> dict:
     if batches and cfg.data_parallel > 1 and cfg.local_rank is None:
         stats = launch_workers(cfg, owned, done, lengths, startup)
     elif batches:
-        if cfg.backend == "hf" and "OMP_NUM_THREADS" not in os.environ and torch.cuda.is_available():
-            # the host side of a GPU run is copies; an OpenMP pool of every core slowed it 2x on a 32-core
-            # H200 host (docs/benchmarks.md), half the cores (at most 16) did not
+        if "OMP_NUM_THREADS" not in os.environ and visible_device_count() > 0:
+            # the host side of a GPU run is copies; an OpenMP pool of every core slowed the hf backend 2x on
+            # a 32-core H200 host (docs/benchmarks.md), half the cores (at most 16) did not. The vllm
+            # backend's host side is the same kind of work (each writer thread splits and copies a sample's
+            # states and computes its facts), so it gets the same cap; its engine runs in processes of its own
             torch.set_num_threads(max(1, min(16, (os.cpu_count() or 2) // 2)))
         load0 = time.perf_counter()
         options = replace(options, planned_tokens=sum(int(lengths[i]) for b in batches for i in b.indices))

@@ -235,3 +235,40 @@ def test_forced_settings_are_in_effect(llama_backend_small_steps):
     )
     assert s["aux_layer_ids"] == [3, 5, 6, 8]
     assert llama_backend_small_steps.dtype == torch.float32
+
+
+def test_vllm_extracts_from_a_model_folder_without_tokenizer_files(tmp_path, prepared_llama, tiny_llama):
+    """A model folder with only config and weights (bench/gpu_models.py writes such folders) extracts with the
+    vllm backend: the engine starts without a tokenizer (it is handed token ids), where vLLM 0.32 loading one
+    at engine start died in a transformers traceback (the first H200 run, 2026-12-03)."""
+    import shutil
+
+    bare = tmp_path / "bare-model"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy2(tiny_llama / name, bare / name)
+    assert not any(p.name.startswith("tokenizer") for p in bare.iterdir())
+    out = tmp_path / "states"
+    run_pipeline(
+        "extract",
+        "--backend",
+        "vllm",
+        "--dtype",
+        "float32",
+        "--prepared",
+        prepared_llama,
+        "--model",
+        bare,
+        "--out",
+        out,
+        "--limit",
+        4,
+        "--no-progress",
+        "--enforce-eager",
+        "--tensor-parallel-size",
+        1,
+        check=True,
+        timeout=900,
+    )
+    assert formats.existing_data_indices(out) == [0, 1, 2, 3]
+    assert json.loads((out / "summary.json").read_text())["ok"]
