@@ -59,7 +59,10 @@ class ExtractConfig:
     # data_{i}.pt, data_config.json, sample_lengths.json
     out: Path = opt(help="Hidden-states directory to write.")
     backend: str = opt(
-        "hf", choices=BACKENDS, help="hf: transformers with hooks; vllm: vLLM's extract_hidden_states."
+        "auto",
+        choices=("auto", *BACKENDS),
+        help="hf: transformers with hooks; vllm: vLLM's extract_hidden_states; auto: hf where the weights "
+        "fit one GPU, vllm where they do not (contract/backends.py says why).",
     )
     layer_ids: tuple[int, ...] | None = opt(
         None, help="Comma-separated decoder layer ids (default 2,L//2,L-3,L-1)."
@@ -581,6 +584,13 @@ def run(cfg: ExtractConfig) -> dict:
 
     # where a run's time goes before its loop (interpreter and imports, model load): reported in the stats
     startup = {"imports_seconds": process_age()}
+    if cfg.backend == "auto":
+        from pipeline.backends.choice import resolve
+
+        choice = resolve(cfg.backend, cfg.model)
+        # said once the run starts its backend (below), so that a refused input still gets one line only
+        startup["backend_choice"] = f"backend {choice.backend}: {choice.reason}"
+        cfg = replace(cfg, backend=choice.backend)
     _check_parallel(cfg)
     prepared, meta = formats.read_prepared(cfg.prepared)
     model = read_model_dir(cfg.model)
@@ -641,6 +651,8 @@ def run(cfg: ExtractConfig) -> dict:
             # backend's host side is the same kind of work (each writer thread splits and copies a sample's
             # states and computes its facts), so it gets the same cap; its engine runs in processes of its own
             torch.set_num_threads(max(1, min(16, (os.cpu_count() or 2) // 2)))
+        if "backend_choice" in startup:
+            click.echo(f"extract: {startup['backend_choice']}", err=True)
         load0 = time.perf_counter()
         options = replace(options, planned_tokens=sum(int(lengths[i]) for b in batches for i in b.indices))
         with get_backend(cfg.backend, options) as backend:

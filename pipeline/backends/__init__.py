@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from contract.backends import BACKENDS
 from pipeline.backends.base import Backend, BackendOptions
 from pipeline.errors import StageError
 
-BACKENDS = ("hf", "vllm")
 
 
 def get_backend(name: str, options: BackendOptions) -> Backend:

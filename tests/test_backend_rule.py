@@ -1,0 +1,51 @@
+"""contract/backends.py: what `--backend auto` means, the one rule of pipeline extract and ops' layout."""
+
+from __future__ import annotations
+
+from contract.backends import FIT_SHARE, choose
+
+GIB = 2**30
+H200 = 141 * GIB
+
+
+def test_a_model_that_fits_one_gpu_runs_on_hf():
+    """Weights within FIT_SHARE of one GPU: hf, whose loop measured faster; the reason says both sizes."""
+    c = choose(int(2.5 * GIB), H200, 8, True)
+    assert c.backend == "hf"
+    assert "fits one GPU" in c.reason and "2.5 GiB" in c.reason and "141.0 GiB" in c.reason
+
+
+def test_a_model_larger_than_one_gpu_runs_on_vllm():
+    """Kimi-K2.5's ~595 GB on 96 GB cards: vLLM, tensor parallel."""
+    c = choose(595 * 10**9, 96 * GIB, 8, True)
+    assert c.backend == "vllm" and "does not fit one GPU" in c.reason
+
+
+def test_the_border_is_the_fit_share():
+    """Exactly FIT_SHARE of the GPU fits; one byte more does not."""
+    border = int(FIT_SHARE * H200)
+    assert choose(border, H200, 1, True).backend == "hf"
+    assert choose(border + 1, H200, 1, True).backend == "vllm"
+
+
+def test_without_vllm_or_without_gpus_the_answer_is_hf():
+    """No vLLM: hf even for a model too big for one GPU (it then fails in its own load); no GPU: hf."""
+    assert choose(600 * GIB, 96 * GIB, 8, False).backend == "hf"
+    assert choose(600 * GIB, None, 0, True).backend == "hf"
+
+
+def test_unknown_sizes_shard_with_vllm():
+    """A size that cannot be read (no weight files listed, NVML absent) does not guess 'fits'."""
+    assert choose(None, H200, 8, True).backend == "vllm"
+    assert choose(10 * GIB, None, 8, True).backend == "vllm"
+
+
+def test_the_container_side_reads_the_weight_bytes_and_resolves_auto(tiny_llama):
+    """pipeline/backends/choice.py sums the checkpoint's weight files (not its tokenizer or config) and, on a
+    machine without GPUs, resolves auto to hf; an explicit backend is kept as asked."""
+    from pipeline.backends.choice import resolve, weights_bytes
+
+    assert weights_bytes(tiny_llama) == (tiny_llama / "model.safetensors").stat().st_size
+    assert resolve("auto", tiny_llama).backend == "hf"
+    assert resolve("auto", tiny_llama).reason.startswith("no GPU visible")
+    assert resolve("vllm", tiny_llama).backend == "vllm"
