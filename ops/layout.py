@@ -2,16 +2,19 @@
 
 Owns the rules that turn the hosts file's `backend`, `tensor_parallel_size` and `data_parallel` (each may
 be "auto"/0) into the exact flags of `pipeline extract`, given what the preflight found: the host's GPU
-count and whether the image has vLLM. Defaults fit the reference host (one 8-GPU box serving a
-Kimi-K2.5-sized model): the vLLM backend when the image has it, tensor parallel over all GPUs, one
-process. With the hf backend the GPUs are shared out by data parallelism instead (one process per GPU).
+count and memory, the checkpoint's weight bytes and whether the image has vLLM. Backend "auto" follows
+contract/backends.py, the rule `pipeline extract --backend auto` follows too: hf where the weights fit one
+GPU (its loop measured faster), vLLM where they do not (the reference host: one 8-GPU box serving a
+Kimi-K2.5-sized model), with tensor parallel over all GPUs and one process. With the hf backend the GPUs
+are shared out by data parallelism instead (one process per GPU).
 Flags the operator passed after `--` win over the hosts file. Pure: probing is ops.preflight's job.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from contract.backends import choose
 from ops.errors import ConfigError
 from ops.stageargs import StageArgs
 
@@ -26,6 +29,8 @@ class Layout:
     backend: str = AUTO  # auto | vllm | hf
     tensor_parallel_size: int = 0  # vllm: 0 = all GPUs of the host
     data_parallel: int = 0  # hf: processes, one GPU each; 0 = one per GPU (vllm: always 1)
+    # resolved: why this backend (auto's rule, or "as configured"); not part of the layout's identity
+    reason: str = field(default="", compare=False)
 
     @property
     def resolved(self) -> bool:
@@ -49,13 +54,22 @@ def needs_image_probe(configured: Layout, args: StageArgs = StageArgs()) -> bool
 
 
 def resolve(
-    configured: Layout, *, gpus: int, image_has_vllm: bool | None, args: StageArgs = StageArgs()
+    configured: Layout,
+    *,
+    gpus: int,
+    image_has_vllm: bool | None,
+    args: StageArgs = StageArgs(),
+    weights_bytes: int | None = None,
+    gpu_memory_bytes: int | None = None,
 ) -> Layout:
-    """The concrete layout for a host with `gpus` GPUs visible to the stage. ConfigError for one that
-    cannot run: more GPUs asked for than there are, data parallelism with vLLM."""
+    """The concrete layout for a host with `gpus` GPUs visible to the stage (each of `gpu_memory_bytes`,
+    the checkpoint `weights_bytes`). ConfigError for one that cannot run: more GPUs asked for than there
+    are, data parallelism with vLLM."""
     backend = args.backend or configured.backend
+    reason = "as given after --" if args.backend else "as configured"
     if backend == AUTO:
-        backend = "vllm" if image_has_vllm else "hf"
+        choice = choose(weights_bytes, gpu_memory_bytes, max(gpus, 1), bool(image_has_vllm))
+        backend, reason = choice.backend, choice.reason
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")
     tp = args.tensor_parallel_size or configured.tensor_parallel_size
@@ -75,7 +89,7 @@ def resolve(
             f"layout {backend} tensor parallel {tp} x data parallel {dp} needs {tp * dp} GPUs, the "
             f"stage sees {gpus}; lower tensor_parallel_size/data_parallel in the hosts file"
         )
-    return Layout(backend, tp, dp)
+    return Layout(backend, tp, dp, reason)
 
 
 def known(configured: Layout, args: StageArgs = StageArgs()) -> Layout | None:
@@ -106,11 +120,15 @@ def stage_flags(layout: Layout, args: StageArgs = StageArgs()) -> tuple[str, ...
 def describe(configured: Layout, resolved: Layout | None = None) -> str:
     """One line for --dry-run and the preflight table: the configured values and what auto becomes."""
     if resolved is not None:
+        why = f" ({resolved.reason})" if resolved.reason else ""
         if resolved.backend == "vllm":
-            return f"backend vllm, tensor parallel {resolved.tensor_parallel_size}, data parallel 1"
-        return f"backend hf, data parallel {resolved.data_parallel} (one process per GPU)"
+            return f"backend vllm, tensor parallel {resolved.tensor_parallel_size}, data parallel 1{why}"
+        return f"backend hf, data parallel {resolved.data_parallel} (one process per GPU){why}"
     backend = (
-        "auto (vllm when the image has it, else hf)" if configured.backend == AUTO else configured.backend
+        "auto (hf where the weights fit one GPU, vllm where they do not or their size is unknown; "
+        "no vLLM in the image: hf)"
+        if configured.backend == AUTO
+        else configured.backend
     )
     tp = configured.tensor_parallel_size or "all GPUs"
     dp = configured.data_parallel or "1 with vllm, one process per GPU with hf"

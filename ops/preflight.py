@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass
 
 from contract import sizes
+from contract.stages import STAGES
 from ops.connection import Runner
 from ops.gpus import GpuState
 from ops.hosts import HostConfig
@@ -134,6 +135,8 @@ def paths_request(host: HostConfig, plan: StagePlan) -> dict:
         "paths": [host.data_root, host.model_dir, host.cache_dir, *plan.host_inputs, plan.host_output],
         "free": [plan.host_output],
         "json": [meta, config] if plan.stage == "extract" else [],
+        # the layout's backend rule (contract/backends.py) weighs the checkpoint against one GPU
+        "weights": [host.model_dir] if STAGES[plan.stage].layout else [],
     }
 
 

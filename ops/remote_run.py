@@ -76,6 +76,9 @@ def preflight(
     state, facts = probe_with_paths(runner, host, paths_request(host, plan))
     checks += [gpu_check(state), driver_check(state, image.min_driver)]
     checks += path_checks(host, plan, facts)
+    weights = (facts.get("weights") or {}).get(host.model_dir)
+    if weights is not None:
+        plan = dataclasses.replace(plan, model_weights_bytes=weights)
     root = facts["paths"][host.data_root]
     if root.get("exists"):
         plan = resolve_user(host, plan, root["uid"], root["gid"])

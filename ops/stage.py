@@ -79,6 +79,8 @@ class StagePlan:
     image_digest: str | None = (
         None  # told to the stage container (IMAGE_DIGEST_ENV) once the preflight knows it
     )
+    # the checkpoint's weight bytes on the host, once the preflight has read them (the layout's backend rule)
+    model_weights_bytes: int | None = None
 
     @property
     def extra_args(self) -> tuple[str, ...]:

@@ -85,7 +85,14 @@ def resolve_layout(
             return plan, checks
     gpus = visible_gpus(host.docker_gpus, len(state.gpus))
     try:
-        layout = resolve(host.layout, gpus=gpus, image_has_vllm=version is not None, args=plan.args)
+        layout = resolve(
+            host.layout,
+            gpus=gpus,
+            image_has_vllm=version is not None,
+            args=plan.args,
+            weights_bytes=plan.model_weights_bytes,
+            gpu_memory_bytes=min(g.memory_total_mib for g in state.gpus) * 2**20 if state.gpus else None,
+        )
     except ConfigError as exc:
         return plan, [*checks, CheckResult("layout", FAIL, str(exc))]
     return with_layout(host, plan, layout), [

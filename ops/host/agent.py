@@ -518,7 +518,19 @@ def paths(req: dict) -> dict:
                     docs[path] = json.load(fh)
         except (OSError, ValueError):
             docs[path] = None
-    return {"paths": facts, "free": free, "json": docs}
+    weights = {}
+    for path in req.get("weights", []):  # a checkpoint folder's weight bytes (contract.backends.weight_file)
+        try:
+            weights[path] = sum(
+                e.stat().st_size
+                for e in os.scandir(path)
+                if e.is_file()
+                and e.name.endswith((".safetensors", ".bin", ".pt"))
+                and not e.name.startswith(".")
+            )
+        except OSError:
+            weights[path] = None
+    return {"paths": facts, "free": free, "json": docs, "weights": weights}
 
 
 OPS = {"probe": probe, "terminate": terminate, "paths": paths}

@@ -9,7 +9,7 @@ import pytest
 
 from ops.errors import ConfigError
 from ops.hosts import HostConfig, host_from_table
-from ops.layout import Layout, known, resolve, stage_flags, visible_gpus
+from ops.layout import Layout, describe, known, resolve, stage_flags, visible_gpus
 from ops.stageargs import parse
 from ops.stage import plan_stage, preflight_script, resolve_user, with_layout
 from ops.stagecheck import demote, parse_lines
@@ -20,6 +20,20 @@ def test_defaults_fit_the_reference_host():
     assert resolve(Layout(), gpus=8, image_has_vllm=True) == Layout("vllm", 8, 1)
     assert resolve(Layout(), gpus=8, image_has_vllm=False) == Layout("hf", 1, 8)
     assert resolve(Layout(), gpus=0, image_has_vllm=False) == Layout("hf", 1, 1)  # a CPU rehearsal
+
+
+def test_auto_weighs_the_checkpoint_against_one_gpu_as_pipeline_extract_does():
+    """With the preflight's sizes, auto follows contract/backends.py: a model that fits one GPU runs on hf,
+    one process per GPU; one that does not runs on vLLM over all GPUs; the reason is shown."""
+    gib = 2**30
+    small = resolve(Layout(), gpus=8, image_has_vllm=True, weights_bytes=3 * gib, gpu_memory_bytes=141 * gib)
+    assert small == Layout("hf", 1, 8) and "fits one GPU" in small.reason
+    big = resolve(Layout(), gpus=8, image_has_vllm=True, weights_bytes=600 * gib, gpu_memory_bytes=96 * gib)
+    assert big == Layout("vllm", 8, 1) and "does not fit one GPU" in big.reason
+    assert "does not fit one GPU" in describe(Layout(), big)
+    assert (
+        resolve(Layout("vllm"), gpus=8, image_has_vllm=True, weights_bytes=3 * gib).reason == "as configured"
+    )
 
 
 def test_hosts_file_and_operator_flags_win_in_that_order():
@@ -155,3 +169,16 @@ def test_prepare_is_refused_only_by_checks_it_depends_on():
     got = demote("prepare", parse_lines("fail checkpoint: permission denied\nfail tokenizer: cannot load\n"))
     assert [(c.name, c.status) for c in got] == [("checkpoint", "warn"), ("tokenizer", "fail")]
     assert demote("extract", parse_lines("fail checkpoint: x"))[0].status == "fail"
+
+
+def test_the_host_agent_reports_a_checkpoints_weight_bytes(tmp_path):
+    """The agent sums the weight files of the model folder (not config or tokenizer files) for the layout's
+    rule; a folder it cannot read gives None, not a guess."""
+    from ops.host.agent import paths
+
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 24)
+    (tmp_path / "tokenizer.json").write_bytes(b"{}" * 100)
+    (tmp_path / "config.json").write_text("{}")
+    facts = paths({"weights": [str(tmp_path), str(tmp_path / "missing")]})
+    assert facts["weights"] == {str(tmp_path): 1024, str(tmp_path / "missing"): None}
