@@ -40,7 +40,7 @@ HEADER = """\
 # (com.docker.compose.project / com.docker.compose.service); `eagle-ops.role=server` marks it too.
 # Mounts and folders are ops' own (docs/ops.md): model -> /model (read-only), data -> /data (prepared/,
 # hidden_states/, verifier/, train/), cache -> /cache (HF_HOME=/cache/hf, HOME=/cache/home,
-# TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor).
+# TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor, VLLM_CACHE_ROOT=/cache/vllm).
 # Host paths and arguments come from the environment (or an .env file next to this one):
 #   EAGLE_OPS_IMAGE   image to run                    (default eagle-ops:latest)
 #   EAGLE_MODEL_DIR   target model on the host         -> /model (read-only)

@@ -71,7 +71,7 @@ def test_compose_stage_services_agree_with_ops_plans():
         assert svc["command"] == want, stage
         mounts = sorted((v["target"], bool(v.get("read_only"))) for v in svc["volumes"])
         assert mounts == sorted((dst, ro) for _, dst, ro in stage_mounts(host, spec)), stage
-        caches = ("HF_HOME", "HOME", "TORCHINDUCTOR_CACHE_DIR")
+        caches = ("HF_HOME", "HOME", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT")
         assert {k: svc["environment"][k] for k in caches} == {k: env[k] for k in caches}
         assert ("deploy" in svc) == ("--gpus" in plan.docker_run), stage
         assert svc["cap_drop"] == ["ALL"] and svc["read_only"] is True and svc["ipc"] == "private"

@@ -69,6 +69,8 @@ def test_extract_plan_exact_argv():
         "--env",
         "TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor",
         "--env",
+        "VLLM_CACHE_ROOT=/cache/vllm",
+        "--env",
         "USER=eagle-stage",
         "--mount",
         "type=bind,source=/srv/m,target=/model,readonly",
