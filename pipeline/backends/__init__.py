@@ -7,7 +7,6 @@ from pipeline.backends.base import Backend, BackendOptions
 from pipeline.errors import StageError
 
 
-
 def get_backend(name: str, options: BackendOptions) -> Backend:
     if name == "hf":
         from pipeline.backends.hf import HFBackend

@@ -43,7 +43,10 @@ from pipeline import vllm_cpu
 from pipeline.errors import StageError
 
 METHOD = "extract_hidden_states"
-CONNECTOR = "ExampleHiddenStatesConnector"
+# ours (pipeline/backends/vllm_connector.py): vLLM's ExampleHiddenStatesConnector writing per-layer states and
+# their facts; the engine imports it by module path. The reader also takes vLLM's own layout.
+CONNECTOR = "EagleStatesConnector"
+CONNECTOR_MODULE = "pipeline.backends.vllm_connector"
 # What extraction needs from the engine, checked on the built engine (``settings``): prefix caching hands
 # back states short by whole cached blocks; a chunked prefill would split a sample over several steps.
 FORCED_SETTINGS = {"enable_prefix_caching": False, "enable_chunked_prefill": False}
@@ -131,6 +134,7 @@ def engine_arguments(
         },
         kv_transfer_config={
             "kv_connector": CONNECTOR,
+            "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": str(storage)},
         },
@@ -215,11 +219,18 @@ class VllmBackend(Backend):
             "block_size": config.cache_config.block_size,
             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+            "kv_connector": config.kv_transfer_config.kv_connector,
+            "kv_connector_module_path": config.kv_transfer_config.kv_connector_module_path,
             "aux_layer_ids": list(
                 config.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids
             ),
         }
         wrong = {k: self.settings[k] for k, v in FORCED_SETTINGS.items() if self.settings[k] != v}
+        if (self.settings["kv_connector"], self.settings["kv_connector_module_path"]) != (
+            CONNECTOR,
+            CONNECTOR_MODULE,
+        ):
+            wrong["kv_connector"] = (self.settings["kv_connector"], self.settings["kv_connector_module_path"])
         if self.settings["aux_layer_ids"] != vllm_layer_ids(self.layer_ids):
             wrong["aux_layer_ids"] = self.settings["aux_layer_ids"]
         if wrong:
@@ -259,21 +270,29 @@ class VllmBackend(Backend):
             raise StageError(f"the vLLM engine stopped: {type(exc).__name__}: {exc}") from exc
         hidden = self.options.model.hidden_size
         states = [[torch.empty(len(s), hidden, dtype=self._dtype) for _ in self.layer_ids] for s in seqs]
-        readies = [_Once(lambda k=k: self._fill(k, seqs[k], futures[k], states[k])) for k in range(len(seqs))]
+        # filled by each sample's ready: the facts the connector computed (or, from vLLM's own layout, here)
+        scales: list[list] = [[] for _ in seqs]
+        readies = [
+            _Once(lambda k=k: self._fill(k, seqs[k], futures[k], states[k], scales[k]))
+            for k in range(len(seqs))
+        ]
         return Captured(
             states,
+            scales=scales,
             sample_ready=readies,
             discard=lambda k: readies[k].skip(lambda: self._drop(futures[k])),
         )
 
-    def _fill(self, k: int, seq: list[int], future: Future, into: list[torch.Tensor]) -> None:
+    def _fill(
+        self, k: int, seq: list[int], future: Future, into: list[torch.Tensor], scales_into: list
+    ) -> None:
         t0 = time.perf_counter()
         try:
             output = future.result()
         except Exception as exc:  # noqa: BLE001 - the engine's own error, in one line
             raise StageError(f"the vLLM engine stopped: {type(exc).__name__}: {exc}") from exc
         t1 = time.perf_counter()
-        self._read(k, seq, output, into)
+        self._read(k, seq, output, into, scales_into)
         self.profile.add(engine_wait=t1 - t0, read=time.perf_counter() - t1, samples=1)
 
     def _drop(self, future: Future) -> None:
@@ -298,17 +317,25 @@ class VllmBackend(Backend):
         future.add_done_callback(remove)
 
     def _read(
-        self, i: int, seq: list[int], output, into: list[torch.Tensor] | None = None
+        self,
+        i: int,
+        seq: list[int],
+        output,
+        into: list[torch.Tensor] | None = None,
+        scales_into: list | None = None,
     ) -> list[torch.Tensor]:
         """Sample i's states from the connector's file (waiting on its write's lock), checked, then the file
-        removed. The shape is checked from the header before the block is read; each layer becomes a [T, H]
-        tensor owning its storage. With ``into`` (the sample's list of states, allocated empty and never
-        touched) the list's entries are replaced by them, so the writer holding that list sees them: no
-        copy into the placeholders."""
+        removed. Our connector's layout (``hidden_states.{j}`` per layer, with its facts) is read as it is;
+        vLLM's own (one ``[T, layers, H]`` block) is split here. Shapes are checked from the header before
+        any state is read; each state owns its storage. With ``into`` (the sample's list of states, allocated
+        empty and never touched) the list's entries are replaced, so the writer holding that list sees them;
+        ``scales_into`` gets each state's ``token_scales`` (the connector's, else computed here)."""
         from safetensors import SafetensorError, safe_open
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
         )
+
+        from pipeline.layer_profile import token_scales
 
         if list(output.prompt_token_ids or []) != seq:
             raise StageError(
@@ -321,13 +348,16 @@ class VllmBackend(Backend):
                 f"(kv_transfer_params={output.kv_transfer_params}): "
                 f"is the {CONNECTOR} connector active?"
             )
-        want = (len(seq), len(self.layer_ids), self.options.model.hidden_size)
+        n, hidden = len(self.layer_ids), self.options.model.hidden_size
+        want = (len(seq), n, hidden)
+        facts = None
         try:
             with open(path + ".lock") as lock:
                 fcntl.flock(lock, fcntl.LOCK_SH)  # sleeps until the connector's writer releases LOCK_EX
                 with safe_open(path, framework="pt", device="cpu") as fh:
                     names = set(fh.keys())
-                    if not {"token_ids", "hidden_states"} <= names:
+                    per_layer = "hidden_states.0" in names
+                    if "token_ids" not in names or not (per_layer or "hidden_states" in names):
                         raise StageError(
                             f"vLLM's file {path} lacks token_ids or hidden_states (has {sorted(names)})"
                         )
@@ -337,14 +367,36 @@ class VllmBackend(Backend):
                             f"vLLM's states of sample {i} are for other tokens ({len(ids)} ids, expected "
                             f"{len(seq)}): results out of input order or a prefix-cache hit"
                         )
-                    shape = tuple(fh.get_slice("hidden_states").get_shape())
-                    if shape != want:
-                        raise StageError(
-                            f"vLLM's states of sample {i} have shape {shape}, expected "
-                            f"{want} (tokens, one per layer {self.layer_ids}, hidden)"
+                    if per_layer:
+                        layers = sorted(
+                            (x for x in names if x.startswith("hidden_states.")), key=lambda x: int(x[14:])
                         )
-                    block = fh.get_tensor("hidden_states")
-            states = [block[:, j].contiguous() for j in range(want[1])]
+                        shapes = {tuple(fh.get_slice(x).get_shape()) for x in layers}
+                        shape = (*next(iter(shapes))[:1], len(layers), *next(iter(shapes))[1:])
+                        if (
+                            len(shapes) != 1
+                            or shape != want
+                            or layers != [f"hidden_states.{j}" for j in range(n)]
+                        ):
+                            raise StageError(
+                                f"vLLM's states of sample {i} have shape {shape}, expected {want} "
+                                f"(tokens, one per layer {self.layer_ids}, hidden)"
+                            )
+                        states = [fh.get_tensor(x) for x in layers]
+                        if all(f"token_rms.{j}" in names and f"nonfinite.{j}" in names for j in range(n)):
+                            facts = [
+                                (fh.get_tensor(f"token_rms.{j}"), fh.get_tensor(f"nonfinite.{j}"))
+                                for j in range(n)
+                            ]
+                    else:
+                        shape = tuple(fh.get_slice("hidden_states").get_shape())
+                        if shape != want:
+                            raise StageError(
+                                f"vLLM's states of sample {i} have shape {shape}, expected {want} "
+                                f"(tokens, one per layer {self.layer_ids}, hidden)"
+                            )
+                        block = fh.get_tensor("hidden_states")
+                        states = [block[:, j].contiguous() for j in range(n)]
         except (OSError, ValueError, SafetensorError) as exc:
             raise StageError(
                 f"cannot read vLLM's hidden states of sample {i} from {path}: {exc} "
@@ -354,6 +406,8 @@ class VllmBackend(Backend):
             cleanup_hidden_states(path)
         if into is not None:
             into[:] = states
+        if scales_into is not None:
+            scales_into[:] = facts if facts is not None else [token_scales(h) for h in states]
         return states
 
     def close(self) -> None:

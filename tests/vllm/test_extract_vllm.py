@@ -235,6 +235,11 @@ def test_forced_settings_are_in_effect(llama_backend_small_steps):
     )
     assert s["aux_layer_ids"] == [3, 5, 6, 8]
     assert llama_backend_small_steps.dtype == torch.float32
+    # our connector (per-layer states and their facts), not vLLM's, in the live engine
+    assert (s["kv_connector"], s["kv_connector_module_path"]) == (
+        "EagleStatesConnector",
+        "pipeline.backends.vllm_connector",
+    )
 
 
 def test_vllm_extracts_from_a_model_folder_without_tokenizer_files(tmp_path, prepared_llama, tiny_llama):

@@ -125,7 +125,8 @@ def test_engine_arguments_force_extraction_settings_and_map_layer_ids(tmp_path):
         "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [3, 17, 30, 32]}},
     }
-    assert args["kv_transfer_config"]["kv_connector"] == "ExampleHiddenStatesConnector"
+    assert args["kv_transfer_config"]["kv_connector"] == "EagleStatesConnector"
+    assert args["kv_transfer_config"]["kv_connector_module_path"] == "pipeline.backends.vllm_connector"
     assert args["kv_transfer_config"]["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
     assert (args["enable_prefix_caching"], args["enable_chunked_prefill"], args["enforce_eager"]) == (
         False,
@@ -137,3 +138,43 @@ def test_engine_arguments_force_extraction_settings_and_map_layer_ids(tmp_path):
         4096,
         4096,
     )
+
+
+def our_connector_file(tmp_path: Path, tokens: list[int], layers: int = len(LAYERS)) -> Path:
+    """A file as our EagleStatesConnector writes it (per-layer states and their facts) and its lock."""
+    from safetensors.torch import save_file
+
+    from pipeline.backends.vllm_connector import layer_tensors
+
+    path = tmp_path / "1-ours.safetensors"
+    block = torch.randn(len(tokens), layers, HIDDEN)
+    save_file(layer_tensors(block, torch.tensor(tokens)), str(path))
+    Path(str(path) + ".lock").touch()
+    return path
+
+
+def test_our_connectors_file_gives_its_states_and_facts_unchanged(tmp_path):
+    """Our connector's layout: each layer's [T, H] state as written, and the scales it computed equal
+    layer_profile.token_scales of those states (what the writer's record would otherwise compute)."""
+    from pipeline.layer_profile import token_scales
+
+    seq = [5, 6, 7, 8]
+    path = our_connector_file(tmp_path, seq)
+    from safetensors.torch import load_file
+
+    written = load_file(str(path))
+    scales: list = []
+    states = bare_backend()._read(0, seq, output(seq, path), None, scales)
+    assert [tuple(h.shape) for h in states] == [(4, HIDDEN)] * 4 and all(h.is_contiguous() for h in states)
+    for j, h in enumerate(states):
+        assert torch.equal(h, written[f"hidden_states.{j}"])
+        rms, bad = token_scales(h)
+        assert torch.equal(scales[j][0], rms) and torch.equal(scales[j][1], bad)
+    assert not path.exists()
+
+
+def test_our_connectors_file_with_a_lost_layer_is_refused(tmp_path):
+    """Three of four per-layer states (the field bug in kind, our layout): a StageError naming the shape."""
+    seq = [5, 6, 7]
+    with pytest.raises(StageError, match=r"shape \(3, 3, 8\), expected \(3, 4, 8\)"):
+        bare_backend()._read(0, seq, output(seq, our_connector_file(tmp_path, seq, layers=3)))
