@@ -164,7 +164,12 @@ def test_wrong_layer_ids_are_refused_before_the_server_stops(scene):
     res, seconds = refused(scene, hosts, "--run-id", "pf-layers", "--", "--layer-ids", "0,1,2")
     assert "error: preflight failed: layer ids: " in res.stderr
     run = json.loads((scene["tmp"] / "runs" / "pfbox" / "pf-layers" / "run.json").read_text())
-    assert run["layout"] == {"backend": "hf", "tensor_parallel_size": 1, "data_parallel": 1}
+    assert run["layout"] == {
+        "backend": "hf",
+        "tensor_parallel_size": 1,
+        "data_parallel": 1,
+        "reason": "vLLM is not installed",
+    }
     assert "--layer-ids 0,1,2" in run["preflight_run"][-1] and "--backend hf" in run["preflight_run"][-1]
     assert "image python" in res.stdout and "no vLLM in the image" in res.stdout
     print(f"layer ids refused in {seconds:.1f} s")
@@ -238,7 +243,13 @@ def test_vllm_without_a_patch_set_is_refused(scene, dk):
     check = line.removeprefix("error: preflight failed: ").split(":", 1)[0]  # the failed check's name
     assert "vllm" in check and STANDIN_VLLM in line, res.stderr
     run = json.loads((scene["tmp"] / "runs" / "pfbox" / "pf-vllm" / "run.json").read_text())
-    assert run["layout"] == {"backend": "vllm", "tensor_parallel_size": 1, "data_parallel": 1}
+    # the stand-in host reports no GPU memory: auto's rule (contract/backends.py) then shards with vLLM
+    assert run["layout"] == {
+        "backend": "vllm",
+        "tensor_parallel_size": 1,
+        "data_parallel": 1,
+        "reason": "the model's size or the GPU memory is unknown: vLLM shards it over the GPUs",
+    }
     assert f"vLLM {STANDIN_VLLM}" in res.stdout
 
 
