@@ -296,23 +296,15 @@ class VllmBackend(Backend):
         self.profile.add(engine_wait=t1 - t0, read=time.perf_counter() - t1, samples=1)
 
     def _drop(self, future: Future) -> None:
-        """A request whose states nobody reads (its sample is already on disk): its file goes once written."""
+        """A request whose states nobody reads (its sample is already on disk, a resumed batch): its file is
+        removed on a thread of its own once the connector's write releases the lock (the callback runs on
+        the engine thread, which must not wait on a file)."""
 
         def remove(done: Future) -> None:
-            if done.exception() is not None:
-                return
-            path = (done.result().kv_transfer_params or {}).get("hidden_states_path")
-            if path:
-                from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-                    cleanup_hidden_states,
-                    load_hidden_states,
-                )
-
-                try:
-                    load_hidden_states(path)  # waits for the write (its lock) so the removal is final
-                except (OSError, ValueError):
-                    pass
-                cleanup_hidden_states(path)
+            if done.exception() is None:
+                path = (done.result().kv_transfer_params or {}).get("hidden_states_path")
+                if path:
+                    threading.Thread(target=_remove_when_written, args=(path,), daemon=True).start()
 
         future.add_done_callback(remove)
 
@@ -425,6 +417,20 @@ class VllmBackend(Backend):
         self._scratch = None
         if scratch is not None:
             scratch.close()
+
+
+def _remove_when_written(path: str) -> None:
+    """Wait for the connector's write of ``path`` (its lock), then remove the file and its lock."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+    )
+
+    try:
+        with open(path + ".lock") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+    except OSError:
+        pass  # no lock: nothing is being written; the scratch folder goes at close() in any case
+    cleanup_hidden_states(path)
 
 
 class Profile:
