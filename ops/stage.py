@@ -245,7 +245,8 @@ def plan_stage(
     `layout`: the resolved parallel layout of a layout stage (ops.layout.resolve); without it the
     stage's argv carries no layout flags yet (a dry run shows what auto becomes). `user` (default: the
     hosts file's) and `image_digest` are fields the preflight fills in (replan); the argv is rendered
-    from the fields, never edited."""
+    from the fields, never edited. The train stage also takes the hosts file's train table
+    (ops.trainsplit.plan_train: states flags, the states dir as --data, the GPU split's environment)."""
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
     spec = STAGES[stage]
