@@ -309,6 +309,16 @@ def remote_extract(**options) -> None:
         _run_stage(request)
 
 
+@main.command("remote-train", context_settings={"ignore_unknown_options": True})
+@_host_choice
+@_stage_options
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
+def remote_train(**options) -> None:
+    """remote-run train: the draft trained on the host, with the states mode, budget and GPU split of the
+    hosts file's train table (`--dry-run` shows them and why)."""
+    _run_stage(RunRequest.from_options(stage="train", **options))
+
+
 @main.command("attach")
 @click.argument("run_id")
 @_host_choice

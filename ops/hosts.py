@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ops.errors import ConfigError
 from ops.layout import AUTO, BACKENDS, Layout
+from ops.trainsplit import TrainStates, train_from_table
 
 DEFAULT_PROTECTED = ("nvidia-persistenced", "nv-hostengine", "dcgm-exporter", "Xorg")
 HOSTS_FILE_ENV = "EAGLE_OPS_HOSTS"
@@ -128,6 +129,8 @@ class HostConfig:
     tensor_parallel_size: int = 0  #: vllm backend: GPUs per model replica; 0 = all GPUs of the host
     data_parallel: int = 0  #: hf backend: processes, one GPU each; 0 = one per GPU (vllm: 1)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    #: `[hosts.NAME.train]`: train's states mode, budget and the producer/trainer GPU split (ops.trainsplit)
+    train: TrainStates = field(default_factory=TrainStates)
 
     @property
     def is_local(self) -> bool:
@@ -233,6 +236,8 @@ def host_from_table(name: str, table: dict, where: str) -> HostConfig:
         kw["clean_threshold_mib"] = value
     if "timeouts" in table:
         kw["timeouts"] = _timeouts(table["timeouts"], where)
+    if "train" in table:
+        kw["train"] = train_from_table(table["train"], where)
     kw.update(_stage_keys(table, where))
     kw.update(_layout_keys(table, where))
     gpu_source = kw.get("gpu_source", "nvml")

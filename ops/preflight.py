@@ -18,6 +18,7 @@ from ops.gpus import GpuState
 from ops.hosts import HostConfig
 from ops.inventory import stage_containers
 from ops.stage import StagePlan, host_path
+from ops.trainsplit import check_gpu_count
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -98,6 +99,15 @@ def gpu_check(state: GpuState) -> CheckResult:
     if not state.gpus:
         return CheckResult("gpus", FAIL, "no GPU found")
     return CheckResult("gpus", OK, f"{len(state.gpus)} x {state.gpus[0].name}")
+
+
+def split_check(plan: StagePlan, state: GpuState) -> CheckResult | None:
+    """train with produced states: the hosts file's producer/trainer GPUs against the GPUs the probe found
+    (None: no split to check, or no GPU facts: gpu_check reports those)."""
+    if plan.train is None or plan.train.states.shared or not state.gpus:
+        return None
+    why = check_gpu_count(plan.train.states, len(state.gpus))
+    return CheckResult("gpu split", FAIL, why) if why else CheckResult("gpu split", OK, plan.train.why[1])
 
 
 def driver_check(state: GpuState, min_driver: str | None) -> CheckResult:

@@ -39,6 +39,7 @@ from ops.preflight import (
     path_checks,
     paths_request,
     secrets_check,
+    split_check,
     user_check,
 )
 from ops.runstate import RunState, run_dir, write_json
@@ -75,6 +76,7 @@ def preflight(
     checks, image = docker_checks(runner, host, plan.run_id)
     state, facts = probe_with_paths(runner, host, paths_request(host, plan))
     checks += [gpu_check(state), driver_check(state, image.min_driver)]
+    checks += [c for c in (split_check(plan, state),) if c is not None]
     checks += path_checks(host, plan, facts)
     weights = (facts.get("weights") or {}).get(host.model_dir)
     if weights is not None:
@@ -197,6 +199,7 @@ class _Run:
             "docker_run": list(p.docker_run),
             "host_output": p.host_output,
             "layout": dataclasses.asdict(p.layout) if p.layout else None,
+            "train": dataclasses.asdict(p.train.states) if p.train else None,
             "preflight_run": list(p.preflight_run),
             "secrets": list(p.secret_names),
             "checks": [c.__dict__ for c in out.checks],

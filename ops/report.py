@@ -246,6 +246,8 @@ def print_stage_plan(console: Console, host, plan) -> None:
     console.print(f"  stage: {shlex.join(plan.stage_argv)}", markup=False)
     if STAGES[plan.stage].layout:
         console.print(f"  layout: {describe(host.layout, plan.layout)}", markup=False)
+    for line in plan.train.why if plan.train is not None else ():
+        console.print(f"  {line}", markup=False)
     console.print(f"  preflight in the image: {plan.preflight_run[-1]}", markup=False)
     if plan.secret_names:
         console.print(

@@ -22,6 +22,7 @@ from ops.errors import ConfigError
 from ops.hosts import HostConfig, check_label
 from ops.layout import Layout, stage_flags
 from ops.stageargs import StageArgs, last_values, parse
+from ops.trainsplit import TrainPlan, plan_train
 
 LABEL_RUN, LABEL_STAGE, LABEL_OUT, LABEL_HOST = (
     "eagle-ops.run-id",
@@ -81,6 +82,9 @@ class StagePlan:
     )
     # the checkpoint's weight bytes on the host, once the preflight has read them (the layout's backend rule)
     model_weights_bytes: int | None = None
+    train: TrainPlan | None = (
+        None  # train with states produced while it trains (the hosts file's train table)
+    )
 
     @property
     def extra_args(self) -> tuple[str, ...]:
@@ -169,15 +173,21 @@ def stage_mounts(host: HostConfig, spec: StageSpec) -> list[tuple[str, str, bool
 
 
 def _container_args(
-    host: HostConfig, spec: StageSpec, run_id: str, user: str, env_file: str | None = None
+    host: HostConfig,
+    spec: StageSpec,
+    run_id: str,
+    user: str,
+    env_file: str | None = None,
+    env: tuple[tuple[str, str], ...] = (),
 ) -> list[str]:
-    """Everything of `docker run` the stage and its preflight share: privileges, environment, mounts, GPUs
-    (the stage alone also gets the secrets' env file)."""
+    """Everything of `docker run` the stage and its preflight share: privileges, environment (`env`: the
+    stage's own, e.g. the train split's CUDA_VISIBLE_DEVICES), mounts, GPUs (the stage alone also gets the
+    secrets' env file)."""
     argv = privilege_args(host, user)
     mounts = stage_mounts(host, spec)
     for src, dst, ro in mounts[:2]:
         argv += ["--mount", _mount(src, dst, ro)]
-    for name, value in container_env(run_id):
+    for name, value in (*container_env(run_id), *env):
         argv += ["--env", f"{name}={value}"]
     if env_file:
         argv += ["--env-file", env_file]
@@ -240,20 +250,33 @@ def plan_stage(
     `layout`: the resolved parallel layout of a layout stage (ops.layout.resolve); without it the
     stage's argv carries no layout flags yet (a dry run shows what auto becomes). `user` (default: the
     hosts file's) and `image_digest` are fields the preflight fills in (replan); the argv is rendered
-    from the fields, never edited."""
+    from the fields, never edited. The train stage also takes the hosts file's train table
+    (ops.trainsplit.plan_train: states flags, the states dir as --data, the GPU split's environment)."""
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
     spec = STAGES[stage]
     check_run_id(run_id)
     args = extra_args if isinstance(extra_args, StageArgs) else parse(extra_args)
+    name = f"eagle-{run_id}"
     flags = stage_flags(layout, args) if spec.layout and layout is not None else ()
+    train = (
+        plan_train(host.train, args, docker_gpus=host.docker_gpus, container=name)
+        if stage == "train"
+        else None
+    )
+    spec_args, inputs = spec.args, spec.inputs
+    if train is not None:  # the run writes its own states dir: no finished extract set is read
+        at = spec_args.index("--data") + 1
+        spec_args = (*spec_args[:at], train.data, *spec_args[at + 1 :])
+        inputs = tuple(p for p in inputs if p != "hidden_states")
+        flags = train.flags
     shard_flags = ("--world-size", str(shard[0]), "--rank", str(shard[1])) if shard else ()
     stage_argv = (
         "python",
         "-m",
         "pipeline",
         stage,
-        *spec.args,
+        *spec_args,
         *flags,
         *(("--resume",) if resume and stage in ("extract", "train") else ()),
         *args.argv,
@@ -263,7 +286,7 @@ def plan_stage(
         ("python", "-m", "pipeline", "verify", f"{DATA}/{spec.output}") if spec.verify_after else None
     )
     script = shlex.join(stage_argv) + (f" && {shlex.join(verify_argv)}" if verify_argv else "")
-    name = f"eagle-{run_id}"
+    env = train.env if train is not None else ()
     if secret_names:
         env_dir = env_dir or secret_env.env_dir(host.secrets_dir, run_id, env_token or secrets.token_hex(8))
     else:
@@ -285,7 +308,7 @@ def plan_stage(
         f"{LABEL_OUT}={host_path(host, spec.output)}",
         "--label",
         f"{LABEL_HOST}={host.name}",
-        *_container_args(host, spec, run_id, user, env_file),
+        *_container_args(host, spec, run_id, user, env_file, env),
         "--entrypoint",
         "/bin/sh",
         *digest_env,
@@ -293,7 +316,7 @@ def plan_stage(
         "-c",
         script,
     )
-    common = _container_args(host, spec, run_id, user)
+    common = _container_args(host, spec, run_id, user, env=env)
     # the preflight: the same user, mounts, environment and GPUs, removed when it exits, never counted as a
     # stage container (no run-id label), no secrets (it reads local files only)
     preflight_run = (
@@ -316,7 +339,7 @@ def plan_stage(
         stage=stage,
         container=name,
         image=host.image,
-        host_inputs=tuple(host_path(host, p) for p in spec.inputs),
+        host_inputs=tuple(host_path(host, p) for p in inputs),
         host_output=host_path(host, spec.output),
         stage_argv=stage_argv,
         verify_argv=verify_argv,
@@ -330,6 +353,7 @@ def plan_stage(
         preflight_run=preflight_run,
         user=user,
         image_digest=image_digest,
+        train=train,
     )
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -363,3 +364,112 @@ def test_server_side_drop_is_reported_and_attach_recovers(scene, extracted, dk, 
     assert dk.containers.get("eagle-drop2").wait(timeout=120)["StatusCode"] == 0
     res = ops(scene, "attach", "drop2", "--runs-dir", str(scene["runs"]))
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.fixture
+def train_host(scene, warm_pipeline, tmp_path):
+    """The scene's host with a train table (hybrid, the producer on GPU 0, the trainer on GPU 1) and a GPU
+    table of two GPUs (the server on GPU 0); the verifier weights and a prepared set with a draft vocab
+    (`--prepared /data/prepared-draft` after `--`) that the train stage reads."""
+    data, env = scene["data"], {"PYTHONDONTWRITEBYTECODE": "1"}
+    model = next(line for line in scene["hosts"].read_text().splitlines() if line.startswith("model_dir"))
+    model = json.loads(model.split("=", 1)[1])
+    warm_pipeline("weights", "--model", model, "--out", data / "verifier", "--overwrite", check=True, env=env)
+    warm_pipeline(
+        "prepare",
+        *("--data", data.parent / "assets" / "conversations.jsonl", "--model", model),
+        *("--out", data / "prepared-draft", "--draft-vocab-size", 1024, "--overwrite"),
+        check=True,
+        env=env,
+    )
+    server = {"pid": scene["server"].attrs["State"]["Pid"], "used_mib": 9000}
+    table = write_gpu_table(tmp_path / "gpus.json", [{"processes": [server]}, {"processes": []}])
+    text = scene["hosts"].read_text()
+    old = next(line for line in text.splitlines() if line.startswith("gpu_source"))
+    hosts = tmp_path / "hosts.toml"
+    train = '\n[hosts.box.train]\nstates_mode = "hybrid"\nstates_budget = "50M"\n'
+    hosts.write_text(text.replace(old, f'gpu_source = "table:{table}"') + train + "producer_gpus = [0]\n")
+    yield dict(hosts=hosts, table=table, server=server, tmp=tmp_path)
+    for name in ("verifier", "prepared-draft", "train", "train_states"):
+        subprocess.run(["rm", "-rf", "--", str(data / name)], check=True)
+
+
+def _train_ops(train_host, *args, hosts=None, extra=(), **kw):
+    where = ("--host", "box", "--hosts-file", str(hosts or train_host["hosts"]))
+    return run_ops(*args, *where, *(("--", *extra) if extra else ()), **kw)
+
+
+@pytest.mark.slow
+def test_remote_train_with_produced_states(scene, train_host, dk):
+    """remote-train with the hosts file's train table through sshd and docker: a split naming a GPU the host
+    lacks fails the preflight (exit 4, the server untouched); the real run stops the server, starts one
+    labelled container whose environment carries the split, every process of the mode runs inside it,
+    gpu-clean refuses to kill its GPU holder while it runs, and `attach --restore-server` collects the
+    trained draft, the hybrid states dir and the server."""
+    runs, hosts = str(train_host["tmp"] / "runs"), train_host["hosts"]
+    assert ops(scene, "restore-server").returncode == 0  # an earlier test may have left it stopped
+    scene["server"].reload()
+    started = scene["server"].attrs["State"]["StartedAt"]
+    missing = train_host["tmp"] / "bad.toml"
+    missing.write_text(hosts.read_text() + "trainer_gpus = [2]\n")
+    res = _train_ops(train_host, "remote-train", "--run-id", "tr0", "--runs-dir", runs, hosts=missing)
+    assert res.returncode == 4, res.stdout[-3000:] + res.stderr
+    why = "gpu split: train.producer_gpus/trainer_gpus name GPU 2, the host has 2 (0..1)"
+    assert res.stderr.strip() == f"error: preflight failed: {why}"
+    scene["server"].reload()
+    assert scene["server"].status == "running" and scene["server"].attrs["State"]["StartedAt"] == started
+    assert not dk.containers.list(all=True, filters={"label": "eagle-ops.run-id=tr0"})
+
+    hosts.write_text(hosts.read_text() + "trainer_gpus = [1]\n")
+    cpu = ("--device", "cpu", "--states-device", "cpu", "--prepared", "/data/prepared-draft")
+    extra = (*cpu, "--epochs", "40", "--max-len", "64", "--no-plots", "--no-eval")
+    res = _train_ops(
+        train_host, "remote-train", "--run-id", "tr1", "--runs-dir", runs, "--detach", extra=extra
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    assert "CUDA_VISIBLE_DEVICES=0,1 in PCI bus order" in res.stdout  # the preflight's `gpu split` line
+    ctr = dk.containers.get("eagle-tr1")
+    assert ctr.labels["eagle-ops.run-id"] == "tr1" and ctr.labels["eagle-ops.stage"] == "train"
+    env = dict(e.split("=", 1) for e in ctr.attrs["Config"]["Env"])
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    scene["server"].reload()
+    assert scene["server"].status == "exited"  # stopped for the stage, as for extract
+
+    def stage_pids() -> set[int]:  # every process on this machine that runs the mode's command
+        out = subprocess.run(["pgrep", "-f", "pipeline train --data /data/train_states"], capture_output=True)
+        return {int(p) for p in out.stdout.split()}
+
+    deadline = time.monotonic() + 120
+    while not stage_pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = stage_pids()
+    assert pids, "the stage's train process never appeared"
+    for pid in pids:  # each in the stage container's cgroup: what gpu-clean reads to know it is ours
+        assert ctr.id in Path(f"/proc/{pid}/cgroup").read_text(), pid
+    # `sh -c` is the container's first process, `python -m pipeline train` its child
+    (trainer,) = [p for p in pids if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"python\0")]
+    write_gpu_table(
+        train_host["table"],
+        [{"processes": [train_host["server"]]}, {"processes": [{"pid": trainer, "used_mib": 5000}]}],
+    )
+    clean = _train_ops(train_host, "gpu-clean")
+    assert clean.returncode == 9, clean.stdout + clean.stderr
+    assert "stage run tr1 (container eagle-tr1) holds GPUs on box" in clean.stderr
+    ctr.reload()
+    assert ctr.status == "running" and alive(trainer)  # nothing was signalled
+
+    res = _train_ops(train_host, "attach", "tr1", "--runs-dir", runs, "--restore-server", timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    local = Path(runs) / "box" / "tr1"
+    summary = json.loads((local / "summary.json").read_text())
+    states = summary["train"]["states"]
+    assert summary["complete"] and summary["epochs"] == 40 and states["mode"] == "hybrid"
+    assert states["budget_bytes"] == 50_000_000 and 0 < states["peak_bytes"] <= 50_000_000
+    assert "OK (0 failed checks)" in (local / "stage.log").read_text()  # `pipeline verify` of the draft
+    config = json.loads((scene["data"] / "train_states" / "data_config.json").read_text())
+    assert config["extra"]["states"]["mode"] == "hybrid"
+    assert (scene["data"] / "train" / "draft").is_dir()
+    scene["server"].reload()
+    assert scene["server"].status == "running"
+    run = json.loads((Path(runs) / "box" / "tr1" / "run.json").read_text())
+    assert run["train"]["producer_gpus"] == [0] and run["train"]["trainer_gpus"] == [1]

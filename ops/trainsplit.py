@@ -1,0 +1,248 @@
+"""The train stage with states produced while the draft trains (`pipeline train --states-mode online|hybrid`)
+on one host: the hosts file's `[hosts.NAME.train]` table and the flags it becomes.
+
+Owns the table's grammar (mode, budget, states backend, and how the GPUs are split between the producer of
+the states and the trainer: disjoint lists of host GPU indices, or "shared" by both), its validation at the
+boundary, and the pure rendering into `pipeline train` flags and container environment, with a
+description that `--dry-run` prints. It also refuses, in one line, a split today's `pipeline train` cannot
+run (docs/train.md): one training process on one GPU, an hf producer on one GPU, a vLLM engine that takes
+every GPU the process sees, no flag yet that holds the producer to a share of GPU memory. Pure: the host's
+GPU count comes from the preflight's probe (`check_gpu_count`).
+
+Every process this mode starts (the trainer, its producer thread, the hf backend in the same process, or
+the vLLM engine's worker processes, children of it) runs inside the one stage container, so gpu-clean
+knows them by that container's labels (ops.lock.refuse_killing_stages) like any stage's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from contract.stages import DATA
+from ops.errors import ConfigError
+from ops.stageargs import StageArgs, last_values
+
+MODES = ("offline", "online", "hybrid")
+STATES_BACKENDS = ("hf", "vllm")
+SHARED = "shared"
+STATES_DIR = f"{DATA}/train_states"  # the states dir the run writes (`--data`): never a finished extract set
+# pipeline/train/states.py parse_bytes' grammar (ops never imports pipeline; check-args in the image
+# checks the value again before anything is stopped)
+_SIZE = re.compile(r"^\s*[0-9]+(?:\.[0-9]+)?\s*(|b|k|kb|m|mb|g|gb|t|tb|kib|mib|gib|tib)\s*$", re.IGNORECASE)
+_KEYS = (
+    "states_mode",
+    "states_budget",
+    "states_backend",
+    "gpus",
+    "producer_gpus",
+    "trainer_gpus",
+    "memory_share",
+)
+# the flags this module renders; an operator's own after `--` wins (theirs go to the stage as given)
+FLAGS = ("--states-mode", "--states-budget", "--states-backend", "--states-device", "--device", "--data")
+
+
+@dataclass(frozen=True)
+class TrainStates:
+    """The `[hosts.NAME.train]` table: offline (the default) trains on a finished extract set as before."""
+
+    states_mode: str = "offline"  #: offline | online | hybrid
+    states_budget: str | None = None  #: online/hybrid: bytes of state files on disk at most (500G, 2T)
+    states_backend: str = "hf"  #: the producer's extract backend: hf | vllm
+    producer_gpus: tuple[int, ...] = ()  #: host GPU indices of the producer (split); () = shared
+    trainer_gpus: tuple[int, ...] = ()  #: host GPU indices of the trainer (split); () = shared
+    memory_share: float | None = None  #: shared: the producer's share of each GPU's memory, in (0, 1)
+
+    @property
+    def produced(self) -> bool:
+        return self.states_mode != "offline"
+
+    @property
+    def shared(self) -> bool:
+        return not self.producer_gpus
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """The host GPUs the split names, producer's first (the container's cuda:0.. in this order)."""
+        return (*self.producer_gpus, *self.trainer_gpus)
+
+
+def _indices(value: object, key: str, where: str) -> tuple[int, ...]:
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    )
+    if not ok or min(value) < 0:
+        raise ConfigError(f"{where}: train.{key} must be a non-empty list of GPU indices (0, 1, ...)")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{where}: train.{key} {value} names a GPU twice")
+    return tuple(value)
+
+
+def train_from_table(table: object, where: str) -> TrainStates:
+    """Validate `[hosts.NAME.train]`; every error is one line naming the key."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: train must be a table")
+    unknown = sorted(set(table) - set(_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown train key(s) {', '.join(unknown)}; known: {', '.join(_KEYS)}")
+    mode = table.get("states_mode", "offline")
+    if mode not in MODES:
+        raise ConfigError(f"{where}: train.states_mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "offline":
+        extra = sorted(set(table) - {"states_mode"})
+        if extra:
+            raise ConfigError(
+                f"{where}: train.{', train.'.join(extra)}: only with states_mode online or hybrid"
+            )
+        return TrainStates()
+    budget = table.get("states_budget")
+    if not isinstance(budget, str) or not _SIZE.match(budget) or not float(re.sub(r"[^0-9.]", "", budget)):
+        raise ConfigError(
+            f"{where}: train.states_budget must be a size like 500G, 2T or 64GiB (states_mode {mode} holds "
+            f"its state files within it), got {budget!r}"
+        )
+    backend = table.get("states_backend", "hf")
+    if backend not in STATES_BACKENDS:
+        raise ConfigError(
+            f"{where}: train.states_backend must be one of {', '.join(STATES_BACKENDS)}, got {backend!r}"
+        )
+    gpus = table.get("gpus")
+    lists = [k for k in ("producer_gpus", "trainer_gpus") if k in table]
+    if gpus is not None and gpus != SHARED:
+        raise ConfigError(f'{where}: train.gpus must be "shared" (or give producer_gpus and trainer_gpus)')
+    if gpus == SHARED and lists:
+        raise ConfigError(f'{where}: train.gpus = "shared" and train.{lists[0]}: give one or the other')
+    share = table.get("memory_share")
+    if share is not None:
+        if gpus != SHARED:
+            raise ConfigError(
+                f'{where}: train.memory_share is the producer\'s share with gpus = "shared" only'
+            )
+        if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share < 1:
+            raise ConfigError(
+                f"{where}: train.memory_share must be a number between 0 and 1 (exclusive), got {share!r}"
+            )
+        share = float(share)
+    producer = trainer = ()
+    if lists:
+        if len(lists) == 1:
+            other = "trainer_gpus" if lists[0] == "producer_gpus" else "producer_gpus"
+            raise ConfigError(f"{where}: train.{lists[0]} needs train.{other} too")
+        producer = _indices(table["producer_gpus"], "producer_gpus", where)
+        trainer = _indices(table["trainer_gpus"], "trainer_gpus", where)
+        both = sorted(set(producer) & set(trainer))
+        if both:
+            raise ConfigError(
+                f"{where}: train.producer_gpus and train.trainer_gpus share GPU {', '.join(map(str, both))}: "
+                'list disjoint GPUs, or set gpus = "shared"'
+            )
+    return TrainStates(mode, budget.strip(), backend, producer, trainer, share)
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What the host's train table adds to the stage container: `pipeline train` flags, environment, the
+    states dir it writes, and the lines `--dry-run` prints (what and why)."""
+
+    states: TrainStates
+    flags: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    data: str
+    why: tuple[str, ...]
+
+
+def _runnable(ts: TrainStates, docker_gpus: str) -> None:
+    """Refuse, in one line, a split that today's `pipeline train` cannot run (docs/train.md)."""
+    if ts.memory_share is not None:
+        raise ConfigError(
+            f"train.memory_share {ts.memory_share:g}: pipeline train has no flag yet that holds the producer "
+            "to a share of each GPU's memory (docs/train.md); remove it (the producer and the trainer then "
+            "share each GPU through their allocators)"
+        )
+    if ts.shared:
+        return
+    if len(ts.trainer_gpus) > 1:
+        raise ConfigError(
+            f"train.trainer_gpus {list(ts.trainer_gpus)}: pipeline train --states-mode trains in one process "
+            "on one GPU (torchrun and FSDP are refused there); list one GPU"
+        )
+    if ts.states_backend == "vllm":
+        raise ConfigError(
+            "train.producer_gpus with states_backend vllm: the engine in pipeline train takes every GPU the "
+            'process sees, the trainer\'s included (no states tensor-parallel flag yet); use gpus = "shared"'
+        )
+    if len(ts.producer_gpus) > 1:
+        raise ConfigError(
+            f"train.producer_gpus {list(ts.producer_gpus)}: the hf states backend produces on one GPU; "
+            "list one"
+        )
+    if docker_gpus not in ("all", ""):
+        raise ConfigError(
+            f'train.producer_gpus/trainer_gpus are host GPU indices: they need docker_gpus = "all" (the '
+            f"container sees the host's numbering), not {docker_gpus!r}"
+        )
+
+
+def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container: str) -> TrainPlan | None:
+    """The flags and environment of the train stage for the host's table; None for offline (the stage runs
+    as before). Flags the operator gave after `--` are left out (theirs reach the stage as given)."""
+    if not ts.produced:
+        return None
+    _runnable(ts, docker_gpus)
+    given = last_values(args.argv, FLAGS)
+    want: list[tuple[str, str]] = [
+        ("--states-mode", ts.states_mode),
+        ("--states-budget", ts.states_budget or ""),
+        ("--states-backend", ts.states_backend),
+    ]
+    env: tuple[tuple[str, str], ...] = ()
+    if ts.shared:
+        if ts.states_backend == "hf":
+            want.append(("--states-device", "cuda:0"))
+        want.append(("--device", "cuda:0"))
+        engine = (
+            "the vLLM engine on every GPU the container sees (tensor parallel over all)"
+            if ts.states_backend == "vllm"
+            else "the hf producer on cuda:0"
+        )
+        split = (
+            f"GPUs shared: {engine}, the trainer on cuda:0 beside it "
+            "(hosts file: train.gpus shared, the default)"
+        )
+    else:
+        visible = ",".join(map(str, ts.gpus))
+        env = (("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", visible))
+        want += [("--states-device", "cuda:0"), ("--device", "cuda:1")]
+        split = (
+            f"GPUs split: the hf producer on host GPU {ts.producer_gpus[0]} (cuda:0 in the container), the "
+            f"trainer on host GPU {ts.trainer_gpus[0]} (cuda:1): CUDA_VISIBLE_DEVICES={visible} in PCI "
+            "bus order (nvidia-smi's and gpu-status's numbering); hosts file: train.producer_gpus, "
+            "train.trainer_gpus"
+        )
+    flags = tuple(w for flag, value in want if flag not in given for w in (flag, value))
+    mine = [f for f, _ in want if f in given]
+    why = (
+        f"states: {ts.states_mode}, at most {ts.states_budget} of state files in {STATES_DIR} (written by "
+        f"the run, not a finished extract set), produced by the {ts.states_backend} backend while the draft "
+        "trains",
+        split,
+        f"processes: the trainer, its producer thread and any engine worker all run in container "
+        f"{container}, labelled with the run id: gpu-clean refuses to kill them while it runs; the server "
+        "is stopped before and restored after (--restore-server) as for extract",
+        *((f"yours after `--` win: {', '.join(mine)}",) if mine else ()),
+    )
+    return TrainPlan(ts, flags, env, given.get("--data", STATES_DIR), why)
+
+
+def check_gpu_count(ts: TrainStates, gpus: int) -> str | None:
+    """Why the split cannot run on a host with `gpus` GPUs (the preflight's probe), or None."""
+    missing = [i for i in ts.gpus if i >= gpus]
+    if not ts.produced or not missing:
+        return None
+    return (
+        f"train.producer_gpus/trainer_gpus name GPU {', '.join(map(str, missing))}, the host has {gpus} "
+        f"(0..{gpus - 1})"
+    )
