@@ -259,7 +259,35 @@ def read_data_config(directory: Path) -> DataConfig:
         raise StageError(
             f"{path} not found: {directory} is not a hidden-states directory (run `pipeline extract`)"
         )
-    return readers.read_record(path, DataConfig, readers.STATES_REMEDY)
+    config = readers.read_record(path, DataConfig, readers.STATES_REMEDY)
+    wrong = data_config_problems(config)
+    if wrong:
+        raise readers.damaged(path, "; ".join(wrong), readers.STATES_REMEDY)
+    return config
+
+
+# the names a hidden-states dtype may have in data_config.json: torch's floating dtypes, as extract and
+# import-speculators write them (`str(dtype)` without "torch."); any other name is no dtype a reader knows
+STATE_DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
+
+
+def data_config_problems(config: DataConfig) -> list[str]:
+    """What in a data_config.json of the right types has no meaning: an unknown dtype name, a size that is
+    not positive, layer ids that are not distinct non-negative integers. Empty when it has none."""
+
+    def count(value: object, low: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+    wrong = []
+    if config.dtype not in STATE_DTYPES:
+        wrong.append(f"dtype {config.dtype!r:.40} is not one of {', '.join(STATE_DTYPES)}")
+    for name, low in (("hidden_size", 1), ("num_layers", 1), ("num_samples", 0), ("seq_length", 0)):
+        if not count(getattr(config, name), low):
+            wrong.append(f"{name} {getattr(config, name)!r:.40} is not an integer >= {low}")
+    ids = config.layer_ids
+    if not ids or not all(count(i, 0) for i in ids) or len(set(ids)) != len(ids):
+        wrong.append(f"layer_ids {ids!r:.60} are not distinct non-negative integers")
+    return wrong
 
 
 class _WriteErrorRecorder:
