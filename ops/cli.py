@@ -148,6 +148,12 @@ def gpu_status(host: HostConfig, runner: Runner, as_json: bool) -> None:
         click.echo(dumps(state))
     else:
         print_status(console, state)
+    if state.gpu_error:  # a status without the GPUs is no status: what was read is shown, the exit says so
+        raise errors.OpsError(
+            f"cannot read the GPU facts of {host.name}: {state.gpu_error} (check the driver and `gpu_source` "
+            "in the hosts file)",
+            exit_code=errors.EXIT_NOT_CLEAN,
+        )
 
 
 @main.command("gpu-clean")
