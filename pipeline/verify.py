@@ -386,6 +386,14 @@ def _form_findings(name: str, d, ctx: SetContext) -> tuple[list[CheckResult], in
             )
         ], -1
     ids, mask, hs = d["input_ids"], d["loss_mask"], d["hidden_states"]
+
+    def form(x) -> str:  # what a value is, tensor or not (a damaged file's value may be anything)
+        return f"{x.dtype}{tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+
+    if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)):
+        return [
+            fail("ids_mask", f"input_ids {form(ids)}, loss_mask {form(mask)}; expected int64[T] both", name)
+        ], -1
     t = int(ids.shape[0]) if ids.ndim == 1 else -1
     if ids.dtype != torch.int64 or ids.ndim != 1 or mask.dtype != torch.int64 or tuple(mask.shape) != (t,):
         return [
@@ -396,6 +404,9 @@ def _form_findings(name: str, d, ctx: SetContext) -> tuple[list[CheckResult], in
                 name,
             )
         ], t
+    if isinstance(hs, list) and not all(isinstance(h, torch.Tensor) for h in hs):
+        j = next(j for j, h in enumerate(hs) if not isinstance(h, torch.Tensor))
+        return [fail("shape_dtype", f"hidden_states[{j}] is {form(hs[j])}, expected a tensor", name)], t
     if not isinstance(hs, list) or len(hs) != len(dc.layer_ids):
         detail = (
             f"{len(hs) if isinstance(hs, list) else type(hs).__name__} hidden-state tensors, "
