@@ -337,7 +337,9 @@ def find_hosts_file(explicit: str | None) -> Path | None:
 def load_hosts_file(path: Path) -> dict[str, HostConfig]:
     """Parse and validate every host of a hosts file."""
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"hosts file {path}: not UTF-8 text (byte {exc.start}); TOML is UTF-8") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"hosts file {path}: {exc}") from None
     hosts = data.get("hosts", {})

@@ -58,9 +58,15 @@ class RunState:
         """The state of an existing run (attach), or a new one when this machine has none."""
         state = cls(path, interrupts, **facts)
         try:
-            state.data.update(json.loads(path.read_text()), status="running", error=None)
+            earlier = json.loads(path.read_text())
         except (OSError, ValueError):
-            pass
+            return state
+        if not isinstance(earlier, dict):
+            return state  # not a run's state: this run starts a new record
+        steps = earlier.get("steps")
+        state.data.update(earlier)
+        # this run's identity and a list of steps whatever the file held: the record stays this run's
+        state.data.update(facts, status="running", error=None, steps=steps if isinstance(steps, list) else [])
         return state
 
     def step(self, name: str) -> None:
