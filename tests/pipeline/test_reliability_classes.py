@@ -242,6 +242,29 @@ def test_symlink_loop_on_any_path_option_is_one_line(
     assert tree(extracted_llama) == before
 
 
+@pytest.mark.parametrize(
+    "words",
+    [
+        ["preflight", "--model", "LOOP"],
+        ["preflight", "--model", "MODEL", "--out", "LOOP/x"],
+        ["export-speculators", "--prepared", "LOOP", "--data", "LOOP", "--out", "OUT"],
+        ["import-speculators", "--data", "LOOP", "--out", "OUT"],
+        ["demo-assets", "--out", "LOOP/x"],
+    ],
+)
+def test_symlink_loop_in_the_hand_written_commands(tmp_path, monkeypatch, capsys, tiny_llama, words):
+    """The commands whose options are written by hand take the same path type: one line, nothing written."""
+    loop = _loop(tmp_path)
+    subst = {
+        "LOOP": str(loop),
+        "MODEL": str(tiny_llama),
+        "OUT": str(tmp_path / "out"),
+        "LOOP/x": str(loop / "x"),
+    }
+    refused(cli(monkeypatch, capsys, *[subst.get(w, w) for w in words]), "a symlink loop")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop-a", "loop-b"]
+
+
 def test_resolve_of_a_loop_is_one_line_in_code_paths_too(tmp_path):
     """A config built in code (a data-parallel worker's) meets the same refusal as the command line."""
     from pipeline.errors import StageError
