@@ -152,6 +152,27 @@ def test_full_disk_in_prepare_names_the_file(tmp_path, monkeypatch, capsys, tiny
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def test_full_disk_in_train_is_one_line_and_leaves_no_output(
+    tmp_path, small_disk, tiny_llama, extracted_llama
+):
+    """train into a 64 KiB tmpfs (a real process): one line naming the file it could not write and "No space
+    left on device", exit 2; the --out this run created is gone with its lock file, as no epoch finished
+    (before: --out left half-written)."""
+    from pipeline.weights import run as weights
+
+    weights(tiny_llama, tmp_path / "v")
+    out = small_disk / "tr"
+    proc = run_pipeline(
+        "train", "--data", extracted_llama, "--verifier", tmp_path / "v", "--out", out,
+        "--epochs", "1", "--no-eval", "--no-plots", "--max-len", "64",
+    )  # fmt: skip
+    err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert err.startswith(f"error: file operation failed {out}/") and "No space left on device" in err, err
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert list(small_disk.iterdir()) == []
+
+
 def test_a_finished_writer_leaves_no_lock_file_and_a_second_one_still_locks(tmp_path):
     """The lock file beside an output goes once its holder lets go, and a second writer is still refused
     while it is held; a writer left with an fd of a removed lock file holds no lock anyone else sees (what
