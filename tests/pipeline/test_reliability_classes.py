@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import typing
 from pathlib import Path
@@ -445,3 +446,39 @@ def test_a_symlink_loop_through_the_real_command_line(tmp_path, tiny_llama):
         proc.stderr
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop-a", "loop-b"]
+
+
+# ---------------------------------------------------------------- a train run's own files, read by verify
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, tiny_llama, extracted_llama):
+    """One epoch of train on the session's extract, with its acceptance measured (eval.json)."""
+    from pipeline.weights import run as weights
+
+    root = tmp_path_factory.mktemp("trained")
+    weights(tiny_llama, root / "v")
+    run_pipeline(
+        "train", "--data", extracted_llama, "--verifier", root / "v", "--out", root / "run",
+        "--epochs", "1", "--no-plots", "--max-len", "64", "--eval-max-samples", "2", check=True,
+    )  # fmt: skip
+    return root / "run"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "fragment"),
+    [
+        ("summary.json", "[1", "summary.json: not valid JSON"),
+        ("train_config.json", "[1]", "train_config.json: is a JSON array, expected an object"),
+        ("eval.json", '{"draft": 3}', "eval.json lacks the acceptance figures"),
+    ],
+)
+def test_damaged_train_run_files_fail_verify_by_name(
+    tmp_path, monkeypatch, capsys, trained_run, name, content, fragment
+):
+    """verify of a train run whose summary.json, train_config.json or eval.json is damaged: a failed check
+    naming the file, exit 3 (before: JSONDecodeError / AttributeError / TypeError tracebacks)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    (run / name).write_text(content)
+    refused(cli(monkeypatch, capsys, "verify", run), fragment, code=3)
