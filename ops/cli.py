@@ -392,3 +392,9 @@ def run() -> None:
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except (
+        OSError
+    ) as exc:  # a local file operation (a full laptop disk under runs/): one line, not a traceback
+        where = f" {exc.filename}" if exc.filename else ""
+        click.echo(redact(f"error: file operation failed{where}: {exc.strerror or exc}"), err=True)
+        sys.exit(errors.EXIT_ERROR)

@@ -4,6 +4,7 @@ middle of a command exits with the connection's code (3), not a failed step's (r
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ops.errors import OpsError
 from ops_helpers import REPO, run_ops, ssh_table, write_hosts
 from ops_procs import alive, wait_for, write_gpu_table
 
@@ -189,3 +191,26 @@ def test_connection_lost_during_gpu_clean_exits_with_the_connection_code(tmp_pat
 def _sessions(sshd) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(sshd.proc.pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+def test_a_run_file_on_a_full_disk_is_one_line_and_leaves_no_temp_file(tmp_path):
+    """A run file (state.json, run.json, ...) written to a full disk (a 4 KiB tmpfs): one line naming the file
+    and "No space left on device", no `.tmp` left, the previous file intact (before: an OSError traceback
+    and a cut temp file)."""
+    from ops.runstate import write_json
+
+    mnt = tmp_path / "runs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mnt)], check=True)
+    try:
+        (mnt / "state.json").write_text('{"status": "running"}')
+        with pytest.raises(OpsError) as info:
+            write_json(mnt / "state.json", {"log": "x" * 20000})
+        text = str(info.value)
+        assert f"cannot write {mnt / 'state.json'}: No space left on device" in text and "\n" not in text, (
+            text
+        )
+        assert sorted(p.name for p in mnt.iterdir()) == ["state.json"]
+        assert json.loads((mnt / "state.json").read_text()) == {"status": "running"}
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
