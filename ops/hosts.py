@@ -318,13 +318,13 @@ def find_hosts_file(explicit: str | None) -> Path | None:
     """The hosts file to use: --hosts-file, $EAGLE_OPS_HOSTS, ./hosts.toml, ~/.config/eagle-ops/hosts.toml."""
     if explicit:
         path = Path(explicit).expanduser()
-        if not path.is_file():
+        if not _is_file(path, f"hosts file {path}"):
             raise ConfigError(f"hosts file {path} does not exist")
         return path
     env = os.environ.get(HOSTS_FILE_ENV)
     if env:
         path = Path(env).expanduser()
-        if not path.is_file():
+        if not _is_file(path, f"{HOSTS_FILE_ENV}={env}"):
             raise ConfigError(f"{HOSTS_FILE_ENV}={env} does not exist")
         return path
     for candidate in DEFAULT_HOSTS_FILES:
@@ -332,6 +332,18 @@ def find_hosts_file(explicit: str | None) -> Path | None:
         if path.is_file():
             return path
     return None
+
+
+def _is_file(path: Path, what: str) -> bool:
+    """Whether ``path`` is a file; a path the kernel cannot walk (a symlink loop, a name too long, a
+    component that is a file) is one line naming it, never the OSError pathlib raises for some of these."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise ConfigError(f"{what}: {exc.strerror or exc}; pass a hosts file that exists") from None
+    return path.is_file()
 
 
 def load_hosts_file(path: Path) -> dict[str, HostConfig]:

@@ -30,8 +30,13 @@ def run_dir(runs_root: Path, *labels: str) -> Path:
     for label in labels:
         check_label(label, "run folder name", host=True)
     path = Path(runs_root).joinpath(*labels)
-    root = Path(runs_root).resolve()
-    if root not in path.resolve().parents:
+    try:
+        root, where = Path(runs_root).resolve(), path.resolve()
+    except (RuntimeError, OSError) as exc:  # Python 3.11's "Symlink loop from ..." (RuntimeError)
+        raise ConfigError(
+            f"--runs-dir {runs_root} cannot be resolved ({exc}); choose another --runs-dir"
+        ) from None
+    if root not in where.parents:
         raise ConfigError(f"run folder {path} would lie outside --runs-dir {runs_root}; choose another name")
     return path
 

@@ -34,7 +34,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int] | None]:
             out[str((Path(dirpath) / name).relative_to(root))] = None
         for name in filenames:
             p = Path(dirpath) / name
-            out[str(p.relative_to(root))] = (p.stat().st_size, p.stat().st_mtime_ns)
+            out[str(p.relative_to(root))] = (p.lstat().st_size, p.lstat().st_mtime_ns)
     return out
 
 
@@ -281,3 +281,90 @@ def test_found_summaries_that_are_not_objects(tmp_path, content):
     fetched = summary_of(tmp_path / "summary.json")
     section = host_section(HostResult("box", 0, OK, 0, summary=fetched), world_size=1)
     assert section["complete"] is False
+
+
+# ---------------------------------------------------------------- numeric and path options
+
+WAIT_TEXT = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.integers(-(2**70), 2**70).map(str),
+    st.sampled_from(["nan", "inf", "-0", "1e309", "604800", "604801", "0.001", "", "x", "1_0"]),
+)
+PATH_TEXT = st.lists(
+    st.sampled_from(["loop-a", "hosts.toml", "dir", "..", ".", "missing", "x" * 300, "a b", "binary.toml"]),
+    min_size=1,
+    max_size=3,
+).map("/".join)
+LABEL_TEXT = st.text(max_size=12) | st.sampled_from(["r1", "..", ".", "a/b", "-x", "x" * 200, "é"])
+
+
+@given(wait=WAIT_TEXT, hosts_file=PATH_TEXT, runs_dir=PATH_TEXT, run_id=LABEL_TEXT)
+def test_numeric_and_path_options(wait, hosts_file, runs_dir, run_id):
+    """ops' own numeric and path options, read as its commands read them: `--wait` (click and its check),
+    `--hosts-file` (resolve_host), `--runs-dir` and a run id (run_dir): a value in range, or one line with
+    exit 2; nothing written."""
+    import click
+
+    from ops.cli import main
+    from ops.hosts import MAX_TIMEOUT_S, resolve_host
+    from ops.runstate import run_dir
+
+    root = Path(tempfile.mkdtemp(prefix="prop-opts-"))
+    try:
+        (root / "loop-a").symlink_to(root / "loop-b")
+        (root / "loop-b").symlink_to(root / "loop-a")
+        (root / "dir").mkdir()
+        (root / "hosts.toml").write_text('[hosts.box]\nhost = "127.0.0.1"\n')
+        (root / "binary.toml").write_bytes(b"\xff\x00[")
+        before = snapshot(root)
+        cmd = main.get_command(click.Context(main), "stop-server")
+        try:
+            with cmd.make_context(
+                "stop-server", ["--host", "box", "--wait", wait], resilient_parsing=False
+            ) as ctx:
+                value = ctx.params["lock_wait"]
+            assert value == 0 or (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S), (wait, value)
+        except click.UsageError as exc:
+            assert exc.exit_code == 2 and "\n" not in exc.format_message()
+        except OpsError as exc:
+            assert exc.exit_code == 2 and "--wait" in one_line(exc)
+        try:
+            host = resolve_host("box", str(root / hosts_file))
+            assert host.name == "box" or host.host == "box"
+        except OpsError as exc:
+            assert exc.exit_code == 2, exc
+            one_line(exc)
+        try:
+            path = run_dir(root / runs_dir, "box", run_id)
+            assert (root / runs_dir).resolve() in path.resolve().parents
+        except OpsError as exc:
+            assert exc.exit_code == 2, exc
+            one_line(exc)
+        assert snapshot(root) == before
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("name", ["x" * 300, "loop-a", "loop-a/hosts.toml", "file/hosts.toml"])
+def test_found_hosts_file_paths_the_kernel_cannot_walk(tmp_path, name):
+    """--hosts-file with a name over 255 bytes (was: an OSError traceback from pathlib), on a symlink loop
+    or under a file (were "does not exist"; now the kernel's reason): one line naming it, exit 2."""
+    from ops.hosts import resolve_host
+
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OpsError) as info:
+        resolve_host("box", str(tmp_path / name))
+    assert "hosts file" in one_line(info.value) and info.value.exit_code == 2
+
+
+def test_found_runs_dir_on_a_symlink_loop(tmp_path):
+    """--runs-dir on a symlink loop (was: RuntimeError: Symlink loop): one line naming it, exit 2."""
+    from ops.runstate import run_dir
+
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    with pytest.raises(OpsError) as info:
+        run_dir(tmp_path / "loop-a", "box", "r1")
+    assert "--runs-dir" in one_line(info.value) and info.value.exit_code == 2
