@@ -362,7 +362,13 @@ def load_hosts_file(path: Path) -> dict[str, HostConfig]:
         if not isinstance(table, dict):
             raise ConfigError(f"hosts file {path}: hosts.{name} must be a table")
         check_label(name, f"hosts file {path}: host name", host=True)
-        out[name] = host_from_table(name, table, f"{path} [hosts.{name}]")
+        where = f"{path} [hosts.{name}]"
+        try:
+            out[name] = host_from_table(name, table, where)
+        except ConfigError as exc:  # a value's own check (an address, a strategy) may not say where it is
+            if str(path) in str(exc):
+                raise
+            raise ConfigError(f"{where}: {exc}") from None
     return out
 
 

@@ -243,10 +243,19 @@ def test_summary_json_of_a_host(summary, raw, use_raw):
 # --------------------------------------------------------- failures the generator found, kept as plain tests
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe[hosts.x]\n", b'[hosts.box]\nhost = "\xc3"\n'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\xff\xfe[hosts.x]\n",
+        b'[hosts.box]\nhost = "\xc3"\n',
+        b'[hosts.box]\naddress = ":"\n',
+        b'[hosts.box]\nhost = "h"\nserver = "0"\n',
+    ],
+)
 def test_found_hosts_files(tmp_path, content):
-    """A hosts file that is not UTF-8 (was: UnicodeDecodeError traceback): one line naming the file and the
-    byte, exit 2."""
+    """A hosts file that is not UTF-8 (was: UnicodeDecodeError traceback), an address or a server strategy
+    of the wrong form (found under `make fuzz`: the line named neither the file nor the host): one line
+    naming the file, exit 2."""
     from ops.hosts import load_hosts_file
 
     path = tmp_path / "hosts.toml"
