@@ -66,7 +66,11 @@ def full_disk_errno(exc: BaseException) -> int | None:
 def write_error(exc: BaseException, path: Path | str) -> OSError | None:
     """The OSError to raise for ``exc``, a failed write of ``path``, when ``exc`` does not say enough by
     itself: a full disk in a library's wrapper, or an OSError that names no file; None to raise ``exc``
-    as it is (it names its file, or it is not a file error)."""
+    as it is (it names its file, it already is a stage's one line, or it is not a file error)."""
+    from pipeline.errors import StageError
+
+    if not isinstance(exc, Exception) or isinstance(exc, StageError):
+        return None  # Ctrl-C, or a refusal that says what to do (extract's "re-run with --resume")
     code = full_disk_errno(exc)
     if code is not None and not (isinstance(exc, OSError) and exc.filename):
         return OSError(code, os.strerror(code), str(path))
