@@ -174,6 +174,23 @@ def test_full_disk_in_train_is_one_line_and_leaves_no_output(
     assert list(small_disk.iterdir()) == []
 
 
+def test_how_a_failed_write_is_named():
+    """A library's full-disk error becomes ENOSPC naming the file; an OSError without a file gets it; a
+    stage's own one line (extract's "... re-run with --resume", whatever its text) and Ctrl-C pass
+    unchanged."""
+    from pipeline.errors import StageError
+    from pipeline.ondisk.atomic import write_error
+
+    wrapped = write_error(RuntimeError("I/O error: No space left on device (os error 28)"), "/o/f")
+    assert isinstance(wrapped, OSError) and wrapped.errno == 28 and wrapped.filename == "/o/f"
+    bare = write_error(OSError(13, "Permission denied"), "/o/f")
+    assert bare.errno == 13 and bare.filename == "/o/f"
+    assert write_error(OSError(28, "No space left on device", "/o/g"), "/o/f") is None  # names its file
+    assert write_error(StageError("No space left on device; re-run with --resume"), "/o/f") is None
+    assert write_error(KeyboardInterrupt(), "/o/f") is None
+    assert write_error(ValueError("bad value"), "/o/f") is None
+
+
 def test_a_finished_writer_leaves_no_lock_file_and_a_second_one_still_locks(tmp_path):
     """The lock file beside an output goes once its holder lets go, and a second writer is still refused
     while it is held; a writer left with an fd of a removed lock file holds no lock anyone else sees (what
