@@ -33,6 +33,9 @@ import torch
 from pipeline.ondisk import formats
 
 _ZipReader = torch._C.PyTorchFileReader  # the reader torch.load uses; by name here so tests can age it
+# the small records torch.load reads besides byteorder, the pickle and the storages: a file whose record here
+# is damaged must not pass the fast path when torch.load (speculators' loader, train) cannot read it
+_SMALL_RECORDS = (".format_version", ".storage_alignment", ".data/version", "version")
 _DTYPES = {
     "BFloat16Storage": torch.bfloat16,
     "HalfStorage": torch.float16,
@@ -162,6 +165,9 @@ class SampleBuffer:
             reader = _ZipReader(_View(view))
             if reader.get_record("byteorder") != b"little":
                 raise NotFastPath("byte order")
+            for name in _SMALL_RECORDS:  # read by torch.load first: a damaged one fails it, so it fails here
+                if reader.has_record(name):
+                    reader.get_record(name)
             return _Unpickler(reader.get_record("data.pkl"), reader, self._buffer[:size]).load()
         except NotFastPath:
             raise

@@ -715,3 +715,21 @@ def test_found_data_file_of_the_right_keys_and_other_values(states, monkeypatch,
     rc, _, err = run_cli(monkeypatch, capsys, "verify", states)
     assert rc == 3 and "data_3.pt" in refusal(err), err
     assert check in (states / "summary.json").read_text()  # the line names the first failed check
+
+
+def test_found_data_file_whose_format_version_record_is_damaged(small_set):
+    """Three zero bytes in the zip header of data_0.pt's ``.format_version`` record (found by make fuzz):
+    verify's fast reader never read that record and passed the file, which torch.load (speculators' loader,
+    train) refuses; now the file fails check ``loadable``."""
+    from pipeline.ondisk.formats import read_data_config
+    from pipeline.verify import damaged_files
+
+    raw = bytearray((small_set / "data_0.pt").read_bytes())
+    raw[582:585] = b"\0\0\0"
+    case = Case((small_set / "data_config.json", "data_config.json"))
+    with case as root:
+        (root / "data_0.pt").write_bytes(bytes(raw))
+        found = damaged_files(root, [0], read_data_config(root), prepared=None, workers=1)
+        assert found[0].startswith(
+            "loadable: cannot load: RuntimeError: PytorchStreamReader failed reading"
+        ), found
