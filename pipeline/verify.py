@@ -203,8 +203,10 @@ def _vocab_check(path: Path, draft_vocab: int | None, target_vocab: int | None) 
 def reader_loads():
     """A loader for reader threads: ``load(path)`` gives the sample and the file's digest. Each thread reads
     through its own ``SampleBuffer`` (the digest hashes the bytes it read) and falls back to
-    ``formats.read_sample`` (mapped, and hashed by a read of its own) for a file the buffer path does not
-    take; the samples it returns are valid until the same thread loads the next file."""
+    ``formats.read_sample`` (read whole, not mapped: torch.load's mapped path accepts a storage record of
+    another size than the pickle says, which its plain path, speculators' loader and train refuse; and
+    hashed by a read of its own) for a file the buffer path does not take; the samples it returns are valid
+    until the same thread loads the next file."""
     from pipeline.ondisk.sample_buffer import NotFastPath, SampleBuffer
 
     local = threading.local()
@@ -215,7 +217,7 @@ def reader_loads():
         try:
             return local.buffer.read(path), local.buffer.digest()
         except NotFastPath:
-            return formats.read_sample(path, mmap=True), formats.file_digest(path)
+            return formats.read_sample(path, mmap=False), formats.file_digest(path)
 
     return load
 

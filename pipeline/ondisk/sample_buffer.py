@@ -9,7 +9,9 @@ hashes the bytes the last ``read`` took in: verify's checksum check costs a hash
 
 It uses three methods of torch's own zip reader (``get_record``, ``has_record``, ``get_record_offset``:
 present in torch 2.10, 2.11 and 2.13, which the tests and the H200 runs use; torch.load's own mmap path has
-used them since 2.1, so the image's 2.9.1 has them too, not run here). Only what ``formats.write_sample``
+used them since 2.1, so the image's 2.9.1 has them too, not run here), and ``get_record_size`` to refuse a
+storage record of another size than the pickle says, as torch.load does (where it is missing, every file
+takes torch.load's path). Only what ``formats.write_sample``
 writes takes this path: a little-endian torch zip whose pickle names ``_rebuild_tensor_v2``, typed storages
 of the dtypes a sample holds and the empty hooks ``OrderedDict``, and whose tensors are contiguous from
 offset 0 inside the file. Anything else, including any error of torch's reader, raises ``NotFastPath``, and
@@ -114,6 +116,11 @@ class _Unpickler(pickle.Unpickler):
         nbytes = numel * dtype.itemsize
         if not self._reader.has_record(record):
             raise NotFastPath(f"no record {record}")
+        size_of = getattr(self._reader, "get_record_size", None)
+        if size_of is None:
+            raise NotFastPath("torch's zip reader has no get_record_size")
+        if size_of(record) != nbytes:  # torch.load refuses a storage of another size than its pickle says
+            raise NotFastPath(f"record {record} holds {size_of(record)} bytes, the pickle {nbytes}")
         start = self._reader.get_record_offset(record)
         if start + nbytes > self._data.numel():  # the view stays inside this file's bytes
             raise NotFastPath(f"record {record} past the end")

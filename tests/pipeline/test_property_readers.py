@@ -733,3 +733,21 @@ def test_found_data_file_whose_format_version_record_is_damaged(small_set):
         assert found[0].startswith(
             "loadable: cannot load: RuntimeError: PytorchStreamReader failed reading"
         ), found
+
+
+def test_found_data_file_whose_pickle_claims_another_storage_size(small_set):
+    """One byte of data_0.pt's pickle changed so that a storage claims 4 bytes more than its record holds
+    (found by make fuzz): verify's fast reader made a view of the claimed size and passed the file, which
+    torch.load refuses ("record size ... does not match expected size"); now it fails check ``loadable``."""
+    from pipeline.ondisk.formats import read_data_config, read_sample
+    from pipeline.verify import damaged_files
+
+    raw = bytearray((small_set / "data_0.pt").read_bytes())
+    raw[295:296] = b"\x01"
+    case = Case((small_set / "data_config.json", "data_config.json"))
+    with case as root:
+        (root / "data_0.pt").write_bytes(bytes(raw))
+        with pytest.raises(RuntimeError, match="does not match expected size"):
+            read_sample(root / "data_0.pt")  # what torch.load says of this file
+        found = damaged_files(root, [0], read_data_config(root), prepared=None, workers=1)
+        assert found[0].startswith("loadable: cannot load: RuntimeError: record size"), found
