@@ -45,13 +45,17 @@ def schema_note(summary: dict) -> str | None:
 def provenance_facts(summary: dict | None) -> dict:
     """Version, commit, image digest and patch-set hash of the run that wrote ``summary`` (None where
     unknown)."""
-    prov = (summary or {}).get("provenance") or {}
-    product = prov.get("product") or {}
+
+    def obj(value: object) -> dict:  # a summary from a host may hold anything where an object belongs
+        return value if isinstance(value, dict) else {}
+
+    prov = obj(obj(summary).get("provenance"))
+    product = obj(prov.get("product"))
     return {
         "version": product.get("version"),
         "commit": product.get("commit"),
         "image_digest": prov.get("image_digest"),
-        "patches": (prov.get("patches") or {}).get("sha256"),
+        "patches": obj(prov.get("patches")).get("sha256"),
     }
 
 

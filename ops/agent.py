@@ -12,6 +12,7 @@ import base64
 import functools
 import importlib.util
 import json
+import os
 import shlex
 import zlib
 from pathlib import Path
@@ -71,6 +72,28 @@ def terminate_request(
         "groups": list(groups),
         "grace": grace,
         "kill_wait": kill_wait,
+        "client": client_identity(),
+    }
+
+
+def client_identity() -> dict:
+    """This ops process as the host agent can recognise it when both run on one machine (host `local`, or
+    an SSH host that is this machine): its pid and start time, the boot and the pid namespace they count
+    in. The agent never signals this process or any process under it (ops' own helpers: the lock keeper,
+    a log follower, the agent itself), whatever a pid file or a process group names."""
+
+    def first(path: str, read) -> str | None:
+        try:
+            return read(path)
+        except OSError:
+            return None  # not Linux: no machine for the agent to share
+
+    stat = first("/proc/self/stat", lambda p: Path(p).read_text())
+    return {
+        "pid": os.getpid(),
+        "starttime": int(stat[stat.rindex(")") + 2 :].split()[19]) if stat else None,
+        "boot_id": first("/proc/sys/kernel/random/boot_id", lambda p: Path(p).read_text().strip()),
+        "pid_ns": first("/proc/self/ns/pid", os.readlink),
     }
 
 

@@ -148,6 +148,12 @@ def gpu_status(host: HostConfig, runner: Runner, as_json: bool) -> None:
         click.echo(dumps(state))
     else:
         print_status(console, state)
+    if state.gpu_error:  # a status without the GPUs is no status: what was read is shown, the exit says so
+        raise errors.OpsError(
+            f"cannot read the GPU facts of {host.name}: {state.gpu_error} (check the driver and `gpu_source` "
+            "in the hosts file)",
+            exit_code=errors.EXIT_NOT_CLEAN,
+        )
 
 
 @main.command("gpu-clean")
@@ -396,3 +402,9 @@ def run() -> None:
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except (
+        OSError
+    ) as exc:  # a local file operation (a full laptop disk under runs/): one line, not a traceback
+        where = f" {exc.filename}" if exc.filename else ""
+        click.echo(redact(f"error: file operation failed{where}: {exc.strerror or exc}"), err=True)
+        sys.exit(errors.EXIT_ERROR)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
-from ops.errors import ConnectError, OpsError
+from ops.errors import ConnectError, ConnectionLost, OpsError
 from ops.hosts import HostConfig
 
 
@@ -410,14 +410,14 @@ class RemoteRunner:
         try:
             code, out, err = self._exec(command, stdin, timeout, stream)
         except (self._paramiko.SSHException, EOFError, OSError) as exc:
-            raise OpsError(f"connection to {self.label} lost during {_brief(command)}: {exc}") from None
+            raise ConnectionLost(f"connection to {self.label} lost during {_brief(command)}: {exc}") from None
         self.log.seconds.append(time.monotonic() - start)
         return Result(command, code, out, err)
 
     def _exec(self, command: str, stdin: str | None, timeout: float | None, stream: IO[str] | None):
         transport = self._conn.client.get_transport()
         if transport is None or not transport.is_active():
-            raise OpsError(
+            raise ConnectionLost(
                 f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed"
             )
         chan = transport.open_session()
@@ -435,7 +435,7 @@ class RemoteRunner:
                 if state == "done":
                     break
                 if state == "lost":  # connection dropped: no exit status will come
-                    raise OpsError(
+                    raise ConnectionLost(
                         f"connection to {self.label} lost during {_brief(command)} (no exit status came)"
                     )
                 if deadline is not None and time.monotonic() > deadline:
@@ -446,7 +446,7 @@ class RemoteRunner:
             if (
                 code == -1 and not transport.is_active()
             ):  # paramiko's "no exit status": the connection dropped
-                raise OpsError(
+                raise ConnectionLost(
                     f"connection to {self.label} lost during {_brief(command)} (no exit status came)"
                 )
         finally:
@@ -469,7 +469,7 @@ class RemoteRunner:
         try:
             transport = self._conn.client.get_transport()
             if transport is None or not transport.is_active():
-                raise OpsError(
+                raise ConnectionLost(
                     f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed"
                 )
             chan = transport.open_session()
@@ -490,7 +490,7 @@ class RemoteRunner:
                     if state == "done":
                         break
                     if state == "lost":
-                        raise OpsError(
+                        raise ConnectionLost(
                             f"connection to {self.label} lost during {_brief(command)} (no exit status came)"
                         )
                     if not got:
@@ -499,7 +499,7 @@ class RemoteRunner:
             finally:
                 chan.close()
         except (self._paramiko.SSHException, EOFError, OSError) as exc:
-            raise OpsError(f"connection to {self.label} lost during {_brief(command)}: {exc}") from None
+            raise ConnectionLost(f"connection to {self.label} lost during {_brief(command)}: {exc}") from None
         self.log.seconds.append(time.monotonic() - start)
         return Result(command, code, out.decode(errors="replace"), err.decode(errors="replace"))
 
@@ -510,13 +510,13 @@ class RemoteRunner:
         try:
             transport = self._conn.client.get_transport()
             if transport is None or not transport.is_active():
-                raise OpsError(
+                raise ConnectionLost(
                     f"connection to {self.label} lost during {_brief(command)}: the SSH transport is closed"
                 )
             chan = transport.open_session()
             chan.exec_command(command)
         except (self._paramiko.SSHException, EOFError, OSError) as exc:
-            raise OpsError(f"connection to {self.label} lost during {_brief(command)}: {exc}") from None
+            raise ConnectionLost(f"connection to {self.label} lost during {_brief(command)}: {exc}") from None
         return ChannelProcess(chan, self.label)
 
     def close(self) -> None:
@@ -524,7 +524,11 @@ class RemoteRunner:
 
 
 def _brief(command: str) -> str:
-    """What a remote command is, for a message: its program and first words, at most 80 characters."""
+    """What a remote command is, for a one-line message: its program and first words, at most 80
+    characters, whitespace (a multi-line ``-c`` program) folded; the host agent by that name."""
+    if "eagle_ops_hostagent" in command:  # ops.agent.BOOTSTRAP
+        return "the host agent (`python3 -c BOOTSTRAP`)"
+    command = " ".join(command.split())
     return f"`{command[:77] + '...' if len(command) > 80 else command}`"
 
 

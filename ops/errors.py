@@ -11,7 +11,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_ERROR = 1  # a remote step failed (the message says which)
 EXIT_USAGE = 2  # bad input: host spec, hosts file, strategy, path (click also uses 2)
-EXIT_CONNECT = 3  # cannot connect: unknown host, refused, bad key, unknown or changed host key
+EXIT_CONNECT = 3  # cannot connect (unknown host, refused, bad key, unknown or changed host key), or lost it
 EXIT_PREFLIGHT = 4  # a preflight check failed; nothing was stopped or started
 EXIT_UNKILLABLE = 5  # a GPU holder survived SIGKILL: reboot needed
 EXIT_NOT_CLEAN = 6  # GPUs still busy (compute process or memory over threshold) after the timeout
@@ -55,6 +55,15 @@ class ConnectError(OpsError):
     """The SSH connection could not be made or was not trusted."""
 
     exit_code = EXIT_CONNECT
+
+
+class ConnectionLost(ConnectError):
+    """The connection dropped while a command ran on it: no exit status came, so whether the command
+    finished is unknown; the exit code is the connection's (EXIT_CONNECT), never a failed step's."""
+
+    def __init__(self, message: str, **kwargs) -> None:
+        hint = "whether it finished is unknown: reconnect, check the host (`gpu-status`), then re-run"
+        super().__init__(f"{message}; {hint}", **kwargs)
 
 
 class RemoteCommandError(OpsError):

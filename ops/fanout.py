@@ -89,9 +89,11 @@ class HostResult:
 def shard_complete(summary: dict | None, world_size: int, rank: int) -> bool:
     """True when a host's fetched summary says its shard verified complete: checks ok, the summary is of
     this very shard, no file missing, and as many files as the shard owns."""
-    if not summary or not summary.get("ok"):
+    if not isinstance(summary, dict) or summary.get("ok") is not True:
         return False
-    stats = summary.get("stats") or {}
+    stats = summary.get("stats")
+    if not isinstance(stats, dict):
+        return False
     if stats.get("world_size", 1) != world_size or stats.get("rank", 0) != rank:
         return False
     samples = stats.get("samples")
@@ -214,8 +216,10 @@ def host_section(result: HostResult, world_size: int) -> dict:
     """One host's part of the merged record."""
     if result.status == SKIPPED and result.previous is not None:
         return {**result.previous, "status": SKIPPED, "error": "", "seconds": 0.0}
-    stats = (result.summary or {}).get("stats") or {}
-    complete = result.status == OK and shard_complete(result.summary, world_size, result.rank)
+    summary = result.summary if isinstance(result.summary, dict) else None
+    stats = (summary or {}).get("stats")
+    stats = stats if isinstance(stats, dict) else {}
+    complete = result.status == OK and shard_complete(summary, world_size, result.rank)
     return {
         "host": result.host,
         "rank": result.rank,
@@ -227,10 +231,10 @@ def host_section(result: HostResult, world_size: int) -> dict:
         "samples": stats.get("samples"),
         "files": stats.get("files", 0),
         "tokens": stats.get("tokens", 0),
-        "missing": stats.get("missing") if result.summary else None,
-        "summary": f"{result.host}/{SUMMARY}" if result.summary else None,
-        "provenance": provenance_facts(result.summary),
-        "schema_note": schema_note(result.summary) if result.summary else None,
+        "missing": stats.get("missing") if summary else None,
+        "summary": f"{result.host}/{SUMMARY}" if summary else None,
+        "provenance": provenance_facts(summary),
+        "schema_note": schema_note(summary) if summary else None,
     }
 
 

@@ -323,13 +323,13 @@ def find_hosts_file(explicit: str | None) -> Path | None:
     """The hosts file to use: --hosts-file, $EAGLE_OPS_HOSTS, ./hosts.toml, ~/.config/eagle-ops/hosts.toml."""
     if explicit:
         path = Path(explicit).expanduser()
-        if not path.is_file():
+        if not _is_file(path, f"hosts file {path}"):
             raise ConfigError(f"hosts file {path} does not exist")
         return path
     env = os.environ.get(HOSTS_FILE_ENV)
     if env:
         path = Path(env).expanduser()
-        if not path.is_file():
+        if not _is_file(path, f"{HOSTS_FILE_ENV}={env}"):
             raise ConfigError(f"{HOSTS_FILE_ENV}={env} does not exist")
         return path
     for candidate in DEFAULT_HOSTS_FILES:
@@ -339,10 +339,24 @@ def find_hosts_file(explicit: str | None) -> Path | None:
     return None
 
 
+def _is_file(path: Path, what: str) -> bool:
+    """Whether ``path`` is a file; a path the kernel cannot walk (a symlink loop, a name too long, a
+    component that is a file) is one line naming it, never the OSError pathlib raises for some of these."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise ConfigError(f"{what}: {exc.strerror or exc}; pass a hosts file that exists") from None
+    return path.is_file()
+
+
 def load_hosts_file(path: Path) -> dict[str, HostConfig]:
     """Parse and validate every host of a hosts file."""
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"hosts file {path}: not UTF-8 text (byte {exc.start}); TOML is UTF-8") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"hosts file {path}: {exc}") from None
     hosts = data.get("hosts", {})
@@ -353,7 +367,13 @@ def load_hosts_file(path: Path) -> dict[str, HostConfig]:
         if not isinstance(table, dict):
             raise ConfigError(f"hosts file {path}: hosts.{name} must be a table")
         check_label(name, f"hosts file {path}: host name", host=True)
-        out[name] = host_from_table(name, table, f"{path} [hosts.{name}]")
+        where = f"{path} [hosts.{name}]"
+        try:
+            out[name] = host_from_table(name, table, where)
+        except ConfigError as exc:  # a value's own check (an address, a strategy) may not say where it is
+            if str(path) in str(exc):
+                raise
+            raise ConfigError(f"{where}: {exc}") from None
     return out
 
 

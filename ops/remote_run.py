@@ -130,12 +130,22 @@ def fetch(runner: Runner, container: str, host_output: str, local_dir: Path) -> 
     summary = None
     try:
         runner.get(f"{host_output}/summary.json", local_dir / "summary.json")
-        # redacted before anything reads it, should a stage have written a secret into it
-        summary = json.loads(redact((local_dir / "summary.json").read_text()))
-        write_json(local_dir / "summary.json", summary)
-    except (OSError, ValueError):
+        summary = summary_of(local_dir / "summary.json")
+    except OSError:
         pass
     return code, summary
+
+
+def summary_of(path: Path) -> dict | None:
+    """A fetched summary.json as a JSON object, rewritten redacted before anything reads it (should a stage
+    have written a secret into it); None when it is unreadable or not an object (a damaged or foreign
+    file: no summary, so the shard counts as not verified)."""
+    try:
+        data = json.loads(redact(path.read_text()))
+    except (OSError, ValueError):
+        return None
+    write_json(path, data)
+    return data if isinstance(data, dict) else None
 
 
 def abort(runner: Runner, host: HostConfig, container: str, local_dir: Path) -> bool:

@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from ops.errors import ConfigError
+from ops.errors import ConfigError, OpsError
 from ops.hosts import check_label
 from ops.interrupts import Interrupts, pause_point
 from ops.secret_env import redact
@@ -30,17 +30,30 @@ def run_dir(runs_root: Path, *labels: str) -> Path:
     for label in labels:
         check_label(label, "run folder name", host=True)
     path = Path(runs_root).joinpath(*labels)
-    root = Path(runs_root).resolve()
-    if root not in path.resolve().parents:
+    try:
+        root, where = Path(runs_root).resolve(), path.resolve()
+    except (RuntimeError, OSError) as exc:  # Python 3.11's "Symlink loop from ..." (RuntimeError)
+        raise ConfigError(
+            f"--runs-dir {runs_root} cannot be resolved ({exc}); choose another --runs-dir"
+        ) from None
+    if root not in where.parents:
         raise ConfigError(f"run folder {path} would lie outside --runs-dir {runs_root}; choose another name")
     return path
 
 
 def write_json(path: Path, data: dict) -> None:
+    """Write a run file atomically (temp name, then rename); a failed write (a full disk) leaves neither
+    the temp file nor half a file, and is one line naming the file."""
     tmp = path.with_name(path.name + ".tmp")
-    # every run file passes the redactor: names of secrets may appear, values never (ops.secret_env)
-    tmp.write_text(redact(json.dumps(data, indent=2, sort_keys=True, default=str)))
-    os.replace(tmp, path)
+    try:
+        # every run file passes the redactor: names of secrets may appear, values never (ops.secret_env)
+        tmp.write_text(redact(json.dumps(data, indent=2, sort_keys=True, default=str)))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OpsError(
+            f"cannot write {path}: {exc.strerror or exc} (free space there, or choose another --runs-dir)"
+        ) from None
 
 
 def _now() -> str:
@@ -58,9 +71,15 @@ class RunState:
         """The state of an existing run (attach), or a new one when this machine has none."""
         state = cls(path, interrupts, **facts)
         try:
-            state.data.update(json.loads(path.read_text()), status="running", error=None)
+            earlier = json.loads(path.read_text())
         except (OSError, ValueError):
-            pass
+            return state
+        if not isinstance(earlier, dict):
+            return state  # not a run's state: this run starts a new record
+        steps = earlier.get("steps")
+        state.data.update(earlier)
+        # this run's identity and a list of steps whatever the file held: the record stays this run's
+        state.data.update(facts, status="running", error=None, steps=steps if isinstance(steps, list) else [])
         return state
 
     def step(self, name: str) -> None:

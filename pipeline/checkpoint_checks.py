@@ -10,11 +10,13 @@ train output dir (uses its draft/), a draft dir, or checkpoints/<epoch>/. It rea
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pipeline.checks import Summary, check, fail, ok, warn
+from pipeline.ondisk.readers import read_json
 from pipeline.train.files import EVAL, TRAIN_CONFIG
+
+TRAIN_REMEDY = "re-run `pipeline train --overwrite`, or `--resume`"  # a damaged file of a train run
 
 
 def resolve(path: Path) -> tuple[Path, Path | None]:
@@ -39,7 +41,7 @@ def _load_weights(ckpt: Path):
 
 
 def _config_checks(ckpt: Path, s: Summary):
-    raw = json.loads((ckpt / "config.json").read_text())
+    raw = read_json(ckpt / "config.json", TRAIN_REMEDY)
     try:
         from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
@@ -173,10 +175,16 @@ def _acceptance_checks(run_dir: Path | None, s: Summary) -> None:
     if ev_path is None or not ev_path.is_file():
         s.checks.append(warn("acceptance", "no eval.json from the train run: acceptance not measured"))
         return
-    ev = json.loads(ev_path.read_text())
-    draft = ev["draft"]["acceptance_length"]
-    best = ev["best_baseline"]
-    base = ev["baselines"][best]["acceptance_length"]
+    ev = read_json(ev_path, TRAIN_REMEDY)
+    try:
+        draft = float(ev["draft"]["acceptance_length"])
+        best = ev["best_baseline"]
+        base = float(ev["baselines"][best]["acceptance_length"])
+    except (KeyError, TypeError, ValueError) as exc:
+        s.checks.append(
+            fail("acceptance", f"{ev_path} lacks the acceptance figures ({type(exc).__name__}: {exc})")
+        )
+        return
     s.checks.append(
         check(
             "acceptance",
@@ -220,7 +228,7 @@ def verify_checkpoint(path: Path) -> Summary:
             return s
     s.checks.append(ok("files", "config.json, model.safetensors"))
     raw = _config_checks(ckpt, s)
-    run_cfg = json.loads((run_dir / TRAIN_CONFIG).read_text()) if run_dir else None
+    run_cfg = read_json(run_dir / TRAIN_CONFIG, TRAIN_REMEDY) if run_dir else None
     _layer_checks(raw, run_cfg, s)
     _weight_checks(ckpt, raw, s)
     verifier = Path((raw.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or "")
@@ -231,7 +239,8 @@ def verify_checkpoint(path: Path) -> Summary:
     )
     _acceptance_checks(run_dir, s)
     if run_dir and (run_dir / "summary.json").is_file():
-        train = json.loads((run_dir / "summary.json").read_text()).get("train") or {}
+        train = read_json(run_dir / "summary.json", TRAIN_REMEDY).get("train")
+        train = train if isinstance(train, dict) else {}
         names = {
             "train_tokens_per_s": "train_tokens_per_s",
             "last_epoch": "train_last_epoch",

@@ -89,6 +89,17 @@ def run() -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.UsageError as exc:
+        # a flag click itself refuses (a missing option, a value outside a choice or range): the one line
+        # every other refusal is, with where to read the usage instead of the usage block
+        names, ctx = [], exc.ctx
+        while ctx is not None and ctx.parent is not None:  # the stage's name; the root is always ours
+            names.insert(0, ctx.info_name)
+            ctx = ctx.parent
+        where = " ".join(["python -m pipeline", *names])
+        message = " ".join(exc.format_message().split())
+        click.secho(f"error: {message} (see `{where} --help`)", fg="red", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)

@@ -22,13 +22,20 @@ class CheckFailed(StageError):
     exit_code = 3
 
 
-def require_range(flag: str, value: float | None, low: float, high: float | None = None) -> None:
-    """Refuse a number outside ``low..high`` (and NaN or an infinity) in one line naming the allowed range."""
+def require_range(
+    flag: str, value: float | None, low: float, high: float | None = None, *, low_open: bool = False
+) -> None:
+    """Refuse a number outside ``low..high`` (``low`` itself too when ``low_open``), and NaN or an infinity,
+    in one line naming the allowed range."""
     import math
 
     if value is None:
         return
     finite = not isinstance(value, float) or math.isfinite(value)
-    if not finite or value < low or (high is not None and value > high):
-        allowed = f"{low}..{high}" if high is not None else f"at least {low}"
+    below = value <= low if low_open else value < low
+    if not finite or below or (high is not None and value > high):
+        if low_open:
+            allowed = f"greater than {low}" + (f", at most {high}" if high is not None else "")
+        else:
+            allowed = f"{low}..{high}" if high is not None else f"at least {low}"
         raise StageError(f"{flag} {value} is outside the allowed range ({allowed})")

@@ -28,6 +28,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
+
+from pipeline.ondisk.paths import LoopCheckedPath
 import numpy as np
 
 from pipeline.ondisk import formats
@@ -437,19 +439,19 @@ def _samples(rows: list[tuple[np.ndarray, np.ndarray]]) -> formats.PreparedSampl
 @click.command("export-speculators")
 @click.option(
     "--prepared",
-    type=click.Path(path_type=Path),
+    type=LoopCheckedPath(),
     required=True,
     help="Our prepared dir (`pipeline prepare`).",
 )
 @click.option(
     "--data",
-    type=click.Path(path_type=Path),
+    type=LoopCheckedPath(),
     required=True,
     help="Our hidden-states dir (`pipeline extract`).",
 )
 @click.option(
     "--out",
-    type=click.Path(path_type=Path),
+    type=LoopCheckedPath(),
     required=True,
     help="The dir to pass as `speculators train --data-path`.",
 )
@@ -461,15 +463,13 @@ def export_command(prepared: Path, data: Path, out: Path, overwrite: bool) -> No
 
 
 @click.command("import-speculators")
+@click.option("--data", type=LoopCheckedPath(), required=True, help="A `speculators train --data-path` dir.")
 @click.option(
-    "--data", type=click.Path(path_type=Path), required=True, help="A `speculators train --data-path` dir."
-)
-@click.option(
-    "--out", type=click.Path(path_type=Path), required=True, help="Writes OUT/prepared and OUT/hidden_states."
+    "--out", type=LoopCheckedPath(), required=True, help="Writes OUT/prepared and OUT/hidden_states."
 )
 @click.option(
     "--model",
-    type=click.Path(path_type=Path),
+    type=LoopCheckedPath(),
     default=None,
     help="The target (needed unless the set was exported here).",
 )
@@ -484,9 +484,7 @@ def export_command(prepared: Path, data: Path, out: Path, overwrite: bool) -> No
     default=None,
     help="Draft vocab (default: the set's d2t-N.npy, else full).",
 )
-@click.option(
-    "--hidden-states", type=click.Path(path_type=Path), default=None, help="Default: DATA/hidden_states."
-)
+@click.option("--hidden-states", type=LoopCheckedPath(), default=None, help="Default: DATA/hidden_states.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty --out.")
 def import_command(
     data: Path,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -26,6 +27,7 @@ import click
 
 from pipeline.errors import StageError, require_range
 from pipeline.layers import parse_int_list
+from pipeline.ondisk.paths import LoopCheckedPath, check_path
 
 KEY = "pipeline.options"
 
@@ -39,7 +41,7 @@ class Spec:
     choices: tuple[str, ...] | None = None
     low: float | None = None  # allowed range, checked at construction (and by click, with click_range)
     high: float | None = None
-    low_open: bool = False  # with click_range: low itself is refused
+    low_open: bool = False  # low itself is refused
     click_range: bool = False  # render the range as click's IntRange/FloatRange (its help shows `x>=0`)
     argument: bool = False  # a positional argument, not an option
     hidden: bool = False  # accepted, not shown in --help
@@ -94,16 +96,27 @@ class IntTuple(click.ParamType):
         return tuple(ids) if (ids := parse_int_list(str(value), flag)) else None
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange, which lets NaN through every bound (each comparison with NaN is false), with NaN
+    and the infinities refused as out of the range."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{rv} is not in the range {self._describe_range()}.", param, ctx)
+        return rv
+
+
 def _click_type(base: type, spec: Spec) -> click.ParamType | None:
     if typing.get_origin(base) is tuple:
         return IntTuple()
     if spec.choices is not None:
         return click.Choice(spec.choices)
     if spec.click_range:
-        kind = click.IntRange if base is int else click.FloatRange
+        kind = click.IntRange if base is int else FiniteFloatRange
         extra = {"min_open": True} if spec.low_open else {}
         return kind(min=spec.low, max=spec.high, **extra)
-    return {int: click.INT, float: click.FLOAT, str: click.STRING, Path: click.Path(path_type=Path)}.get(base)
+    return {int: click.INT, float: click.FLOAT, str: click.STRING, Path: LoopCheckedPath()}.get(base)
 
 
 def parameter(f: dataclasses.Field, annotation: Any) -> Callable:
@@ -156,10 +169,13 @@ def config_of(command: click.Command) -> type | None:
 
 def validate(cfg: Any) -> None:
     """Refuse a value outside its field's choices or range in one line: click's text where click checks it,
-    `require_range`'s otherwise. None (not given) is always allowed."""
+    `require_range`'s otherwise; a path with a symlink loop on it (pipeline/ondisk/paths.py). None (not
+    given) is always allowed."""
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         spec, value = spec_of(f), getattr(cfg, f.name)
+        if isinstance(value, Path):
+            check_path(value, flag_of(f))
         if value is None or (spec.choices is None and spec.low is None and spec.high is None):
             continue
         if spec.choices is not None or spec.click_range:
@@ -168,7 +184,8 @@ def validate(cfg: Any) -> None:
             except click.BadParameter as exc:
                 raise StageError(f"Invalid value for '{flag_of(f)}': {exc.message}") from None
         else:
-            require_range(flag_of(f), value, spec.low if spec.low is not None else float("-inf"), spec.high)
+            low = spec.low if spec.low is not None else float("-inf")
+            require_range(flag_of(f), value, low, spec.high, low_open=spec.low_open)
 
 
 def to_json(cfg: Any) -> str:

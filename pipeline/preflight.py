@@ -35,6 +35,8 @@ from pathlib import Path
 
 import click
 
+from pipeline.ondisk.paths import LoopCheckedPath
+
 from contract import sizes
 from pipeline import patchset
 from pipeline.checks import CheckResult, fail, ok, warn
@@ -722,12 +724,10 @@ def _write_json(path: Path, results: list[CheckResult], seconds: float) -> None:
 # the stage's arguments (STAGE ARGS) begin at the first word that is no option of preflight's: theirs are
 # never read as preflight's own (extract's --model, --prepared and --out are both)
 @click.command("preflight", context_settings={"allow_interspersed_args": False})
-@click.option("--model", type=click.Path(path_type=Path), required=True, help="Target model directory.")
+@click.option("--model", type=LoopCheckedPath(), required=True, help="Target model directory.")
+@click.option("--prepared", type=LoopCheckedPath(), default=None, help="Output of `pipeline prepare`.")
 @click.option(
-    "--prepared", type=click.Path(path_type=Path), default=None, help="Output of `pipeline prepare`."
-)
-@click.option(
-    "--out", type=click.Path(path_type=Path), default=None, help="Hidden-states directory the run will write."
+    "--out", type=LoopCheckedPath(), default=None, help="Hidden-states directory the run will write."
 )
 @click.option("--backend", type=click.Choice(["vllm", "hf"]), default="vllm", show_default=True)
 @click.option("--layer-ids", default=None, help="Comma-separated decoder layer ids (default 2,L//2,L-3,L-1).")
@@ -739,7 +739,7 @@ def _write_json(path: Path, results: list[CheckResult], seconds: float) -> None:
     "--trust-remote-code", is_flag=True, help="Allow the tokenizer's own Python code (e.g. Kimi-K2.5)."
 )
 @click.option(
-    "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the results here."
+    "--json", "json_path", type=LoopCheckedPath(), default=None, help="Also write the results here."
 )
 @click.option(
     "--fail-fast-on",

@@ -102,7 +102,10 @@ def normalize_row(row: object) -> list[dict]:
         turns, role_key, text_key = row["conversations"], "from", "value"
     else:
         raise ValueError("row has neither 'messages' nor 'conversations'")
-    if not isinstance(turns, list) or not turns:
+    field = "messages" if role_key == "role" else "conversations"
+    if not isinstance(turns, list):
+        raise ValueError(f"'{field}' is a JSON {json_kind(turns)}, expected a list of turns")
+    if not turns:
         raise ValueError("conversation is empty")
     messages = []
     for j, turn in enumerate(turns):
@@ -114,7 +117,35 @@ def normalize_row(row: object) -> list[dict]:
         messages.append(_message(j, role, turn, text_key))
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("conversation has no assistant turn")
+    refuse_unencodable(messages)
     return messages
+
+
+def json_kind(value: object) -> str:
+    """The JSON name of a decoded value's kind (`string`, `object`, ...)."""
+    kinds = ((bool, "boolean"), (int, "number"), (float, "number"), (str, "string"), (dict, "object"))
+    return "null" if value is None else next((name for t, name in kinds if isinstance(value, t)), "array")
+
+
+def refuse_unencodable(messages: list[dict]) -> None:
+    """Refuse text that no encoder takes: a lone UTF-16 surrogate (JSON's ``\\ud800`` without its pair)
+    decodes to a Python string the tokenizer, and any UTF-8 writer, cannot carry. Every string the chat
+    template may see is checked, wherever in the turn it is."""
+    try:
+        json.dumps(messages, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        for j, turn in enumerate(messages):
+            try:
+                json.dumps(turn, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                break
+        else:
+            j = 0
+        bad = exc.object[exc.start : exc.end]
+        raise ValueError(
+            f"turn {j} holds {ascii(bad)}, a lone UTF-16 surrogate that no text encoding can carry "
+            "(a \\uD800-\\uDFFF escape without its pair)"
+        ) from None
 
 
 def _message(j: int, role: str, turn: dict, text_key: str) -> dict:

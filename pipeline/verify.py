@@ -204,8 +204,10 @@ def _vocab_check(path: Path, draft_vocab: int | None, target_vocab: int | None) 
 def reader_loads():
     """A loader for reader threads: ``load(path)`` gives the sample and the file's digest. Each thread reads
     through its own ``SampleBuffer`` (the digest hashes the bytes it read) and falls back to
-    ``formats.read_sample`` (mapped, and hashed by a read of its own) for a file the buffer path does not
-    take; the samples it returns are valid until the same thread loads the next file."""
+    ``formats.read_sample`` (read whole, not mapped: torch.load's mapped path accepts a storage record of
+    another size than the pickle says, which its plain path, speculators' loader and train refuse; and
+    hashed by a read of its own) for a file the buffer path does not take; the samples it returns are valid
+    until the same thread loads the next file."""
     from pipeline.ondisk.sample_buffer import NotFastPath, SampleBuffer
 
     local = threading.local()
@@ -216,7 +218,7 @@ def reader_loads():
         try:
             return local.buffer.read(path), local.buffer.digest()
         except NotFastPath:
-            return formats.read_sample(path, mmap=True), formats.file_digest(path)
+            return formats.read_sample(path, mmap=False), formats.file_digest(path)
 
     return load
 
@@ -387,6 +389,14 @@ def _form_findings(name: str, d, ctx: SetContext) -> tuple[list[CheckResult], in
             )
         ], -1
     ids, mask, hs = d["input_ids"], d["loss_mask"], d["hidden_states"]
+
+    def form(x) -> str:  # what a value is, tensor or not (a damaged file's value may be anything)
+        return f"{x.dtype}{tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+
+    if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)):
+        return [
+            fail("ids_mask", f"input_ids {form(ids)}, loss_mask {form(mask)}; expected int64[T] both", name)
+        ], -1
     t = int(ids.shape[0]) if ids.ndim == 1 else -1
     if ids.dtype != torch.int64 or ids.ndim != 1 or mask.dtype != torch.int64 or tuple(mask.shape) != (t,):
         return [
@@ -397,6 +407,9 @@ def _form_findings(name: str, d, ctx: SetContext) -> tuple[list[CheckResult], in
                 name,
             )
         ], t
+    if isinstance(hs, list) and not all(isinstance(h, torch.Tensor) for h in hs):
+        j = next(j for j, h in enumerate(hs) if not isinstance(h, torch.Tensor))
+        return [fail("shape_dtype", f"hidden_states[{j}] is {form(hs[j])}, expected a tensor", name)], t
     if not isinstance(hs, list) or len(hs) != len(dc.layer_ids):
         detail = (
             f"{len(hs) if isinstance(hs, list) else type(hs).__name__} hidden-state tensors, "

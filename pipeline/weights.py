@@ -16,7 +16,7 @@ import click
 from pipeline.ondisk.atomic import write_json
 from pipeline.errors import StageError
 from pipeline.modeldir import check_checkpoint, read_model_dir, resolve_names
-from pipeline.options import opt, options
+from pipeline.options import opt, options, validate
 from pipeline.ondisk.outdir import refuse_overlap, staged_dir
 from pipeline.ondisk.readers import read_safetensors, read_shard_tensors, read_weight_map
 
@@ -32,6 +32,9 @@ class WeightsConfig:
     model: Path = opt(help="Target model dir (safetensors + index).")
     out: Path = opt(help="Directory for verifier.safetensors + verifier.json.")
     overwrite: bool = opt(False, help="Replace an existing output directory.")
+
+    def __post_init__(self) -> None:
+        validate(self)  # a path with a symlink loop on it, as every stage's config refuses
 
 
 def weight_map(model_dir: Path) -> dict[str, str]:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -17,6 +18,23 @@ PYTHON = sys.executable
 # would every ops process the Ctrl-C tests start (an ignored signal stays ignored across exec): give
 # Python's own handler back, so that those tests exercise ops, not how the run was launched.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# Property-based tests (hypothesis): 200 generated cases per test by default, what `make test` runs; `make
+# fuzz` (mk/fuzz.mk) selects the larger profile by HYPOTHESIS_PROFILE. No example database: a shrunk failure
+# is kept as a plain regression test instead. A test's own @settings(max_examples=...) still wins.
+settings.register_profile(
+    "default",
+    max_examples=200,
+    deadline=None,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
+settings.register_profile("fuzz", parent=settings.get_profile("default"), max_examples=5000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # Likewise a make that a test starts (the image tests read targets with `make -n`) must see what an
 # operator's shell gives it: under `make test`, which runs suites with -j2, the outer make's jobserver and

@@ -310,6 +310,32 @@ def same_connection() -> set[int]:
     return out
 
 
+def client_tree(client: dict | None) -> set[int]:
+    """The ops process that sent the request and every process under it, when it runs on this machine
+    (same boot, same pid namespace, its pid's start time unchanged); empty when it runs elsewhere."""
+    if not client or client.get("boot_id") is None or client.get("pid_ns") is None:
+        return set()
+    try:
+        here = (read("/proc/sys/kernel/random/boot_id") or "").strip(), os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return set()
+    root = int(client["pid"])
+    st = stat_fields(root)
+    if here != (client["boot_id"], client["pid_ns"]) or st is None or st["starttime"] != client["starttime"]:
+        return set()
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (fields := stat_fields(int(name))) is not None:
+            children.setdefault(fields["ppid"], []).append(int(name))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo += children.get(pid, [])
+    return tree
+
+
 def unit_members(unit: str) -> list[int]:
     out = []
     needle = "/" + unit
@@ -408,7 +434,8 @@ def terminate(req: dict) -> dict:
     A process we may not signal (EPERM: another user's, and we are not root) is reported as denied at
     once and dropped from the targets: waiting for it or sending it SIGKILL cannot change anything."""
     started = time.monotonic()
-    ours = set(ancestry()) | (same_connection() if req.get("spare_ssh_session") else set())
+    ours = set(ancestry()) | client_tree(req.get("client"))
+    ours |= same_connection() if req.get("spare_ssh_session") else set()
     grace, kill_wait = float(req.get("grace", 10)), float(req.get("kill_wait", 5))
     fixed = {int(t["pid"]): int(t["starttime"]) for t in req.get("targets", [])}
     groups = [int(g) for g in req.get("groups", [])]
@@ -425,7 +452,8 @@ def terminate(req: dict) -> dict:
             elif pid in ours:
                 cur.pop(pid)
                 if pid not in {s["pid"] for s in skipped}:
-                    skipped.append({"pid": pid, "reason": "our own ancestry or SSH connection"})
+                    reason = "our own ancestry, ops' own processes or SSH connection"
+                    skipped.append({"pid": pid, "reason": reason})
         return cur
 
     def send(sig: int, name: str) -> None:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import click
 
+from pipeline.ondisk.paths import LoopCheckedPath
+
 from contract.stages import STAGES
 from pipeline.demo import learned, tiny
 
@@ -98,7 +100,7 @@ def steps(work: Path, kind: str, samples: int, seq_length: int, train: bool) -> 
 
 
 @click.command("demo-assets")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Directory to create.")
+@click.option("--out", "out_dir", type=LoopCheckedPath(), required=True, help="Directory to create.")
 @click.option(
     "--kind",
     type=click.Choice([*tiny.KINDS, "learned"]),
@@ -124,7 +126,7 @@ def assets_command(out_dir: Path, kind: str, conversations: int, seed: int, trai
 
 
 @click.command()
-@click.option("--workdir", type=click.Path(path_type=Path), default=Path("demo"), show_default=True)
+@click.option("--workdir", type=LoopCheckedPath(), default=Path("demo"), show_default=True)
 @click.option(
     "--kind",
     type=click.Choice(["llama", "deepseek_v3", "learned"]),

@@ -189,12 +189,26 @@ def read_prepared(directory: Path) -> tuple[PreparedSamples, PreparedMetadata]:
         loss_mask=readers.read_npy(directory / "loss_mask.npy", readers.PREPARED_REMEDY, mmap=True),
         offsets=readers.read_npy(directory / "offsets.npy", readers.PREPARED_REMEDY),
     )
-    if len(samples) != metadata.num_samples or int(samples.offsets[-1]) != len(samples.tokens):
-        raise StageError(
-            f"{directory}: offsets.npy does not match tokens.npy/metadata.json "
-            "(re-run `pipeline prepare --overwrite`)"
-        )
+    wrong = prepared_problems(samples, metadata)
+    if wrong:
+        raise StageError(f"{directory}: {wrong} (re-run `pipeline prepare --overwrite`)")
     return samples, metadata
+
+
+def prepared_problems(samples: PreparedSamples, metadata: PreparedMetadata) -> str | None:
+    """What makes the arrays of a prepared set disagree with each other or with metadata.json, or None:
+    integer tokens, a mask as long as the tokens, offsets that start at 0, never decrease and end at the
+    tokens' count, one sample per offset after the first."""
+    tokens, mask, offsets = samples.tokens, samples.loss_mask, samples.offsets
+    if tokens.dtype.kind not in "iu" or offsets.dtype.kind not in "iu":
+        return f"tokens.npy is {tokens.dtype}, offsets.npy {offsets.dtype}: both must hold integers"
+    if mask.dtype.kind not in "iub" or len(mask) != len(tokens):
+        return f"loss_mask.npy ({mask.dtype}[{len(mask)}]) does not match tokens.npy ({len(tokens)} tokens)"
+    if len(offsets) == 0 or offsets[0] != 0 or (np.diff(offsets) < 0).any() or offsets[-1] != len(tokens):
+        return "offsets.npy does not run from 0 up to the tokens' count"
+    if len(offsets) - 1 != metadata.num_samples:
+        return f"offsets.npy holds {len(offsets) - 1} samples, metadata.json says {metadata.num_samples}"
+    return None
 
 
 # ---------------------------------------------------------------- vocab mapping and token frequencies
@@ -259,7 +273,35 @@ def read_data_config(directory: Path) -> DataConfig:
         raise StageError(
             f"{path} not found: {directory} is not a hidden-states directory (run `pipeline extract`)"
         )
-    return readers.read_record(path, DataConfig, readers.STATES_REMEDY)
+    config = readers.read_record(path, DataConfig, readers.STATES_REMEDY)
+    wrong = data_config_problems(config)
+    if wrong:
+        raise readers.damaged(path, "; ".join(wrong), readers.STATES_REMEDY)
+    return config
+
+
+# the names a hidden-states dtype may have in data_config.json: torch's floating dtypes, as extract and
+# import-speculators write them (`str(dtype)` without "torch."); any other name is no dtype a reader knows
+STATE_DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
+
+
+def data_config_problems(config: DataConfig) -> list[str]:
+    """What in a data_config.json of the right types has no meaning: an unknown dtype name, a size that is
+    not positive, layer ids that are not distinct non-negative integers. Empty when it has none."""
+
+    def count(value: object, low: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+    wrong = []
+    if config.dtype not in STATE_DTYPES:
+        wrong.append(f"dtype {config.dtype!r:.40} is not one of {', '.join(STATE_DTYPES)}")
+    for name, low in (("hidden_size", 1), ("num_layers", 1), ("num_samples", 0), ("seq_length", 0)):
+        if not count(getattr(config, name), low):
+            wrong.append(f"{name} {getattr(config, name)!r:.40} is not an integer >= {low}")
+    ids = config.layer_ids
+    if not ids or not all(count(i, 0) for i in ids) or len(set(ids)) != len(ids):
+        wrong.append(f"layer_ids {ids!r:.60} are not distinct non-negative integers")
+    return wrong
 
 
 class _WriteErrorRecorder:
@@ -303,6 +345,9 @@ class FileDigest:
 
 
 def _digest_of(entry: dict) -> FileDigest:
+    """A checksum entry read back; TypeError, KeyError or ValueError for one that is not an entry."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"a checksum entry is a JSON object, not {type(entry).__name__}")
     mtime, facts = entry.get("mtime_ns"), entry.get("facts")
     return FileDigest(
         str(entry["sha256"]),
@@ -452,6 +497,8 @@ def _journal_entries(path: Path) -> dict[str, FileDigest]:
     for line in lines:
         try:
             rec = json.loads(line)
+            if not isinstance(rec, dict):
+                continue  # a line of another kind: no entry
             entries[str(rec["file"])] = _digest_of(rec)
         except (ValueError, KeyError, TypeError):
             continue  # a line torn by a crash mid-append: its file has no checksum, which verify reports

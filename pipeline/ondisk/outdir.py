@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.errors import StageError
+from pipeline.ondisk.atomic import write_error
+from pipeline.ondisk.paths import resolved
 
 
 def is_nonempty_dir(path: Path) -> bool:
@@ -48,7 +50,7 @@ def overlap(out: Path, inputs: dict[str, Path]) -> str | None:
 
 def _spellings(path: Path) -> set[Path]:
     """A path as given (absolute, ``..`` folded) and with every symlink resolved: deleting either harms it."""
-    return {Path(os.path.abspath(path)), Path(path).resolve()}
+    return {Path(os.path.abspath(path)), resolved(path)}
 
 
 def refuse_overlap(out: Path, inputs: dict[str, Path]) -> None:
@@ -85,32 +87,55 @@ def lock_path(target: Path, part: str = "") -> Path:
 def output_lock(target: Path | str, part: str = "") -> Iterator[None]:
     """Hold the exclusive lock of output ``target`` (flock of ``.NAME.lock`` beside it, freed by the kernel
     when the holder dies); a second writer is refused in one line naming the holder. ``part`` names a
-    share of the output that writers own separately (one host's shard). The lock file stays: removing it
-    would let a third writer lock a new file while the second holds the old one."""
+    share of the output that writers own separately (one host's shard). The lock file is removed as the
+    holder lets go, so that nothing stays beside the output (a full disk included)."""
     target = Path(target)
     path = lock_path(target, part)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _locked(path, target)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
-            raise StageError(
-                f"output {target} is being written by {holder}: wait for it to finish, "
-                "or choose another --out"
-            ) from None
         command = " ".join(Path(a).name if i == 0 else a for i, a in enumerate(sys.argv[:4]))
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} ({command}, since {since})".encode(), 0)
+        with contextlib.suppress(OSError):  # who holds it is for the refused writer's message; a full disk
+            # refuses these bytes, never the lock (then the message says "another process")
+            os.pwrite(
+                fd, f"pid {os.getpid()} on {socket.gethostname()} ({command}, since {since})".encode(), 0
+            )
         try:
             yield
         finally:
             os.ftruncate(fd, 0)
+            # removed while still held: a writer that opened it meanwhile finds, once it holds its flock,
+            # that the path no longer names its file (`_locked`), and locks the path anew
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     finally:
+        os.close(fd)
+
+
+def _locked(path: Path, target: Path) -> int:
+    """An fd of the lock file ``path`` holding its exclusive flock, the file still at ``path`` once held
+    (the previous holder removes it as it lets go); a held lock is refused in one line naming the holder."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            raise StageError(
+                f"output {target} is being written by {holder}: wait for it to finish, "
+                "or choose another --out"
+            ) from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
         os.close(fd)
 
 
@@ -150,7 +175,14 @@ def staged_dir(target: Path, *, overwrite: bool, inputs: dict[str, Path] | None 
         staging.mkdir()
         try:
             yield staging
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(staging, ignore_errors=True)
+            named = write_error(exc, target)  # a full disk as such, naming the output, whoever wrote
+            if isinstance(exc, OSError) and isinstance(exc.filename, str) and exc.errno is not None:
+                inner = Path(exc.filename)  # a file of the removed staging dir: named as it would have been
+                if staging in inner.parents:
+                    named = OSError(exc.errno, exc.strerror, str(target / inner.relative_to(staging)))
+            if named is not None:
+                raise named from exc
             raise
         _swap_in(staging, target)

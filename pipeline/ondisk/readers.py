@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 import types
 import typing
 from pathlib import Path
@@ -163,16 +162,22 @@ def read_model_config(path: Path) -> dict:
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool):
-    """The model directory's tokenizer; a missing or damaged tokenizer file is one line."""
+    """The model directory's tokenizer, proven by encoding a probe text; a missing or damaged tokenizer
+    file is one line. The probe is the check: tokenizer_config.json can hold values of the wrong kind that
+    load without complaint and break the first encode (``model_max_length: []``: a TypeError per row)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        ids = tokenizer("probe text")["input_ids"]
+        if not all(isinstance(i, int) for i in ids):
+            raise ValueError(f"encoding gives {type(ids[0]).__name__} ids, not integers")
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exception on a damaged file
         raise StageError(
             f"cannot load the tokenizer from {model_dir}: {_first_line(exc)} "
             f"(check tokenizer.json / tokenizer_config.json, or {MODEL_REMEDY})"
         ) from None
+    return tokenizer
 
 
 def read_weight_map(model_dir: Path) -> dict[str, str]:
@@ -259,7 +264,8 @@ def read_npy(path: Path, remedy: str, *, mmap: bool = False, ndim: int | None = 
         raise damaged(path, "not found", remedy)
     try:
         array = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except (ValueError, EOFError, OSError, pickle.UnpicklingError) as exc:
+    except Exception as exc:  # noqa: BLE001 - numpy parses a damaged header with tokenize (TokenError)
+        # and ast, and reads its body with ValueError, EOFError, OSError or UnpicklingError: a damaged file
         raise damaged(path, f"not a readable .npy array ({_first_line(exc)})", remedy) from None
     if not isinstance(array, np.ndarray):
         raise damaged(path, f"holds a {type(array).__name__}, not one array", remedy)

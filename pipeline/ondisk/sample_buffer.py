@@ -9,7 +9,9 @@ hashes the bytes the last ``read`` took in: verify's checksum check costs a hash
 
 It uses three methods of torch's own zip reader (``get_record``, ``has_record``, ``get_record_offset``:
 present in torch 2.10, 2.11 and 2.13, which the tests and the H200 runs use; torch.load's own mmap path has
-used them since 2.1, so the image's 2.9.1 has them too, not run here). Only what ``formats.write_sample``
+used them since 2.1, so the image's 2.9.1 has them too, not run here), and ``get_record_size`` to refuse a
+storage record of another size than the pickle says, as torch.load does (where it is missing, every file
+takes torch.load's path). Only what ``formats.write_sample``
 writes takes this path: a little-endian torch zip whose pickle names ``_rebuild_tensor_v2``, typed storages
 of the dtypes a sample holds and the empty hooks ``OrderedDict``, and whose tensors are contiguous from
 offset 0 inside the file. Anything else, including any error of torch's reader, raises ``NotFastPath``, and
@@ -33,6 +35,9 @@ import torch
 from pipeline.ondisk import formats
 
 _ZipReader = torch._C.PyTorchFileReader  # the reader torch.load uses; by name here so tests can age it
+# the small records torch.load reads besides byteorder, the pickle and the storages: a file whose record here
+# is damaged must not pass the fast path when torch.load (speculators' loader, train) cannot read it
+_SMALL_RECORDS = (".format_version", ".storage_alignment", ".data/version", "version")
 _DTYPES = {
     "BFloat16Storage": torch.bfloat16,
     "HalfStorage": torch.float16,
@@ -111,6 +116,11 @@ class _Unpickler(pickle.Unpickler):
         nbytes = numel * dtype.itemsize
         if not self._reader.has_record(record):
             raise NotFastPath(f"no record {record}")
+        size_of = getattr(self._reader, "get_record_size", None)
+        if size_of is None:
+            raise NotFastPath("torch's zip reader has no get_record_size")
+        if size_of(record) != nbytes:  # torch.load refuses a storage of another size than its pickle says
+            raise NotFastPath(f"record {record} holds {size_of(record)} bytes, the pickle {nbytes}")
         start = self._reader.get_record_offset(record)
         if start + nbytes > self._data.numel():  # the view stays inside this file's bytes
             raise NotFastPath(f"record {record} past the end")
@@ -162,6 +172,9 @@ class SampleBuffer:
             reader = _ZipReader(_View(view))
             if reader.get_record("byteorder") != b"little":
                 raise NotFastPath("byte order")
+            for name in _SMALL_RECORDS:  # read by torch.load first: a damaged one fails it, so it fails here
+                if reader.has_record(name):
+                    reader.get_record(name)
             return _Unpickler(reader.get_record("data.pkl"), reader, self._buffer[:size]).load()
         except NotFastPath:
             raise

@@ -15,6 +15,9 @@ from pipeline.errors import StageError
 from pipeline.options import opt, validate
 
 
+MIN_MAX_LEN = 2  # a packed batch holds at least one sample of two tokens: one position to train on
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Options of the train stage; flags only override these defaults (the command line is made from these
@@ -32,36 +35,44 @@ class TrainConfig:
     )
     # then data_config's `model`
     model: Path | None = opt(None, help="Target model dir, config.json only [default: verifier.json source].")
-    epochs: int = opt(3, help="Total epochs of the run (a resumed run counts the epochs already done).")
-    lr: float = opt(1e-4, help="AdamW learning rate.")
+    epochs: int = opt(
+        3, low=1, help="Total epochs of the run (a resumed run counts the epochs already done)."
+    )
+    lr: float = opt(1e-4, low=0, low_open=True, help="AdamW learning rate.")
     # draft tokens unrolled per position
-    ttt_steps: int = opt(3, help="Training-time-test steps.")
-    ttt_step_loss_decay: float = opt(1.0, help="The loss of TTT step j weighs decay**j.")
-    num_layers: int = opt(1, help="Draft decoder layers.")
-    intermediate_size: int | None = opt(None, help="Draft MLP width [default: the target's].")
+    ttt_steps: int = opt(3, low=1, help="Training-time-test steps.")
+    ttt_step_loss_decay: float = opt(1.0, low=0, help="The loss of TTT step j weighs decay**j.")
+    num_layers: int = opt(1, low=1, help="Draft decoder layers.")
+    intermediate_size: int | None = opt(None, low=1, help="Draft MLP width [default: the target's].")
     norm_before_residual: bool = opt(
         False,
         decls="--norm-before-residual/--no-norm-before-residual",
         help="speculators' Eagle3 option of that name.",
     )
-    max_len: int = opt(2048, help="Tokens per packed batch.")  # samples are packed up to this length
-    eval_fraction: float = opt(0.1, help="Share of samples held out.")  # for validation and acceptance
+    max_len: int = opt(
+        2048, low=MIN_MAX_LEN, help="Tokens per packed batch."
+    )  # samples are packed up to this length
+    eval_fraction: float = opt(
+        0.1, low=0, low_open=True, high=1, help="Share of samples held out."
+    )  # for validation and acceptance
     held_out: str = opt(
         "shuffled",
         choices=("shuffled", "last"),
         help="Which samples are held out: a seeded shuffle's share, or the last ones, as `speculators train "
         "--train-data-ratio 1-F` splits what export-speculators writes (then both hold out the same ones).",
     )
-    eval_k: int | None = opt(None, help="Draft tokens per position when measuring [default: --ttt-steps].")
-    eval_max_samples: int = opt(64, help="Held-out samples the acceptance is measured on.")
-    seed: int = opt(0, help="Seeds python, numpy, torch, the split and the sampler.")
+    eval_k: int | None = opt(
+        None, low=1, help="Draft tokens per position when measuring [default: --ttt-steps]."
+    )
+    eval_max_samples: int = opt(64, low=1, help="Held-out samples the acceptance is measured on.")
+    seed: int = opt(0, low=0, high=2**32 - 1, help="Seeds python, numpy, torch, the split and the sampler.")
     resume: bool = opt(False, help="Continue from the last complete epoch in OUT/checkpoints.")
     overwrite: bool = opt(False, help="Replace an existing output dir.")
     stop_after_epochs: int | None = opt(
-        None, help="Train at most N epochs now; continue later with --resume."
+        None, low=1, help="Train at most N epochs now; continue later with --resume."
     )
     scheduler: str = opt("linear", choices=("linear", "cosine", "none"), help="Learning-rate schedule.")
-    warmup_steps: int | None = opt(None, help="Scheduler warmup steps [default: 1% of all steps].")
+    warmup_steps: int | None = opt(None, low=0, help="Scheduler warmup steps [default: 1% of all steps].")
     device: str = opt("auto", help="auto | cpu | cuda | cuda:N")  # torchrun: the local rank's GPU
     # see pipeline/train/draft.py
     attention: str = opt(
@@ -69,11 +80,13 @@ class TrainConfig:
         choices=("auto", "flex", "dense"),
         help="Draft attention: flex (GPUs) or dense (any device); auto: flex on a GPU.",
     )
-    num_workers: int | None = opt(None, help="Data loader workers [default: 0 on CPU, 4 on GPU].")
+    num_workers: int | None = opt(
+        None, low=0, high=1024, help="Data loader workers [default: 0 on CPU, 4 on GPU]."
+    )
     save_dtype: str = opt(
         "bfloat16", choices=("bfloat16", "float16", "float32"), help="Dtype of the exported draft/ weights."
     )
-    draft_vocab_size: int | None = opt(None, help="Expected draft vocab size (checked against d2t).")
+    draft_vocab_size: int | None = opt(None, low=1, help="Expected draft vocab size (checked against d2t).")
     trust_remote_code: bool = opt(
         False,
         help="Read the target's config.json through its own Python code (e.g. Kimi-K2.5), not as plain JSON.",
@@ -83,8 +96,8 @@ class TrainConfig:
         help="Also serve the draft with vLLM (EAGLE-3 speculative decoding) on "
         "held-out prompts and report vLLM's acceptance.",
     )
-    online_prompts: int = opt(16, help="With --online-eval: held-out prompts to generate from.")
-    online_max_tokens: int = opt(32, help="With --online-eval: greedy tokens per prompt.")
+    online_prompts: int = opt(16, low=1, help="With --online-eval: held-out prompts to generate from.")
+    online_max_tokens: int = opt(32, low=1, help="With --online-eval: greedy tokens per prompt.")
     states_mode: str = opt(
         "offline",
         choices=("offline", "online", "hybrid"),
@@ -113,11 +126,11 @@ class TrainConfig:
     plots: bool = opt(True, decls="--no-plots", help="Skip the PNG plots.")
 
     def __post_init__(self) -> None:
-        validate(self)
-        if self.ttt_steps < 1:
-            raise StageError(f"--ttt-steps {self.ttt_steps} must be at least 1")
-        if self.epochs < 1:
-            raise StageError(f"--epochs {self.epochs} must be at least 1")
+        validate(self)  # every number in its declared range (NaN and infinities refused), before any file
+        if not self.eval_fraction < 1:
+            raise StageError(
+                f"--eval-fraction {self.eval_fraction} must be below 1: no sample would be trained on"
+            )
         produced = self.states_mode != "offline"
         if produced:
             from pipeline.train.states import parse_bytes

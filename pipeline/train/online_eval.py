@@ -25,6 +25,8 @@ from pathlib import Path
 
 import click
 
+from pipeline.ondisk.paths import LoopCheckedPath
+
 from pipeline.ondisk.atomic import write_json
 from pipeline.errors import StageError
 
@@ -206,8 +208,8 @@ def measure(cfg: OnlineConfig, prompts: list[list[int]], workdir: Path) -> dict:
 
 
 @click.command()
-@click.option("--request", type=click.Path(path_type=Path, exists=True), required=True)
-@click.option("--out", type=click.Path(path_type=Path), required=True)
+@click.option("--request", type=LoopCheckedPath(exists=True), required=True)
+@click.option("--out", type=LoopCheckedPath(), required=True)
 def main(request: Path, out: Path) -> None:
     """Child process: one vLLM run described by --request, result to --out (internal)."""
     req = json.loads(request.read_text())

@@ -791,6 +791,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
         torch.set_float32_matmul_precision("high")  # TF32 matmuls: the draft trains in fp32 parameters
     held = contextlib.ExitStack()  # the output's lock, held by rank 0 until the run ends
     producer = None
+    fresh = not Path(cfg.out).exists()  # this run creates --out: a failure before any epoch takes it away
     try:
         produced = None
         if cfg.states_mode == "offline":
@@ -1019,6 +1020,19 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
             plots.draw_all(out)
         return summary
+    except BaseException:
+        # a run that created --out and fails (a full disk, Ctrl-C, a bad input found late) before its first
+        # epoch's checkpoint leaves nothing to resume: no half-written output either (one process only: in a
+        # torchrun job the other ranks may still write there)
+        if (
+            fresh
+            and rt.is_main
+            and rt.world_size == 1
+            and Path(cfg.out).is_dir()
+            and last_epoch(cfg.out) is None
+        ):
+            shutil.rmtree(cfg.out, ignore_errors=True)
+        raise
     finally:
         if producer is not None:  # the trainer failed: stop producing before the backend is closed
             producer.stop()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import csv
+import os
 import shlex
 
 import pytest
 
-from ops.agent import command, probe_request, terminate_request
+from ops.agent import client_identity, command, probe_request, terminate_request
 from ops.errors import ConfigError
 from ops.hosts import HostConfig
 from ops.secret_env import RedactingWriter, available, env_file_text, protect, redact, start_command
@@ -202,7 +203,9 @@ def test_agent_requests():
         "groups": [9],
         "grace": 1,
         "kill_wait": 2,
+        "client": client_identity(),  # this ops process: never signalled, nor anything under it
     }
+    assert client_identity()["pid"] == os.getpid() and client_identity()["boot_id"]
 
 
 def test_start_command_runs_only_with_a_whole_env_file_and_always_removes_it(tmp_path):

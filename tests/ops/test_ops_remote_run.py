@@ -350,7 +350,8 @@ def test_ctrl_c_stops_the_stage_and_restores_the_server(scene, extracted, dk):
 @pytest.mark.slow
 def test_server_side_drop_is_reported_and_attach_recovers(scene, extracted, dk, sshd):
     """The host end of the connection dies mid-follow (sshd's session processes killed): ops says it lost
-    the connection (exit 1) instead of hanging, the container is untouched, attach finishes the run."""
+    the connection (exit 3, the connection's code) instead of hanging, the container is untouched, attach
+    finishes the run."""
     assert extracted[0].returncode == 0
     proc, _ = start_until_started(scene, "drop2")
     sessions = subprocess.run(
@@ -360,7 +361,7 @@ def test_server_side_drop_is_reported_and_attach_recovers(scene, extracted, dk, 
     for pid in sessions:  # only our sshd's per-connection children: this test's connection
         os.kill(int(pid), signal.SIGKILL)
     rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and "lost during" in rest, rest
+    assert proc.returncode == 3 and "lost during" in rest, rest
     assert dk.containers.get("eagle-drop2").wait(timeout=120)["StatusCode"] == 0
     res = ops(scene, "attach", "drop2", "--runs-dir", str(scene["runs"]))
     assert res.returncode == 0, res.stdout + res.stderr

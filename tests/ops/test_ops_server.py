@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ops_helpers import run_ops, ssh_table, write_hosts
+from ops.agent import client_identity
 from ops.gpus import ServerFacts
 from ops.hosts import HostConfig, Timeouts, parse_strategy
 from ops.server import START_WATCH, plan_restore, plan_stop
@@ -112,6 +113,7 @@ def test_stop_and_restore_plans_are_exact_argv():
         "groups": [77],
         "grace": 42,
         "kill_wait": 5.0,
+        "client": client_identity(),
         "spare_ssh_session": True,
     }  # ops' own processes on the host are never signalled
     start = plan_restore(

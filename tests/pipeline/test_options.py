@@ -169,7 +169,7 @@ def test_stage_configs_refuse_bad_values_in_the_cli_words():
     base = {"data": Path("d"), "verifier": Path("v"), "out": Path("o")}
     with pytest.raises(StageError, match=r"^Invalid value for '--scheduler': 'x' is not one of"):
         TrainConfig(**base, scheduler="x")
-    with pytest.raises(StageError, match=r"^--epochs 0 must be at least 1$"):
+    with pytest.raises(StageError, match=r"^--epochs 0 is outside the allowed range \(at least 1\)$"):
         TrainConfig(**base, epochs=0)
     save_dtype = next(f for f in dataclasses.fields(TrainConfig) if f.name == "save_dtype")
     assert set(save_dtype.metadata["pipeline.options"].choices) == set(DTYPES)
