@@ -114,8 +114,10 @@ class TrainConfig:
     layer_ids: tuple[int, ...] | None = opt(
         None, help="online/hybrid: captured decoder layers, comma-separated (default 2,L//2,L-3,L-1)."
     )
-    states_max_batch_tokens: int = opt(32768, help="online/hybrid: padded tokens per producing forward.")
-    states_max_batch_size: int = opt(64, help="online/hybrid: samples per producing forward at most.")
+    states_max_batch_tokens: int = opt(
+        32768, low=1, help="online/hybrid: padded tokens per producing forward."
+    )
+    states_max_batch_size: int = opt(64, low=1, help="online/hybrid: samples per producing forward at most.")
     checkpoint_steps: int | None = opt(
         None,
         low=1,
@@ -160,5 +162,3 @@ class TrainConfig:
             ]
             if given:
                 raise StageError(f"{', '.join(given)}: only with --states-mode online or hybrid")
-        if self.states_max_batch_tokens < 1 or self.states_max_batch_size < 1:
-            raise StageError("--states-max-batch-tokens and --states-max-batch-size must be at least 1")
