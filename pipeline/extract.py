@@ -657,6 +657,9 @@ def run(cfg: ExtractConfig) -> dict:
         options = replace(options, planned_tokens=sum(int(lengths[i]) for b in batches for i in b.indices))
         with get_backend(cfg.backend, options) as backend:
             startup.update(model_load_seconds=time.perf_counter() - load0, loop_start_seconds=process_age())
+            # how the states were computed, so that `verify --model` recomputes them the same way (bf16 paths
+            # that round differently drift apart at deep layers: 10-11% on random 8B weights, H200)
+            expected.extra["compute_path"] = compute_path(backend)
             stats = run_loop(
                 backend,
                 prepared,
@@ -679,6 +682,16 @@ def run(cfg: ExtractConfig) -> dict:
     )
     stats.setdefault("startup", startup)
     return stats
+
+
+def compute_path(backend: Backend) -> dict:
+    """The backend and the kernels it ran (data_config.json's ``extra.compute_path``): the hf backend's
+    compiled layers or fused RMSNorms, the vllm backend's compile."""
+    return {
+        "backend": backend.name,
+        "compiled": bool(getattr(backend, "compiled", False)),
+        "fused_norms": bool(getattr(backend, "fused_norms", None)),
+    }
 
 
 def record_missing_checksums(out: Path, done: set[int]) -> None:

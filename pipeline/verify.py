@@ -829,8 +829,20 @@ def _open_target(cfg: VerifyConfig, dc: formats.DataConfig):
             dtype=dtype,
             seq_length=dc.seq_length,
             trust_remote_code=cfg.trust_remote_code,
+            **recompute_kernels((dc.extra if isinstance(dc.extra, dict) else {}).get("compute_path")),
         )
     )
+
+
+def recompute_kernels(path: dict | None) -> dict:
+    """The hf backend's kernel options for the spot re-computation: the extraction's own (data_config.json's
+    ``extra.compute_path``) when the hf backend made the set, so that the comparison sees no rounding of
+    another path (compiled, fused and plain bf16 paths were 10-11% apart at deep layers of a random 8B model
+    on the H200, against the bf16 tolerance of 0.1); eager otherwise (a set of the vllm backend, or written
+    before the path was recorded): a compile never pays for a few samples. On the CPU both are off anyway."""
+    if isinstance(path, dict) and path.get("backend") == "hf":
+        return {"compile": bool(path.get("compiled")), "fused_norms": bool(path.get("fused_norms"))}
+    return {"compile": False, "fused_norms": None}
 
 
 def _target_argmax(model, ids: torch.Tensor) -> torch.Tensor:

@@ -236,6 +236,22 @@ def test_extract_output_verifies_and_matches_prepared(extracted_llama, prepared_
     assert d["input_ids"].tolist() == prepared.ids(7).tolist()
     assert d["loss_mask"].tolist() == prepared.mask(7).tolist()
     assert not list(extracted_llama.glob("*.partial"))
+    # the kernels it ran, for verify --model's re-computation (the CPU: eager, unfused)
+    assert cfg.extra["compute_path"] == {"backend": "hf", "compiled": False, "fused_norms": False}
+
+
+def test_verify_recomputes_on_the_path_the_extraction_took():
+    """An hf set is recomputed with its own compile and fused-norm choices; a vllm set, or one written before
+    the path was recorded, eagerly with the default norms (never a compile for a few samples)."""
+    from pipeline.verify import recompute_kernels
+
+    compiled = {"backend": "hf", "compiled": True, "fused_norms": False}
+    fused = {"backend": "hf", "compiled": False, "fused_norms": True}
+    assert recompute_kernels(compiled) == {"compile": True, "fused_norms": False}
+    assert recompute_kernels(fused) == {"compile": False, "fused_norms": True}
+    eager = {"compile": False, "fused_norms": None}
+    assert recompute_kernels({"backend": "vllm", "compiled": True}) == eager
+    assert recompute_kernels(None) == recompute_kernels("damaged") == eager
 
 
 def test_killed_run_resumes_to_identical_files(tmp_path, tiny_llama, prepared_llama):
