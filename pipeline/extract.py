@@ -588,7 +588,7 @@ def run(cfg: ExtractConfig) -> dict:
         from pipeline.backends.choice import resolve
 
         choice = resolve(cfg.backend, cfg.model)
-        # said once the run starts its backend (below), so that a refused input still gets one line only
+        # said on stdout beside the closing line (stderr carries only a failure's one `error:` line)
         startup["backend_choice"] = f"backend {choice.backend}: {choice.reason}"
         cfg = replace(cfg, backend=choice.backend)
     _check_parallel(cfg)
@@ -651,8 +651,6 @@ def run(cfg: ExtractConfig) -> dict:
             # backend's host side is the same kind of work (each writer thread splits and copies a sample's
             # states and computes its facts), so it gets the same cap; its engine runs in processes of its own
             torch.set_num_threads(max(1, min(16, (os.cpu_count() or 2) // 2)))
-        if "backend_choice" in startup:
-            click.echo(f"extract: {startup['backend_choice']}", err=True)
         load0 = time.perf_counter()
         options = replace(options, planned_tokens=sum(int(lengths[i]) for b in batches for i in b.indices))
         with get_backend(cfg.backend, options) as backend:
@@ -892,6 +890,9 @@ def command(json_stats: bool, **kwargs) -> None:
             else ")"
         )
     )
+    choice = (stats.get("startup") or {}).get("backend_choice")
+    if choice:
+        click.echo(f"extract: --backend auto chose {choice}")
     if cfg.verify:
         verify.report(
             verify.VerifyConfig(

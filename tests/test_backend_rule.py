@@ -49,3 +49,17 @@ def test_the_container_side_reads_the_weight_bytes_and_resolves_auto(tiny_llama)
     assert resolve("auto", tiny_llama).backend == "hf"
     assert resolve("auto", tiny_llama).reason.startswith("no GPU visible")
     assert resolve("vllm", tiny_llama).backend == "vllm"
+
+
+def test_extract_says_what_auto_chose_on_stdout_and_keeps_stderr_clean(tmp_path, tiny_llama, prepared_llama):
+    """`pipeline extract` without --backend resolves auto, names its choice and why on stdout beside the
+    closing line, and writes nothing on stderr (where a failure's one `error:` line goes)."""
+    from pipeline.ondisk import formats
+    from tests.conftest import run_pipeline
+
+    out = tmp_path / "states"
+    args = ("--prepared", prepared_llama, "--model", tiny_llama, "--out", out, "--limit", 2, "--no-progress")
+    res = run_pipeline("extract", *args, check=True)
+    assert "extract: --backend auto chose backend hf: no GPU visible" in res.stdout
+    assert res.stderr.strip() == ""
+    assert formats.read_data_config(out).backend == "hf"
