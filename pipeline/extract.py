@@ -364,13 +364,11 @@ def prepare_output_dir(
         )
     if cfg.resume and has_config:
         found = formats.read_data_config(out)
-        keys = ("model", "layer_ids", "hidden_size", "dtype", "num_samples", "seq_length", "prepared")
-        diff = [k for k in keys if getattr(found, k) != getattr(expected, k)]
-        if diff:
-            k = diff[0]
+        mismatch = formats.resume_mismatch(found, expected)
+        if mismatch:
             raise StageError(
-                f"cannot --resume {out}: its data_config.json has {k}={getattr(found, k)!r} but this run has "
-                f"{getattr(expected, k)!r}; use --overwrite or another --out"
+                f"cannot --resume {out}: its data_config.json has {mismatch}; "
+                "use --overwrite or another --out"
             )
         expected.provenance_history = [
             *found.provenance_history,

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from contract import sizes
 from pipeline.backends import vllm_scratch
 from pipeline.backends.base import Backend, BackendOptions, Captured, visible_device_count
 from pipeline.backends.vllm_feed import EngineFeed
@@ -184,12 +185,11 @@ class VllmBackend(Backend):
         check_routing(options)
         self.layer_ids = [int(k) for k in options.layer_ids]
         # the connector's files live here only until a writer thread has read them (vllm_scratch.py)
-        dtype_bytes = 4 if options.dtype == "float32" else 2
         need = vllm_scratch.in_flight_bytes(
             max(options.max_batch_tokens, options.seq_length),
             len(self.layer_ids),
             options.model.hidden_size,
-            dtype_bytes,
+            sizes.dtype_bytes(options.dtype),
         )
         where = vllm_scratch.choose(options.scratch_dir or Path(tempfile.gettempdir()), need)
         self.scratch_reason = where.reason

@@ -267,6 +267,19 @@ def write_data_config(directory: Path, config: DataConfig) -> None:
     write_json(directory / DATA_CONFIG, asdict(config))
 
 
+# what a resumed run's data_config.json must share with the run resuming it (extract --resume, train's states)
+RESUME_KEYS = ("model", "layer_ids", "hidden_size", "dtype", "num_samples", "seq_length", "prepared")
+
+
+def resume_mismatch(found: DataConfig, expected: DataConfig) -> str | None:
+    """The first of ``RESUME_KEYS`` on which an existing set's config and this run's differ, said as
+    ``key=found!r`` against ``expected!r``; None when the run may continue the set."""
+    for k in RESUME_KEYS:
+        if getattr(found, k) != getattr(expected, k):
+            return f"{k}={getattr(found, k)!r} but this run has {getattr(expected, k)!r}"
+    return None
+
+
 def read_data_config(directory: Path) -> DataConfig:
     path = directory / DATA_CONFIG
     if not path.is_file():

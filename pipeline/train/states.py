@@ -271,13 +271,11 @@ def prepare_states_dir(
             "choose another --data"
         )
     if resume and found is not None:
-        keys = ("model", "layer_ids", "hidden_size", "dtype", "num_samples", "seq_length", "prepared")
-        diff = [k for k in keys if getattr(found, k) != getattr(expected, k)]
-        if diff:
-            k = diff[0]
+        mismatch = formats.resume_mismatch(found, expected)
+        if mismatch:
             raise StageError(
-                f"cannot --resume with states dir {directory}: its data_config.json has {k}="
-                f"{getattr(found, k)!r}, this run {getattr(expected, k)!r}; use --overwrite or another --data"
+                f"cannot --resume with states dir {directory}: its data_config.json has {mismatch}; "
+                "use --overwrite or another --data"
             )
     directory.mkdir(parents=True, exist_ok=True)
     for name in (FAILED, DONE):

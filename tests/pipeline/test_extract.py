@@ -295,3 +295,14 @@ def test_killed_run_resumes_to_identical_files(tmp_path, tiny_llama, prepared_ll
             f"data_{i}.pt differs"
         )
     assert not list(out.glob(".*partial"))
+
+
+def test_resume_mismatch_names_the_first_key_that_differs(extracted_llama):
+    """extract --resume and train's states dir share one rule: the first of formats.RESUME_KEYS that differs,
+    with both values; none for the same run."""
+    from dataclasses import replace
+
+    found = formats.read_data_config(extracted_llama)
+    assert formats.resume_mismatch(found, found) is None
+    other = replace(found, dtype="bfloat16", num_samples=7)
+    assert formats.resume_mismatch(found, other) == "dtype='float32' but this run has 'bfloat16'"
