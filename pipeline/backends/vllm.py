@@ -24,6 +24,7 @@ points must be import-safe (``if __name__ == "__main__":``), which ``python -m p
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sys
@@ -155,10 +156,35 @@ def engine_arguments(
     return args
 
 
+@contextlib.contextmanager
+def engine_process(in_process: bool):
+    """Around the engine's construction: vLLM's engine core in this process (``in_process``: tensor parallel
+    1, whose one worker then runs here too, so our connector hands the states over in memory) or in a
+    process of its own (vLLM's default; a tensor-parallel engine's workers are processes either way). An
+    operator's own VLLM_ENABLE_V1_MULTIPROCESSING wins. The variable is restored once the engine is built;
+    vLLM's cache of its variables, which an engine built earlier in this process froze, is cleared first."""
+    from vllm import envs
+
+    from pipeline.backends.vllm_connector import HANDOFF
+
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(key)
+    if before is None:
+        os.environ[key] = "0" if in_process else "1"
+    envs.disable_envs_cache()
+    HANDOFF.enable()  # taken only by a connector that runs in this process
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+
+
 class VllmBackend(Backend):
     """A vLLM engine whose extract_hidden_states drafter writes each request's layer states to a file."""
 
     name = "vllm"
+    _handoff = None  # the connector's in-memory hand-over, when the engine runs in this process
 
     def __init__(self, options: BackendOptions):
         if options.device not in ("auto", "cuda") and not (
@@ -193,20 +219,36 @@ class VllmBackend(Backend):
         )
         where = vllm_scratch.choose(options.scratch_dir or Path(tempfile.gettempdir()), need)
         self.scratch_reason = where.reason
-        print(f"vllm backend: the engine's per-request files wait in {where.reason}", file=sys.stderr)
         self._scratch = vllm_scratch.Scratch(where.root)
         self._storage = self._scratch.path
         from vllm import LLM, SamplingParams
+
+        from pipeline.backends.vllm_connector import HANDOFF
 
         try:
             self.compiled = should_compile(options, on_gpu=devices > 0)
             args = engine_arguments(options, self.tensor_parallel_size, self._storage, self.compiled)
             if devices == 0:
                 args.update(vllm_cpu.engine_arguments(args["dtype"]))
-            self._llm = LLM(**args)
+            with engine_process(in_process=self.tensor_parallel_size == 1):
+                self._llm = LLM(**args)
         except BaseException:
+            HANDOFF.disable()
             self._scratch.close()
             raise
+        # tensor parallel 1, engine core in this process: the connector hands each request's states over in
+        # memory (vllm_connector.Handoff); else its worker writes them to files in the scratch folder
+        self._handoff = HANDOFF if HANDOFF.connected else None
+        self.handoff = "memory" if self._handoff is not None else "files"
+        print(
+            "vllm backend: "
+            + (
+                "the engine runs in this process and hands each request's states over in memory"
+                if self._handoff is not None
+                else f"the engine's per-request files wait in {where.reason}"
+            ),
+            file=sys.stderr,
+        )
         self.profile = Profile()
         # no detokenizer: the engine has none (skip_tokenizer_init) and the one sampled token is not kept
         self._feed = EngineFeed(self._llm, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
@@ -296,14 +338,16 @@ class VllmBackend(Backend):
         self.profile.add(engine_wait=t1 - t0, read=time.perf_counter() - t1, samples=1)
 
     def _drop(self, future: Future) -> None:
-        """A request whose states nobody reads (its sample is already on disk, a resumed batch): its file is
-        removed on a thread of its own once the connector's write releases the lock (the callback runs on
-        the engine thread, which must not wait on a file)."""
+        """A request whose states nobody reads (its sample is already on disk, a resumed batch): its entry
+        is dropped from the hand-over, or its file removed on a thread of its own once the connector's write
+        releases the lock (the callback runs on the engine thread, which must not wait on a file)."""
 
         def remove(done: Future) -> None:
             if done.exception() is None:
                 path = (done.result().kv_transfer_params or {}).get("hidden_states_path")
-                if path:
+                if path and self._handoff is not None:
+                    self._handoff.drop(path)
+                elif path:
                     threading.Thread(target=_remove_when_written, args=(path,), daemon=True).start()
 
         future.add_done_callback(remove)
@@ -316,17 +360,10 @@ class VllmBackend(Backend):
         into: list[torch.Tensor] | None = None,
         scales_into: list | None = None,
     ) -> list[torch.Tensor]:
-        """Sample i's states from the connector's file (waiting on its write's lock), checked, then the file
-        removed. Our connector's layout (``hidden_states.{j}`` per layer, with its facts) is read as it is;
-        vLLM's own (one ``[T, layers, H]`` block) is split here. Shapes are checked from the header before
-        any state is read; each state owns its storage. With ``into`` (the sample's list of states, allocated
+        """Sample i's states, checked: from the in-memory hand-over, or from the connector's file (waiting on
+        its write's lock; the file is removed after). With ``into`` (the sample's list of states, allocated
         empty and never touched) the list's entries are replaced, so the writer holding that list sees them;
         ``scales_into`` gets each state's ``token_scales`` (the connector's, else computed here)."""
-        from safetensors import SafetensorError, safe_open
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states,
-        )
-
         from pipeline.layer_profile import token_scales
 
         if list(output.prompt_token_ids or []) != seq:
@@ -340,62 +377,11 @@ class VllmBackend(Backend):
                 f"(kv_transfer_params={output.kv_transfer_params}): "
                 f"is the {CONNECTOR} connector active?"
             )
-        n, hidden = len(self.layer_ids), self.options.model.hidden_size
-        want = (len(seq), n, hidden)
-        facts = None
-        try:
-            with open(path + ".lock") as lock:
-                fcntl.flock(lock, fcntl.LOCK_SH)  # sleeps until the connector's writer releases LOCK_EX
-                with safe_open(path, framework="pt", device="cpu") as fh:
-                    names = set(fh.keys())
-                    per_layer = "hidden_states.0" in names
-                    if "token_ids" not in names or not (per_layer or "hidden_states" in names):
-                        raise StageError(
-                            f"vLLM's file {path} lacks token_ids or hidden_states (has {sorted(names)})"
-                        )
-                    ids = fh.get_tensor("token_ids")
-                    if ids.tolist() != seq:
-                        raise StageError(
-                            f"vLLM's states of sample {i} are for other tokens ({len(ids)} ids, expected "
-                            f"{len(seq)}): results out of input order or a prefix-cache hit"
-                        )
-                    if per_layer:
-                        layers = sorted(
-                            (x for x in names if x.startswith("hidden_states.")), key=lambda x: int(x[14:])
-                        )
-                        shapes = {tuple(fh.get_slice(x).get_shape()) for x in layers}
-                        shape = (*next(iter(shapes))[:1], len(layers), *next(iter(shapes))[1:])
-                        if (
-                            len(shapes) != 1
-                            or shape != want
-                            or layers != [f"hidden_states.{j}" for j in range(n)]
-                        ):
-                            raise StageError(
-                                f"vLLM's states of sample {i} have shape {shape}, expected {want} "
-                                f"(tokens, one per layer {self.layer_ids}, hidden)"
-                            )
-                        states = [fh.get_tensor(x) for x in layers]
-                        if all(f"token_rms.{j}" in names and f"nonfinite.{j}" in names for j in range(n)):
-                            facts = [
-                                (fh.get_tensor(f"token_rms.{j}"), fh.get_tensor(f"nonfinite.{j}"))
-                                for j in range(n)
-                            ]
-                    else:
-                        shape = tuple(fh.get_slice("hidden_states").get_shape())
-                        if shape != want:
-                            raise StageError(
-                                f"vLLM's states of sample {i} have shape {shape}, expected {want} "
-                                f"(tokens, one per layer {self.layer_ids}, hidden)"
-                            )
-                        block = fh.get_tensor("hidden_states")
-                        states = [block[:, j].contiguous() for j in range(n)]
-        except (OSError, ValueError, SafetensorError) as exc:
-            raise StageError(
-                f"cannot read vLLM's hidden states of sample {i} from {path}: {exc} "
-                "(vLLM's log says why the write failed: 'Hidden-states write failed')"
-            ) from None
-        finally:
-            cleanup_hidden_states(path)
+        if self._handoff is not None:
+            tensors = self._handoff.take(path, self._feed.check_alive)
+        else:
+            tensors = _read_file(i, path)
+        states, facts = request_states(i, seq, tensors, len(self.layer_ids), self.options.model.hidden_size)
         if into is not None:
             into[:] = states
         if scales_into is not None:
@@ -413,6 +399,8 @@ class VllmBackend(Backend):
         self._llm = None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+        if getattr(self, "_handoff", None) is not None:
+            self._handoff.disable()
         scratch = getattr(self, "_scratch", None)
         self._scratch = None
         if scratch is not None:
@@ -431,6 +419,66 @@ def _remove_when_written(path: str) -> None:
     except OSError:
         pass  # no lock: nothing is being written; the scratch folder goes at close() in any case
     cleanup_hidden_states(path)
+
+
+def _read_file(i: int, path: str) -> dict:
+    """The tensors of the connector's file for sample i, once its write released the lock; the file and its
+    lock are removed whatever happens."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+    )
+
+    try:
+        with open(path + ".lock") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)  # sleeps until the connector's writer releases LOCK_EX
+            return load_file(path, device="cpu")
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise StageError(
+            f"cannot read vLLM's hidden states of sample {i} from {path}: {exc} "
+            "(vLLM's log says why the write failed: 'Hidden-states write failed')"
+        ) from None
+    finally:
+        cleanup_hidden_states(path)
+
+
+def request_states(
+    i: int, seq: list[int], tensors: dict, layers: int, hidden: int
+) -> tuple[list[torch.Tensor], list | None]:
+    """Sample i's per-layer ``[T, H]`` states from one request's tensors, and their facts where the
+    connector computed them (else None), after checking that they are for ``seq``'s tokens and have one
+    state per layer and token. Our connector's layout (``hidden_states.{j}`` with ``token_rms.{j}`` and
+    ``nonfinite.{j}``) is taken as it is; vLLM's own (one ``[T, layers, H]`` ``hidden_states`` block) is
+    split here."""
+    want = (len(seq), layers, hidden)
+    ids = tensors.get("token_ids")
+    per_layer = sorted((x for x in tensors if x.startswith("hidden_states.")), key=lambda x: int(x[14:]))
+    if ids is None or not (per_layer or "hidden_states" in tensors):
+        raise StageError(
+            f"vLLM's states of sample {i} lack token_ids or hidden_states (has {sorted(tensors)})"
+        )
+    if ids.tolist() != seq:
+        raise StageError(
+            f"vLLM's states of sample {i} are for other tokens ({len(ids)} ids, expected {len(seq)}): "
+            "results out of input order or a prefix-cache hit"
+        )
+    if not per_layer:
+        block = tensors["hidden_states"]
+        shape = tuple(block.shape)
+        states = [block[:, j].contiguous() for j in range(layers)] if shape == want else []
+    else:
+        states = [tensors[x] for x in per_layer]
+        odd = [tuple(h.shape) for h in states if tuple(h.shape) != (len(seq), hidden)]
+        shape = (len(seq), len(states), hidden) if not odd else (odd[0][0], len(states), *odd[0][1:])
+    if shape != want or (per_layer and per_layer != [f"hidden_states.{j}" for j in range(layers)]):
+        raise StageError(
+            f"vLLM's states of sample {i} have shape {shape}, expected {want} (tokens, one per layer, hidden)"
+        )
+    facts = None
+    if per_layer and all(f"token_rms.{j}" in tensors and f"nonfinite.{j}" in tensors for j in range(layers)):
+        facts = [(tensors[f"token_rms.{j}"], tensors[f"nonfinite.{j}"]) for j in range(layers)]
+    return states, facts
 
 
 class Profile:
@@ -462,8 +510,6 @@ class _Once:
     ``skip`` runs another action instead when the read has not run (a sample nobody will read)."""
 
     def __init__(self, fn):
-        import threading
-
         self._fn = fn
         self._lock = threading.Lock()
         self._done = False

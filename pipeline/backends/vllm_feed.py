@@ -22,11 +22,24 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from pipeline.errors import StageError
+
 _STOP = object()
+# the pause of an engine step that returned nothing while only connector copies were left (in-process core)
+IDLE_STEP_S = 0.0005
+
+
+def connector_work(engine: Any) -> bool:
+    """Whether an engine core running in this process still holds requests for the connector: finished
+    requests whose states it has not yet copied off the device (it does that on the step after they finish).
+    An engine core in its own process keeps stepping for them by itself: False."""
+    core = getattr(engine.engine_core, "engine_core", None)
+    return core is not None and core.scheduler.has_requests()
 
 
 def external_id(request_id: str) -> str:
@@ -65,7 +78,7 @@ class EngineFeed:
         try:
             while True:
                 # wait for work only when the engine has none; else take what has arrived and step
-                block = not self._waiting
+                block = not self._waiting and not connector_work(engine)
                 while True:
                     try:
                         item = self._inbox.get(block=block)
@@ -80,7 +93,10 @@ class EngineFeed:
                     for rid, future in zip(ids, futures, strict=True):
                         self._waiting[external_id(rid)] = future
                     block = False
-                for output in engine.step():
+                outputs = engine.step()
+                if not outputs and not self._waiting:
+                    time.sleep(IDLE_STEP_S)  # only the connector's copies are left: let them finish
+                for output in outputs:
                     if output.finished:
                         future = self._waiting.pop(output.request_id, None)
                         if future is None:
@@ -94,6 +110,15 @@ class EngineFeed:
                     raise RuntimeError(f"vLLM has no unfinished request, but requests {lost} never finished")
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter and every later submit
             self._fail(exc)
+
+    def check_alive(self) -> None:
+        """Raise the engine's error once it has stopped (for callers that wait on the engine's side effects
+        rather than on a future)."""
+        with self._lock:
+            if self._error is not None:
+                raise StageError(f"the vLLM engine stopped: {type(self._error).__name__}: {self._error}")
+            if not self._thread.is_alive():
+                raise StageError("the vLLM engine was closed")
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:

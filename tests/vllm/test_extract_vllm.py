@@ -28,9 +28,10 @@ TOL = fp32_tolerance()  # tests/vllm/conftest.py: 1e-5 on the CPU, TF32 attentio
 LIMIT = 40  # samples per extraction
 
 
-def extract(backend: str, prepared, model, out, *extra) -> None:
+def extract(backend: str, prepared, model, out, *extra) -> str:
+    """The run's stderr."""
     eager = ("--enforce-eager",) if backend == "vllm" else ()
-    run_pipeline(
+    return run_pipeline(
         "extract",
         "--backend",
         backend,
@@ -49,7 +50,7 @@ def extract(backend: str, prepared, model, out, *extra) -> None:
         *extra,
         check=True,
         timeout=900,
-    )
+    ).stderr
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +62,13 @@ def hf_llama_states(tmp_path_factory, prepared_llama, tiny_llama):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vllm_llama_matches_hf(tp, tmp_path, prepared_llama, tiny_llama, hf_llama_states):
-    """extract --backend vllm on the tiny Llama at tensor parallel 1 and 2 writes the hf backend's files."""
+    """extract --backend vllm on the tiny Llama at tensor parallel 1 and 2 writes the hf backend's files; at
+    1 the engine runs in the extract process and hands the states over in memory, at 2 its rank-0 worker
+    process writes them to files."""
     out = tmp_path / f"vllm-tp{tp}"
-    extract("vllm", prepared_llama, tiny_llama, out, "--tensor-parallel-size", tp)
+    log = extract("vllm", prepared_llama, tiny_llama, out, "--tensor-parallel-size", tp)
+    memory, files = "hands each request's states over in memory", "per-request files wait in"
+    assert (memory in log, files in log) == ((True, False) if tp == 1 else (False, True)), log[-2000:]
     result = compare_dirs(out, hf_llama_states)
     assert result["files"] == LIMIT
     assert max(result["worst_per_layer"]) < TOL, result["worst_per_layer"]
@@ -235,6 +240,7 @@ def test_forced_settings_are_in_effect(llama_backend_small_steps):
     )
     assert s["aux_layer_ids"] == [3, 5, 6, 8]
     assert llama_backend_small_steps.dtype == torch.float32
+    assert llama_backend_small_steps.handoff == "memory"  # tensor parallel 1: the engine runs in this process
     # our connector (per-layer states and their facts), not vLLM's, in the live engine
     assert (s["kv_connector"], s["kv_connector_module_path"]) == (
         "EagleStatesConnector",

@@ -178,3 +178,69 @@ def test_our_connectors_file_with_a_lost_layer_is_refused(tmp_path):
     seq = [5, 6, 7]
     with pytest.raises(StageError, match=r"shape \(3, 3, 8\), expected \(3, 4, 8\)"):
         bare_backend()._read(0, seq, output(seq, our_connector_file(tmp_path, seq, layers=3)))
+
+
+def test_handoff_gives_each_entry_once_and_forgets_dropped_ones():
+    """The in-memory hand-over: take returns what put gave (after its copy's event), once; a drop before
+    or after the put leaves nothing behind; a connector of another process never claims it."""
+    import os
+
+    from pipeline.backends.vllm_connector import Handoff
+
+    class Event:
+        synced = 0
+
+        def synchronize(self):
+            Event.synced += 1
+
+    h = Handoff()
+    assert not h.claim()  # not enabled: a connector writes files
+    h.enable()
+    assert h.claim() and h.connected
+    h.put("a", Event(), {"x": 1})
+    assert h.take("a", alive=lambda: None) == {"x": 1} and Event.synced == 1
+    h.drop("b")  # nobody will read b: its later put is discarded
+    h.put("b", Event(), {"x": 2})
+    h.put("c", Event(), {"x": 3})
+    h.drop("c")  # dropped after it arrived
+    assert len(h) == 0
+    pid = os.fork()
+    if pid == 0:  # a forked engine process inherits the module's state, not the right to hand over
+        os._exit(0 if not h.claim() else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_handoff_take_gives_up_when_the_engine_stopped():
+    """A reader waiting for a request whose states never come raises the engine's error, not a hang."""
+    from pipeline.backends.vllm_connector import Handoff
+
+    h = Handoff()
+    h.enable()
+    calls = []
+
+    def alive():
+        calls.append(1)
+        if len(calls) > 2:
+            raise StageError("the vLLM engine stopped: RuntimeError: boom")
+
+    with pytest.raises(StageError, match="engine stopped"):
+        h.take("never", alive=alive, poll=0.01)
+
+
+def test_connector_tensors_split_per_layer_with_their_facts():
+    """layer_tensors: one contiguous [T, H] state per layer of the block, with token_scales of each."""
+    from pipeline.backends.vllm_connector import layer_tensors, slot_mapping
+    from pipeline.layer_profile import token_scales
+
+    block = torch.randn(5, 3, HIDDEN)
+    block[2, 1, 0] = float("nan")
+    out = layer_tensors(block, torch.arange(5))
+    for j in range(3):
+        h = out[f"hidden_states.{j}"]
+        assert h.is_contiguous()
+        torch.testing.assert_close(h, block[:, j], rtol=0, atol=0, equal_nan=True)
+        rms, bad = token_scales(block[:, j].contiguous())
+        assert torch.allclose(out[f"token_rms.{j}"], rms, equal_nan=True)
+        assert torch.equal(out[f"nonfinite.{j}"], bad)
+    assert out["nonfinite.1"].tolist() == [0, 0, 1, 0, 0]
+    assert slot_mapping([3, 1], 4).tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
