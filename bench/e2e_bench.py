@@ -141,14 +141,27 @@ def keep_compared(out: Path, keep: int = COMPARED) -> int:
     return freed
 
 
+# vLLM's own log lines that time its start (weights, profiling, KV cache, compile, warm-up), kept with the
+# second of the run at which each was printed: where an engine's start-up goes
+ENGINE_TIMING = re.compile(r"^(INFO|WARNING) .*\b(took|seconds|[Ll]oading|KV cache|[Cc]ompil|[Ww]arm)")
+
+
 def run_ours(
-    prepared: Path, model: Path, out: Path, extra: list[str], cache: Path, tree: Path | None = None
+    prepared: Path,
+    model: Path,
+    out: Path,
+    extra: list[str],
+    cache: Path,
+    tree: Path | None = None,
+    row_env: dict[str, str] | None = None,
 ) -> dict:
-    """`pipeline extract` with its defaults (plus ``extra``) as a fresh process, from this checkout or, with
-    ``tree``, from another source tree (the baseline: its own pipeline/ and contract/ come first)."""
+    """`pipeline extract` with its defaults (plus ``extra``, with ``row_env`` in its environment) as a fresh
+    process, from this checkout or, with ``tree``, from another source tree (the baseline: its own pipeline/
+    and contract/ come first)."""
     # compiled kernels are cached on disk between runs: a fresh cache, as on a fresh machine
     env = dict(
         os.environ,
+        **(row_env or {}),
         TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
         TRITON_CACHE_DIR=str(cache / "triton"),
         VLLM_CACHE_ROOT=str(cache / "vllm"),
@@ -190,6 +203,7 @@ def run_ours(
         "closing_line": next(line for _, line in lines if CLOSING.search(line)),
         # the backends' own lines: where the vllm backend's files waited, its engine steps and reads
         "backend_lines": [line for _, line in lines if line.startswith(("vllm backend:", "hf backend:"))],
+        "engine_lines": [f"{t:7.1f} s  {line}" for t, line in lines if ENGINE_TIMING.search(line)][:60],
         "verify_seconds": wall - at,
         "peak_gpu_mib": mem.peak_mib,
         "bytes": dir_bytes(out),
@@ -298,8 +312,9 @@ def run_naive(prepared: Path, model: Path, out: Path) -> dict:
     "--also",
     multiple=True,
     help="NAME[@CACHE]:FLAGS - another `pipeline extract` row on the same set with FLAGS instead of "
-    "--extract-args (e.g. 'hf:--backend hf'); @CACHE reuses the compile caches of the row named CACHE "
-    "(a warm start), else the row starts with empty caches.",
+    "--extract-args (e.g. 'hf:--backend hf'); VAR=VALUE tokens among the FLAGS go to the row's "
+    "environment instead (e.g. 'files:VLLM_ENABLE_V1_MULTIPROCESSING=1 --backend vllm'); @CACHE reuses the "
+    "compile caches of the row named CACHE (a warm start), else the row starts with empty caches.",
 )
 @click.option("--json-out", type=click.Path(path_type=Path), default=None)
 @click.option(
@@ -366,9 +381,14 @@ def main(
             # only ours and the naive run are compared file by file: the baseline's set goes at once, so
             # the disk holds two sets at a time, not three
             shutil.rmtree(workdir / f"baseline-{shape}")
-        for name, cache_of, flags in rows:
+        for name, cache_of, flags, row_env in rows:
             runs[name] = run_ours(
-                prepared, model_dir, workdir / f"{name}-{shape}", flags, workdir / f"cache-{cache_of}-{shape}"
+                prepared,
+                model_dir,
+                workdir / f"{name}-{shape}",
+                flags,
+                workdir / f"cache-{cache_of}-{shape}",
+                row_env=row_env,
             )
             keep_compared(workdir / f"{name}-{shape}")
         naive = runs["naive"] = run_naive(prepared, model_dir, workdir / f"naive-{shape}")
@@ -385,12 +405,12 @@ def main(
             {
                 "ours": workdir / f"ours-{shape}",
                 "naive": workdir / f"naive-{shape}",
-                **{name: workdir / f"{name}-{shape}" for name, _, _ in rows},
+                **{name: workdir / f"{name}-{shape}" for name, *_ in rows},
             },
         )
         # ours may be no less exact than the naive bf16 script, layer by layer (a slack of a quarter
         # plus 5e-3)
-        for who in ["ours", *(name for name, _, _ in rows)]:
+        for who in ["ours", *(name for name, *_ in rows)]:
             if any(o > 1.25 * b + 5e-3 for o, b in zip(errors[who], errors["naive"], strict=True)):
                 failures.append(f"{shape}: {who} is further from fp32 than naive: {errors}")
         if gpu:
@@ -407,12 +427,12 @@ def main(
             "rel_err_vs_fp32_per_layer": errors,
         }
         print(json.dumps({shape: results["shapes"][shape]}, indent=1), flush=True)
-        for who in ("ours", "naive", *(name for name, _, _ in rows)):
+        for who in ("ours", "naive", *(name for name, *_ in rows)):
             shutil.rmtree(workdir / f"{who}-{shape}")
     print("\n| shape | run | whole process s | loop tok/s | decoder roofline | peak GPU MiB | write GB/s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for shape, r in results["shapes"].items():
-        for who in ("ours", "baseline", *(name for name, _, _ in rows), "naive"):
+        for who in ("ours", "baseline", *(name for name, *_ in rows), "naive"):
             if who not in r:
                 continue
             x = r[who]
@@ -433,7 +453,7 @@ def main(
     print("\n| shape | closing check of the run | its seconds | record check s | full read s |")
     print("|---|---|---:|---:|---:|")
     for shape, r in results["shapes"].items():
-        for who in ("ours", "baseline", *(name for name, _, _ in rows)):
+        for who in ("ours", "baseline", *(name for name, *_ in rows)):
             if who in r:
                 x = r[who]
                 print(
@@ -447,9 +467,13 @@ def main(
         raise SystemExit("; ".join(failures))
 
 
-def parse_also(spec: str) -> tuple[str, str, list[str]]:
-    """``NAME[@CACHE]:FLAGS`` as (name, the row whose caches it uses, flags)."""
-    head, sep, flags = spec.partition(":")
+ENV_TOKEN = re.compile(r"[A-Z][A-Z0-9_]*=\S*")
+
+
+def parse_also(spec: str) -> tuple[str, str, list[str], dict[str, str]]:
+    """``NAME[@CACHE]:FLAGS`` as (name, the row whose caches it uses, flags, environment): the ``VAR=VALUE``
+    tokens of FLAGS are the row's environment."""
+    head, sep, tokens = spec.partition(":")
     name, _, cache_of = head.partition("@")
     if (
         not sep
@@ -460,7 +484,9 @@ def parse_also(spec: str) -> tuple[str, str, list[str]]:
         raise click.BadParameter(
             f"{spec!r}: expected NAME[@CACHE]:FLAGS with a new row name", param_hint="--also"
         )
-    return name, cache_of or name, flags.split()
+    flags = [t for t in tokens.split() if not ENV_TOKEN.fullmatch(t)]
+    env = dict(t.split("=", 1) for t in tokens.split() if ENV_TOKEN.fullmatch(t))
+    return name, cache_of or name, flags, env
 
 
 if __name__ == "__main__":

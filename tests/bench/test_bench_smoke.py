@@ -219,3 +219,19 @@ def test_loader_bench_times_both_dtypes_on_the_same_batches(tmp_path):
         v > 0 for v in r["tokens_per_s"].values()
     )
     assert r["tokens_per_pass"] > 0 and not (tmp_path / "w").exists()
+
+
+def test_e2e_bench_also_rows_take_environment_tokens_apart_from_flags():
+    """--also 'NAME:VAR=VALUE --flag x': VAR=VALUE goes to the row's environment, the rest to extract; a
+    lower-case or flag-like token stays a flag."""
+    from bench import e2e_bench
+
+    name, cache, flags, env = e2e_bench.parse_also(
+        "files@vllm:VLLM_ENABLE_V1_MULTIPROCESSING=1 --backend vllm a=b"
+    )
+    assert (name, cache, env) == ("files", "vllm", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert flags == ["--backend", "vllm", "a=b"]
+    assert e2e_bench.ENGINE_TIMING.search(
+        "INFO 12-03 21:00:01 [default_loader.py:291] Loading weights took 1.2 seconds"
+    )
+    assert not e2e_bench.ENGINE_TIMING.search("extracted 4 samples into /x (1 batches run; 9 tok/s)")
