@@ -249,7 +249,7 @@ class VllmBackend(Backend):
             ),
             file=sys.stderr,
         )
-        self.profile = Profile()
+        self.profile = Profile(self.handoff)
         # no detokenizer: the engine has none (skip_tokenizer_init) and the one sampled token is not kept
         self._feed = EngineFeed(self._llm, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
         config = self._llm.llm_engine.vllm_config
@@ -483,11 +483,12 @@ def request_states(
 
 class Profile:
     """Where the writer threads' time on vLLM's results went, summed over threads (thread-safe): waiting for
-    the engine to finish a request, and reading its file (the connector's write still running under the
-    lock, the load, the checks, the copy into the sample's states)."""
+    the engine to finish a request, and receiving its states (``handoff`` "memory": waiting for the device
+    copy; "files": the connector's write still running under the lock, the load), with the checks."""
 
-    def __init__(self):
+    def __init__(self, handoff: str = "files"):
         self._lock = threading.Lock()
+        self.handoff = handoff
         self.engine_wait = self.read = 0.0
         self.samples = 0
 
@@ -499,9 +500,10 @@ class Profile:
 
     def line(self) -> str:
         n = max(1, self.samples)
+        how = "taking its states from memory" if self.handoff == "memory" else "reading its file"
         return (
             f"{self.samples} samples read; per sample {1e3 * self.engine_wait / n:.1f} ms waiting for the "
-            f"engine, {1e3 * self.read / n:.1f} ms reading its file (thread-seconds)"
+            f"engine, {1e3 * self.read / n:.1f} ms {how} (thread-seconds)"
         )
 
 
