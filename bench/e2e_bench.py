@@ -194,6 +194,14 @@ def run_ours(
         )
     at, m = found[-1]
     tps = float(m.group(2).replace(",", ""))
+    # said at once, so that a run cut short still shows the rows it finished
+    print(
+        f"{out.name}: {wall:.1f} s; " + " | ".join(line for _, line in lines if CLOSING.search(line)),
+        flush=True,
+    )
+    for _, line in lines:
+        if line.startswith(("vllm backend:", "hf backend:")):
+            print(f"{out.name}: {line}", flush=True)
     return {
         "wall_seconds": wall,
         "loop_tokens_per_s": tps,
