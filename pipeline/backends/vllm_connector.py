@@ -41,7 +41,6 @@ from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
-    _CopyDone,
     extract_from_kv_cache,
 )
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
@@ -81,6 +80,17 @@ def to_host(tensors: dict) -> dict:
             out[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             out[name].copy_(t, non_blocking=True)
     return out
+
+
+class CopyDone:
+    """The "event" of a copy that finished when its call returned (the CPU build): what vLLM's
+    ``get_finished`` polls (``query``) and the readers wait on (``synchronize``)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 class Handoff:
@@ -172,7 +182,7 @@ class EagleStatesConnector(ExampleHiddenStatesConnector):
         if cache.device.type != "cuda":
             # the CPU build: no streams or events, the work is done when the calls return
             tensors = layer_tensors(extract_from_kv_cache(cache, slots, count), pending.token_ids.clone())
-            done: Any = _CopyDone()
+            done: Any = CopyDone()
         else:
             stream = self._get_copy_stream()
             stream.wait_stream(torch.cuda.current_stream())  # the forward that filled the cache comes first
