@@ -4,10 +4,12 @@ on one host: the hosts file's `[hosts.NAME.train]` table and the flags it become
 Owns the table's grammar (mode, budget, states backend, and how the GPUs are split between the producer of
 the states and the trainer: disjoint lists of host GPU indices, or "shared" by both), its validation at the
 boundary, and the pure rendering into `pipeline train` flags and container environment, with a
-description that `--dry-run` prints. It also refuses, in one line, a split today's `pipeline train` cannot
-run (docs/train.md): one training process on one GPU, an hf producer on one GPU, a vLLM engine that takes
-every GPU the process sees, no flag yet that holds the producer to a share of GPU memory. Pure: the host's
-GPU count comes from the preflight's probe (`check_gpu_count`).
+description that `--dry-run` prints. A vllm producer may span several GPUs (tensor parallel over
+`producer_gpus`: `--states-tensor-parallel-size`, the engine on the first N GPUs the container sees, the
+trainer on the one after them). It also refuses, in one line, a split today's `pipeline train` cannot run
+(docs/train.md): one training process on one GPU, an hf producer on one GPU, no flag yet that holds the
+producer to a share of GPU memory. Pure: the host's GPU count comes from the preflight's probe
+(`check_gpu_count`).
 
 Every process this mode starts (the trainer, its producer thread, the hf backend in the same process, or
 the vLLM engine's worker processes, children of it) runs inside the one stage container, so gpu-clean
@@ -40,7 +42,15 @@ _KEYS = (
     "memory_share",
 )
 # the flags this module renders; an operator's own after `--` wins (theirs go to the stage as given)
-FLAGS = ("--states-mode", "--states-budget", "--states-backend", "--states-device", "--device", "--data")
+FLAGS = (
+    "--states-mode",
+    "--states-budget",
+    "--states-backend",
+    "--states-device",
+    "--states-tensor-parallel-size",
+    "--device",
+    "--data",
+)
 
 
 @dataclass(frozen=True)
@@ -169,15 +179,10 @@ def _runnable(ts: TrainStates, docker_gpus: str) -> None:
             f"train.trainer_gpus {list(ts.trainer_gpus)}: pipeline train --states-mode trains in one process "
             "on one GPU (torchrun and FSDP are refused there); list one GPU"
         )
-    if ts.states_backend == "vllm":
-        raise ConfigError(
-            "train.producer_gpus with states_backend vllm: the engine in pipeline train takes every GPU the "
-            'process sees, the trainer\'s included (no states tensor-parallel flag yet); use gpus = "shared"'
-        )
-    if len(ts.producer_gpus) > 1:
+    if len(ts.producer_gpus) > 1 and ts.states_backend == "hf":
         raise ConfigError(
             f"train.producer_gpus {list(ts.producer_gpus)}: the hf states backend produces on one GPU; "
-            "list one"
+            'list one, or set states_backend = "vllm" (tensor parallel over them)'
         )
     if docker_gpus not in ("all", ""):
         raise ConfigError(
@@ -215,12 +220,22 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
     else:
         visible = ",".join(map(str, ts.gpus))
         env = (("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", visible))
-        want += [("--states-device", "cuda:0"), ("--device", "cuda:1")]
+        tp = len(ts.producer_gpus)
+        if ts.states_backend == "hf":
+            want.append(("--states-device", "cuda:0"))
+            producer = f"the hf producer on host GPU {ts.producer_gpus[0]} (cuda:0 in the container)"
+        else:  # the engine's workers take cuda:0..tp-1, the first GPUs the container sees
+            want.append(("--states-tensor-parallel-size", str(tp)))
+            host = ", ".join(map(str, ts.producer_gpus))
+            producer = (
+                f"the vLLM engine tensor parallel {tp} on host GPU{'s' if tp > 1 else ''} {host} "
+                f"(cuda:0..{tp - 1} in the container; the model's attention heads must divide by {tp})"
+            )
+        want.append(("--device", f"cuda:{tp}"))
         split = (
-            f"GPUs split: the hf producer on host GPU {ts.producer_gpus[0]} (cuda:0 in the container), the "
-            f"trainer on host GPU {ts.trainer_gpus[0]} (cuda:1): CUDA_VISIBLE_DEVICES={visible} in PCI "
-            "bus order (nvidia-smi's and gpu-status's numbering); hosts file: train.producer_gpus, "
-            "train.trainer_gpus"
+            f"GPUs split: {producer}, the trainer on host GPU {ts.trainer_gpus[0]} (cuda:{tp}): "
+            f"CUDA_VISIBLE_DEVICES={visible} in PCI bus order (nvidia-smi's and gpu-status's numbering); "
+            "hosts file: train.producer_gpus, train.trainer_gpus"
         )
     flags = tuple(w for flag, value in want if flag not in given for w in (flag, value))
     mine = [f for f, _ in want if f in given]

@@ -108,8 +108,20 @@ class TrainConfig:
     states_budget: str | None = opt(
         None, help="online/hybrid: bytes of state files on disk at most (e.g. 500G, 2T, 64GiB)."
     )
-    states_backend: str = opt("hf", choices=("hf", "vllm"), help="online/hybrid: the extract backend.")
-    states_device: str = opt("auto", help="online/hybrid: the producing device (auto, cpu, cuda:N).")
+    states_backend: str = opt(
+        "auto",
+        choices=("auto", "hf", "vllm"),
+        help="online/hybrid: the extract backend; auto as `pipeline extract --backend auto`: hf where the "
+        "weights fit one GPU, vllm where they do not (contract/backends.py).",
+    )
+    states_device: str = opt("auto", help="online/hybrid: the producing device (auto, cpu, cuda:N; hf).")
+    states_tensor_parallel_size: int | None = opt(
+        None,
+        low=1,
+        high=4096,
+        help="online/hybrid, vllm producer: GPUs its engine spans, the first N visible ones "
+        "[default: all visible]; the trainer's --device then names one past them.",
+    )
     states_dtype: str = opt("auto", help="online/hybrid: dtype of the states (as extract's --dtype).")
     layer_ids: tuple[int, ...] | None = opt(
         None, help="online/hybrid: captured decoder layers, comma-separated (default 2,L//2,L-3,L-1)."
@@ -145,6 +157,11 @@ class TrainConfig:
                     f"--num-workers {self.num_workers} with --states-mode {self.states_mode}: the loader "
                     "reads in the training process (a worker would fork while the producer runs); drop it"
                 )
+            if self.states_tensor_parallel_size is not None and self.states_backend == "hf":
+                raise StageError(
+                    f"--states-tensor-parallel-size {self.states_tensor_parallel_size} with --states-backend "
+                    "hf: the hf producer runs on one device (--states-device); use --states-backend vllm"
+                )
             missing = [f for f, v in (("--prepared", self.prepared), ("--model", self.model)) if v is None]
             if missing:
                 raise StageError(
@@ -156,7 +173,8 @@ class TrainConfig:
                 for flag, v, default in (
                     ("--states-budget", self.states_budget, None),
                     ("--layer-ids", self.layer_ids, None),
-                    ("--states-backend", self.states_backend, "hf"),
+                    ("--states-backend", self.states_backend, "auto"),
+                    ("--states-tensor-parallel-size", self.states_tensor_parallel_size, None),
                 )
                 if v != default
             ]

@@ -311,6 +311,8 @@ class Produced:
     train: list[int]  # dataset index -> sample index
     held_out: list[int]
     backend_options: object  # BackendOptions
+    backend: str  # hf | vllm: --states-backend, auto resolved
+    backend_reason: str  # why (auto's one line, or "as asked")
 
 
 def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
@@ -318,6 +320,7 @@ def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
     them, the states dir's description as extract would write it (plus the plan), then the same checks
     against the verifier and the vocab mapping as an offline run's."""
     from pipeline.backends.base import BackendOptions, resolve_device, resolve_dtype
+    from pipeline.backends.choice import resolve
     from pipeline.modeldir import check_checkpoint, read_model_dir
     from pipeline.ondisk import provenance
     from pipeline.train import states
@@ -331,15 +334,18 @@ def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
             f"but {cfg.model} has {model.vocab_size}: re-run prepare with this model"
         )
     layer_ids = validate_layer_ids(cfg.layer_ids, model.num_layers)
-    dtype = resolve_dtype(
-        cfg.states_dtype if cfg.states_backend == "hf" or cfg.states_dtype != "auto" else "bfloat16",
-        resolve_device(cfg.states_device) if cfg.states_backend == "hf" else torch.device("cpu"),
+    choice = resolve(cfg.states_backend, model.path)  # extract's rule for --backend auto
+    hf = choice.backend == "hf"
+    dtype = resolve_dtype(  # as extract: the vllm engine's auto is bf16 wherever it runs
+        cfg.states_dtype if hf or cfg.states_dtype != "auto" else "bfloat16",
+        resolve_device(cfg.states_device) if hf else torch.device("cpu"),
     )
     n = len(prepared)
     train, held_out = split_indices(n, cfg.eval_fraction, cfg.seed, held_out=cfg.held_out)
     lengths = [prepared.length(i) for i in range(n)]
     width = torch.empty((), dtype=dtype).element_size()
-    sizes = [states.sample_bytes(t, model.hidden_size, len(layer_ids), width) for t in lengths]
+    # what one sample may hold on disk: its file, and with vllm, before it, the engine's file of it
+    sizes = [states.disk_bytes(t, model.hidden_size, len(layer_ids), width, choice.backend) for t in lengths]
     # the training samples evaluate.py's unigram baseline reads at the end: kept too
     measured = train[: cfg.eval_max_samples] if cfg.evaluate else []
     plan = states.plan_states(
@@ -354,7 +360,7 @@ def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
         num_samples=n,
         seq_length=meta.seq_length,
         prepared=str(Path(cfg.prepared).resolve()),
-        backend=cfg.states_backend,
+        backend=choice.backend,
         extra={"states": plan.record()},
         provenance=provenance.record("train-states"),
     )
@@ -371,8 +377,13 @@ def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
         max_batch_tokens=cfg.states_max_batch_tokens,
         trust_remote_code=cfg.trust_remote_code,
         scratch_dir=Path(cfg.data),
+        tensor_parallel_size=cfg.states_tensor_parallel_size,
+        # at most: every training sample each epoch and the held-out once (vllm's compile decision)
+        planned_tokens=cfg.epochs * sum(lengths[i] for i in train) + sum(lengths[i] for i in held_out),
     )
-    return inputs, Produced(prepared, dc, plan, sizes, train, held_out, options)
+    return inputs, Produced(
+        prepared, dc, plan, sizes, train, held_out, options, choice.backend, choice.reason
+    )
 
 
 # ---------------------------------------------------------------- runtime
@@ -863,7 +874,18 @@ def run(cfg: TrainConfig, log=print) -> dict:
             )
             # loaded before the seed: a model load may draw from torch's generator, the draft's init must not
             # see it
-            backend = held.enter_context(get_backend(cfg.states_backend, produced.backend_options))
+            log(f"states: the {produced.backend} backend produces ({produced.backend_reason})")
+            backend = held.enter_context(get_backend(produced.backend, produced.backend_options))
+            if produced.backend == "vllm":  # its engine's processes end with this one even when it is killed
+                from pipeline.train import reaper
+
+                held.enter_context(reaper.watch())
+            got = str(backend.dtype).removeprefix("torch.")
+            if got != produced.data_config.dtype:  # the plan's sizes and the data config assume it
+                raise StageError(
+                    f"the {produced.backend} backend computes states in {got}, the plan assumed "
+                    f"{produced.data_config.dtype}: pass --states-dtype {got}"
+                )
             if rt.device.type == "cuda":  # the hf backend made its own device the current one: the trainer's
                 torch.cuda.set_device(rt.device)
 
@@ -955,6 +977,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
         if producer is not None:
             states_stats = _finish_producer(cfg, produced, producer, train_loader)
             producer = None
+            backend.close()  # its memory (a vLLM engine's GPUs) is free for the evaluation; closes once
         final = last_epoch(out)
         complete = final is not None and final == cfg.epochs - 1
         tokens = inputs.train_tokens * epochs_run
@@ -1034,9 +1057,11 @@ def run(cfg: TrainConfig, log=print) -> dict:
             shutil.rmtree(cfg.out, ignore_errors=True)
         raise
     finally:
-        if producer is not None:  # the trainer failed: stop producing before the backend is closed
-            producer.stop()
-        held.close()
+        try:
+            if producer is not None:  # the trainer failed: stop producing before the backend is closed
+                producer.stop()
+        finally:  # the backend (a vLLM engine and its processes) is closed even if that wait is interrupted
+            held.close()
         if rt.distributed:
             from speculators.train.distributed import maybe_destroy_distributed
 
@@ -1083,7 +1108,7 @@ def _start_producer(cfg: TrainConfig, produced: Produced, backend, train_loader,
     directory = Path(cfg.data)
     present_bytes = sum(formats.data_file(directory, i).stat().st_size for i in present)
     log(
-        f"states ({cfg.states_mode}): {len(order)} samples to produce with the {cfg.states_backend} backend, "
+        f"states ({cfg.states_mode}): {len(order)} samples to produce with the {produced.backend} backend, "
         f"{len(produced.plan.keep)} kept ({len(present)} on disk already), budget "
         f"{produced.plan.budget:,} bytes"
     )

@@ -13,9 +13,10 @@ Owns, for the modes in which no finished hidden-states set exists:
   and the kept samples (``extra["states"]``) so that ``pipeline verify`` checks exactly the kept files; the
   kept files' checksums in the extract journal and index; resume (partial files and transient states of a
   killed run removed, kept files proved to be this run's or produced again);
-* ``Producer``: a thread that runs a ``Backend`` (the extract backends' interface: the hf backend here, the
-  vllm one plugs in the same way) over the samples in the order the trainer reads them and writes each with
-  ``formats.write_sample``, never letting the state files on disk (kept, waiting and being written) exceed the
+* ``Producer``: a thread that runs a ``Backend`` (the extract backends' interface: hf or vllm,
+  ``--states-backend``) over the samples in the order the trainer reads them and writes each with
+  ``formats.write_sample``, never letting the state files on disk (kept, waiting and being written, and the
+  vllm engine's per-request files when its scratch folder is in the states dir: ``disk_bytes``) exceed the
   budget: it waits for the trainer to use and delete waiting files (back-pressure in bytes);
 * ``ProducedDataset``: the trainer's dataset over those files (pipeline/train/data.py's, speculators'
   ``BaseDataset``), which waits for a file to appear, reads it whole, and deletes it when it is transient.
@@ -89,6 +90,22 @@ def sample_bytes(length: int, hidden: int, layers: int, dtype_bytes: int) -> int
     return layers * length * hidden * dtype_bytes + 16 * length + FILE_OVERHEAD
 
 
+def engine_file_bytes(length: int, hidden: int, layers: int, dtype_bytes: int) -> int:
+    """An upper bound on the vllm backend's per-request file of one sample (its connector's layout,
+    pipeline/backends/vllm_connector.py: per layer the states, a float32 rms and an int32 count per token;
+    the int64 ids; safetensors' JSON header, well under FILE_OVERHEAD for a few layers)."""
+    return layers * length * (hidden * dtype_bytes + 8) + 8 * length + FILE_OVERHEAD
+
+
+def disk_bytes(length: int, hidden: int, layers: int, dtype_bytes: int, backend: str) -> int:
+    """What producing one sample may hold on disk at once: its file and, with the vllm backend, first the
+    engine's file of it (read and deleted before the sample's own file is written: the larger of the two)."""
+    own = sample_bytes(length, hidden, layers, dtype_bytes)
+    if backend != "vllm":
+        return own
+    return max(own, engine_file_bytes(length, hidden, layers, dtype_bytes))
+
+
 # ---------------------------------------------------------------- the plan (pure)
 
 
@@ -120,7 +137,7 @@ def plan_states(
     held_out: Sequence[int],
     measured: Sequence[int] = (),
 ) -> StatesPlan:
-    """The keep set under ``budget`` (``sizes``: each sample's ``sample_bytes``). The held-out samples are
+    """The keep set under ``budget`` (``sizes``: each sample's ``disk_bytes``). The held-out samples are
     always kept, and ``measured`` (the training samples the acceptance measurement reads for its unigram
     baseline, pipeline/train/evaluate.py); ``online`` keeps nothing else; ``hybrid`` keeps training samples
     in index order while a window of at least the largest training sample and 1/WINDOW_SHARE of the rest of
@@ -318,13 +335,18 @@ def finish_states_dir(directory: Path, expected: formats.DataConfig) -> int:
 
 
 def state_file_bytes(directory: Path) -> int:
-    """Bytes of the state files in ``directory`` now: ``data_{i}.pt`` and their partial writes (what the
-    budget bounds; the small json records are not counted)."""
+    """Bytes of the state files in ``directory`` now: ``data_{i}.pt``, their partial writes and the vllm
+    backend's per-request files where its scratch folder is there (what the budget bounds; the small json
+    records are not counted)."""
+    from pipeline.extract import VLLM_SCRATCH_GLOB
+
     total = 0
     for p in Path(directory).iterdir():
-        if formats.DATA_FILE_RE.match(p.name) or p.name.endswith(".partial"):
+        counted = formats.DATA_FILE_RE.match(p.name) or p.name.endswith(".partial")
+        files = [p] if counted else list(p.rglob("*")) if p.match(VLLM_SCRATCH_GLOB) else []
+        for f in files:
             try:
-                total += p.stat().st_size
+                total += f.stat().st_size if f.is_file() else 0
             except FileNotFoundError:
                 pass
     return total

@@ -135,6 +135,28 @@ def test_shared_plans_and_operator_flags_win():
     assert any("yours after `--` win: --states-device, --device" in line for line in mine.train.why)
 
 
+def test_vllm_producer_split_over_several_gpus():
+    """A vllm producer on host GPUs 0-5 and the trainer on host GPU 7: the container sees the six then the
+    trainer's, the engine spans the first six (--states-tensor-parallel-size 6, its workers take cuda:0..5),
+    the trainer takes the one after them (cuda:6); no --states-device (the engine refuses cuda:N). An
+    operator's own tensor parallel size after `--` wins."""
+    six = TrainStates("hybrid", "2T", "vllm", (0, 1, 2, 3, 4, 5), (7,))
+    plan = plan_stage(box(six), "train", run_id="t9")
+    assert flag(plan.stage_argv, "--states-tensor-parallel-size") == "6"
+    assert flag(plan.stage_argv, "--device") == "cuda:6" and "--states-device" not in plan.stage_argv
+    env = env_of(plan.docker_run)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,7" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    (split,) = [line for line in plan.train.why if line.startswith("GPUs split")]
+    assert "the vLLM engine tensor parallel 6 on host GPUs 0, 1, 2, 3, 4, 5 (cuda:0..5" in split
+    assert "the trainer on host GPU 7 (cuda:6)" in split
+    one = plan_stage(box(TrainStates("online", "1T", "vllm", (3,), (1,))), "train", run_id="t10")
+    assert flag(one.stage_argv, "--states-tensor-parallel-size") == "1"
+    assert flag(one.stage_argv, "--device") == "cuda:1"
+    mine = plan_stage(box(six), "train", run_id="t11", extra_args=("--states-tensor-parallel-size", "4"))
+    assert mine.stage_argv.count("--states-tensor-parallel-size") == 1
+    assert flag(mine.stage_argv, "--states-tensor-parallel-size") == "4"
+
+
 def test_offline_train_plan_is_unchanged():
     """Without a train table the train stage reads the finished extract set, as before."""
     plan = plan_stage(box(TrainStates()), "train", run_id="t5")
@@ -153,9 +175,14 @@ def test_offline_train_plan_is_unchanged():
         ),
         (TrainStates("hybrid", "2T", "hf", (0,), (6, 7)), {}, "trains in one process on one GPU"),
         (
-            TrainStates("hybrid", "2T", "vllm", (0, 1, 2, 3, 4, 5), (6,)),
+            TrainStates("hybrid", "2T", "vllm", (0, 1, 2, 3, 4, 5), (6, 7)),
             {},
-            "takes every GPU the process sees",
+            "trains in one process on one GPU",
+        ),
+        (
+            TrainStates("hybrid", "2T", "vllm", (0, 1), (2,)),
+            {"docker_gpus": "device=0,1,2"},
+            'docker_gpus = "all"',
         ),
         (TrainStates("hybrid", "2T", "hf", memory_share=0.8), {}, "no flag yet that holds the producer"),
         (TrainStates("hybrid", "2T", "hf", (0,), (1,)), {"docker_gpus": "device=0,1"}, 'docker_gpus = "all"'),
@@ -163,7 +190,8 @@ def test_offline_train_plan_is_unchanged():
 )
 def test_splits_pipeline_train_cannot_run_are_refused(train, kw, message):
     """Engine on 6 GPUs and trainer on 2 is what the issue asks for; today's pipeline train runs one process
-    with one trainer GPU and an hf producer on one GPU, so ops refuses (exit 2) before anything connects."""
+    with one trainer GPU and an hf producer on one GPU (a vllm producer may span several), so ops refuses
+    (exit 2) before anything connects."""
     with pytest.raises(ConfigError, match=message) as err:
         plan_stage(box(train, **kw), "train", run_id="t6")
     assert "\n" not in str(err.value)
@@ -223,6 +251,22 @@ def test_remote_train_dry_run_prints_the_split_and_why(tmp_path):
     )
     assert "CUDA_VISIBLE_DEVICES=3,0" in out
     assert "all run in container eagle-train-" in out and "dry run: nothing was checked" in out
+    tp = write_hosts(
+        tmp_path / "tp.toml",
+        "box",
+        host="gpu-box.invalid",
+        train={**HYBRID, "states_backend": "vllm", "producer_gpus": [0, 1, 2, 3], "trainer_gpus": [4]},
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "ops", "remote-train", "--host", "box", "--hosts-file", str(tp), "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "--states-backend vllm --states-tensor-parallel-size 4 --device cuda:4" in res.stdout
+    assert "the vLLM engine tensor parallel 4 on host GPUs 0, 1, 2, 3" in res.stdout
     bad = write_hosts(
         tmp_path / "b.toml", "box", host="x", train={**HYBRID, "producer_gpus": [0], "trainer_gpus": [0]}
     )

@@ -7,26 +7,27 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from pipeline.errors import StageError
 from pipeline.ondisk import formats
 from pipeline.train import states
-from pipeline.train.config import TrainConfig
-from pipeline.train.files import read_metrics
-from tests.conftest import REPO
-
-SAMPLES = 16  # prepared samples: 12 train, 4 held out
-MAX_LEN = 256
-EPOCHS = 2
+from tests.train.states_helpers import (
+    EPOCHS,
+    SAMPLES,
+    assert_recovered,
+    budget_for,
+    checkpoint_weights,
+    cli_args,
+    interrupt_then_resume,
+    make_stage_inputs,
+    states_config,
+    train_losses,
+)
 
 
 # ---------------------------------------------------------------- the plan (pure)
@@ -145,70 +146,7 @@ def test_replayed_batches_are_the_loaders_own(tmp_path):
 @pytest.fixture(scope="module")
 def stage_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
     """prepare (full vocab as draft vocab) and weights for the tiny Llama; the first SAMPLES samples."""
-    from pipeline import prepare, weights
-
-    root = tmp_path_factory.mktemp("states-inputs")
-    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
-    full = root / "full"
-    prepare.run(
-        prepare.PrepareConfig(
-            data=conversations, model=tiny_llama, out=full, seq_length=128, draft_vocab_size=vocab
-        )
-    )
-    samples, meta = formats.read_prepared(full)
-    rows = [(samples.ids(i).tolist(), samples.mask(i).tolist()) for i in range(SAMPLES)]
-    part = formats.PreparedSamples.from_rows(rows)
-    meta.num_samples, meta.num_tokens = SAMPLES, int(part.offsets[-1])
-    formats.write_prepared(root / "prepared", part, meta)
-    for name in (formats.D2T, formats.T2D, formats.TOKEN_FREQ):
-        (root / "prepared" / name).write_bytes((full / name).read_bytes())
-    weights.run(tiny_llama, root / "verifier")
-    return {"prepared": root / "prepared", "verifier": root / "verifier", "model": tiny_llama}
-
-
-def _config(inputs: dict, data: Path, out: Path, **overrides) -> TrainConfig:
-    base = dict(
-        data=data,
-        verifier=inputs["verifier"],
-        out=out,
-        prepared=inputs["prepared"],
-        model=inputs["model"],
-        epochs=EPOCHS,
-        lr=3e-3,
-        max_len=MAX_LEN,
-        eval_fraction=0.25,
-        eval_max_samples=4,
-        plots=False,
-        device="cpu",
-        num_workers=0,
-    )
-    base.update(overrides)
-    return TrainConfig(**base)
-
-
-def _cli_args(cfg: TrainConfig) -> list[str]:
-    args = ["train"]
-    for flag, value in (
-        ("--data", cfg.data),
-        ("--verifier", cfg.verifier),
-        ("--out", cfg.out),
-        ("--prepared", cfg.prepared),
-        ("--model", cfg.model),
-        ("--epochs", cfg.epochs),
-        ("--lr", cfg.lr),
-        ("--max-len", cfg.max_len),
-        ("--eval-fraction", cfg.eval_fraction),
-        ("--eval-max-samples", cfg.eval_max_samples),
-        ("--device", "cpu"),
-        ("--num-workers", 0),
-        ("--states-mode", cfg.states_mode),
-        ("--states-budget", cfg.states_budget),
-        ("--states-max-batch-size", cfg.states_max_batch_size),
-        ("--checkpoint-steps", cfg.checkpoint_steps),
-    ):
-        if value is not None:
-            args += [flag, str(value)]
-    return [*args, "--no-eval", "--no-plots"]
+    return make_stage_inputs(tmp_path_factory.mktemp("states-inputs"), tiny_llama, conversations)
 
 
 @pytest.fixture(scope="module")
@@ -229,22 +167,8 @@ def offline(stage_inputs, tmp_path_factory) -> dict:
             progress=False,
         )
     )
-    cfg = _config(stage_inputs, root / "states", root / "out")
+    cfg = states_config(stage_inputs, root / "states", root / "out")
     return {"cfg": cfg, "summary": run(cfg, log=lambda m: None)}
-
-
-def _budget(cfg_inputs: dict, offline_states: Path, held: int) -> str:
-    """A budget holding the held-out files and two more of the largest: much less than the set."""
-    sizes = sorted(p.stat().st_size for p in offline_states.glob("data_*.pt"))
-    return str(sum(sizes[-held:]) + 2 * sizes[-1] + 2 * states.FILE_OVERHEAD)
-
-
-def _weights(out: Path, epoch: int) -> dict[str, torch.Tensor]:
-    return load_file(str(out / "checkpoints" / str(epoch) / "model.safetensors"))
-
-
-def _losses(out: Path) -> list[float]:
-    return [r["train"]["loss"] for r in read_metrics(out / "metrics.jsonl") if "train" in r]
 
 
 @pytest.mark.slow
@@ -256,10 +180,10 @@ def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_p
     from pipeline.train.stage import run
 
     ref = offline["cfg"]
-    budget = _budget(stage_inputs, ref.data, held=8)
+    budget = budget_for(ref.data, held=8)
     total = sum(p.stat().st_size for p in ref.data.glob("data_*.pt"))
     assert int(budget) < 0.75 * total  # the whole set would not fit
-    cfg = _config(
+    cfg = states_config(
         stage_inputs,
         tmp_path / "states",
         tmp_path / "out",
@@ -278,9 +202,9 @@ def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_p
     for i in kept:
         assert formats.data_file(cfg.data, i).read_bytes() == formats.data_file(ref.data, i).read_bytes()
     for epoch in range(EPOCHS):
-        a, b = _weights(ref.out, epoch), _weights(cfg.out, epoch)
+        a, b = checkpoint_weights(ref.out, epoch), checkpoint_weights(cfg.out, epoch)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert _losses(cfg.out) == _losses(ref.out)
+    assert train_losses(cfg.out) == train_losses(ref.out)
     assert summary["eval"]["draft"] == offline["summary"]["eval"]["draft"]
     result = verify.verify(verify.VerifyConfig(path=cfg.data))
     assert not [c for c in result.checks if c.status == "fail"], result.checks
@@ -297,8 +221,8 @@ def test_hybrid_reuses_what_it_keeps_and_stays_close_to_offline(stage_inputs, of
     from pipeline.train.stage import run
 
     ref = offline["cfg"]
-    budget = _budget(stage_inputs, ref.data, held=11)  # room for about 3 more training samples
-    cfg = _config(
+    budget = budget_for(ref.data, held=11)  # room for about 3 more training samples
+    cfg = states_config(
         stage_inputs, tmp_path / "states", tmp_path / "out", states_mode="hybrid", states_budget=budget
     )
     summary = run(cfg, log=lambda m: None)
@@ -307,10 +231,10 @@ def test_hybrid_reuses_what_it_keeps_and_stays_close_to_offline(stage_inputs, of
     kept_train = len(kept) - 4  # the 4 the acceptance baseline reads among them
     assert 4 < kept_train < 12, kept
     assert st["produced_samples"] == 4 + 12 + (12 - kept_train) and st["peak_bytes"] <= int(budget)
-    a, b = _weights(ref.out, EPOCHS - 1), _weights(cfg.out, EPOCHS - 1)
+    a, b = checkpoint_weights(ref.out, EPOCHS - 1), checkpoint_weights(cfg.out, EPOCHS - 1)
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert worst < 1e-6, worst
-    la, lb = _losses(ref.out)[-1], _losses(cfg.out)[-1]
+    la, lb = train_losses(ref.out)[-1], train_losses(cfg.out)[-1]
     assert abs(la - lb) <= 1e-5 * abs(la), (la, lb)
     ours, theirs = (r["eval"]["draft"]["acceptance_length"] for r in (summary, offline["summary"]))
     assert abs(ours - theirs) <= 0.05, (ours, theirs)
@@ -325,16 +249,6 @@ def test_hybrid_reuses_what_it_keeps_and_stays_close_to_offline(stage_inputs, of
     assert {"contiguity", "count"} <= failed  # a kept file missing
 
 
-def _state_bytes_watch(directory: Path, stop: threading.Event, seen: list[int]) -> None:
-    while not stop.is_set():
-        if directory.is_dir():
-            try:
-                seen.append(states.state_file_bytes(directory))
-            except OSError:
-                pass
-        time.sleep(0.005)
-
-
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume(stage_inputs, offline, tmp_path):
     """A hybrid `pipeline train` process SIGKILLed in its second epoch, then resumed: the resumed process
@@ -342,8 +256,8 @@ def test_sigkill_mid_epoch_then_resume(stage_inputs, offline, tmp_path):
     no partial or transient state file is left, the kept ones are reused, the state files never exceeded
     the budget, and the draft equals the uninterrupted offline one bit for bit (one sample per forward)."""
     ref = offline["cfg"]
-    budget = _budget(stage_inputs, ref.data, held=8)
-    cfg = _config(
+    budget = budget_for(ref.data, held=8)
+    cfg = states_config(
         stage_inputs,
         tmp_path / "states",
         tmp_path / "out",
@@ -353,63 +267,20 @@ def test_sigkill_mid_epoch_then_resume(stage_inputs, offline, tmp_path):
         checkpoint_steps=1,
     )
     steps = offline["summary"]["train"]["steps_per_epoch"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    argv = [sys.executable, "-m", "pipeline", *_cli_args(cfg)]
-    stop, seen = threading.Event(), []
-    watch = threading.Thread(target=_state_bytes_watch, args=(cfg.data, stop, seen), daemon=True)
-    watch.start()
-    try:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 300
-        rows = []
-        while proc.poll() is None and time.monotonic() < deadline:
-            rows = [r for r in read_metrics(cfg.out / "metrics.jsonl") if "train" in r]
-            if len(rows) >= steps + 2:
-                break
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        killed_at = time.time()
-        assert steps + 2 <= len(rows) < EPOCHS * steps, f"kill landed outside epoch 1 ({len(rows)} steps)"
-        for i in formats.existing_data_indices(cfg.data):  # complete files only: written under a temp name
-            formats.read_sample(formats.data_file(cfg.data, i))
-        keep = set(formats.read_data_config(cfg.data).extra["states"]["kept"])
-        kept_then = {
-            i: formats.data_file(cfg.data, i).stat().st_mtime_ns
-            for i in formats.existing_data_indices(cfg.data)
-            if i in keep
-        }
-        assert len(kept_then) > 4  # the kill came after epoch 1 made the hybrid cache
-        state = json.loads((cfg.out / "checkpoints" / "1" / "training_state.json").read_text())
-        committed = state["global_step"]
-        assert state["local_step"] > 0 and committed >= len(read_metrics(cfg.out / "metrics.jsonl")) - 2
-        resumed = subprocess.run(
-            [*argv, "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-        )
-    finally:
-        stop.set()
-        watch.join()
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming at step {committed}" in resumed.stderr
-    assert max(seen) <= int(cfg.states_budget), (max(seen), cfg.states_budget)
-    rows = [r for r in read_metrics(cfg.out / "metrics.jsonl") if "train" in r]
-    assert [r["step"] for r in rows] == list(range(EPOCHS * steps))
-    again = [r["step"] for r in rows if r["time"] > killed_at]
-    assert min(again) == committed, "a step the killed run had checkpointed was trained again"
-    summary = json.loads((cfg.out / "summary.json").read_text())
-    st = summary["train"]["states"]
-    kept = formats.existing_data_indices(cfg.data)
-    assert not list(cfg.data.glob(".*partial")) and len(kept) == st["kept_samples"]
+    result = interrupt_then_resume(cfg, [(signal.SIGKILL, steps + 2)], timeout=300)
+    (killed,) = result["stops"]
+    assert steps + 2 <= killed["rows"] < EPOCHS * steps, (
+        f"kill landed outside epoch 1 ({killed['rows']} steps)"
+    )
+    assert len(killed["kept"]) > 4  # the kill came after epoch 1 made the hybrid cache
+    assert killed["local_step"] > 0 and killed["committed"] >= killed["rows"] - 2
+    summary = assert_recovered(cfg, result, EPOCHS * steps)
     # only the transient samples of the steps after the checkpoint are produced again; kept files are reused
-    assert st["produced_samples"] < 12
-    assert {i: formats.data_file(cfg.data, i).stat().st_mtime_ns for i in kept_then} == kept_then
-    from pipeline import verify
-
-    assert not [c for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"]
+    assert summary["train"]["states"]["produced_samples"] < 12
     for epoch in range(EPOCHS):
-        a, b = _weights(ref.out, epoch), _weights(cfg.out, epoch)
+        a, b = checkpoint_weights(ref.out, epoch), checkpoint_weights(cfg.out, epoch)
         assert all(torch.equal(a[k], b[k]) for k in a), epoch
-    assert np.isclose(_losses(cfg.out)[-1], _losses(ref.out)[-1], rtol=0, atol=0)
+    assert np.isclose(train_losses(cfg.out)[-1], train_losses(ref.out)[-1], rtol=0, atol=0)
 
 
 def _one_line_exit_2(proc, *needles: str) -> None:
@@ -424,8 +295,10 @@ def test_bad_inputs_are_one_line_and_touch_nothing(stage_inputs, offline, tmp_pa
     """No budget, a budget too small, a finished extract set as the states dir, online-only flags offline,
     loader workers beside the producer: each one line, exit 2, and the extract set is left as it was."""
     ref = offline["cfg"]
-    cfg = _config(stage_inputs, tmp_path / "s", tmp_path / "o", states_mode="online", states_budget="1G")
-    base = _cli_args(cfg)
+    cfg = states_config(
+        stage_inputs, tmp_path / "s", tmp_path / "o", states_mode="online", states_budget="1G"
+    )
+    base = cli_args(cfg)
     no_budget = [a for a in base if a not in ("--states-budget", "1G")]
     _one_line_exit_2(warm_pipeline(*no_budget), "needs --states-budget")
     small = [("10k" if a == "1G" else a) for a in base]
@@ -461,8 +334,8 @@ def test_a_full_disk_under_the_producer_ends_the_run_in_one_line(
     """The disk fills before the budget does: the trainer, waiting for a state, ends the run with the
     producer's cause in one line, exit 2, instead of hanging; no partial file is left, every file there is
     complete."""
-    cfg = _config(stage_inputs, small_disk, tmp_path / "out", states_mode="online", states_budget="50M")
-    proc = warm_pipeline(*_cli_args(cfg), timeout=300)
+    cfg = states_config(stage_inputs, small_disk, tmp_path / "out", states_mode="online", states_budget="50M")
+    proc = warm_pipeline(*cli_args(cfg), timeout=300)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert last.startswith("error: the states producer failed: writing states to") and os.strerror(28) in last
