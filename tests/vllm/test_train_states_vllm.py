@@ -5,17 +5,23 @@ disk, the engine's files included; the engine closed on every exit path; SIGINT 
 resume.
 
 Tolerance: vLLM computes a sample's states from the tokens scheduled with it in one engine step, and the
-CPU matmuls round differently for another step's size (tests/vllm/test_extract_vllm.py holds batched vs
-one-by-one within 1e-5 per token). The producer's forwards follow the training order, extract's its own
-buckets, so the states of a sample may differ in the last bits between the two runs, and the draft trained
-on them with them: asserted, kept files within the per-token bound of the extract tests (1e-5), the final
-weights within 1e-5 absolute and the last training loss within 1e-4 relative (the hf backend's batched
-forwards, 3e-7 apart, moved them by 7e-8 and 1e-6: tests/train/test_states.py; these bounds are ~30x
-that), the offline acceptance length at k=3 within the issue's 0.05. An engine at the wrong layer, a lost
-sample or a sample's states swapped with another's are O(1) errors in the states and fail all of these.
+CPU matmuls (and, at tensor parallel 2, the all-reduce) round differently for another step's size or
+another split (tests/vllm/test_extract_vllm.py holds batched vs one-by-one within 1e-5 per token). The
+producer's forwards follow the training order, extract's its own buckets, so a sample's states may differ
+in the last bits between the two runs, and the draft trained on them with them. AdamW's step is lr x
+m / sqrt(v), whose size does not shrink with the gradient: on a parameter whose gradient is near zero, a
+1e-6 relative difference in the states can move a step by a good share of lr (3e-3 here). Asserted: kept
+files within the per-token bound of the extract tests (1e-5), the final weights within 1e-3 absolute (a
+third of one step), the last training loss within 1e-4 relative, the offline acceptance length at k=3
+within the issue's 0.05. Seen (online, tensor parallel 2, against extract at tensor parallel 1): states
+7.4e-7, weights 1.1e-4, last loss 2.3e-6 relative, acceptance equal (2.953). An engine at the wrong layer,
+a lost sample or a sample's states swapped with another's are O(1) errors in the states and fail all of
+these.
 
 Each engine start costs ~15-20 s on 2 cores: one for the offline extract, one per in-process run, three for
-the run stopped twice and resumed.
+the run stopped twice and resumed. Tensor parallel 1 runs the engine in the training process and hands the
+states over in memory; tensor parallel 2 (the multi-GPU producer's path) runs worker processes that write
+files: the tests take both.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from tests.vllm.scratch_in_states_dir import choose_out
 pytestmark = pytest.mark.vllm
 
 TOL = fp32_tolerance()  # per token, kept file against extract's
-WEIGHTS_ATOL = 1e-5
+WEIGHTS_ATOL = 1e-3  # a third of one AdamW step at lr 3e-3 (module docstring)
 LOSS_RTOL = 1e-4
 ACCEPTANCE_ATOL = 0.05  # issue #31
 SHM_SCRATCH = "eagle-vllm-states-*"  # pipeline/backends/vllm_scratch.py SHM_PREFIX
@@ -112,8 +118,9 @@ def tracker(proc: psutil.Process) -> bool:
 
 @pytest.fixture
 def engine_spy(monkeypatch, tmp_path):
-    """What the stage's backend started, seen right after the stage built it: its name, the processes it
-    added to this one (the engine's) and its scratch folders."""
+    """What the stage's backend started, seen right after the stage built it: its name, how it hands the
+    states over, the processes it added to this one (the engine's) and its scratch folders; and whether the
+    stage closed it."""
     import pipeline.backends as backends
 
     real = backends.get_backend
@@ -124,7 +131,14 @@ def engine_spy(monkeypatch, tmp_path):
 
     def spy(name, options):
         backend = real(name, options)
-        seen["name"] = name
+        close = backend.close
+
+        def closing() -> None:
+            seen["closed"] = True
+            close()
+
+        backend.close = closing
+        seen["name"], seen["handoff"] = name, backend.handoff
         seen["pids"] = [p.pid for p in me.children(recursive=True) if p.pid not in before and not tracker(p)]
         seen["scratch"] = scratch_dirs(tmp_path / "states") - before_dirs
         return backend
@@ -134,8 +148,10 @@ def engine_spy(monkeypatch, tmp_path):
 
 
 def assert_engine_closed(seen: dict) -> None:
-    """The engine ran as processes of its own, and they and its scratch folder are gone."""
-    assert seen["name"] == "vllm" and seen["pids"] and seen["scratch"], seen
+    """The stage closed the engine; its processes (tensor parallel > 1: its workers, the files hand-over)
+    and its scratch folder are gone."""
+    assert seen["name"] == "vllm" and seen["closed"] and seen["scratch"], seen
+    assert bool(seen["pids"]) == (seen["handoff"] == "files"), seen
     assert not still_alive(seen["pids"], within=15), "the engine's processes outlived the run"
     assert not [d for d in seen["scratch"] if d.exists()], seen["scratch"]
 
@@ -178,19 +194,26 @@ def assert_verified(data: Path) -> None:
 def test_online_with_the_engines_files_in_the_states_dir(
     stage_inputs, offline, tmp_path, monkeypatch, engine_spy
 ):
-    """online, the engine's per-request files in the states dir (no room in /dev/shm): the draft is the
+    """online, tensor parallel 2, the engine's per-request files in the states dir (as with no room in
+    /dev/shm): the draft is the
     offline one within the stated tolerance, the state files and the engine's files together never exceed
     the budget, the kept files pass `pipeline verify`, and the engine and its folder are gone at the end."""
     from pipeline.backends import vllm_scratch
     from pipeline.train.stage import run
 
     monkeypatch.setattr(vllm_scratch, "choose", choose_out)
-    cfg = vllm_config(stage_inputs, tmp_path, states_mode="online", states_budget=budget(stage_inputs, 8))
+    cfg = vllm_config(
+        stage_inputs,
+        tmp_path,
+        states_mode="online",
+        states_budget=budget(stage_inputs, 8),
+        states_tensor_parallel_size=2,  # worker processes: the states come as files
+    )
     with BytesWatch(cfg.data) as watch:
         summary = run(cfg, log=lambda m: None)
     st = summary["train"]["states"]
     assert watch.max <= int(cfg.states_budget) and st["peak_bytes"] <= int(cfg.states_budget)
-    assert [d.parent for d in engine_spy["scratch"]] == [cfg.data]
+    assert [d.parent for d in engine_spy["scratch"]] == [cfg.data] and engine_spy["handoff"] == "files"
     assert st["produced_samples"] == 4 + 12 + 8 * (EPOCHS - 1)  # the 8 kept are produced once
     assert formats.read_data_config(cfg.data).backend == "vllm"
     assert_engine_closed(engine_spy)
@@ -199,7 +222,8 @@ def test_online_with_the_engines_files_in_the_states_dir(
 
 
 def test_hybrid_reuses_what_it_keeps(stage_inputs, offline, tmp_path, engine_spy):
-    """hybrid, batched forwards, the engine's files in /dev/shm: the kept training samples are produced
+    """hybrid, batched forwards, tensor parallel 1 (the engine in this process, the states handed over in
+    memory): the kept training samples are produced
     once, the others each epoch, the budget holds, verify passes, the draft is the offline one within the
     stated tolerance, and the engine is closed."""
     from pipeline.train.stage import run
@@ -239,7 +263,8 @@ def test_a_failing_producer_closes_the_engine(stage_inputs, tmp_path, monkeypatc
 
 
 def test_sigint_then_sigkill_then_resume(stage_inputs, offline, tmp_path):
-    """A hybrid `pipeline train` process with the engine's files in the states dir: SIGINT in epoch 0 (as
+    """A hybrid `pipeline train` process, tensor parallel 2, the engine's files in the states dir: SIGINT in
+    epoch 0 (as
     Ctrl-C) ends it with 130, its engine and folder gone; resumed, then SIGKILLed in epoch 1 (the process
     alone), the killed run's folder is left, then removed by the next --resume, which ends the run from the
     last checkpoint: no step trained twice, the budget never exceeded, the kept files reused and verified,
@@ -251,6 +276,7 @@ def test_sigint_then_sigkill_then_resume(stage_inputs, offline, tmp_path):
         tmp_path,
         states_mode="hybrid",
         states_budget=budget(stage_inputs, 8, extra_samples=4),
+        states_tensor_parallel_size=2,  # worker processes, files in the states dir
         states_max_batch_size=1,
         checkpoint_steps=1,
     )
