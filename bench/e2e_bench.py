@@ -143,7 +143,10 @@ def keep_compared(out: Path, keep: int = COMPARED) -> int:
 
 # vLLM's own log lines that time its start (weights, profiling, KV cache, compile, warm-up), kept with the
 # second of the run at which each was printed: where an engine's start-up goes
-ENGINE_TIMING = re.compile(r"^(INFO|WARNING) .*\b(took|seconds|[Ll]oading|KV cache|[Cc]ompil|[Ww]arm)")
+# (vLLM 0.32 prefixes each with its process: "(MainProcess pid=7) INFO 12-03 21:15:57 [file.py:12] ...")
+ENGINE_TIMING = re.compile(
+    r"\b(INFO|WARNING) \d\d-\d\d [\d:]+ .*\b(took|seconds|[Ll]oading|KV cache|[Cc]ompil|[Ww]arm)"
+)
 
 
 def run_ours(

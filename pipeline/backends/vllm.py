@@ -87,6 +87,25 @@ def check_routing(options: BackendOptions) -> None:
         raise StageError(f"{options.model.path}/config.json: {failed[0].detail}")
 
 
+def check_attention_dtype(options: BackendOptions, on_gpu: bool, environ) -> None:
+    """Refuse, in one line before anything loads, an fp32 run of an MLA model (DeepSeek-V3, Kimi-K2.5: a
+    ``kv_lora_rank`` in its config) on a GPU: vLLM 0.32's CUDA MLA attention backends take bf16 and fp16
+    only, and the engine died in its start with "No valid attention backend found for cuda ... dtype=
+    torch.float32, use_mla=True" (the H200, 2026-12-03). The CPU build runs such models without MLA
+    (VLLM_MLA_DISABLE, pipeline/vllm_cpu.py), as does a GPU run whose operator set it."""
+    text = options.model.raw.get("text_config") or options.model.raw
+    if (
+        on_gpu
+        and options.dtype == "float32"
+        and text.get("kv_lora_rank")
+        and environ.get("VLLM_MLA_DISABLE", "0") in ("", "0")
+    ):
+        raise StageError(
+            f"{options.model.path}: an MLA model (kv_lora_rank {text['kv_lora_rank']}) cannot run in float32 "
+            "on vLLM's GPU attention: use --dtype bfloat16 (or --backend hf for an fp32 reference)"
+        )
+
+
 def _vllm_dtype(dtype: str) -> str:
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise StageError(f"unknown --dtype {dtype!r}: choose auto, bfloat16, float16 or float32")
@@ -209,6 +228,7 @@ class VllmBackend(Backend):
             os.environ.update(vllm_cpu.extraction_environment(self.tensor_parallel_size))
         check_patched()
         check_routing(options)
+        check_attention_dtype(options, on_gpu=devices > 0, environ=os.environ)
         self.layer_ids = [int(k) for k in options.layer_ids]
         # the connector's files live here only until a writer thread has read them (vllm_scratch.py)
         need = vllm_scratch.in_flight_bytes(

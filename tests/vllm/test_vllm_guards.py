@@ -244,3 +244,26 @@ def test_connector_tensors_split_per_layer_with_their_facts():
         assert torch.equal(out[f"nonfinite.{j}"], bad)
     assert out["nonfinite.1"].tolist() == [0, 0, 1, 0, 0]
     assert slot_mapping([3, 1], 4).tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    "raw, dtype, on_gpu, env, refused",
+    [
+        ({"kv_lora_rank": 512}, "float32", True, {}, True),
+        ({"text_config": {"kv_lora_rank": 512}}, "float32", True, {}, True),  # the Kimi-K2.5 wrapper
+        ({"kv_lora_rank": 512}, "bfloat16", True, {}, False),
+        ({"kv_lora_rank": 512}, "float32", False, {}, False),  # the CPU build runs it without MLA
+        ({"kv_lora_rank": 512}, "float32", True, {"VLLM_MLA_DISABLE": "1"}, False),
+        ({"num_attention_heads": 8}, "float32", True, {}, False),  # no MLA
+    ],
+)
+def test_fp32_mla_on_a_gpu_is_refused_in_one_line(raw, dtype, on_gpu, env, refused):
+    """vLLM 0.32's CUDA MLA backends take no fp32 (the H200 engine died at start): refused before loading."""
+    from pipeline.backends.vllm import check_attention_dtype
+
+    options = SimpleNamespace(model=SimpleNamespace(raw=raw, path="/m"), dtype=dtype)
+    if refused:
+        with pytest.raises(StageError, match=r"^/m: an MLA model .* use --dtype bfloat16"):
+            check_attention_dtype(options, on_gpu, env)
+    else:
+        check_attention_dtype(options, on_gpu, env)
