@@ -1,11 +1,12 @@
 """Which extraction backend ``auto`` means: one rule for ``pipeline extract --backend auto`` and ops' layout.
 
-The rule, from what was measured side by side on one H200 (docs/benchmarks.md, "2026-12-03 evening"):
-on a model whose weights fit one GPU the hf backend's loop ran 1.7-1.9x as fast as the vllm backend's
-(llama-1b shape, 1,024 conversations: 201-206k against 105-118k tok/s eager, 139k compiled), and it starts
-in a third of the time (13-17 s to the first batch against 32 s warm / 67-82 s cold). So hf where the
-weights fit one GPU (data parallel over the GPUs: one process each), vLLM where they do not (tensor
-parallel over the GPUs: the reference Kimi-K2.5 target, ~595 GB on 96 GB cards, fits no single card).
+The rule, from what was measured side by side on one H200 (docs/benchmarks.md, "2026-12-03 night"): on a
+model whose weights fit one GPU the two loops now run level (llama-1b 1,024 conversations: vllm 193.5k
+tok/s from warm caches, 145k cold, hf 196k; llama-8b 256: 35.5k / 34.0k against 35.2k), but hf reaches its
+first batch 10-80 s sooner (1b: 24 s against 34 s warm and 111 s cold), so its whole process is the shorter
+one (1b: 34 s against 45 s warm / 125 s cold). So hf where the weights fit one GPU (data parallel over the
+GPUs: one process each), vLLM where they do not (tensor parallel over the GPUs: the reference Kimi-K2.5
+target, ~595 GB on 96 GB cards, fits no single card).
 Where vLLM is not installed the answer is hf; where the sizes are unknown (a dry run before the preflight)
 the answer waits for them.
 
@@ -23,7 +24,7 @@ BACKENDS = ("hf", "vllm")
 # The weights must fit in this share of one GPU's memory for the hf backend: the rest holds a batch's
 # activations (32,768 tokens by default) and the CUDA context.
 FIT_SHARE = 0.8
-MEASURED = "hf's loop measured 1.7-1.9x vLLM's on a model that fits (H200, docs/benchmarks.md)"
+MEASURED = "hf's loop runs level with vLLM's there and starts 10-80 s sooner (H200, docs/benchmarks.md)"
 
 
 @dataclass(frozen=True)
