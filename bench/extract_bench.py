@@ -21,25 +21,13 @@ import click
 import numpy as np
 import torch
 
+from bench.gpu_models import SHAPES
 from bench.roofline import model_shape
 
 PRESETS = {
     # name: (model overrides, samples, seq_length, naive samples)
     "tiny": (dict(), 96, 256, 32),
-    "llama-1b": (
-        dict(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-        ),
-        256,
-        2048,
-        32,
-    ),
+    "llama-1b": (SHAPES["llama-1b"], 256, 2048, 32),
 }
 
 

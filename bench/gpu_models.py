@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from bench.extract_bench import PRESETS
 
 SHAPES = {
     "tiny": dict(
@@ -24,7 +23,16 @@ SHAPES = {
         num_key_value_heads=2,
         head_dim=64,
     ),  # the smoke tests' size (CPU)
-    "llama-1b": PRESETS["llama-1b"][0],  # ~1.5B parameters, 0.97B of them in the decoder
+    # ~1.5B parameters, 0.97B of them in the decoder
+    "llama-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+    ),
     # the Llama-3-8B shape: hidden 4096, 32 layers, 32 heads, GQA 8
     "llama-8b": dict(
         vocab_size=128256,
