@@ -122,6 +122,8 @@ def engine_spy(monkeypatch, tmp_path):
     states over, the processes it added to this one (the engine's) and its scratch folders; and whether the
     stage closed it."""
     import pipeline.backends as backends
+    import pipeline.extract  # noqa: F401 - imported now, it binds the real get_backend, not the spy (a
+    # first import during the patched test kept the spy for every later test of the session)
 
     real = backends.get_backend
     me = psutil.Process()
