@@ -38,7 +38,7 @@ def connector_work(engine: Any) -> bool:
     """Whether an engine core running in this process still holds requests for the connector: finished
     requests whose states it has not yet copied off the device (it does that on the step after they finish).
     An engine core in its own process keeps stepping for them by itself: False."""
-    core = getattr(engine.engine_core, "engine_core", None)
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
     return core is not None and core.scheduler.has_requests()
 
 

@@ -65,6 +65,48 @@ def test_results_come_back_per_prompt_and_later_batches_wait_behind_running_ones
     assert any({"e", "g"} <= waiting for waiting in engine.waiting_at_step), engine.waiting_at_step
 
 
+class InProcessEngine(FakeEngine):
+    """An engine core in this process whose connector still has copies to make for ``copies_left`` steps
+    after the last request finished (vLLM copies a finished request's states on the step after)."""
+
+    def __init__(self, copies_left: int):
+        super().__init__(per_step=8)
+        self.gate.set()
+        self.copies_left = copies_left
+        self.engine_core = SimpleNamespace(
+            engine_core=SimpleNamespace(scheduler=SimpleNamespace(has_requests=self.has_requests))
+        )
+
+    def has_requests(self) -> bool:
+        return bool(self.queue) or self.copies_left > 0
+
+    def step(self):
+        if not self.queue and self.copies_left:
+            self.copies_left -= 1
+            self.steps += 1
+            return []
+        return super().step()
+
+
+def test_an_in_process_engine_is_stepped_until_its_connector_is_done():
+    """With the engine core in this process nothing else steps it: after the last result the feed keeps
+    stepping while the core still holds requests (the connector's copies), then waits idle."""
+    engine = InProcessEngine(copies_left=3)
+    feed = EngineFeed(engine, params=None)
+    try:
+        assert [f.result(timeout=10).prompt for f in feed.submit(["a", "b"])] == ["a", "b"]
+        for _ in range(200):
+            if engine.copies_left == 0:
+                break
+            threading.Event().wait(0.01)
+        assert engine.copies_left == 0
+        steps = engine.steps
+        threading.Event().wait(0.05)
+        assert engine.steps == steps  # no work left: the feed blocks instead of spinning
+    finally:
+        feed.close()
+
+
 def test_an_engine_failure_fails_every_waiter_and_every_later_batch():
     """The engine's own error reaches the futures already handed out and the next submit; nothing hangs."""
     engine = FakeEngine(per_step=1, fail_at_step=2)
