@@ -219,14 +219,9 @@ def test_preflight_checks_the_split_against_the_hosts_gpus():
     assert split_check(shared, _gpus(2)) is None
 
 
-def test_remote_train_dry_run_prints_the_split_and_why(tmp_path):
-    hosts = write_hosts(
-        tmp_path / "h.toml",
-        "box",
-        host="gpu-box.invalid",
-        train={**HYBRID, "producer_gpus": [3], "trainer_gpus": [0]},
-    )
-    res = subprocess.run(
+def dry_run(hosts) -> subprocess.CompletedProcess:
+    """``ops remote-train --host box --dry-run`` with this hosts file, as an operator runs it."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -243,6 +238,16 @@ def test_remote_train_dry_run_prints_the_split_and_why(tmp_path):
         text=True,
         timeout=60,
     )
+
+
+def test_remote_train_dry_run_prints_the_split_and_why(tmp_path):
+    hosts = write_hosts(
+        tmp_path / "h.toml",
+        "box",
+        host="gpu-box.invalid",
+        train={**HYBRID, "producer_gpus": [3], "trainer_gpus": [0]},
+    )
+    res = dry_run(hosts)
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "plan train on box" in out and "--states-mode hybrid --states-budget 2T" in out
@@ -257,25 +262,13 @@ def test_remote_train_dry_run_prints_the_split_and_why(tmp_path):
         host="gpu-box.invalid",
         train={**HYBRID, "states_backend": "vllm", "producer_gpus": [0, 1, 2, 3], "trainer_gpus": [4]},
     )
-    res = subprocess.run(
-        [sys.executable, "-m", "ops", "remote-train", "--host", "box", "--hosts-file", str(tp), "--dry-run"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = dry_run(tp)
     assert res.returncode == 0, res.stderr
     assert "--states-backend vllm --states-tensor-parallel-size 4 --device cuda:4" in res.stdout
     assert "the vLLM engine tensor parallel 4 on host GPUs 0, 1, 2, 3" in res.stdout
     bad = write_hosts(
         tmp_path / "b.toml", "box", host="x", train={**HYBRID, "producer_gpus": [0], "trainer_gpus": [0]}
     )
-    res = subprocess.run(
-        [sys.executable, "-m", "ops", "remote-train", "--host", "box", "--hosts-file", str(bad), "--dry-run"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = dry_run(bad)
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.count("\n") == 1 and "share GPU 0: list disjoint GPUs" in res.stderr
