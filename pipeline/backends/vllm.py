@@ -419,7 +419,7 @@ class VllmBackend(Backend):
         self._llm = None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        if getattr(self, "_handoff", None) is not None:
+        if self._handoff is not None:
             self._handoff.disable()
         scratch = getattr(self, "_scratch", None)
         self._scratch = None
