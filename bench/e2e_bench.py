@@ -157,24 +157,30 @@ def run_ours(
     cache: Path,
     tree: Path | None = None,
     row_env: dict[str, str] | None = None,
+    stacks: Path | None = None,
 ) -> dict:
     """`pipeline extract` with its defaults (plus ``extra``, with ``row_env`` in its environment) as a fresh
     process, from this checkout or, with ``tree``, from another source tree (the baseline: its own pipeline/
-    and contract/ come first)."""
-    # compiled kernels are cached on disk between runs: a fresh cache, as on a fresh machine
+    and contract/ come first); with ``stacks``, sampled by bench/stacks.py into that file."""
+    # compiled kernels are cached on disk between runs: a fresh cache, as on a fresh machine. HOME too, as
+    # the stage container's (compose.yaml: HOME=/cache/home): libraries that cache under ~/.cache start cold
     env = dict(
         os.environ,
         **(row_env or {}),
+        HOME=str(cache / "home"),
         TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
         TRITON_CACHE_DIR=str(cache / "triton"),
         VLLM_CACHE_ROOT=str(cache / "vllm"),
     )
+    (cache / "home").mkdir(parents=True, exist_ok=True)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
+    sampled = [] if stacks is None else ["-m", "bench.stacks", "record", "--out", str(stacks), "--"]
     with GpuMemory() as mem:
         wall, lines = timed_process(
             [
                 sys.executable,
+                *sampled,
                 "-m",
                 "pipeline",
                 "extract",
@@ -218,7 +224,24 @@ def run_ours(
         "verify_seconds": wall - at,
         "peak_gpu_mib": mem.peak_mib,
         "bytes": dir_bytes(out),
+        # what the run left in its caches (a cold row's list is what a first run on a host compiles)
+        "cache_mib": cache_sizes(cache),
         **closing_checks(out),
+    }
+
+
+MIB = 2**20
+
+
+def cache_sizes(cache: Path) -> dict[str, float]:
+    """MiB under each top-level folder of a row's cache (two levels down for ``home``: ~/.cache/NAME)."""
+    if not cache.is_dir():
+        return {}
+    folders = [p for p in cache.iterdir() if p.is_dir() and p.name != "home"]
+    folders += [p for p in (cache / "home").glob("*/*") if p.is_dir()]
+    return {
+        str(p.relative_to(cache)): round(sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / MIB, 1)
+        for p in sorted(folders)
     }
 
 
@@ -335,6 +358,19 @@ def run_naive(prepared: Path, model: Path, out: Path) -> dict:
     help="Another commit's source tree (git archive REV pipeline contract | tar -x -C DIR): its "
     "`pipeline extract` also runs on each set, right after ours, as the 'baseline' row.",
 )
+@click.option(
+    "--naive/--no-naive",
+    default=True,
+    show_default=True,
+    help="Also run the naive script on each set (the whole-process ratio and the fp32 bound need it).",
+)
+@click.option(
+    "--stacks",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Sample every extract row's stacks (bench/stacks.py) into DIR/ROW-SHAPE.json.gz: where its start "
+    "and loop go. Sampled rows pay a little GIL time for it.",
+)
 def main(
     shapes: str,
     counts: str,
@@ -344,8 +380,16 @@ def main(
     json_out: Path | None,
     baseline: Path | None,
     also: tuple[str, ...],
+    naive: bool,
+    stacks: Path | None,
 ) -> None:
     rows = [parse_also(a) for a in also]
+    if stacks is not None:
+        stacks.mkdir(parents=True, exist_ok=True)
+
+    def sampled(row: str, shape: str) -> Path | None:
+        return None if stacks is None else stacks / f"{row}-{shape}.json.gz"
+
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     gpu = torch.cuda.is_available()
@@ -377,6 +421,7 @@ def main(
             workdir / f"ours-{shape}",
             extract_args.split(),
             workdir / f"cache-ours-{shape}",
+            stacks=sampled("ours", shape),
         )
         runs = {"ours": ours}
         keep_compared(workdir / f"ours-{shape}")
@@ -400,28 +445,29 @@ def main(
                 flags,
                 workdir / f"cache-{cache_of}-{shape}",
                 row_env=row_env,
+                stacks=sampled(name, shape),
             )
             keep_compared(workdir / f"{name}-{shape}")
-        naive = runs["naive"] = run_naive(prepared, model_dir, workdir / f"naive-{shape}")
+        if naive:
+            runs["naive"] = run_naive(prepared, model_dir, workdir / f"naive-{shape}")
         for r in runs.values():
             loop = sum(lengths) / r["loop_tokens_per_s"]
             r.update(roofline=roof.roofline_fraction(lengths, loop), write_gb_s=r["bytes"] / loop / 1e9)
-        worst = agreement(
-            workdir / f"naive-{shape}", workdir / f"ours-{shape}", min(COMPARED, n), [2, L // 2, L - 3]
-        )
-        errors = accuracy(
-            shape,
-            model_dir,
-            prepared,
-            {
-                "ours": workdir / f"ours-{shape}",
-                "naive": workdir / f"naive-{shape}",
-                **{name: workdir / f"{name}-{shape}" for name, *_ in rows},
-            },
-        )
+        compared = {who: workdir / f"{who}-{shape}" for who in ("ours", *(name for name, *_ in rows))}
+        if naive:
+            compared["naive"] = workdir / f"naive-{shape}"
+            worst = agreement(compared["naive"], compared["ours"], min(COMPARED, n), [2, L // 2, L - 3])
+            versus_naive = {
+                "whole_process_speedup": runs["naive"]["wall_seconds"] / ours["wall_seconds"],
+                "loop_speedup": ours["loop_tokens_per_s"] / runs["naive"]["loop_tokens_per_s"],
+                "max_rel_err_vs_naive": worst,
+            }
+        else:
+            versus_naive = {}
+        errors = accuracy(shape, model_dir, prepared, compared)
         # ours may be no less exact than the naive bf16 script, layer by layer (a slack of a quarter
         # plus 5e-3)
-        for who in ["ours", *(name for name, *_ in rows)]:
+        for who in [w for w in compared if w != "naive"] if naive else []:
             if any(o > 1.25 * b + 5e-3 for o, b in zip(errors[who], errors["naive"], strict=True)):
                 failures.append(f"{shape}: {who} is further from fp32 than naive: {errors}")
         if gpu:
@@ -432,14 +478,12 @@ def main(
             "build_seconds": built,
             "decoder_params": roof.decoder_params,
             **runs,
-            "whole_process_speedup": naive["wall_seconds"] / ours["wall_seconds"],
-            "loop_speedup": ours["loop_tokens_per_s"] / naive["loop_tokens_per_s"],
-            "max_rel_err_vs_naive": worst,
+            **versus_naive,
             "rel_err_vs_fp32_per_layer": errors,
         }
         print(json.dumps({shape: results["shapes"][shape]}, indent=1), flush=True)
-        for who in ("ours", "naive", *(name for name, *_ in rows)):
-            shutil.rmtree(workdir / f"{who}-{shape}")
+        for path in compared.values():
+            shutil.rmtree(path)
     print("\n| shape | run | whole process s | loop tok/s | decoder roofline | peak GPU MiB | write GB/s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for shape, r in results["shapes"].items():
@@ -451,10 +495,11 @@ def main(
                 f"| {shape} | {who} | {x['wall_seconds']:.1f} | {x['loop_tokens_per_s']:,.0f} | "
                 f"{x['roofline']:.1%} | {x['peak_gpu_mib']} | {x['write_gb_s']:.2f} |"
             )
-        print(
-            f"| {shape} | ours vs naive | {r['whole_process_speedup']:.2f}x | "
-            f"{r['loop_speedup']:.2f}x | | | |"
-        )
+        if "naive" in r:
+            print(
+                f"| {shape} | ours vs naive | {r['whole_process_speedup']:.2f}x | "
+                f"{r['loop_speedup']:.2f}x | | | |"
+            )
         if "baseline" in r:
             print(
                 f"| {shape} | ours vs baseline | "
