@@ -28,8 +28,10 @@ env-vllm: $(VLLM_VENV)/.ready ## build (or reuse) the vLLM CPU environment in .v
 patch-vllm: env-vllm ## apply patches/ to .venv-vllm (a no-op when already applied)
 	$(VLLM_PY) patches/apply.py
 
+# gpu-marked tests (a CUDA GPU's own paths, e.g. vLLM's compiled graph, minutes to build on a CPU) run only in
+# test-vllm-gpu
 test-vllm: patch-vllm ## tests on a real vLLM 0.32.0 (CPU build) + speculators 0.9.0
-	$(VLLM_PY) -m pytest -m vllm tests/vllm tests/train $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -m "vllm and not gpu" tests/vllm tests/train $(PYTEST_ARGS)
 
 TEST_SUITES += test-vllm
 

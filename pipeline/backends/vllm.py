@@ -87,21 +87,29 @@ def check_routing(options: BackendOptions) -> None:
         raise StageError(f"{options.model.path}/config.json: {failed[0].detail}")
 
 
-def check_attention_dtype(options: BackendOptions, on_gpu: bool, environ) -> None:
-    """Refuse, in one line before anything loads, an fp32 run of an MLA model (DeepSeek-V3, Kimi-K2.5: a
-    ``kv_lora_rank`` in its config) on a GPU: vLLM 0.32's CUDA MLA attention backends take bf16 and fp16
-    only, and the engine died in its start with "No valid attention backend found for cuda ... dtype=
-    torch.float32, use_mla=True" (the H200, 2026-12-03). The CPU build runs such models without MLA
-    (VLLM_MLA_DISABLE, pipeline/vllm_cpu.py), as does a GPU run whose operator set it."""
-    text = options.model.raw.get("text_config") or options.model.raw
+def fp32_mla_on_gpu(raw: dict, dtype: str, on_gpu: bool, environ) -> int | None:
+    """The ``kv_lora_rank`` of an MLA model (DeepSeek-V3, Kimi-K2.5) asked to run in float32 on a GPU, which
+    vLLM 0.32's CUDA MLA attention backends cannot do (they take bf16 and fp16; the engine died in its start
+    with "No valid attention backend found for cuda ... dtype=torch.float32, use_mla=True", the H200,
+    2026-12-03); None for every other case: the CPU build runs such models without MLA (VLLM_MLA_DISABLE,
+    pipeline/vllm_cpu.py), as does a GPU run whose operator set it (pure)."""
+    text = raw.get("text_config") or raw
     if (
         on_gpu
-        and options.dtype == "float32"
+        and dtype == "float32"
         and text.get("kv_lora_rank")
         and environ.get("VLLM_MLA_DISABLE", "0") in ("", "0")
     ):
+        return int(text["kv_lora_rank"])
+    return None
+
+
+def check_attention_dtype(options: BackendOptions, on_gpu: bool, environ) -> None:
+    """Refuse an fp32 MLA run on a GPU (`fp32_mla_on_gpu`) in one line, before anything loads."""
+    rank = fp32_mla_on_gpu(options.model.raw, options.dtype, on_gpu, environ)
+    if rank is not None:
         raise StageError(
-            f"{options.model.path}: an MLA model (kv_lora_rank {text['kv_lora_rank']}) cannot run in float32 "
+            f"{options.model.path}: an MLA model (kv_lora_rank {rank}) cannot run in float32 "
             "on vLLM's GPU attention: use --dtype bfloat16 (or --backend hf for an fp32 reference)"
         )
 

@@ -1161,6 +1161,22 @@ def _finish_producer(cfg: TrainConfig, produced: Produced, producer, train_loade
     }
 
 
+def online_dtype(cfg: TrainConfig, model_dir: Path) -> str:
+    """vLLM's dtype for serving the draft: the model's own ("auto") for a draft saved in bf16; float32 for
+    one saved in fp32 (greedy equality exact on the CPU), except for an MLA target on a GPU, whose attention
+    vLLM runs in bf16 or fp16 only (``fp32_mla_on_gpu``): bfloat16 there."""
+    from pipeline.backends.base import visible_device_count
+    from pipeline.backends.vllm import fp32_mla_on_gpu
+    from pipeline.modeldir import read_model_dir
+
+    if cfg.save_dtype != "float32":
+        return "auto"
+    raw = read_model_dir(model_dir).raw
+    return (
+        "bfloat16" if fp32_mla_on_gpu(raw, "float32", visible_device_count() > 0, os.environ) else "float32"
+    )
+
+
 def _online(cfg: TrainConfig, inputs: TrainInputs, out: Path) -> dict:
     """vLLM's own acceptance of the exported draft on the held-out prompts (pipeline/train/online_eval.py)."""
     from pipeline.train import online_eval
@@ -1172,7 +1188,7 @@ def _online(cfg: TrainConfig, inputs: TrainInputs, out: Path) -> dict:
         k=k,
         max_tokens=cfg.online_max_tokens,
         max_model_len=max(cfg.max_len, inputs.data_config.seq_length) + cfg.online_max_tokens,
-        dtype="float32" if cfg.save_dtype == "float32" else "auto",
+        dtype=online_dtype(cfg, inputs.model_dir),
     )
     return online_eval.measure(
         ocfg, online_eval.prompts_of(inputs.eval_files, cfg.online_prompts), out / "online"

@@ -46,6 +46,13 @@ def vllm_environment(request) -> None:
         )
 
 
+@pytest.fixture(autouse=True)
+def gpu_present(request) -> None:
+    """Fail (not skip) a `gpu`-marked test where no CUDA GPU is visible: `make test-vllm` deselects them."""
+    if request.node.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.fail("gpu-marked tests need a CUDA GPU (make test-vllm-gpu on a GPU host)")
+
+
 @pytest.fixture(scope="session")
 def llama_backend_small_steps(tiny_llama, tmp_path_factory):
     """A TP-1 fp32 eager VllmBackend on the tiny Llama whose scheduler steps hold at most 128 tokens."""

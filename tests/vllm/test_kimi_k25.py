@@ -201,9 +201,13 @@ def hf_kimi_fp32(tmp_path_factory, prepared_kimi, tiny_kimi) -> Path:
     return out
 
 
-def test_vllm_kimi_matches_hf_fp32(tmp_path, prepared_kimi, tiny_kimi, hf_kimi_fp32):
-    """extract --backend vllm on the Kimi-K2.5 wrapper writes the hf backend's files, every layer < 1e-5 in
-    fp32."""
+def test_vllm_kimi_matches_hf_fp32(tmp_path, prepared_kimi, tiny_kimi, hf_kimi_fp32, monkeypatch):
+    """extract --backend vllm on the Kimi-K2.5 wrapper writes the hf backend's files, every layer within the
+    fp32 bound. On a GPU, whose MLA attention takes no fp32 (refused in one line otherwise), with MLA off as
+    an operator would set it for an fp32 reference (VLLM_MLA_DISABLE=1): the layout, the routing and the
+    layers are vLLM's GPU ones, the attention its plain one; MLA itself runs in the bf16 test below."""
+    if torch.cuda.is_available():
+        monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
     out = tmp_path / "vllm"
     extract("vllm", "float32", prepared_kimi, tiny_kimi, out)
     result = compare_dirs(out, hf_kimi_fp32)
@@ -249,3 +253,24 @@ def test_vllm_matches_hf_in_bf16_within_the_stated_tolerance(kind, tmp_path, req
     assert all(s["mean_rel"] > 0 for s in stats), "bf16 engines agreeing bit for bit: is this really bf16?"
     for h, v in zip(hf_err, vllm_err, strict=True):
         assert v["mean_rel"] <= BF16_VS_FP32_RATIO * h["mean_rel"], (v, h)
+
+
+@pytest.mark.gpu
+def test_vllm_compiled_states_match_eager(tmp_path, prepared_llama, tiny_llama):
+    """vLLM's compiled model (``--compile on``: its inductor graph; extraction captures no CUDA graphs) moves
+    kernels, not results: its bf16 states are within the bf16 bound of the eager engine's, and no farther
+    from the fp32 states than the eager engine's are (times BF16_VS_FP32_RATIO)."""
+    fp32, eager, compiled = tmp_path / "hf-fp32", tmp_path / "eager", tmp_path / "compiled"
+    extract("hf", "float32", prepared_llama, tiny_llama, fp32)
+    extract("vllm", "bfloat16", prepared_llama, tiny_llama, eager)  # --enforce-eager
+    run_pipeline(
+        "extract", "--backend", "vllm", "--dtype", "bfloat16", "--compile", "on", "--tensor-parallel-size", 1,
+        "--prepared", prepared_llama, "--model", tiny_llama, "--out", compiled, "--limit", LIMIT,
+        "--no-progress", check=True, timeout=1200,
+    )  # fmt: skip
+    stats = layer_differences(compiled, eager)
+    show("llama bf16 vllm compiled vs eager", stats)
+    assert all(s["mean_rel"] <= BF16["llama"]["mean_rel"] for s in stats), stats
+    assert all(s["max_rel"] <= BF16["llama"]["max_rel"] for s in stats), stats
+    for c, e in zip(layer_differences(compiled, fp32), layer_differences(eager, fp32), strict=True):
+        assert c["mean_rel"] <= BF16_VS_FP32_RATIO * e["mean_rel"], (c, e)

@@ -267,3 +267,25 @@ def test_fp32_mla_on_a_gpu_is_refused_in_one_line(raw, dtype, on_gpu, env, refus
             check_attention_dtype(options, on_gpu, env)
     else:
         check_attention_dtype(options, on_gpu, env)
+
+
+@pytest.mark.parametrize(
+    "raw, save_dtype, on_gpu, want",
+    [
+        ({"kv_lora_rank": 512}, "float32", True, "bfloat16"),  # vLLM's CUDA MLA takes no fp32
+        ({"text_config": {"kv_lora_rank": 512}}, "float32", True, "bfloat16"),
+        ({"kv_lora_rank": 512}, "float32", False, "float32"),  # the CPU build serves it without MLA
+        ({"num_attention_heads": 8}, "float32", True, "float32"),
+        ({"kv_lora_rank": 512}, "bfloat16", True, "auto"),
+    ],
+)
+def test_online_eval_serves_an_mla_target_in_bf16_on_a_gpu(raw, save_dtype, on_gpu, want, monkeypatch):
+    """The train stage's online acceptance would start vLLM in fp32 for an fp32-saved draft: on a GPU an MLA
+    target has no such attention, so it is served in bf16 there (the H200's served-DeepSeek test died)."""
+    from pipeline.backends import base
+    from pipeline.train import stage
+
+    monkeypatch.setattr(base, "visible_device_count", lambda: 1 if on_gpu else 0)
+    monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    monkeypatch.setattr("pipeline.modeldir.read_model_dir", lambda path: SimpleNamespace(raw=raw))
+    assert stage.online_dtype(SimpleNamespace(save_dtype=save_dtype), Path("/m")) == want
