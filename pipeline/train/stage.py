@@ -597,10 +597,7 @@ def _trainer_class():
             finally:
                 self.checkpointer.path = final_root
             if self.runtime.is_main:
-                final = final_root / str(epoch)
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(staging_root / str(epoch), final)
-                shutil.rmtree(staging_root, ignore_errors=True)
+                replace_checkpoint(final_root, epoch)
             _barrier(self.runtime)
 
         def _save_training_state(self, epoch: int, local_step: int) -> None:
@@ -677,7 +674,6 @@ def make_loader(
 def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
     out = Path(cfg.out)
     ckpt = out / CHECKPOINTS
-    has_epochs = ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
     if out.exists() and not out.is_dir():
         raise StageError(f"output {out} exists and is not a directory: choose another --out")
     if cfg.resume and cfg.overwrite:
@@ -690,6 +686,9 @@ def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
             f"output dir {out} is not empty: pass --resume to continue its checkpoints, "
             "--overwrite to replace it, or choose another --out"
         )
+    if rt.is_main and cfg.resume:
+        settle_checkpoints(out)  # only a dir we were asked to continue
+    has_epochs = ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
     if cfg.resume and not has_epochs and rt.is_main:
         logging.getLogger("pipeline.train").warning(
             "--resume: no checkpoint in %s, starting from scratch", ckpt
@@ -709,7 +708,6 @@ def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
             ):
                 p = out / name
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        shutil.rmtree(ckpt / ".staging", ignore_errors=True)  # an interrupted save
         out.mkdir(parents=True, exist_ok=True)
 
 
@@ -738,6 +736,36 @@ def export_draft(checkpoint: Path, target: Path, dtype: torch.dtype, verifier_na
     os.replace(staging, target)
     shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def replace_checkpoint(root: Path, epoch: int) -> None:
+    """Move the save staged in ``root/.staging/EPOCH`` to ``root/EPOCH`` with renames only, so that a kill at
+    any instant leaves either the old checkpoint or the new one whole (never a half-deleted directory):
+    the old one is renamed aside first, the new one renamed in, then the old one deleted.
+    `settle_checkpoints` finishes or undoes a replacement a kill cut short."""
+    final, aside = root / str(epoch), root / f".replaced-{epoch}"
+    shutil.rmtree(aside, ignore_errors=True)
+    if final.exists():
+        os.replace(final, aside)
+    os.replace(root / ".staging" / str(epoch), final)
+    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(root / ".staging", ignore_errors=True)
+
+
+def settle_checkpoints(out: Path) -> None:
+    """Undo what a killed save left in ``out``'s checkpoints (run before reading them, by one process): a
+    half-written ``.staging`` save is deleted; a checkpoint renamed aside by `replace_checkpoint` is put
+    back when its replacement never arrived, else deleted."""
+    ckpt = Path(out) / CHECKPOINTS
+    if not ckpt.is_dir():
+        return
+    shutil.rmtree(ckpt / ".staging", ignore_errors=True)
+    for aside in ckpt.glob(".replaced-*"):
+        final = ckpt / aside.name.removeprefix(".replaced-")
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
 
 
 def last_epoch(out: Path) -> int | None:

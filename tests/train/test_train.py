@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -114,3 +116,40 @@ def test_different_seed_changes_weights(make_inputs, tmp_path):
     a = load_file(str(tmp_path / "s0" / "checkpoints" / "0" / "model.safetensors"))
     b = load_file(str(tmp_path / "s1" / "checkpoints" / "0" / "model.safetensors"))
     assert not torch.equal(a["fc.weight"], b["fc.weight"])
+
+
+def _checkpoint(root, name, step):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "training_state.json").write_text(json.dumps({"global_step": step}))
+    (d / "model.safetensors").write_bytes(b"w" * 64)
+
+
+def _step(ckpt, epoch):
+    return json.loads((ckpt / str(epoch) / "training_state.json").read_text())["global_step"]
+
+
+@pytest.mark.parametrize("cut", ["staged", "old_aside", "new_in", "done"])
+def test_a_kill_anywhere_in_a_checkpoint_replacement_leaves_one_whole_checkpoint(tmp_path, cut):
+    """`replace_checkpoint` uses renames only; whatever instant a kill cuts it at (reproduced by doing its
+    steps up to ``cut``), `settle_checkpoints` leaves epoch 1 whole: the old save before the new one is
+    renamed in, the new one after, and no staging or aside directory."""
+    from pipeline.train.files import CHECKPOINTS
+    from pipeline.train.stage import last_epoch, replace_checkpoint, settle_checkpoints
+
+    ckpt = tmp_path / CHECKPOINTS
+    _checkpoint(ckpt, "0", 4)
+    _checkpoint(ckpt, "1", 6)
+    _checkpoint(ckpt / ".staging", "1", 7)
+    if cut == "old_aside":
+        os.replace(ckpt / "1", ckpt / ".replaced-1")
+    elif cut == "new_in":
+        os.replace(ckpt / "1", ckpt / ".replaced-1")
+        os.replace(ckpt / ".staging" / "1", ckpt / "1")
+    elif cut == "done":
+        replace_checkpoint(ckpt, 1)
+    settle_checkpoints(tmp_path)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["0", "1"]
+    assert last_epoch(tmp_path) == 1
+    assert _step(ckpt, 1) == (7 if cut in ("new_in", "done") else 6)
+    assert sorted(p.name for p in (ckpt / "1").iterdir()) == ["model.safetensors", "training_state.json"]
