@@ -16,6 +16,18 @@ context-free baseline; vLLM's n-gram prompt lookup is reported beside it) and wr
 
 It does not serve the draft (no GPU vLLM here): the figure is the offline one (docs/train.md says how it
 differs).
+
+``--states-modes offline,online,hybrid`` (issue #31 items 2-3; default ``offline``: the run above alone) then
+trains the same draft again per listed mode, side by side on the same prepared set, options, steps and seed:
+online and hybrid with ``pipeline train --states-mode MODE --states-budget B`` into their own states dir,
+B being the least the train stage accepts (the states it keeps all run plus the largest training sample,
+from its own plan) plus half of what the offline set holds beyond that, so that online deletes what it reads
+and hybrid keeps only part. It prints one row per mode (acceptance at k=3 and its delta to offline's, the
+stage's wall seconds, the trainer's tokens/s, the trainer's wait for states and the producer's wait for
+room), writes them to --json under ``states_modes``, and exits non-zero when a mode's acceptance is more
+than 0.05 from offline's.
+
+    python bench/learned_bench.py --preset tiny --states-modes offline,online,hybrid
 """
 
 from __future__ import annotations
@@ -38,6 +50,8 @@ from bench.train_bench import Report
 
 GOAL_ACCEPTANCE, GOAL_RATIO = 2.5, 1.3  # issue #17 item 4, against the trivial baselines
 NGRAM = "ngram_context"  # pipeline/train/evaluate.py's vLLM prompt-lookup baseline
+STATES_SHARE = 0.5  # online/hybrid budget: the minimum plus this share of the offline set beyond it
+ACCEPTANCE_TOLERANCE = 0.05  # issue #31: every states mode within this of offline's acceptance at k=3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +228,6 @@ def plan(work: Path, p: Preset, device: str, vocab: int) -> list[tuple[str, list
     model, prepared, states, verifier, train = (
         str(work / n) for n in ("model", "prepared", "hidden_states", "verifier", "train")
     )
-    t = p.train
     return [
         (
             "prepare",
@@ -252,40 +265,137 @@ def plan(work: Path, p: Preset, device: str, vocab: int) -> list[tuple[str, list
             ],
         ),
         ("weights", ["weights", "--model", model, "--out", verifier, "--overwrite"]),
-        (
-            "train",
-            [
-                "train",
-                "--data",
-                states,
-                "--prepared",
-                prepared,
-                "--verifier",
-                verifier,
-                "--model",
-                model,
-                "--out",
-                train,
-                "--overwrite",
-                "--epochs",
-                str(t["epochs"]),
-                "--max-len",
-                str(t["max_len"]),
-                "--lr",
-                str(t["lr"]),
-                "--ttt-steps",
-                "3",
-                "--eval-k",
-                "3",
-                "--device",
-                device,
-                "--eval-max-samples",
-                str(p.eval_max_samples),
-                "--no-plots",
-            ],
-        ),
+        ("train", train_args(work, p, device, "offline")),
         ("verify", ["verify", train]),
     ]
+
+
+def mode_dirs(work: Path, mode: str) -> tuple[Path, Path]:
+    """The states dir and the output of the draft trained in ``mode``: offline reads extract's set."""
+    if mode == "offline":
+        return work / "hidden_states", work / "train"
+    return work / f"states-{mode}", work / f"train-{mode}"
+
+
+def train_flags(work: Path, states: Path, out: Path, epochs: int, max_len: int, lr: float) -> list[str]:
+    """The train stage's inputs and output (the layout `plan` makes under ``work``) and its schedule, 3 TTT
+    steps: what every bench's draft shares."""
+    inputs = [("--data", states), *((f"--{n}", work / n) for n in ("prepared", "verifier", "model"))]
+    schedule = {"--epochs": epochs, "--max-len": max_len, "--lr": lr, "--ttt-steps": 3}
+    pairs = [*inputs, ("--out", out), *schedule.items()]
+    return [*(str(x) for pair in pairs for x in pair), "--overwrite"]
+
+
+def train_args(work: Path, p: Preset, device: str, mode: str, budget: int | None = None) -> list[str]:
+    """The train stage's command line in states ``mode``: the same draft, data, steps and seed in every mode;
+    online/hybrid produce their states with extract's hf backend on ``device`` within ``budget`` bytes."""
+    t = p.train
+    args = [
+        "train",
+        *train_flags(work, *mode_dirs(work, mode), t["epochs"], t["max_len"], t["lr"]),
+        "--eval-k",
+        "3",
+        "--device",
+        device,
+        "--eval-max-samples",
+        str(p.eval_max_samples),
+        "--no-plots",
+    ]
+    if mode != "offline":
+        args += ["--states-mode", mode, "--states-budget", str(budget), "--states-backend", "hf"]
+        args += ["--states-device", device]
+    return args
+
+
+def budget_between(minimum: int, offline_bytes: int, share: float = STATES_SHARE) -> int:
+    """The online/hybrid budget: the least the train stage accepts plus ``share`` of what the offline set
+    holds beyond it, so that online deletes what it reads and hybrid keeps only part of the set."""
+    return minimum + int(share * max(offline_bytes - minimum, 0))
+
+
+def states_minimum(work: Path, p: Preset, device: str) -> int:
+    """The least --states-budget the train stage accepts here, by its own plan (pipeline/train/states.py
+    plan_states): the states kept for the whole run in every produced mode (held-out and acceptance-baseline
+    samples: online keeps nothing else) plus the largest training sample. Reads the prepared set, the
+    target's config and the verifier; loads no model."""
+    from pipeline.train.cli import command
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.stage import produced_inputs
+
+    args = train_args(work, p, device, "online", budget=2**60)  # room enough to plan
+    with command.make_context("pipeline train", args[1:]) as ctx:
+        _, produced = produced_inputs(TrainConfig(**ctx.params))
+    return produced.plan.kept_bytes + max(produced.sizes[i] for i in produced.train)
+
+
+def train_figures(out: Path) -> dict:
+    """The train stage's own figures: its summary's ``train`` (tokens/s, and ``states`` for online/hybrid)
+    and ``eval`` (the acceptance at k=3)."""
+    summary = json.loads((out / "summary.json").read_text())
+    return {"train": summary["train"], "eval": summary.get("eval")}
+
+
+def mode_row(mode: str, phase: dict) -> dict:
+    """One states mode's figures from its train phase: the acceptance at k=3, the stage's wall seconds, the
+    trainer's tokens/s (training tokens / its epochs' seconds, waits for states included) and, for
+    online/hybrid, where the time went (the trainer waiting for states, the producer waiting for room)."""
+    tr = phase["train"]
+    st = tr.get("states") or {}
+    return {
+        "mode": mode,
+        "acceptance_length": phase["eval"]["draft"]["acceptance_length"],
+        "train_wall_s": phase["seconds"],
+        "train_tokens_per_s": tr["train_tokens_per_s"],
+        "trainer_wait_s": st.get("trainer_wait_seconds"),
+        "producer_wait_s": st.get("producer_room_wait_seconds"),
+        "capture_s": st.get("capture_seconds"),
+        "kept_samples": st.get("kept_samples"),
+        "produced_samples": st.get("produced_samples"),
+        "peak_bytes": st.get("peak_bytes"),
+    }
+
+
+def compare_modes(rows: list[dict], tolerance: float = ACCEPTANCE_TOLERANCE) -> tuple[list[str], list[str]]:
+    """Every mode's row against offline's: adds the deltas to ``rows``; returns the markdown table and one
+    reason per mode whose acceptance is more than ``tolerance`` from offline's."""
+    base = next(r for r in rows if r["mode"] == "offline")
+    lines = [
+        "| mode | acceptance k=3 | delta vs offline | train wall s | training tok/s | tok/s vs offline "
+        "| trainer wait s | producer wait s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    failures = []
+    for r in rows:
+        delta = r["acceptance_length"] - base["acceptance_length"]
+        r["acceptance_delta"] = round(delta, 4)
+        r["tokens_per_s_vs_offline"] = round(r["train_tokens_per_s"] / base["train_tokens_per_s"], 3)
+        if abs(delta) > tolerance:
+            failures.append(
+                f"{r['mode']} acceptance {r['acceptance_length']:.3f} is {delta:+.3f} from offline's "
+                f"{base['acceptance_length']:.3f} (more than {tolerance})"
+            )
+        waits = ["-" if r[k] is None else f"{r[k]:.1f}" for k in ("trainer_wait_s", "producer_wait_s")]
+        lines.append(
+            f"| {r['mode']} | {r['acceptance_length']:.3f} | {delta:+.3f} | {r['train_wall_s']:.1f} "
+            f"| {r['train_tokens_per_s']:,.0f} | {r['tokens_per_s_vs_offline']:.2f}x | {' | '.join(waits)} |"
+        )
+    return lines, failures
+
+
+def parse_modes(ctx, param, value: str) -> list[str]:
+    """``--states-modes``: offline (the reference) first, then the others listed, each once."""
+    from pipeline.train.states import MODES
+
+    modes = [m.strip() for m in value.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or "offline" not in modes:
+        raise click.BadParameter(f"a comma-separated list of {', '.join(MODES)} that includes offline")
+    return ["offline", *dict.fromkeys(m for m in modes if m != "offline")]
+
+
+def shown(args: list[str], env: dict) -> str:
+    """A stage's command line as the report shows it."""
+    return shlex.join([*(f"{k}={v}" for k, v in env.items()), "python", "-m", "pipeline", *args])
 
 
 def _free_gpu() -> None:
@@ -331,6 +441,14 @@ def _dir_gib(path: Path) -> float:
     "now trains with the eager loss, which the compiler fuses, see pipeline/train/stage.py "
     "loss_implementation). Off: TORCHDYNAMO_DISABLE=1, flex attention runs eager (slow on a GPU).",
 )
+@click.option(
+    "--states-modes",
+    default="offline",
+    show_default=True,
+    callback=parse_modes,
+    help="Train the draft once per listed states mode (offline,online,hybrid), side by side on the same "
+    "prepared set, draft, steps and seed; compare acceptance and speed with offline's.",
+)
 def main(
     preset: str,
     workdir: Path,
@@ -341,6 +459,7 @@ def main(
     device: str,
     keep_states: bool,
     train_compile: bool,
+    states_modes: list[str],
 ) -> None:
     """Train a target on real text, make a draft for it with the pipeline's CLIs, report acceptance vs
     baselines."""
@@ -426,18 +545,7 @@ def main(
     vocab = json.loads((workdir / "model" / "config.json").read_text())["vocab_size"]
     commands = plan(workdir, p, device, vocab)
     train_env = {} if train_compile else {"TORCHDYNAMO_DISABLE": "1"}
-    report.data["stages"] = [
-        shlex.join(
-            [
-                *(f"{k}={v}" for k, v in train_env.items() if name == "train"),
-                "python",
-                "-m",
-                "pipeline",
-                *args,
-            ]
-        )
-        for name, args in commands
-    ]
+    report.data["stages"] = [shown(args, train_env if name == "train" else {}) for name, args in commands]
     report.write()
     for name, args in commands:
         with GpuSampler() as gpu:
@@ -452,9 +560,30 @@ def main(
             figures["size_gib"] = _dir_gib(workdir / "hidden_states")
             figures["tokens_per_s"] = round(report.data["phases"]["prepare"]["num_tokens"] / seconds, 1)
         if name == "train":
-            summary = json.loads((workdir / "train" / "summary.json").read_text())
-            figures.update(train=summary["train"], eval=summary.get("eval"))
+            figures.update(train_figures(workdir / "train"))
         report.phase(name, seconds, **figures)
+    produced_modes = states_modes[1:]  # offline's draft is the one trained above
+    if produced_modes:
+        from pipeline.train.states import state_file_bytes
+
+        offline_bytes = state_file_bytes(workdir / "hidden_states")
+        minimum = states_minimum(workdir, p, device)
+        budget = budget_between(minimum, offline_bytes)
+        report.data["states_budget"] = {
+            "offline_bytes": offline_bytes,
+            "minimum_bytes": minimum,
+            "budget_bytes": budget,
+            "share_beyond_minimum": STATES_SHARE,
+        }
+    for mode in produced_modes:
+        args = train_args(workdir, p, device, mode, budget)
+        report.data["stages"].append(shown(args, train_env))
+        with GpuSampler() as gpu:
+            seconds, _ = stage(args, env=train_env)
+        states_dir, out = mode_dirs(workdir, mode)
+        report.phase(f"train-{mode}", seconds, **gpu.figures(), **train_figures(out))
+        if not keep_states:
+            shutil.rmtree(states_dir, ignore_errors=True)
     if not keep_states:
         shutil.rmtree(workdir / "hidden_states", ignore_errors=True)
 
@@ -506,6 +635,15 @@ def main(
     click.echo("\n| figure | value |\n|---|---|")
     for k, v in rows_out:
         click.echo(f"| {k} | {v} |")
+    if produced_modes:
+        phases = report.data["phases"]
+        modes = [mode_row(m, phases["train" if m == "offline" else f"train-{m}"]) for m in states_modes]
+        lines, failures = compare_modes(modes)
+        report.data["states_modes"] = {"rows": modes, "tolerance": ACCEPTANCE_TOLERANCE, "failures": failures}
+        report.write()
+        click.echo("\n" + "\n".join(lines))
+        if failures:
+            raise SystemExit("learned_bench: " + "; ".join(failures))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import click
 
-from bench.learned_bench import GpuSampler
+from bench.learned_bench import GpuSampler, train_flags
 from bench.timing import timed
 from bench.train_bench import Report
 
@@ -177,25 +177,7 @@ def commands(
                 "-m",
                 "pipeline",
                 "train",
-                "--data",
-                str(work / "hidden_states"),
-                "--prepared",
-                str(work / "prepared"),
-                "--verifier",
-                str(work / "verifier"),
-                "--model",
-                str(work / "model"),
-                "--out",
-                str(out),
-                "--overwrite",
-                "--epochs",
-                str(epochs),
-                "--max-len",
-                str(common["max_len"]),
-                "--lr",
-                str(common["lr"]),
-                "--ttt-steps",
-                "3",
+                *train_flags(work, work / "hidden_states", out, epochs, common["max_len"], common["lr"]),
                 "--seed",
                 "0",
                 "--device",

@@ -225,13 +225,16 @@ def next_chunk(
     room: int,
 ) -> int:
     """How many samples from ``order[start:]`` go into the next forward: extract's rule (batch size x longest
-    <= max_batch_tokens, at most max_batch_size), and their files' bound within ``room``; at least one."""
-    n, longest, total = 0, 0, 0
+    <= max_batch_tokens, at most max_batch_size), and their files' bound within ``room``; at least one. A
+    sample that comes again (a transient one read in two epochs) starts the next forward: one file each."""
+    n, longest, total, seen = 0, 0, 0, set()
     for i in order[start:]:
         longest2 = max(longest, int(lengths[i]))
-        if n and ((n + 1) * longest2 > max_batch_tokens or n >= max_batch_size or total + sizes[i] > room):
+        full = (n + 1) * longest2 > max_batch_tokens or n >= max_batch_size or total + sizes[i] > room
+        if n and (full or i in seen):
             break
         n, longest, total = n + 1, longest2, total + sizes[i]
+        seen.add(i)
     return n
 
 
@@ -426,9 +429,14 @@ class Producer:
             del self.waiting[i]
         return self.kept_bytes + sum(self.waiting.values())
 
-    def _wait_for_room(self, need: int) -> bool:
+    def _wait_for_room(self, chunk: list[int]) -> bool:
+        """Wait until ``chunk``'s files fit the budget and no sample of it still has a copy waiting to be read
+        (a transient sample read in two epochs: written again, its file would replace the unread copy, and
+        the first read would delete the copy meant for the later epoch: the trainer would wait for it
+        forever). False when stopped."""
+        need = sum(self.sizes[i] for i in chunk)
         t0 = time.perf_counter()
-        while self._on_disk() + need > self.plan.budget:
+        while self._on_disk() + need > self.plan.budget or any(i in self.waiting for i in chunk):
             if self._stop.wait(WAIT_POLL_S):
                 return False
         self.stats.room_wait_seconds += time.perf_counter() - t0
@@ -455,7 +463,7 @@ class Producer:
                     room,
                 )
                 chunk = self.order[pos : pos + n]
-                if not self._wait_for_room(sum(self.sizes[i] for i in chunk)):
+                if not self._wait_for_room(chunk):
                     return
                 self._produce(chunk)
                 pos += n

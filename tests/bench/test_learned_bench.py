@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
+import pytest
+
 from bench import learned_bench
 from pipeline.demo import learned
 
@@ -72,3 +75,64 @@ def test_the_goal_fails_below_either_bar():
     assert len(rows) == 1 and rows[0][1].startswith("NOT MET")
     close = learned_bench.verdict(_eval(2.6, most_frequent_token=1.0, unigram_target=2.1, ngram_context=1.5))
     assert close["best_trivial_baseline"] == "unigram_target" and not close["goal_met"]
+
+
+def test_every_states_mode_trains_the_same_draft_and_online_ones_produce_into_their_own_dir(tmp_path):
+    """--states-modes: one command line per mode, equal but for where the states come from and go."""
+    p = learned_bench.PRESETS["tiny"]
+    offline = learned_bench.train_args(tmp_path, p, "cpu", "offline")
+    assert offline == dict(learned_bench.plan(tmp_path, p, "cpu", 1024))["train"]
+    hybrid = learned_bench.train_args(tmp_path, p, "cpu", "hybrid", budget=12345)
+    flags = dict(zip(hybrid[1::2], hybrid[2::2], strict=False))
+    assert flags["--states-mode"] == "hybrid" and flags["--states-budget"] == "12345"
+    assert flags["--data"] == str(tmp_path / "states-hybrid") and flags["--out"] == str(
+        tmp_path / "train-hybrid"
+    )
+    same = [a for a in hybrid if a not in (flags["--data"], flags["--out"])]
+    assert [a for a in offline if a not in same] == [str(tmp_path / "hidden_states"), str(tmp_path / "train")]
+
+
+def test_the_budget_makes_online_delete_and_hybrid_keep_only_part():
+    """Between the stage's minimum and the offline set's bytes: hybrid keeps some training samples only."""
+    from pipeline.train.states import plan_states
+
+    sizes = [100 + 10 * i for i in range(40)]
+    train, held_out = list(range(4, 40)), [0, 1, 2, 3]
+    minimum = sum(sizes[:4]) + sizes[-1]
+    budget = learned_bench.budget_between(minimum, sum(sizes))
+    assert minimum < budget < sum(sizes)
+    assert plan_states("online", budget, sizes, train, held_out).keep == set(held_out)
+    kept = plan_states("hybrid", budget, sizes, train, held_out).keep - set(held_out)
+    assert 0 < len(kept) < len(train)
+    assert learned_bench.budget_between(minimum, minimum // 2) == minimum  # never below the minimum
+
+
+def _row(mode: str, acceptance: float, tokens_per_s: float, **states) -> dict:
+    phase = {"seconds": 60.0, "train": {"train_tokens_per_s": tokens_per_s}, "eval": _eval(acceptance)}
+    if states:
+        phase["train"]["states"] = states
+    return learned_bench.mode_row(mode, phase)
+
+
+def test_modes_are_compared_with_offline_and_a_gap_over_the_tolerance_fails():
+    """The table's deltas and speed ratios against offline; more than 0.05 apart is a one-line failure."""
+    waits = {"trainer_wait_seconds": 2.5, "producer_room_wait_seconds": 7.25}
+    rows = [_row("offline", 2.8, 1000.0), _row("online", 2.76, 500.0, **waits), _row("hybrid", 2.86, 800.0)]
+    lines, failures = learned_bench.compare_modes(rows)
+    assert lines[2] == "| offline | 2.800 | +0.000 | 60.0 | 1,000 | 1.00x | - | - |"
+    assert lines[3] == "| online | 2.760 | -0.040 | 60.0 | 500 | 0.50x | 2.5 | 7.2 |"
+    assert len(failures) == 1 and failures[0].startswith(
+        "hybrid acceptance 2.860 is +0.060 from offline's 2.800"
+    )
+    assert rows[1]["acceptance_delta"] == -0.04 and rows[2]["tokens_per_s_vs_offline"] == 0.8
+
+
+def test_states_modes_option_puts_offline_first_and_refuses_a_list_without_it():
+    assert learned_bench.parse_modes(None, None, "hybrid, offline,online,hybrid") == [
+        "offline",
+        "hybrid",
+        "online",
+    ]
+    for bad in ("online,hybrid", "offline,streaming"):
+        with pytest.raises(click.BadParameter):
+            learned_bench.parse_modes(None, None, bad)

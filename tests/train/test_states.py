@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -101,6 +102,64 @@ def test_chunks_follow_extracts_batch_rule_and_the_room():
     assert states.next_chunk([0, 1, 2, 3], 0, lengths, sizes, 1000, 3, 100) == 3
     assert states.next_chunk([0, 1, 2, 3], 0, lengths, sizes, 1000, 64, 4) == 2
     assert states.next_chunk([0, 1, 2, 3], 1, lengths, sizes, 1000, 64, 1) == 1
+    assert states.next_chunk([0, 1, 0, 2], 0, lengths, sizes, 1000, 64, 100) == 2  # 0 again: one file each
+
+
+class _Prepared:
+    """The prepared rows the producer reads: ids, mask and lengths."""
+
+    def __init__(self, lengths):
+        self._lengths = np.asarray(lengths)
+
+    def lengths(self):
+        return self._lengths
+
+    def ids(self, i):
+        return torch.arange(int(self._lengths[i]))
+
+    def mask(self, i):
+        return np.ones(int(self._lengths[i]), dtype=bool)
+
+
+class _Backend:
+    name = "fake"
+
+    def capture(self, seqs):
+        return [[torch.zeros(len(s), 4)] for s in seqs]
+
+
+def test_a_sample_read_in_two_epochs_is_written_again_only_once_its_first_copy_is_read(tmp_path):
+    """A transient sample that the trainer reads at the end of one epoch and early in the next one, the
+    producer far enough ahead to reach both: the second copy waits until the first is read (deleted), so
+    that the reader of the first does not delete the second (the trainer would wait for it forever)."""
+    lengths = [8, 8, 8]
+    sizes = [states.sample_bytes(t, 4, 1, 4) for t in lengths]
+    plan = states.StatesPlan("online", 10**9, frozenset(), 0, 10**9)
+    producer = states.Producer(
+        _Backend(),
+        tmp_path,
+        _Prepared(lengths),
+        [0, 1, 0, 2],
+        plan,
+        sizes,
+        present=frozenset(),
+        present_bytes=0,
+        hidden_size=4,
+        num_layers=1,
+        max_batch_tokens=1000,
+        max_batch_size=64,
+    ).start()
+    try:
+        deadline = time.monotonic() + 10
+        while producer.stats.samples < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert producer.stats.samples == 2  # 0 and 1 written; the second 0 waits for the first's reader
+        formats.data_file(tmp_path, 0).unlink()  # the trainer read the first 0
+        states.wait_for(formats.data_file(tmp_path, 2), tmp_path, timeout=10)
+        assert formats.data_file(tmp_path, 0).exists() and producer.stats.samples == 4
+    finally:
+        producer.stop()
 
 
 def test_a_reader_waiting_for_a_file_learns_why_it_will_not_come(tmp_path):
