@@ -95,7 +95,10 @@ FROM patched AS runtime
 COPY docker/ /opt/eagle-ops/docker/
 COPY contract/ /opt/eagle-ops/contract/
 COPY pipeline/ /opt/eagle-ops/pipeline/
-ENV PYTHONPATH=/opt/eagle-ops
+# VLLM_NO_USAGE_STATS: vLLM posts the host's hardware and model facts to its authors' server from a thread
+# (at start, then every 10 minutes) unless told not to; nothing leaves an operator's host because of us.
+ENV PYTHONPATH=/opt/eagle-ops \
+    VLLM_NO_USAGE_STATS=1
 WORKDIR /opt/eagle-ops
 # The hashes `make image` computed on the host: the self-check recomputes both from the files in the
 # image and fails the build if they differ, so the labels below cannot lie.

@@ -18,8 +18,9 @@ Layer ids: ours are decoder-layer OUTPUTS (k = output of layer k, pre final norm
 of layer j, and j = num_hidden_layers is the last layer's output before the final norm. So ours map to
 ``k + 1`` (DESIGN.md section 10); ``vllm_layer_ids`` is the one place that says so.
 
-Process model: the engine runs in a child process and spawns one worker per tensor-parallel rank; entry
-points must be import-safe (``if __name__ == "__main__":``), which ``python -m pipeline`` is.
+Process model: at tensor parallel 1 the engine core and its one worker run in this process (``engine_process``);
+at more, the core runs in a child process that spawns one worker per rank, so entry points must be import-safe
+(``if __name__ == "__main__":``), which ``python -m pipeline`` is.
 """
 
 from __future__ import annotations
@@ -189,7 +190,8 @@ def engine_process(in_process: bool):
     1, whose one worker then runs here too, so our connector hands the states over in memory) or in a
     process of its own (vLLM's default; a tensor-parallel engine's workers are processes either way). An
     operator's own VLLM_ENABLE_V1_MULTIPROCESSING wins. The variable is restored once the engine is built;
-    vLLM's cache of its variables, which an engine built earlier in this process froze, is cleared first."""
+    vLLM's cache of its variables, which an engine built earlier in this process froze, is cleared first.
+    Yields whether the engine core runs in this process."""
     from vllm import envs
 
     from pipeline.backends.vllm_connector import HANDOFF
@@ -201,10 +203,36 @@ def engine_process(in_process: bool):
     envs.disable_envs_cache()
     HANDOFF.enable()  # taken only by a connector that runs in this process
     try:
-        yield
+        yield not envs.VLLM_ENABLE_V1_MULTIPROCESSING
     finally:
         if before is None:
             os.environ.pop(key, None)
+
+
+@contextlib.contextmanager
+def model_inspection_here():
+    """Around the construction of an engine whose core runs in this process: vLLM's inspection of each model
+    class (text generation? pipeline parallel? ...) runs here instead of in a fresh Python process. vLLM
+    spawns one per class on a cold ``VLLM_CACHE_ROOT/modelinfos`` (the target and the extract_hidden_states
+    drafter) so that importing a model's module cannot initialize CUDA in a parent that forks workers later;
+    each one imports torch, transformers and vLLM again: 46 of the 77 s before the first batch on the H200
+    (docs/benchmarks.md, 2026-12-04). An in-process core imports the same modules and initializes CUDA here
+    anyway, so nothing is lost; vLLM still writes the result to its cache. vLLM's own behaviour when the
+    pinned version lacks the hook (a test of the pinned wheel says so)."""
+    from vllm.model_executor.models import registry
+
+    spawn = getattr(registry, "_run_in_subprocess", None)
+    if spawn is not None:
+        registry._run_in_subprocess = _run_here
+    try:
+        yield
+    finally:
+        if spawn is not None:
+            registry._run_in_subprocess = spawn
+
+
+def _run_here(fn):
+    return fn()
 
 
 class VllmBackend(Backend):
@@ -234,6 +262,10 @@ class VllmBackend(Backend):
             )
         if devices == 0:
             os.environ.update(vllm_cpu.extraction_environment(self.tensor_parallel_size))
+        # vLLM's usage report (a thread posting this host's hardware and model facts to vLLM's authors, at
+        # start and every 10 minutes) stays off outside the image too (the Dockerfile sets it there); an
+        # operator's own value wins
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         check_patched()
         check_routing(options)
         check_attention_dtype(options, on_gpu=devices > 0, environ=os.environ)
@@ -258,7 +290,9 @@ class VllmBackend(Backend):
             args = engine_arguments(options, self.tensor_parallel_size, self._storage, self.compiled)
             if devices == 0:
                 args.update(vllm_cpu.engine_arguments(args["dtype"]))
-            with engine_process(in_process=self.tensor_parallel_size == 1):
+            with contextlib.ExitStack() as stack:
+                if stack.enter_context(engine_process(in_process=self.tensor_parallel_size == 1)):
+                    stack.enter_context(model_inspection_here())
                 self._llm = LLM(**args)
         except BaseException:
             HANDOFF.disable()

@@ -111,6 +111,15 @@ def test_patches_applied_in_container(ci_image):
     assert "FAIL" not in out
 
 
+def test_vllm_reports_no_usage_from_the_image(ci_image):
+    """vLLM's usage report (the host's hardware and model facts, posted to vLLM's authors) is off in the
+    image: for the stages and for `vllm serve` alike."""
+    out = run_in_image(
+        CI_IMAGE, "python", "-c", "from vllm.usage.usage_lib import is_usage_stats_enabled as on; print(on())"
+    )
+    assert out.strip().splitlines()[-1] == "False", out
+
+
 def test_wrong_patch_hash_fails_the_build(ci_image):
     """A PATCHES_SHA256 that does not match the patch tree fails the build in the self-check (labels cannot
     lie)."""

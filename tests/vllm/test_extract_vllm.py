@@ -13,6 +13,7 @@ exceed it by orders of magnitude. Engines run with --enforce-eager: torch.compil
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -294,3 +295,43 @@ def test_vllm_extracts_from_a_model_folder_without_tokenizer_files(tmp_path, pre
     )
     assert formats.existing_data_indices(out) == [0, 1, 2, 3]
     assert json.loads((out / "summary.json").read_text())["ok"]
+
+
+def test_an_in_process_engine_inspects_its_model_classes_here(tiny_llama, tmp_path, monkeypatch):
+    """vLLM inspects each model class in a fresh Python process when its modelinfo cache is cold (46 of the
+    77 s before the H200's first batch). An engine whose core runs in this process does it here: with a cold
+    VLLM_CACHE_ROOT and vLLM's spawning hook replaced by one that fails, the engine still builds, vLLM's
+    cache holds both classes (target, drafter) afterwards, and the hook is vLLM's again once it is built."""
+    from vllm.model_executor.models import registry
+
+    from pipeline.backends.base import BackendOptions
+    from pipeline.backends.vllm import VllmBackend
+    from pipeline.modeldir import read_model_dir
+
+    def spawn(fn):
+        raise AssertionError("a model class was inspected in a subprocess")
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", spawn)
+    monkeypatch.delenv("VLLM_NO_USAGE_STATS", raising=False)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    registry._try_inspect_model_cls.cache_clear()  # engines built earlier in this session inspected them
+    backend = VllmBackend(
+        BackendOptions(
+            model=read_model_dir(tiny_llama),
+            layer_ids=(2, 4, 5, 7),
+            dtype="float32",
+            seq_length=64,
+            tensor_parallel_size=1,
+            enforce_eager=True,
+            scratch_dir=tmp_path / "scratch",
+        )
+    )
+    try:
+        assert backend.handoff == "memory"  # the core runs here
+        assert registry._run_in_subprocess is spawn
+        assert os.environ["VLLM_NO_USAGE_STATS"] == "1"  # no usage report to vLLM's authors
+        cached = sorted(p.name for p in (tmp_path / "vllm-cache" / "modelinfos").iterdir())
+        assert any("LlamaForCausalLM" in name for name in cached), cached
+        assert any("ExtractHiddenStates" in name for name in cached), cached
+    finally:
+        backend.close()
