@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,3 +92,15 @@ def remove_partials(directory: Path) -> list[Path]:
         p.unlink(missing_ok=True)
         removed.append(p)
     return removed
+
+
+def replace_dir(staged: Path, target: Path, aside: Path) -> None:
+    """Put the folder ``staged`` at ``target`` with renames only: an existing ``target`` is renamed to
+    ``aside`` first, ``staged`` renamed in, then ``aside`` deleted. A kill at any instant leaves the old
+    folder or the new one whole (at ``target``, or the old one at ``aside`` until its owner settles it)."""
+    shutil.rmtree(aside, ignore_errors=True)
+    if target.exists():
+        os.replace(target, aside)
+    os.replace(staged, target)
+    shutil.rmtree(aside, ignore_errors=True)
+

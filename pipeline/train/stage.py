@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from pipeline.ondisk import formats
-from pipeline.ondisk.atomic import write_json
+from pipeline.ondisk.atomic import replace_dir, write_json
 from pipeline.train.draft import TargetFacts, read_target_facts
 from pipeline.errors import StageError
 from pipeline.layers import NUM_CAPTURED, to_vllm_aux_ids, validate_layer_ids
@@ -730,11 +730,7 @@ def export_draft(checkpoint: Path, target: Path, dtype: torch.dtype, verifier_na
     config["torch_dtype"] = config["dtype"]
     config["speculators_config"]["verifier"]["name_or_path"] = verifier_name_or_path
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    if target.exists():
-        os.replace(target, old)
-    os.replace(staging, target)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(staging, target, target.with_name(f".{target.name}.old-{os.getpid()}"))
     return target
 
 
@@ -743,12 +739,7 @@ def replace_checkpoint(root: Path, epoch: int) -> None:
     any instant leaves either the old checkpoint or the new one whole (never a half-deleted directory):
     the old one is renamed aside first, the new one renamed in, then the old one deleted.
     `settle_checkpoints` finishes or undoes a replacement a kill cut short."""
-    final, aside = root / str(epoch), root / f".replaced-{epoch}"
-    shutil.rmtree(aside, ignore_errors=True)
-    if final.exists():
-        os.replace(final, aside)
-    os.replace(root / ".staging" / str(epoch), final)
-    shutil.rmtree(aside, ignore_errors=True)
+    replace_dir(root / ".staging" / str(epoch), root / str(epoch), root / f".replaced-{epoch}")
     shutil.rmtree(root / ".staging", ignore_errors=True)
 
 
