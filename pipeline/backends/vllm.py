@@ -18,9 +18,9 @@ Layer ids: ours are decoder-layer OUTPUTS (k = output of layer k, pre final norm
 of layer j, and j = num_hidden_layers is the last layer's output before the final norm. So ours map to
 ``k + 1`` (DESIGN.md section 10); ``vllm_layer_ids`` is the one place that says so.
 
-Process model: at tensor parallel 1 the engine core and its one worker run in this process (``engine_process``);
-at more, the core runs in a child process that spawns one worker per rank, so entry points must be import-safe
-(``if __name__ == "__main__":``), which ``python -m pipeline`` is.
+Process model: at tensor parallel 1 the engine core and its one worker run in this process
+(``engine_process``); at more, the core runs in a child process that spawns one worker per rank, so entry
+points must be import-safe (``if __name__ == "__main__":``), which ``python -m pipeline`` is.
 """
 
 from __future__ import annotations
