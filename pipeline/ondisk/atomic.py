@@ -103,4 +103,3 @@ def replace_dir(staged: Path, target: Path, aside: Path) -> None:
         os.replace(target, aside)
     os.replace(staged, target)
     shutil.rmtree(aside, ignore_errors=True)
-
