@@ -225,11 +225,13 @@ def _deepseek_config(vocab_size: int, **overrides):
         topk_group=1,
         routed_scaling_factor=2.5,
         first_k_dense_replace=1,
-        kv_lora_rank=64,
+        # DeepSeek-V3's and Kimi-K2.5's own MLA head sizes: vLLM's CUDA MLA kernels take only a few (on the
+        # H200 no prefill kernel took 32/32/64); the latent 512 + 64 is also the only one its CPU MLA takes
+        kv_lora_rank=512,
         q_lora_rank=96,
-        qk_rope_head_dim=32,
-        qk_nope_head_dim=32,
-        v_head_dim=64,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
         max_position_embeddings=4096,
         rope_scaling=None,
         tie_word_embeddings=False,

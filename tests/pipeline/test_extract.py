@@ -193,7 +193,7 @@ def test_compile_is_chosen_for_long_gpu_runs_only():
 
 def test_packing_is_left_to_models_whose_heads_flash_attention_takes(tiny_llama, tiny_deepseek):
     """Llama's heads fit flash attention's varlen kernel; an MLA config fits only while its query-key and
-    value head sizes are equal (the tiny DeepSeek's: 64 and 64; DeepSeek-V3's: 192 and 128)."""
+    value head sizes are equal (DeepSeek-V3's and the tiny DeepSeek's: 192 and 128)."""
     from transformers import AutoConfig
 
     from pipeline.backends.hf import flash_fits

@@ -106,14 +106,14 @@ def test_served_config_is_in_vllms_convention(served, tiny_llama):
 
 @pytest.fixture(scope="module")
 def served_deepseek(tmp_path_factory, conversations):
-    """The same stages and train run on a tiny DeepseekV3 target with MLA on in vLLM: its latent head is the
-    real model's 512 + 64 (the only size the CPU MLA kernel takes), so vLLM serves it with MLA as a GPU
-    would."""
+    """The same stages and train run on a tiny DeepseekV3 target with MLA on in vLLM: its MLA head sizes are
+    the real model's (latent 512 + 64, the only size the CPU MLA kernel takes; 128/64/128, which the GPU's
+    MLA prefill takes), so vLLM serves it with MLA as a GPU would."""
     from pipeline.demo.tiny import build_tiny_model
     from tests.train.conftest import run_stages
 
     root = tmp_path_factory.mktemp("dsv3-draft")
-    model = build_tiny_model("deepseek_v3", root / "model", kv_lora_rank=512, qk_rope_head_dim=64)
+    model = build_tiny_model("deepseek_v3", root / "model")
     config = json.loads((model / "config.json").read_text())
     config["scoring_func"] = "sigmoid"  # what real DeepSeek-V3 configs carry (vLLM's default is softmax)
     (model / "config.json").write_text(json.dumps(config))

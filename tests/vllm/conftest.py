@@ -99,7 +99,14 @@ def compare_dirs(got: Path, want: Path) -> dict:
             assert x.shape == y.shape and x.dtype == y.dtype, (i, k, x.shape, y.shape, x.dtype, y.dtype)
             worst[k] = max(worst[k], per_token_rel(x, y))
             token_errors.append(((x.float() - y.float()).norm(dim=-1) / y.float().norm(dim=-1)))
-    return {"files": len(got_ids), "worst_per_layer": worst, "token_errors": torch.cat(token_errors)}
+    per_layer = [torch.cat(token_errors[k::4]) for k in range(4)]
+    return {
+        "files": len(got_ids),
+        "worst_per_layer": worst,
+        "token_errors": torch.cat(token_errors),
+        "median_per_layer": [float(e.median()) for e in per_layer],
+        "share_above": lambda tol: [float((e >= tol).float().mean()) for e in per_layer],
+    }
 
 
 def copy_model(src: Path, dst: Path, drop: tuple[str, ...] = (), **config_changes) -> Path:

@@ -40,6 +40,12 @@ BF16 = {"llama": {"max_rel": 0.15, "mean_rel": 0.015}, "kimi_k25": {"max_rel": N
 # bf16 states
 BF16_VS_FP32_RATIO = 1.5
 LIMIT = 24  # samples per extraction
+# fp32 on a GPU: vLLM's Triton attention and fused-MoE dots run as TF32 (tests/vllm/conftest.py), which moves
+# a token's router scores by ~1e-3 of their size; a token whose two best experts (or groups) are closer than
+# that takes another expert there and its state moves by its whole size, and so may later tokens attending
+# to it. So on a GPU: the median token within TOL and at most this share of tokens beyond it per layer; the
+# MoE's arithmetic itself is held to TOL on every token where routing is decisive (the gpu test below).
+GPU_ROUTING_FLIPS = 0.05
 
 
 def extract(backend: str, dtype: str, prepared, model, out, *extra) -> None:
@@ -206,19 +212,58 @@ def test_vllm_kimi_matches_hf_fp32(tmp_path, prepared_kimi, tiny_kimi, hf_kimi_f
     fp32 bound. On a GPU, whose MLA attention takes no fp32 (refused in one line otherwise), with MLA off as
     an operator would set it for an fp32 reference (VLLM_MLA_DISABLE=1): the layout, the routing and the
     layers are vLLM's GPU ones, the attention its plain one; MLA itself runs in the bf16 test below."""
-    if torch.cuda.is_available():
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
         monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
     out = tmp_path / "vllm"
     extract("vllm", "float32", prepared_kimi, tiny_kimi, out)
     result = compare_dirs(out, hf_kimi_fp32)
+    shares = result["share_above"](TOL)
     print(
-        f"\nKimi-K2.5 fp32 vllm vs hf, worst per-token relative error per layer: {result['worst_per_layer']}"
+        f"\nKimi-K2.5 fp32 vllm vs hf, per layer: worst per-token rel. error {result['worst_per_layer']}, "
+        f"median {result['median_per_layer']}, share of tokens at or above {TOL:g}: {shares}"
     )
     assert result["files"] == LIMIT
-    assert max(result["worst_per_layer"]) < TOL, result["worst_per_layer"]
+    if on_gpu:  # TF32 moves router scores; near-tied tokens take other experts (GPU_ROUTING_FLIPS)
+        assert max(result["median_per_layer"]) < TOL and max(shares) <= GPU_ROUTING_FLIPS, shares
+    else:
+        assert max(result["worst_per_layer"]) < TOL, result["worst_per_layer"]
     config = formats.read_data_config(out)
     assert (config.backend, config.dtype, config.layer_ids) == ("vllm", "float32", [2, 4, 5, 7])
     show("Kimi-K2.5 fp32 vllm vs hf", layer_differences(out, hf_kimi_fp32))
+
+
+def decisive_routing(model: Path, out: Path) -> Path:
+    """A copy of the tiny Kimi whose routing bias is 0, 1, 2, ... per expert: with sigmoid scores in (0, 1)
+    every token picks the last group and its two last experts by a margin of ~1, far beyond any rounding, so
+    vLLM and transformers route alike and only the MoE's arithmetic is compared."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    weights = out / "model.safetensors"
+    tensors = load_file(weights)
+    biases = [n for n in tensors if n.endswith("mlp.gate.e_score_correction_bias")]
+    assert biases, sorted(tensors)[:10]
+    for name in biases:
+        tensors[name] = torch.arange(tensors[name].numel(), dtype=tensors[name].dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.gpu
+def test_vllm_kimi_matches_hf_fp32_where_routing_is_decisive(tmp_path, prepared_kimi, tiny_kimi, monkeypatch):
+    """On a GPU, with no token near a routing tie (``decisive_routing``), every token of every layer is
+    within the fp32 bound: the MoE's arithmetic (vLLM's fused MoE, its grouped top-k) is right on the GPU,
+    and what the fp32 test above allows there is routing flips, not a wrong MoE."""
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
+    model = decisive_routing(tiny_kimi, tmp_path / "model")
+    extract("hf", "float32", prepared_kimi, model, hf := tmp_path / "hf")
+    extract("vllm", "float32", prepared_kimi, model, vl := tmp_path / "vllm")
+    result = compare_dirs(vl, hf)
+    print(f"\nKimi-K2.5 decisive routing, fp32 vllm vs hf, worst per layer: {result['worst_per_layer']}")
+    assert max(result["worst_per_layer"]) < TOL, result["worst_per_layer"]
 
 
 @pytest.mark.parametrize("kind", ["llama", "kimi_k25"])
