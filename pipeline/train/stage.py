@@ -671,6 +671,14 @@ def make_loader(
     )
 
 
+def _current_cuda_device(device: torch.device) -> torch.device | None:
+    """The trainer's CUDA device with its index (``cuda`` alone is the current device: cuda:0 unless
+    torchrun's rank chose another), to make current again after a backend changed it; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
     out = Path(cfg.out)
     ckpt = out / CHECKPOINTS
@@ -894,6 +902,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             # loaded before the seed: a model load may draw from torch's generator, the draft's init must not
             # see it
             log(f"states: the {produced.backend} backend produces ({produced.backend_reason})")
+            trainer_device = _current_cuda_device(rt.device)
             backend = held.enter_context(get_backend(produced.backend, produced.backend_options))
             if produced.backend == "vllm":  # its engine's processes end with this one even when it is killed
                 from pipeline.train import reaper
@@ -905,8 +914,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
                     f"the {produced.backend} backend computes states in {got}, the plan assumed "
                     f"{produced.data_config.dtype}: pass --states-dtype {got}"
                 )
-            if rt.device.type == "cuda":  # the hf backend made its own device the current one: the trainer's
-                torch.cuda.set_device(rt.device)
+            if trainer_device is not None:  # the hf backend made its own device the current one
+                torch.cuda.set_device(trainer_device)
 
         seed_everything(cfg.seed)
         spec_config = draft_mod.build_speculator_config(

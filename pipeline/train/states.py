@@ -446,10 +446,10 @@ class Producer:
         try:
             # the hf backend's device: CUDA's current device is per thread, this one starts on cuda:0
             device = getattr(self.backend, "device", None)
-            if device is not None and getattr(device, "type", None) == "cuda":
+            if device is not None and getattr(device, "type", None) == "cuda" and device.index is not None:
                 import torch
 
-                torch.cuda.set_device(device)
+                torch.cuda.set_device(device)  # plain "cuda": the thread's current device, cuda:0
             pos = 0
             while pos < len(self.order) and not self._stop.is_set():
                 room = self.plan.budget - self.kept_bytes
