@@ -275,17 +275,17 @@ def facts_drift(out: Path, n: int = 8) -> float | None:
     """The largest difference between the log RMS the writer recorded (on a GPU: from the device's figures)
     and the one computed from the file as read back, over the first ``n`` files; exits when they disagree
     beyond float32 rounding or on a non-finite count. None for a set without a version 2 record."""
-    from pipeline import verify
+    from pipeline.ondisk import integrity
     from pipeline.ondisk import formats
 
     record, worst = formats.read_checksums(out), 0.0
     names = [name for name in sorted(record) if name.startswith("data_")][:n]
-    if not names or not all(verify.has_facts(record[name]) for name in names):
+    if not names or not all(integrity.has_facts(record[name]) for name in names):
         return None
     for name in names:
         s = formats.read_sample(out / name)
         mine, kept = (
-            verify.written_facts(s["input_ids"], s["hidden_states"], s["loss_mask"]),
+            integrity.written_facts(s["input_ids"], s["hidden_states"], s["loss_mask"]),
             record[name].facts,
         )
         pairs = list(zip(mine["log_rms"] or [], kept["log_rms"] or [], strict=True))

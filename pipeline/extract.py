@@ -25,6 +25,7 @@ import click
 from contract.shards import shard
 from contract.summary import CLOSING_CHECKS
 from pipeline import verify
+from pipeline.ondisk import integrity
 from pipeline.ondisk import formats, provenance
 from pipeline.ondisk.atomic import remove_partials
 from pipeline.backends import BACKENDS, Backend, BackendOptions, get_backend
@@ -243,7 +244,7 @@ class Writer:
                     item.ready()
                     target = formats.data_file(self.out, item.index)
                     # what the closing check judges, from the tensors in hand
-                    facts = verify.written_facts(item.ids, item.states, item.mask, item.scales)
+                    facts = integrity.written_facts(item.ids, item.states, item.mask, item.scales)
                     digest = formats.write_sample(target, item.ids, item.states, item.mask)
                     self.journal.record(
                         target.name, replace(digest, mtime_ns=target.stat().st_mtime_ns, facts=facts)
@@ -341,11 +342,12 @@ def prepare_output_dir(
     """Apply the --resume/--overwrite policy; return the sample indices already complete.
 
     --resume continues a run only if its data_config.json is this run's and each existing file it would skip
-    (those of ``owned``, this host's samples; default all) belongs to this run (``verify.foreign_files``: the
-    file mapped, not read: its input_ids and loss_mask against prepared row i, its states' count, shapes and
-    dtype against this run's config; its size, and its bytes only if it changed after the set's checksum
-    records, against them). Either refusal is one line, before anything in --out changes. --resume --repair
-    instead reads every byte of every file (``verify.damaged_files``) and regenerates the ones that fail."""
+    (those of ``owned``, this host's samples; default all) belongs to this run
+    (``integrity.foreign_files``: the file mapped, not read: its input_ids and loss_mask against prepared row
+    i, its states' count, shapes and dtype against this run's config; its size, and its bytes only if it
+    changed after the set's checksum records, against them). Either refusal is one line, before anything in
+    --out changes. --resume --repair instead reads every byte of every file (``integrity.damaged_files``) and
+    regenerates the ones that fail."""
     out = cfg.out
     refuse_overlap(out, {"--prepared": cfg.prepared, "--model": cfg.model})
     existing = formats.existing_data_indices(out)
@@ -388,7 +390,7 @@ def prepare_output_dir(
         shutil.rmtree(stale, ignore_errors=True)
     formats.write_data_config(out, expected)
     if cfg.repair:
-        bad = verify.damaged_files(out, kept, expected, prepared)
+        bad = integrity.damaged_files(out, kept, expected, prepared)
         for i, reason in sorted(bad.items()):
             click.echo(f"repair: data_{i}.pt will be regenerated ({reason})", err=True)
             formats.data_file(out, i).unlink()
@@ -398,7 +400,7 @@ def prepare_output_dir(
 
 def refuse_foreign_files(out: Path, indices: list[int], expected: formats.DataConfig, prepared) -> None:
     """One line naming the first of ``indices`` that is not this run's file (and how many more there are)."""
-    foreign = verify.foreign_files(out, indices, expected, prepared)
+    foreign = integrity.foreign_files(out, indices, expected, prepared)
     if foreign:
         first = min(foreign)
         more = f" (and {len(foreign) - 1} more files)" if len(foreign) > 1 else ""
@@ -705,7 +707,7 @@ def record_missing_checksums(out: Path, done: set[int]) -> None:
         if want is None:
             return True
         st = path.stat()
-        return verify.has_facts(want) and (st.st_mtime_ns != want.mtime_ns or st.st_size != want.bytes)
+        return integrity.has_facts(want) and (st.st_mtime_ns != want.mtime_ns or st.st_size != want.bytes)
 
     missing = sorted(i for i in done if stale(i))
     if not missing:
@@ -714,14 +716,14 @@ def record_missing_checksums(out: Path, done: set[int]) -> None:
         f"resume: recording the checksums of {len(missing)} files written without one (or changed since)",
         err=True,
     )
-    journal, load = formats.ChecksumJournal(out), verify.reader_loads()
+    journal, load = formats.ChecksumJournal(out), integrity.reader_loads()
     try:
         for i in missing:
             path = formats.data_file(out, i)
             mtime = path.stat().st_mtime_ns
             try:
                 d, digest = load(path)
-                facts = verify.written_facts(d["input_ids"], d["hidden_states"], d["loss_mask"])
+                facts = integrity.written_facts(d["input_ids"], d["hidden_states"], d["loss_mask"])
             except Exception:  # noqa: BLE001 - not a readable sample: its checksum only; the closing check reads it
                 digest, facts = formats.file_digest(path), None
             if (want := recorded.get(path.name)) is not None and digest.sha256 != want.sha256:

@@ -49,7 +49,7 @@ def token_rms(h: torch.Tensor) -> torch.Tensor:
 
 def token_scales(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token: ``token_rms`` and the count of non-finite entries, on the state's device. The hf backend
-    computes them on the GPU for extract's writer record (``verify.written_facts(..., scales=...)``)."""
+    computes them on the GPU for extract's writer record (``integrity.written_facts(..., scales=...)``)."""
     import torch
 
     return token_rms(h), (~torch.isfinite(h)).sum(-1, dtype=torch.int32)

@@ -40,8 +40,8 @@ sidecar per file: one small file to copy and compare, no doubling of the file co
 set, and no per-file extra write; the journals exist only while a run is in progress or was interrupted.
 Version 2 adds to each entry the file's mtime once it had its final name (``mtime_ns``) and the value facts
 its writer computed from the tensors in hand (``facts``: shapes, dtypes, non-finite counts, layer scale,
-a digest of the ids and mask; built and judged by pipeline/verify.py, opaque here), which extract's closing
-check judges instead of reading the file back; version 1 entries (sha256 and bytes only) are still read.
+a digest of the ids and mask; built and judged by integrity.py, opaque here), which extract's closing check
+judges instead of reading the file back; version 1 entries (sha256 and bytes only) are still read.
 
 Summaries: every ``summary.json`` (verify's; train's through ``provenance.stamp``) carries the header of
 contract/summary.py (schema and version, which ops reads too) and a ``provenance`` record next to its stage

@@ -260,10 +260,10 @@ def prepare_states_dir(
 
     A new run needs an empty or absent dir. --overwrite empties a states dir of this module only (never an
     extract's set). --resume keeps the kept files that are this run's (ids and mask against the prepared row,
-    shapes and dtype: ``verify.foreign_files``) and deletes every other state file: transient states of the
+    shapes and dtype: ``integrity.foreign_files``) and deletes every other state file: transient states of the
     killed run, kept files that are not this run's (produced again), partial files. Then data_config.json
     (with the plan) and sample_lengths.json are written, before any state."""
-    from pipeline import verify
+    from pipeline.ondisk import integrity
     from pipeline.extract import VLLM_SCRATCH_GLOB, record_missing_checksums
     from pipeline.ondisk.atomic import remove_partials
 
@@ -312,7 +312,7 @@ def prepare_states_dir(
         formats.data_file(directory, i).unlink(missing_ok=True)
     kept = sorted(set(present) - set(drop))
     if kept:
-        foreign = verify.foreign_files(directory, kept, expected, prepared)
+        foreign = integrity.foreign_files(directory, kept, expected, prepared)
         for i, reason in sorted(foreign.items()):
             log(f"states: data_{i}.pt will be produced again ({reason})")
             formats.data_file(directory, i).unlink(missing_ok=True)
@@ -485,7 +485,7 @@ class Producer:
     def _produce(self, chunk: list[int]) -> None:
         import torch
 
-        from pipeline import verify
+        from pipeline.ondisk import integrity
 
         seqs = [self.prepared.ids(i).tolist() for i in chunk]
         t0 = time.perf_counter()
@@ -507,7 +507,7 @@ class Producer:
             mask = torch.from_numpy(self.prepared.mask(i).astype("int64"))
             target = formats.data_file(self.directory, i)
             kept = i in self.plan.keep
-            facts = verify.written_facts(ids, sample_states, mask) if kept else None
+            facts = integrity.written_facts(ids, sample_states, mask) if kept else None
             digest = formats.write_sample(target, ids, sample_states, mask)
             if digest.bytes > self.sizes[i]:
                 raise StageError(

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pipeline import verify
+from pipeline.ondisk import integrity
 
 from pipeline.ondisk import formats
 from pipeline.extract import Sample, Writer
@@ -194,15 +195,15 @@ def test_repair_leaves_a_record_the_check_accepts(states, tiny_llama, prepared_l
 
 
 def test_facts_of_written_tensors_match_what_a_read_finds(states):
-    """The writer's facts are verify's own figures for the file as read back (one judge, two inputs)."""
+    """The writer's facts are integrity's own figures for the file as read back (one judge, two inputs)."""
     s = formats.read_sample(states / "data_1.pt")
-    facts = verify.written_facts(s["input_ids"], s["hidden_states"], s["loss_mask"])
+    facts = integrity.written_facts(s["input_ids"], s["hidden_states"], s["loss_mask"])
     recorded = formats.read_checksums(states)["data_1.pt"].facts
     assert facts == recorded
     assert facts["log_rms"] == [
-        verify.layer_profile.layer_stats(h).log_rms for h in s["hidden_states"]
+        integrity.layer_profile.layer_stats(h).log_rms for h in s["hidden_states"]
     ]  # exactly
-    zero = verify.written_facts(
+    zero = integrity.written_facts(
         s["input_ids"], [torch.zeros_like(h) for h in s["hidden_states"]], s["loss_mask"]
     )
     assert zero["log_rms"] == [None] * 4 and zero["nonfinite"] == [0] * 4
@@ -213,21 +214,21 @@ def test_facts_from_device_scales_equal_the_writers_own(states):
     from the states, non-finite entries included; the Writer records the scales it is handed."""
     s = formats.read_sample(states / "data_2.pt")
     ids, hs, mask = s["input_ids"], s["hidden_states"], s["loss_mask"]
-    assert verify.written_facts(
-        ids, hs, mask, [verify.layer_profile.token_scales(h) for h in hs]
-    ) == verify.written_facts(ids, hs, mask)
+    assert integrity.written_facts(
+        ids, hs, mask, [integrity.layer_profile.token_scales(h) for h in hs]
+    ) == integrity.written_facts(ids, hs, mask)
     bad = [h.clone() for h in hs]
     bad[1][3, :2] = float("nan")
     bad[2][0, 0] = float("inf")
-    facts = verify.written_facts(ids, bad, mask, [verify.layer_profile.token_scales(h) for h in bad])
-    assert facts == verify.written_facts(ids, bad, mask) and facts["nonfinite"] == [0, 2, 1, 0]
-    twice = [(rms * 2, count) for rms, count in (verify.layer_profile.token_scales(h) for h in hs)]
+    facts = integrity.written_facts(ids, bad, mask, [integrity.layer_profile.token_scales(h) for h in bad])
+    assert facts == integrity.written_facts(ids, bad, mask) and facts["nonfinite"] == [0, 2, 1, 0]
+    twice = [(rms * 2, count) for rms, count in (integrity.layer_profile.token_scales(h) for h in hs)]
     (states.parent / "handed").mkdir()
     writer = Writer(states.parent / "handed", threads=1)
     writer.put([Sample(0, ids, hs, mask, scales=twice)])
     writer.close()
     recorded = formats.read_checksums(states.parent / "handed")["data_0.pt"].facts["log_rms"]
-    mine = verify.written_facts(ids, hs, mask)["log_rms"]
+    mine = integrity.written_facts(ids, hs, mask)["log_rms"]
     assert recorded == pytest.approx([x + math.log(2) for x in mine])
 
 

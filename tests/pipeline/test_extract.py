@@ -136,7 +136,7 @@ def test_device_scales_of_each_sample_give_the_writers_facts(packed, tiny_llama)
     """What the GPU path hands the writer (``split_rows`` of a forward's outputs and their ``token_scales``,
     here with a plain clone for the host copy) is each sample's states and exactly the facts the writer would
     compute from them: rows are cut where they belong in both layouts, padding never counted."""
-    from pipeline import verify
+    from pipeline.ondisk import integrity
     from pipeline.backends.hf import split_rows
 
     md = read_model_dir(tiny_llama)
@@ -148,13 +148,13 @@ def test_device_scales_of_each_sample_give_the_writers_facts(packed, tiny_llama)
     with torch.inference_mode():
         outs, rows = backend.forward_layers(SEQS)
         states, scales = split_rows(
-            outs, rows, [verify.layer_profile.token_scales(o) for o in outs], torch.clone
+            outs, rows, [integrity.layer_profile.token_scales(o) for o in outs], torch.clone
         )
     for seq, sample, sample_scales in zip(SEQS, states, scales, strict=True):
         ids, mask = torch.tensor(seq), torch.ones(len(seq), dtype=torch.long)
         assert [h.shape for h in sample] == [(len(seq), md.hidden_size)] * 4
         assert [rms.shape for rms, _ in sample_scales] == [(len(seq),)] * 4
-        assert verify.written_facts(ids, sample, mask, sample_scales) == verify.written_facts(
+        assert integrity.written_facts(ids, sample, mask, sample_scales) == integrity.written_facts(
             ids, sample, mask
         )
     backend.close()

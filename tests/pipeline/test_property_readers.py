@@ -456,7 +456,7 @@ def test_data_file(small_set, data):
     import torch
 
     from pipeline.ondisk.formats import read_data_config, read_sample
-    from pipeline.verify import damaged_files
+    from pipeline.ondisk.integrity import damaged_files
 
     valid = (small_set / "data_0.pt").read_bytes()
     value = st.one_of(
@@ -722,7 +722,7 @@ def test_found_data_file_whose_format_version_record_is_damaged(small_set):
     verify's fast reader never read that record and passed the file, which torch.load (speculators' loader,
     train) refuses; now the file fails check ``loadable``."""
     from pipeline.ondisk.formats import read_data_config
-    from pipeline.verify import damaged_files
+    from pipeline.ondisk.integrity import damaged_files
 
     raw = bytearray((small_set / "data_0.pt").read_bytes())
     raw[582:585] = b"\0\0\0"
@@ -740,7 +740,7 @@ def test_found_data_file_whose_pickle_claims_another_storage_size(small_set):
     (found by make fuzz): verify's fast reader made a view of the claimed size and passed the file, which
     torch.load refuses ("record size ... does not match expected size"); now it fails check ``loadable``."""
     from pipeline.ondisk.formats import read_data_config, read_sample
-    from pipeline.verify import damaged_files
+    from pipeline.ondisk.integrity import damaged_files
 
     raw = bytearray((small_set / "data_0.pt").read_bytes())
     raw[295:296] = b"\x01"

@@ -12,7 +12,9 @@ import torch
 from pipeline import verify
 
 from pipeline.ondisk import formats
-from pipeline.verify import VerifyConfig, available_memory, default_workers
+from pipeline.ondisk import integrity
+from pipeline.ondisk.integrity import available_memory, default_workers
+from pipeline.verify import VerifyConfig
 
 FILE = 470_000_000  # seq 8192 x hidden 7168 x 4 layers x bf16
 
@@ -56,7 +58,7 @@ def test_verify_reads_with_the_bounded_count(monkeypatch, tmp_path):
         torch.ones(4, dtype=torch.int64),
     )
     per_file = 16 * 8 * 4 * 2
-    monkeypatch.setattr(verify, "available_memory", lambda: 4 * per_file * 2)  # room for two buffers
+    monkeypatch.setattr(integrity, "available_memory", lambda: 4 * per_file * 2)  # room for two buffers
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
     seen = []
     real = futures.ThreadPoolExecutor
