@@ -94,7 +94,7 @@ def forward_only(model_dir: Path, prepared: Path, layer_ids: list[int], max_batc
     from pipeline.ondisk import formats
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.hf import HFBackend
-    from pipeline.extract import plan_batches
+    from pipeline.extract.plan import plan_batches
     from pipeline.modeldir import read_model_dir
 
     samples, _ = formats.read_prepared(prepared)
@@ -174,7 +174,8 @@ def main(
     preset: str, workdir: Path, samples: int | None, max_batch_tokens: int | None, json_out: Path | None
 ) -> None:
     from pipeline.ondisk import formats
-    from pipeline.extract import ExtractConfig, run
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.stage import run
     from pipeline.demo.tiny import build_tiny_model
 
     overrides, n, seq_length, n_naive = PRESETS[preset]

@@ -147,7 +147,7 @@ def measure(model, name: str, seqs, probe, reference, fp32, roof: DecoderShape, 
     """One variant's figures (see the module docstring)."""
     from torch._dynamo.utils import counters
 
-    from pipeline.extract import plan_batches
+    from pipeline.extract.plan import plan_batches
 
     packed, compiled, mbt, fused = VARIANTS[name]
     lengths = [len(s) for s in seqs]

@@ -23,7 +23,7 @@ import click
 import torch
 
 from bench.extract_bench import PRESETS, make_prepared
-from pipeline.extract import WRITER_THREADS
+from pipeline.extract.writer import WRITER_THREADS
 
 
 def dd(path: Path, size_bytes: int) -> dict:

@@ -120,7 +120,11 @@ def build_random_set(
     what the set is."""
     import shutil
 
-    from pipeline import extract, prepare, weights
+    from pipeline import prepare, weights
+
+    from pipeline.extract.config import ExtractConfig
+
+    from pipeline.extract.stage import run as extract_run
 
     from pipeline.ondisk import formats
     from pipeline.demo import tiny
@@ -156,8 +160,8 @@ def build_random_set(
     report.phase("prepare", s, samples=meta.num_samples, tokens=meta.num_tokens)
 
     _, s = _timed(
-        extract.run,
-        extract.ExtractConfig(
+        extract_run,
+        ExtractConfig(
             prepared=workdir / "prepared",
             model=model,
             out=workdir / "hidden_states",

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # command name -> "module:attribute" of a click.Command
 COMMANDS = {
     "prepare": "pipeline.prepare:command",
-    "extract": "pipeline.extract:command",
+    "extract": "pipeline.extract.cli:command",
     "weights": "pipeline.weights:command",
     "verify": "pipeline.verify:command",
     "preflight": "pipeline.preflight:command",
@@ -36,7 +36,7 @@ COMMANDS = {
 }
 
 # commands the pipeline starts itself, never listed: the data-parallel extract's workers
-INTERNAL = {"extract-worker": "pipeline.extract:worker_command"}
+INTERNAL = {"extract-worker": "pipeline.extract.cli:worker_command"}
 
 
 # command name -> the first paragraph of its command's docstring: what `pipeline --help` lists it with, so

@@ -3,7 +3,7 @@
 A backend loads the target model once and, for a batch of token-id sequences, returns for each sequence
 the OUTPUT of each requested decoder layer (pre-final-norm residual stream), shape [T, H], on the CPU,
 in the model dtype, each tensor owning its storage (never a view into a padded batch). The extract loop
-(pipeline/extract.py) owns batching, ordering, files, resume and progress; a backend owns only the model.
+(pipeline/extract/) owns batching, ordering, files, resume and progress; a backend owns only the model.
 """
 
 from __future__ import annotations

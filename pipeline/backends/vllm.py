@@ -7,7 +7,7 @@ pipeline/vllm_cpu.py), the mapping of our layer ids to vLLM's, reading the files
 the validation of every result: one result per input in input order, the same token ids, exactly one [T, H]
 state per requested layer and token. The field bug "1 of 4 layers kept", reordered results and states
 short by whole blocks (prefix caching) fail here, loudly, instead of writing wrong files. The extract loop
-(pipeline/extract.py) owns batching, our output files, resume and progress; vLLM's scheduler packs each
+(pipeline/extract/) owns batching, our output files, resume and progress; vLLM's scheduler packs each
 batch into steps.
 
 Why an in-process ``LLM`` rather than a ``vllm serve`` subprocess (docs/vllm.md): the extract loop already

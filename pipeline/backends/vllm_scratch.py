@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SHM = Path("/dev/shm")
-PREFIX = ".vllm-states-"  # folders in --out (pipeline/extract.py removes a killed run's on --resume)
+PREFIX = ".vllm-states-"  # folders in --out (pipeline/extract/resume.py removes a killed run's on --resume)
 SHM_PREFIX = "eagle-vllm-states-"  # folders in /dev/shm
 LOCK = "owner.lock"
-# the writer's back-pressure (pipeline/extract.py: 2 GiB of states pending) plus this many batches
+# the writer's back-pressure (pipeline/extract/writer.py: 2 GiB of states pending) plus this many batches
 BATCHES_IN_FLIGHT = 3
 PENDING_BYTES = 2 << 30
 UNLOCKED_GRACE_S = 60.0

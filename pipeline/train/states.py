@@ -264,7 +264,7 @@ def prepare_states_dir(
     killed run, kept files that are not this run's (produced again), partial files. Then data_config.json
     (with the plan) and sample_lengths.json are written, before any state."""
     from pipeline.ondisk import integrity
-    from pipeline.extract import VLLM_SCRATCH_GLOB, record_missing_checksums
+    from pipeline.extract.resume import VLLM_SCRATCH_GLOB, record_missing_checksums
     from pipeline.ondisk.atomic import remove_partials
 
     directory = Path(directory)
@@ -341,7 +341,7 @@ def state_file_bytes(directory: Path) -> int:
     """Bytes of the state files in ``directory`` now: ``data_{i}.pt``, their partial writes and the vllm
     backend's per-request files where its scratch folder is there (what the budget bounds; the small json
     records are not counted)."""
-    from pipeline.extract import VLLM_SCRATCH_GLOB
+    from pipeline.extract.resume import VLLM_SCRATCH_GLOB
 
     total = 0
     for p in Path(directory).iterdir():

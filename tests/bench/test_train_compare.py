@@ -49,7 +49,9 @@ def test_marginal_rate_counts_only_the_extra_epochs():
 @pytest.fixture(scope="module")
 def one_set(tmp_path_factory, tiny_llama, conversations) -> Path:
     """prepare -> extract -> weights -> export-speculators on the tiny Llama, 12 samples."""
-    from pipeline import extract, prepare, weights
+    from pipeline import prepare, weights
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.stage import run as extract_run
 
     root = tmp_path_factory.mktemp("compare")
     prepare.run(
@@ -62,8 +64,8 @@ def one_set(tmp_path_factory, tiny_llama, conversations) -> Path:
             max_samples=12,
         )
     )
-    extract.run(
-        extract.ExtractConfig(
+    extract_run(
+        ExtractConfig(
             prepared=root / "prepared",
             model=tiny_llama,
             out=root / "hidden_states",

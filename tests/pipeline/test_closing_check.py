@@ -19,7 +19,7 @@ from pipeline import verify
 from pipeline.ondisk import integrity
 
 from pipeline.ondisk import formats
-from pipeline.extract import Sample, Writer
+from pipeline.extract.writer import Sample, Writer
 from pipeline.verify import VerifyConfig
 from tests.conftest import run_extract
 

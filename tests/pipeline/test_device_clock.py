@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.backends.base import DeviceClock
-from pipeline.extract import FileRate, device_idle, first_batch_after
+from pipeline.extract.loop import FileRate, device_idle, first_batch_after
 from tests.conftest import run_pipeline
 
 
@@ -67,7 +67,7 @@ def test_extract_reports_device_busy_time_and_idle_fraction(tmp_path, tiny_llama
 def test_process_age_counts_from_the_process_start():
     """A process that sleeps 0.6 s before asking is at least that old, and younger than the test's wait for
     it."""
-    code = "import time; time.sleep(0.6); from pipeline.extract import process_age; print(process_age())"
+    code = "import time; time.sleep(0.6); from pipeline.extract.loop import process_age; print(process_age())"
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert 0.6 <= float(out) <= time.perf_counter() - t0 + 0.02  # /proc's clock ticks are 10 ms

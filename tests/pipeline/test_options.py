@@ -212,7 +212,8 @@ def test_extract_refuses_at_construction_what_check_args_can_see():
     """extract's ranges and its options that contradict each other are refused when its config is built (so
     `pipeline check-args` refuses them before the host is touched); layer ids parse from comma-separated
     words."""
-    from pipeline.extract import ExtractConfig, command
+    from pipeline.extract.cli import command
+    from pipeline.extract.config import ExtractConfig
 
     base = dict(prepared=Path("p"), model=Path("m"), out=Path("o"))
     for bad, message in [
@@ -238,7 +239,7 @@ def test_extract_refuses_at_construction_what_check_args_can_see():
 def test_a_config_crosses_to_a_child_as_json_fields():
     """to_json/from_json rebuild the same config (paths and tuples typed again); a field of another version,
     a missing required one or text that is not JSON is a one-line StageError."""
-    from pipeline.extract import ExtractConfig
+    from pipeline.extract.config import ExtractConfig
     from pipeline.options import from_json, to_json
 
     cfg = ExtractConfig(prepared=Path("p"), model=Path("m"), out=Path("o"), layer_ids=(2, 5), local_rank=1)

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from pipeline.ondisk import formats
-from pipeline.extract import ExtractConfig, deal, plan_batches, plan_shard, shard_indices, worker_config
+from pipeline.extract.config import ExtractConfig
+from pipeline.extract.plan import deal, plan_batches, plan_shard, shard_indices
+from pipeline.extract.workers import worker_config
 from tests.conftest import run_pipeline, run_extract
 
 

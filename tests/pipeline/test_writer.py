@@ -8,7 +8,7 @@ import time
 import torch
 
 from pipeline.ondisk import formats
-from pipeline.extract import Sample, Writer
+from pipeline.extract.writer import Sample, Writer
 
 
 def _item(i: int, states: list[torch.Tensor], ready=lambda: None):

@@ -177,7 +177,9 @@ def tiny_run(tmp_path_factory, tiny_llama, conversations) -> Path:
 def run_stages(model: Path, conversations: Path, root: Path) -> Path:
     """prepare -> extract -> weights on ``model`` into ROOT/{prepared,hidden_states,verifier}, the full vocab
     as draft vocab (in process, on the CPU)."""
-    from pipeline import extract, prepare, weights
+    from pipeline import prepare, weights
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.stage import run as extract_run
 
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     prepare.run(
@@ -185,8 +187,8 @@ def run_stages(model: Path, conversations: Path, root: Path) -> Path:
             data=conversations, model=model, out=root / "prepared", seq_length=128, draft_vocab_size=vocab
         )
     )
-    extract.run(
-        extract.ExtractConfig(
+    extract_run(
+        ExtractConfig(
             prepared=root / "prepared",
             model=model,
             out=root / "hidden_states",

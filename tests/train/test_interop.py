@@ -30,7 +30,9 @@ DRAFT_VOCAB = 64
 def ours(tmp_path_factory, tiny_llama, conversations) -> Path:
     """Our prepare -> extract (bf16, as on a GPU) -> weights on the tiny Llama, 24 samples, a reduced draft
     vocab."""
-    from pipeline import extract, prepare, weights
+    from pipeline import prepare, weights
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.stage import run as extract_run
 
     root = tmp_path_factory.mktemp("interop")
     prepare.run(
@@ -43,8 +45,8 @@ def ours(tmp_path_factory, tiny_llama, conversations) -> Path:
             max_samples=24,
         )
     )
-    extract.run(
-        extract.ExtractConfig(
+    extract_run(
+        ExtractConfig(
             prepared=root / "prepared",
             model=tiny_llama,
             out=root / "hidden_states",

@@ -211,12 +211,13 @@ def stage_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
 @pytest.fixture(scope="module")
 def offline(stage_inputs, tmp_path_factory) -> dict:
     """The reference: extract (one sample per forward) then offline train, in process."""
-    from pipeline import extract
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.stage import run as extract_run
     from pipeline.train.stage import run
 
     root = tmp_path_factory.mktemp("offline")
-    extract.run(
-        extract.ExtractConfig(
+    extract_run(
+        ExtractConfig(
             prepared=stage_inputs["prepared"],
             model=stage_inputs["model"],
             out=root / "states",

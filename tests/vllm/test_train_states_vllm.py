@@ -57,7 +57,7 @@ WEIGHTS_ATOL = 1e-3  # a third of one AdamW step at lr 3e-3 (module docstring)
 LOSS_RTOL = 1e-4
 ACCEPTANCE_ATOL = 0.05  # issue #31
 SHM_SCRATCH = "eagle-vllm-states-*"  # pipeline/backends/vllm_scratch.py SHM_PREFIX
-SCRATCH = ".vllm-states-*"  # its PREFIX, in the output dir (pipeline/extract.py VLLM_SCRATCH_GLOB)
+SCRATCH = ".vllm-states-*"  # its PREFIX, in the output dir (pipeline/extract/resume.py VLLM_SCRATCH_GLOB)
 WRAPPER = "tests.vllm.scratch_in_states_dir"
 
 
@@ -122,7 +122,7 @@ def engine_spy(monkeypatch, tmp_path):
     states over, the processes it added to this one (the engine's) and its scratch folders; and whether the
     stage closed it."""
     import pipeline.backends as backends
-    import pipeline.extract  # noqa: F401 - imported now, it binds the real get_backend, not the spy (a
+    import pipeline.extract.stage  # noqa: F401 - imported now, it binds the real get_backend, not the spy (a
     # first import during the patched test kept the spy for every later test of the session)
 
     real = backends.get_backend
