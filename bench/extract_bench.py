@@ -95,7 +95,7 @@ def forward_only(model_dir: Path, prepared: Path, layer_ids: list[int], max_batc
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.hf import HFBackend
     from pipeline.extract.plan import plan_batches
-    from pipeline.modeldir import read_model_dir
+    from pipeline.model.modeldir import read_model_dir
 
     samples, _ = formats.read_prepared(prepared)
     backend = HFBackend(BackendOptions(model=read_model_dir(model_dir), layer_ids=tuple(layer_ids)))

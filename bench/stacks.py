@@ -6,7 +6,8 @@
 ``record`` runs a module (``-m``) or a script in this interpreter with a daemon thread that, every
 ``--interval`` seconds, reads every other thread's Python stack (``sys._current_frames``) and counts it,
 collapsed (``thread;file:function;...``, outermost first), per whole second since the start. The counts are
-written when the program ends through its atexit handlers (Python's own exit, or pipeline/process_exit.py's
+written when the program ends through its atexit handlers (Python's own exit, or
+pipeline/runtime/process_exit.py's
 ``finish``, which runs them before ``os._exit``). Native work shows as the Python frame that called it
 (a Triton compile as ``triton/compiler``, a CUDA wait as the frame that synchronizes), which is what a
 start-up question needs: which step of the engine's start the seconds went to.

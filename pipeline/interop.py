@@ -35,7 +35,7 @@ import numpy as np
 from pipeline.ondisk import formats
 from pipeline.ondisk.atomic import write_json
 from pipeline.errors import StageError
-from pipeline.layers import NUM_CAPTURED, parse_layer_ids, to_vllm_aux_ids, validate_layer_ids
+from pipeline.model.layers import NUM_CAPTURED, parse_layer_ids, to_vllm_aux_ids, validate_layer_ids
 
 HIDDEN_STATES_DIR = "hidden_states"
 RECORD = "eagle-ops.json"
@@ -263,7 +263,7 @@ def _vocab_for(
     data: Path, draft_vocab: int | None, freq: dict[int, int], target_vocab: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The set's own d2t-N/t2d-N, else one built from its token frequencies, else the full vocab."""
-    from pipeline.vocab import build_vocab_mapping
+    from pipeline.model.vocab import build_vocab_mapping
 
     sizes = sorted(int(m.group(1)) for p in data.glob("d2t-*.npy") if (m := VOCAB_RE.match(p.name)))
     if draft_vocab is None and len(sizes) == 1:
@@ -294,9 +294,9 @@ def import_speculators(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from pipeline.modeldir import read_model_dir
+    from pipeline.model.modeldir import read_model_dir
     from pipeline.ondisk.outdir import staged_dir
-    from pipeline.vocab import token_frequencies
+    from pipeline.model.vocab import token_frequencies
 
     data, out = Path(data), Path(out)
     if not data.is_dir():

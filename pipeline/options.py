@@ -26,7 +26,7 @@ from typing import Any
 import click
 
 from pipeline.errors import StageError, require_range
-from pipeline.layers import parse_int_list
+from pipeline.model.layers import parse_int_list
 from pipeline.ondisk.paths import LoopCheckedPath, check_path
 
 KEY = "pipeline.options"

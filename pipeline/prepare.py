@@ -44,10 +44,10 @@ import numpy as np
 
 from pipeline.ondisk import formats, provenance, readers
 from pipeline.errors import StageError
-from pipeline.modeldir import read_model_dir
+from pipeline.model.modeldir import read_model_dir
 from pipeline.options import opt, options, validate
 from pipeline.ondisk.outdir import staged_dir
-from pipeline.vocab import build_vocab_mapping, token_frequencies
+from pipeline.model.vocab import build_vocab_mapping, token_frequencies
 
 ROLE_ALIASES = {
     "system": "system",

@@ -3,10 +3,11 @@
 Owns the checks of each output kind: prepared data (arrays, masks, token_freq, vocab mapping), hidden
 states (count, contiguity, each file's sha256 against the one extract recorded, keys, shapes, dtypes,
 NaN/Inf, lengths, equality with the prepared rows, layer order and scale against the set's own profile
-(pipeline/layer_profile.py), with ``--model`` a spot re-computation of K files (pipeline/recompute.py), and
+(pipeline/model/layer_profile.py), with ``--model`` a spot re-computation of K files
+(pipeline/model/recompute.py), and
 the alignment check: final norm + lm_head on the last captured layer must give the target's own next-token
 argmax; of a states dir that online or hybrid training keeps, its kept files: pipeline/train/states.py),
-verifier weights, and draft checkpoints (delegated to pipeline/checkpoint_checks.py).
+verifier weights, and draft checkpoints (delegated to pipeline/train/checkpoint_checks.py).
 It reads outputs; it never modifies them (summary.json aside). The per-file and per-set checks of a states
 set, which extract's closing check, resume and repair use too, are pipeline/ondisk/integrity.py's; this
 module runs them over a set and adds what needs the model (alignment, recompute).
@@ -26,7 +27,7 @@ import click
 import numpy as np
 
 from contract.shards import shard
-from pipeline import layer_profile, recompute
+from pipeline.model import layer_profile, recompute
 from pipeline.ondisk import formats, readers
 from pipeline.ondisk.integrity import (
     FULL_CHECKS,
@@ -51,7 +52,7 @@ from pipeline.ondisk.integrity import (
 from pipeline.checks import CheckResult, Summary, check, fail, ok, render, warn
 from pipeline.errors import CheckFailed, StageError, require_range
 from pipeline.options import opt, options, validate
-from pipeline.vocab import token_frequencies, vocab_mapping_problems
+from pipeline.model.vocab import token_frequencies, vocab_mapping_problems
 
 # torch only in annotations here: the functions that use it import it, so that a command that only parses its
 # arguments (--help, check-args) never loads it (tests/pipeline/test_cli_imports.py)
@@ -251,7 +252,7 @@ def _open_target(cfg: VerifyConfig, dc: formats.DataConfig):
     GPU): what the spot re-computation runs and the alignment check takes the target's argmax from."""
     from pipeline.backends.base import BackendOptions, resolve_device
     from pipeline.backends.hf import HFBackend
-    from pipeline.modeldir import check_checkpoint, read_model_dir
+    from pipeline.model.modeldir import check_checkpoint, read_model_dir
 
     model = read_model_dir(cfg.model)
     check_checkpoint(model)  # config vs checkpoint, as extract checks it: a model that is not what it claims
@@ -480,7 +481,7 @@ def _alignment_checks(
     if cfg.verifier:
         verifier = load_verifier(cfg.verifier)
     else:  # no verifier dir: take the final norm and lm_head from the model itself
-        from pipeline.modeldir import read_model_dir, resolve_names
+        from pipeline.model.modeldir import read_model_dir, resolve_names
         from pipeline.weights import read_tensors, weight_map
 
         md = read_model_dir(cfg.model)
@@ -587,7 +588,7 @@ def verify(cfg: VerifyConfig) -> Summary:
         elif kind == "verifier":
             summary = verify_verifier(cfg.path)
         else:
-            from pipeline.checkpoint_checks import verify_checkpoint
+            from pipeline.train.checkpoint_checks import verify_checkpoint
 
             summary = verify_checkpoint(cfg.path)
     except (

@@ -1,7 +1,8 @@
 """The ``weights`` stage: the verifier's embed_tokens, final norm and lm_head, and nothing else.
 
 Owns locating those three tensors in a safetensors checkpoint (through the shard index, opened lazily
-with ``safe_open``: a 1T-parameter checkpoint costs three tensor reads) by the names pipeline/modeldir.py
+with ``safe_open``: a 1T-parameter checkpoint costs three tensor reads) by the names
+pipeline/model/modeldir.py
 resolves for plain causal LMs, wrappers (``language_model.`` prefixes) and tied embeddings, and writing
 ``verifier.safetensors`` (keys below) plus ``verifier.json`` (source names, shapes, dtype, source dir).
 """
@@ -15,7 +16,7 @@ import click
 
 from pipeline.ondisk.atomic import write_json
 from pipeline.errors import StageError
-from pipeline.modeldir import check_checkpoint, read_model_dir, resolve_names
+from pipeline.model.modeldir import check_checkpoint, read_model_dir, resolve_names
 from pipeline.options import opt, options, validate
 from pipeline.ondisk.outdir import refuse_overlap, staged_dir
 from pipeline.ondisk.readers import read_safetensors, read_shard_tensors, read_weight_map

@@ -29,7 +29,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from pipeline.process_exit import exit_status, finish
+from pipeline.runtime.process_exit import exit_status, finish
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,7 +67,7 @@ def _child(req: dict, preamble: tuple[bytes, bytes]) -> None:
         os.environ.update(req["env"])
         sys.argv = ["pipeline", *req["argv"]]
         try:
-            # `python -m pipeline`'s own __main__ ends the process itself (pipeline/process_exit.py)
+            # `python -m pipeline`'s own __main__ ends the process itself (pipeline/runtime/process_exit.py)
             runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exc:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.modeldir import ModelDir
+from pipeline.model.modeldir import ModelDir
 
 # torch only in annotations here: the functions that use it import it, so that a command that only parses its
 # arguments (--help, check-args) never loads it (tests/pipeline/test_cli_imports.py)

@@ -47,7 +47,7 @@ from pipeline.backends.base import (
     resolve_dtype,
 )
 from pipeline.errors import StageError
-from pipeline.layer_profile import token_scales
+from pipeline.model.layer_profile import token_scales
 
 PACKED_ATTENTION = "eagle_ops_packed"
 COMPILE_MIN_FLOPS = 4e16  # 2 x decoder parameters x planned tokens above which compiling pays for itself

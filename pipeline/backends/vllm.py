@@ -3,7 +3,8 @@ behind Backend.
 
 Owns the engine's construction (the speculative method, the KV connector that writes each request's states
 to a file, the settings extraction needs, tensor parallel size; the CPU build's defaults come from
-pipeline/vllm_cpu.py), the mapping of our layer ids to vLLM's, reading the files the connector writes, and
+pipeline/runtime/vllm_cpu.py), the mapping of our layer ids to vLLM's, reading the files the connector
+writes, and
 the validation of every result: one result per input in input order, the same token ids, exactly one [T, H]
 state per requested layer and token. The field bug "1 of 4 layers kept", reordered results and states
 short by whole blocks (prefix caching) fail here, loudly, instead of writing wrong files. The extract loop
@@ -42,7 +43,7 @@ from contract import sizes
 from pipeline.backends import vllm_scratch
 from pipeline.backends.base import Backend, BackendOptions, Captured, visible_device_count
 from pipeline.backends.vllm_feed import EngineFeed
-from pipeline import vllm_cpu
+from pipeline.runtime import vllm_cpu
 from pipeline.errors import StageError
 
 METHOD = "extract_hidden_states"
@@ -93,7 +94,7 @@ def fp32_mla_on_gpu(raw: dict, dtype: str, on_gpu: bool, environ) -> int | None:
     vLLM 0.32's CUDA MLA attention backends cannot do (they take bf16 and fp16; the engine died in its start
     with "No valid attention backend found for cuda ... dtype=torch.float32, use_mla=True", the H200,
     2026-12-03); None for every other case: the CPU build runs such models without MLA (VLLM_MLA_DISABLE,
-    pipeline/vllm_cpu.py), as does a GPU run whose operator set it (pure)."""
+    pipeline/runtime/vllm_cpu.py), as does a GPU run whose operator set it (pure)."""
     text = raw.get("text_config") or raw
     if (
         on_gpu
@@ -427,7 +428,7 @@ class VllmBackend(Backend):
         its write's lock; the file is removed after). With ``into`` (the sample's list of states, allocated
         empty and never touched) the list's entries are replaced, so the writer holding that list sees them;
         ``scales_into`` gets each state's ``token_scales`` (the connector's, else computed here)."""
-        from pipeline.layer_profile import token_scales
+        from pipeline.model.layer_profile import token_scales
 
         if list(output.prompt_token_ids or []) != seq:
             raise StageError(

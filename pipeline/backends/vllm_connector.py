@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
-from pipeline.layer_profile import token_scales
+from pipeline.model.layer_profile import token_scales
 
 MODULE = __name__
 NAME = "EagleStatesConnector"

@@ -15,8 +15,8 @@ from pipeline.ondisk import formats, provenance
 from pipeline.backends import BACKENDS, BackendOptions, get_backend
 from pipeline.backends.base import visible_device_count
 from pipeline.errors import StageError
-from pipeline.layers import validate_layer_ids
-from pipeline.modeldir import check_checkpoint, read_model_dir
+from pipeline.model.layers import validate_layer_ids
+from pipeline.model.modeldir import check_checkpoint, read_model_dir
 from pipeline.extract.config import ExtractConfig
 from pipeline.extract.plan import deal, pending_batches, plan_shard
 from pipeline.extract.resume import expected_config, prepare_output_dir, record_missing_checksums

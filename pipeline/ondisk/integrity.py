@@ -3,8 +3,8 @@ resume, repair), online training's states (pipeline/train/states.py) and the ver
 
 Per file (``check_file``): the sha256 against the one extract recorded, loadable, keys, input ids and mask,
 layers, shapes and dtypes, NaN/Inf, lengths, equality with the prepared rows, layer order and scale against
-the set's own profile (pipeline/layer_profile.py). Per set: which files are damaged (``damaged_files``) or
-hold another file's bytes (``foreign_files``, ``renamed_findings``), the checksum index
+the set's own profile (pipeline/model/layer_profile.py). Per set: which files are damaged (``damaged_files``)
+or hold another file's bytes (``foreign_files``, ``renamed_findings``), the checksum index
 (``checksums_summary``), and which samples a states dir keeps (``kept_samples``).
 
 The record check (``closing_check="record"``): the value facts a writer computes from the tensors it holds
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline import layer_profile
+from pipeline.model import layer_profile
 from pipeline.ondisk import formats
 from pipeline.checks import CheckResult, fail, ok, warn
 

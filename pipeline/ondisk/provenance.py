@@ -11,7 +11,7 @@ Owns the provenance record (schema ``eagle-ops.provenance``, version 1) and wher
   when it is one, with ``dirty``; else the EAGLE_OPS_COMMIT variable an image can bake in; else null);
 * ``packages``: installed versions (package metadata, nothing imported) of the packages a run depends on;
 * ``patches``: per patched package, the version, status and sha256 of the patch list that
-  patches/apply.py's marker records (read through pipeline/patchset.py, which asks apply.py), and
+  patches/apply.py's marker records (read through pipeline/runtime/patchset.py, which asks apply.py), and
   ``sha256`` over all of them (null where nothing is patched);
 * ``image_digest``: contract.env.IMAGE_DIGEST_ENV, which ops sets when it runs the stage in the image
   (null else).
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import contract.summary
 from contract.env import COMMIT_ENV, IMAGE_DIGEST_ENV
-from pipeline import patchset
+from pipeline.runtime import patchset
 
 SCHEMA = "eagle-ops.provenance"
 VERSION = 1

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.ondisk import formats
-from pipeline.layers import NUM_CAPTURED
+from pipeline.model.layers import NUM_CAPTURED
 
 
 def _dataset_class():

@@ -8,7 +8,8 @@ target alone, then the target with ``speculative_config={"model": DRAFT, "method
 must not change greedy output) and vLLM's own spec-decode counters (``vllm:spec_decode_num_drafts``,
 ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``), from which the mean acceptance length
 is 1 + accepted / drafts, vLLM's definition. Where no GPU is visible the engine gets the CPU build's engine
-arguments (pipeline/vllm_cpu.py); the CPU build's environment (``VLLM_CPU_KVCACHE_SPACE``) is the caller's.
+arguments (pipeline/runtime/vllm_cpu.py); the CPU build's environment (``VLLM_CPU_KVCACHE_SPACE``) is the
+caller's.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def _serve_once(cfg: OnlineConfig, prompts: list[list[int]], with_draft: bool) -
     from pipeline.backends.base import visible_device_count
 
     if visible_device_count() == 0:
-        from pipeline import vllm_cpu
+        from pipeline.runtime import vllm_cpu
 
         kwargs.update(vllm_cpu.engine_arguments(cfg.dtype))
     llm = LLM(**kwargs)

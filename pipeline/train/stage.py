@@ -57,7 +57,7 @@ from pipeline.ondisk import formats
 from pipeline.ondisk.atomic import replace_dir, write_json
 from pipeline.train.draft import TargetFacts, read_target_facts
 from pipeline.errors import StageError
-from pipeline.layers import NUM_CAPTURED, to_vllm_aux_ids, validate_layer_ids
+from pipeline.model.layers import NUM_CAPTURED, to_vllm_aux_ids, validate_layer_ids
 from pipeline.ondisk.outdir import output_lock, refuse_overlap
 from pipeline.train.config import TrainConfig
 from pipeline.train.data import seed_everything
@@ -71,7 +71,7 @@ from pipeline.train.files import (
     VERIFIER_VIEW,  # noqa: F401
     last_metrics,
 )
-from pipeline.vocab import vocab_mapping_problems
+from pipeline.model.vocab import vocab_mapping_problems
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FLEX_BLOCK = 128
@@ -321,7 +321,7 @@ def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
     against the verifier and the vocab mapping as an offline run's."""
     from pipeline.backends.base import BackendOptions, resolve_device, resolve_dtype
     from pipeline.backends.choice import resolve
-    from pipeline.modeldir import check_checkpoint, read_model_dir
+    from pipeline.model.modeldir import check_checkpoint, read_model_dir
     from pipeline.ondisk import provenance
     from pipeline.train import states
 
@@ -1195,7 +1195,7 @@ def online_dtype(cfg: TrainConfig, model_dir: Path) -> str:
     vLLM runs in bf16 or fp16 only (``fp32_mla_on_gpu``): bfloat16 there."""
     from pipeline.backends.base import visible_device_count
     from pipeline.backends.vllm import fp32_mla_on_gpu
-    from pipeline.modeldir import read_model_dir
+    from pipeline.model.modeldir import read_model_dir
 
     if cfg.save_dtype != "float32":
         return "auto"

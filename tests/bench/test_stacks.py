@@ -116,6 +116,4 @@ def test_e2e_bench_samples_its_rows_and_runs_without_the_naive_script(tmp_path):
         names = {
             name for second in record["seconds"].values() for stack in second for name in stack.split(";")
         }
-        assert any(
-            name.startswith("pipeline/extract/") or "/pipeline/extract/" in name for name in names
-        )
+        assert any(name.startswith("pipeline/extract/") or "/pipeline/extract/" in name for name in names)

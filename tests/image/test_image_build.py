@@ -18,7 +18,7 @@ import imageinfo
 import pytest
 from image_helpers import CI_BASE, CI_IMAGE, CI_LOCK, REPO, RUN_ID, build_ci_image, sh
 
-from pipeline import vllm_cpu
+from pipeline.runtime import vllm_cpu
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 VLLM = imageinfo.lock_pins(REPO / CI_LOCK)["vllm-cpu"]
@@ -243,7 +243,7 @@ def test_compose_server_on_the_image(ci_image, docker_client, tiny_llama, tmp_pa
         "HF_CACHE_DIR": str(tmp_path / "hf"),
         "EAGLE_MEMLOCK": str(resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]),
         "SERVE_TP": "1",
-        # the CPU build's settings for this machine (pipeline/vllm_cpu.py: AMX tiles need some); CPU
+        # the CPU build's settings for this machine (pipeline/runtime/vllm_cpu.py: AMX tiles need some); CPU
         # settings, so the test's, not compose.yaml's
         "SERVE_ARGS": " ".join(
             [

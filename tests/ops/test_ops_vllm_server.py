@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import vllm_cpu
+from pipeline.runtime import vllm_cpu
 from ops_docker import client, remove_test_containers, stage_image, unique
 from ops_helpers import REPO, run_ops, ssh_table, write_hosts
 from ops_procs import alive, wait_for, write_gpu_table
@@ -52,7 +52,7 @@ def serve_argv(vllm: str, model: Path, port: int) -> list[str]:
         "--enforce-eager",
         "--dtype",
         "float32",
-        *vllm_cpu.cli_arguments("float32"),  # this CPU's settings (pipeline/vllm_cpu.py)
+        *vllm_cpu.cli_arguments("float32"),  # this CPU's settings (pipeline/runtime/vllm_cpu.py)
     ]
 
 

@@ -16,7 +16,7 @@ from pipeline.ondisk import formats
 from pipeline.backends.base import BackendOptions
 from pipeline.backends.hf import HFBackend
 from pipeline.extract.plan import Batch, pending_batches, plan_batches
-from pipeline.modeldir import read_model_dir
+from pipeline.model.modeldir import read_model_dir
 from tests.conftest import REPO, run_pipeline
 
 # fp32: the batch (padded, masked) and the unpadded reference differ only by summation order.

@@ -10,7 +10,7 @@ from torch import nn
 from pipeline.backends import fused_norms
 from pipeline.backends.base import BackendOptions
 from pipeline.backends.hf import HFBackend
-from pipeline.modeldir import read_model_dir
+from pipeline.model.modeldir import read_model_dir
 from tests.pipeline.test_extract import FP32_ATOL, FP32_RTOL, SEQS
 
 

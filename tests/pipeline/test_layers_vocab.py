@@ -8,8 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.errors import StageError
-from pipeline.layers import default_layer_ids, parse_layer_ids, to_vllm_aux_ids, validate_layer_ids
-from pipeline.vocab import build_vocab_mapping, check_vocab_mapping, token_frequencies, vocab_mapping_problems
+from pipeline.model.layers import default_layer_ids, parse_layer_ids, to_vllm_aux_ids, validate_layer_ids
+from pipeline.model.vocab import (
+    build_vocab_mapping,
+    check_vocab_mapping,
+    token_frequencies,
+    vocab_mapping_problems,
+)
 
 
 def test_default_layer_ids_follow_the_convention():

@@ -1,5 +1,5 @@
-"""pipeline/process_exit.py: a `python -m pipeline` process ends as Python's exit does what a program can
-observe (threads joined, atexit handlers run, output flushed, SystemExit's status) without the teardown of
+"""pipeline/runtime/process_exit.py: a `python -m pipeline` process ends as Python's exit does what a program
+can observe (threads joined, atexit handlers run, output flushed, SystemExit's status) without the teardown of
 its modules. Real interpreters, real exits."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     """
     import atexit, sys, threading, time
     from concurrent.futures import ThreadPoolExecutor
-    from pipeline.process_exit import run_then_exit
+    from pipeline.runtime.process_exit import run_then_exit
 
     class Teardown:
         def __del__(self):
@@ -88,7 +88,7 @@ def test_other_exceptions_are_left_to_python(tmp_path):
 def test_python_m_pipeline_ends_through_the_fast_exit():
     """`python -m pipeline`'s __main__ hands its status to process_exit.finish (a refusal: status 2)."""
     probe = (
-        "import runpy, sys, pipeline.process_exit as p\n"
+        "import runpy, sys, pipeline.runtime.process_exit as p\n"
         "real = p.finish\n"
         "p.finish = lambda code: (print(f'finish({code})', file=sys.stderr), real(code))\n"
         "sys.argv = ['pipeline', 'check-args', 'prepare', '--seq-length', '1']\n"
@@ -108,7 +108,7 @@ def test_ctrl_c_while_the_exit_waits_for_a_thread_ends_with_130(tmp_path):
     script = textwrap.dedent(
         """
         import sys, threading, time
-        from pipeline.process_exit import run_then_exit
+        from pipeline.runtime.process_exit import run_then_exit
 
         def main():
             threading.Thread(target=time.sleep, args=(60,)).start()

@@ -236,7 +236,7 @@ def _model_case(tiny_llama: Path, name: str, content: bytes) -> Case:
 def test_config_json(tiny_llama, data):
     """config.json, any damage: the model dir's facts are positive integers and a list of names, or one
     line naming config.json."""
-    from pipeline.modeldir import read_model_dir
+    from pipeline.model.modeldir import read_model_dir
 
     valid = _model_file(tiny_llama, "config.json")
     content = data.draw(document(valid, json.loads(valid)))

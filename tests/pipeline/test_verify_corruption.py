@@ -157,7 +157,7 @@ def test_layer_order_ignores_neighbours_an_intact_file_cannot_tell_apart():
     is."""
     import torch
 
-    from pipeline import layer_profile as lp
+    from pipeline.model import layer_profile as lp
 
     torch.manual_seed(0)
     base = [torch.randn(64) for _ in range(3)]

@@ -8,7 +8,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.checkpoint_checks import verify_checkpoint
+from pipeline.train.checkpoint_checks import verify_checkpoint
 
 
 def _copy_run(trained, tmp_path):

@@ -58,7 +58,7 @@ def llama_backend_small_steps(tiny_llama, tmp_path_factory):
     """A TP-1 fp32 eager VllmBackend on the tiny Llama whose scheduler steps hold at most 128 tokens."""
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.vllm import VllmBackend
-    from pipeline.modeldir import read_model_dir
+    from pipeline.model.modeldir import read_model_dir
 
     model = read_model_dir(tiny_llama)
     scratch = tmp_path_factory.mktemp("vllm-scratch")

@@ -19,7 +19,7 @@ def choose_out(out: Path, need: int, shm: Path = NO_SHM) -> vllm_scratch.Choice:
 
 if __name__ == "__main__":
     from pipeline.cli import run
-    from pipeline.process_exit import run_then_exit
+    from pipeline.runtime.process_exit import run_then_exit
 
     vllm_scratch.choose = choose_out
     run_then_exit(run)

@@ -217,7 +217,7 @@ def test_backend_states_are_the_hf_layer_outputs(llama_backend_small_steps, tiny
     another)."""
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.hf import HFBackend
-    from pipeline.modeldir import read_model_dir
+    from pipeline.model.modeldir import read_model_dir
 
     batch = _mixed_batch(6, seed=2)
     hf = HFBackend(
@@ -301,7 +301,7 @@ def tp1_backend(model_dir, tmp_path, dtype: str = "float32"):
     """A fresh TP-1 eager VllmBackend on ``model_dir``: its engine core runs in this process."""
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.vllm import VllmBackend
-    from pipeline.modeldir import read_model_dir
+    from pipeline.model.modeldir import read_model_dir
 
     return VllmBackend(
         BackendOptions(

@@ -146,7 +146,7 @@ def test_tiny_kimi_has_the_released_layout(tiny_kimi):
     check_checkpoint."""
     from transformers import AutoTokenizer
 
-    from pipeline.modeldir import check_checkpoint, decoder_layers_in, read_model_dir
+    from pipeline.model.modeldir import check_checkpoint, decoder_layers_in, read_model_dir
     from pipeline.ondisk.readers import read_weight_map
 
     raw = json.loads((tiny_kimi / "config.json").read_text())
@@ -178,7 +178,7 @@ def test_engine_arguments_read_a_wrapper_as_text_only(tiny_kimi, tiny_llama):
     """A wrapper's engine gets language_model_only (no vision tower); a plain causal LM's does not."""
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.vllm import engine_arguments
-    from pipeline.modeldir import read_model_dir
+    from pipeline.model.modeldir import read_model_dir
 
     def args(model):
         return engine_arguments(

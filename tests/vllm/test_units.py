@@ -99,7 +99,7 @@ def test_no_newline_at_end_of_file_marker(tmp_path):
 def test_cpu_thread_binding_splits_cores_between_ranks():
     """TP ranks get disjoint CPU sets; more ranks than cores is a one-line error."""
     from pipeline.errors import StageError
-    from pipeline.vllm_cpu import thread_binding as cpu_thread_binding
+    from pipeline.runtime.vllm_cpu import thread_binding as cpu_thread_binding
 
     assert cpu_thread_binding(2, [0, 1]) == "0|1"
     assert cpu_thread_binding(2, [3, 2, 1, 0]) == "0,1|2,3"
@@ -110,7 +110,7 @@ def test_cpu_thread_binding_splits_cores_between_ranks():
 
 def test_cpu_environment_never_overrides_the_operator(monkeypatch):
     """Defaults are filled in only where the operator set nothing."""
-    from pipeline import vllm_cpu
+    from pipeline.runtime import vllm_cpu
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
     monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
@@ -125,7 +125,7 @@ def test_cpu_engine_arguments_follow_the_cpus_amx_tiles():
     """Where AMX tiles exist every CPU engine gets the reference MLA backend (AMX_MLA takes bf16 weights
     only) and, in bf16, 16-token blocks (the AMX attention kernel kills the worker); elsewhere nothing.
     The ``vllm serve`` flags say the same."""
-    from pipeline import vllm_cpu
+    from pipeline.runtime import vllm_cpu
 
     assert vllm_cpu.engine_arguments("bfloat16", amx=False) == {}
     assert vllm_cpu.engine_arguments("float32", amx=True) == {"attention_backend": "CPU_MLA"}
@@ -145,7 +145,7 @@ def test_checkpoint_layers_against_the_config(tmp_path):
     import json
 
     from pipeline.errors import StageError
-    from pipeline.modeldir import check_layers, read_model_dir
+    from pipeline.model.modeldir import check_layers, read_model_dir
 
     (tmp_path / "config.json").write_text(
         json.dumps(

@@ -156,7 +156,7 @@ def our_connector_file(tmp_path: Path, tokens: list[int], layers: int = len(LAYE
 def test_our_connectors_file_gives_its_states_and_facts_unchanged(tmp_path):
     """Our connector's layout: each layer's [T, H] state as written, and the scales it computed equal
     layer_profile.token_scales of those states (what the writer's record would otherwise compute)."""
-    from pipeline.layer_profile import token_scales
+    from pipeline.model.layer_profile import token_scales
 
     seq = [5, 6, 7, 8]
     path = our_connector_file(tmp_path, seq)
@@ -230,7 +230,7 @@ def test_handoff_take_gives_up_when_the_engine_stopped():
 def test_connector_tensors_split_per_layer_with_their_facts():
     """layer_tensors: one contiguous [T, H] state per layer of the block, with token_scales of each."""
     from pipeline.backends.vllm_connector import layer_tensors, slot_mapping
-    from pipeline.layer_profile import token_scales
+    from pipeline.model.layer_profile import token_scales
 
     block = torch.randn(5, 3, HIDDEN)
     block[2, 1, 0] = float("nan")
@@ -287,5 +287,5 @@ def test_online_eval_serves_an_mla_target_in_bf16_on_a_gpu(raw, save_dtype, on_g
 
     monkeypatch.setattr(base, "visible_device_count", lambda: 1 if on_gpu else 0)
     monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
-    monkeypatch.setattr("pipeline.modeldir.read_model_dir", lambda path: SimpleNamespace(raw=raw))
+    monkeypatch.setattr("pipeline.model.modeldir.read_model_dir", lambda path: SimpleNamespace(raw=raw))
     assert stage.online_dtype(SimpleNamespace(save_dtype=save_dtype), Path("/m")) == want

@@ -97,7 +97,7 @@ def _weight_checks(ckpt: Path, raw: dict, s: Summary) -> dict:
     import numpy as np
     import torch
 
-    from pipeline.vocab import vocab_mapping_problems
+    from pipeline.model.vocab import vocab_mapping_problems
 
     try:
         w = _load_weights(ckpt)

@@ -13,7 +13,7 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
-PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
+PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"  # pipeline/runtime/ -> the checkout
 
 
 @functools.cache

@@ -14,7 +14,7 @@ The distance between a tensor and a layer's profile is ``1 - cos(mean, profile m
 log rms|``. In a real model's residual stream both terms grow with the depth between layers; two layers
 whose profiles are closer than a file's own spread (adjacent layers of a deep model) cannot be told apart
 here, and files shorter than ``MIN_TOKENS`` are too noisy to judge the order of: the spot re-computation
-(pipeline/recompute.py) catches those. Pure computation on tensors; reading files is verify's.
+(pipeline/model/recompute.py) catches those. Pure computation on tensors; reading files is verify's.
 """
 
 from __future__ import annotations
