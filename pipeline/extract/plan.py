@@ -1,7 +1,7 @@
 """The batch plan (pure): samples bucketed by length into batches of at most ``max_batch_tokens`` tokens
-and ``max_batch_size`` samples, deterministically, so that a resumed run recomputes the same batches; which
-batches are left on resume; this host's shard of a multi-host run and one data-parallel worker's deal of
-it."""
+and ``max_batch_size`` samples, deterministically, so that a resumed run recomputes the same batches; this
+host's shard of a multi-host run and one data-parallel worker's deal of it. Which batches are left on
+resume is resume.py's."""
 
 from __future__ import annotations
 
@@ -34,10 +34,6 @@ def plan_batches(lengths: Sequence[int], max_batch_tokens: int, max_batch_size: 
     if current:
         batches.append(Batch(tuple(current), len(current) * int(lengths[current[0]])))
     return batches
-
-
-def pending_batches(batches: list[Batch], done: set[int]) -> list[Batch]:
-    return [b for b in batches if not all(i in done for i in b.indices)]
 
 
 def shard_indices(num_samples: int, world_size: int, rank: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Resume and repair: the ``--resume``/``--overwrite`` policy of the output directory (this run's
 data_config.json or a one-line refusal; files that belong to another run refused; ``--repair`` re-reads every
-byte and regenerates what fails), the scratch folders a killed vLLM engine left, and the checksums of files
-written without one."""
+byte and regenerates what fails), the scratch folders a killed vLLM engine left, the checksums of files
+written without one, and the batches left to run."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pipeline.ondisk.atomic import remove_partials
 from pipeline.errors import StageError
 from pipeline.ondisk.outdir import refuse_overlap
 from pipeline.extract.config import ExtractConfig
+from pipeline.extract.plan import Batch
 
 # torch only in annotations here: the functions that use it import it, so that a command that only parses its
 # arguments (--help, check-args) never loads it (tests/pipeline/test_cli_imports.py)
@@ -26,6 +27,12 @@ if TYPE_CHECKING:
 
 
 VLLM_SCRATCH_GLOB = ".vllm-states-*"  # pipeline/backends/vllm.py's per-run scratch folders in --out
+
+
+def pending_batches(batches: list[Batch], done: set[int]) -> list[Batch]:
+    """The batches left to run: a batch is recomputed whole unless every one of its samples is done, so a
+    resumed run writes the same bytes as an uninterrupted one (pure)."""
+    return [b for b in batches if not all(i in done for i in b.indices)]
 
 
 def expected_config(

@@ -18,8 +18,13 @@ from pipeline.errors import StageError
 from pipeline.model.layers import validate_layer_ids
 from pipeline.model.modeldir import check_checkpoint, read_model_dir
 from pipeline.extract.config import ExtractConfig
-from pipeline.extract.plan import deal, pending_batches, plan_shard
-from pipeline.extract.resume import expected_config, prepare_output_dir, record_missing_checksums
+from pipeline.extract.plan import deal, plan_shard
+from pipeline.extract.resume import (
+    expected_config,
+    pending_batches,
+    prepare_output_dir,
+    record_missing_checksums,
+)
 from pipeline.extract.loop import compute_path, process_age, run_loop
 from pipeline.extract.workers import check_parallel, launch_workers
 
@@ -72,17 +77,19 @@ def run(cfg: ExtractConfig) -> dict:
         if cfg.backend == "hf"
         else resolve_dtype("bfloat16" if cfg.dtype == "auto" else cfg.dtype, torch.device("cpu"))
     )
-    expected = expected_config(cfg, model, layer_ids, n, meta.seq_length, dtype)
+    # the plan (pure): this host's shard, and a worker's deal of it
     plan = plan_shard(lengths, cfg.world_size, cfg.rank, cfg.max_batch_tokens, cfg.max_batch_size)
     owned = {i for b in plan for i in b.indices}
+    if cfg.local_rank is not None:
+        # deal the whole plan, not the pending part: workers list the directory at different moments
+        plan = deal(plan, cfg.data_parallel, cfg.local_rank)
+    # the output directory: resume, overwrite or refuse; what is done already; the batches left
+    expected = expected_config(cfg, model, layer_ids, n, meta.seq_length, dtype)
     if cfg.local_rank is None:
         done = prepare_output_dir(cfg, expected, prepared, owned)
     else:  # a worker: the launcher applied the output policy; it only re-reads what exists
         done = set(formats.existing_data_indices(cfg.out))
     done &= owned
-    if cfg.local_rank is not None:
-        # deal the whole plan, not the pending part: workers list the directory at different moments
-        plan = deal(plan, cfg.data_parallel, cfg.local_rank)
     if cfg.local_rank is None:
         record_missing_checksums(cfg.out, done)
     batches = pending_batches(plan, done)

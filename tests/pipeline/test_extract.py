@@ -15,7 +15,8 @@ import torch
 from pipeline.ondisk import formats
 from pipeline.backends.base import BackendOptions
 from pipeline.backends.hf import HFBackend
-from pipeline.extract.plan import Batch, pending_batches, plan_batches
+from pipeline.extract.plan import Batch, plan_batches
+from pipeline.extract.resume import pending_batches
 from pipeline.model.modeldir import read_model_dir
 from tests.conftest import REPO, run_pipeline
 
