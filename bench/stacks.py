@@ -7,10 +7,9 @@
 ``--interval`` seconds, reads every other thread's Python stack (``sys._current_frames``) and counts it,
 collapsed (``thread;file:function;...``, outermost first), per whole second since the start. The counts are
 written when the program ends through its atexit handlers (Python's own exit, or
-pipeline/runtime/process_exit.py's
-``finish``, which runs them before ``os._exit``). Native work shows as the Python frame that called it
-(a Triton compile as ``triton/compiler``, a CUDA wait as the frame that synchronizes), which is what a
-start-up question needs: which step of the engine's start the seconds went to.
+pipeline/runtime/process_exit.py's ``finish``, which runs them before ``os._exit``). Native work shows as the
+Python frame that called it (a Triton compile as ``triton/compiler``, a CUDA wait as the frame that
+synchronizes), which is what a start-up question needs: which step of the engine's start the seconds went to.
 
 Why not cProfile: it sees one thread and charges its own overhead to every call; vLLM's engine at tensor
 parallel 1 steps in the extract process beside our writer threads. Why not py-spy: nothing can be installed

@@ -1,13 +1,13 @@
 """The ``verify`` stage: a summary.json and a table for any stage's output, non-zero exit on a failed check.
 
-Owns the checks of each output kind: prepared data (arrays, masks, token_freq, vocab mapping), hidden
-states (count, contiguity, each file's sha256 against the one extract recorded, keys, shapes, dtypes,
-NaN/Inf, lengths, equality with the prepared rows, layer order and scale against the set's own profile
+Owns the checks of each output kind: prepared data (arrays, masks, token_freq, vocab mapping), hidden states
+(count, contiguity, each file's sha256 against the one extract recorded, keys, shapes, dtypes, NaN/Inf,
+lengths, equality with the prepared rows, layer order and scale against the set's own profile
 (pipeline/model/layer_profile.py), with ``--model`` a spot re-computation of K files
-(pipeline/model/recompute.py), and
-the alignment check: final norm + lm_head on the last captured layer must give the target's own next-token
-argmax; of a states dir that online or hybrid training keeps, its kept files: pipeline/train/states.py),
-verifier weights, and draft checkpoints (delegated to pipeline/train/checkpoint_checks.py).
+(pipeline/model/recompute.py), and the alignment check: final norm + lm_head on the last captured layer must
+give the target's own next-token argmax; of a states dir that online or hybrid training keeps, its kept files:
+pipeline/train/states.py), verifier weights, and draft checkpoints (delegated to
+pipeline/train/checkpoint_checks.py).
 It reads outputs; it never modifies them (summary.json aside). The per-file and per-set checks of a states
 set, which extract's closing check, resume and repair use too, are pipeline/ondisk/integrity.py's; this
 module runs them over a set and adds what needs the model (alignment, recompute).

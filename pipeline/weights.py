@@ -1,8 +1,7 @@
 """The ``weights`` stage: the verifier's embed_tokens, final norm and lm_head, and nothing else.
 
-Owns locating those three tensors in a safetensors checkpoint (through the shard index, opened lazily
-with ``safe_open``: a 1T-parameter checkpoint costs three tensor reads) by the names
-pipeline/model/modeldir.py
+Owns locating those three tensors in a safetensors checkpoint (through the shard index, opened lazily with
+``safe_open``: a 1T-parameter checkpoint costs three tensor reads) by the names pipeline/model/modeldir.py
 resolves for plain causal LMs, wrappers (``language_model.`` prefixes) and tied embeddings, and writing
 ``verifier.safetensors`` (keys below) plus ``verifier.json`` (source names, shapes, dtype, source dir).
 """

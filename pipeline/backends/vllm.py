@@ -1,15 +1,14 @@
 """The vLLM backend: vLLM's own hidden-state extraction (``extract_hidden_states``, vLLM >= 0.17)
 behind Backend.
 
-Owns the engine's construction (the speculative method, the KV connector that writes each request's states
-to a file, the settings extraction needs, tensor parallel size; the CPU build's defaults come from
-pipeline/runtime/vllm_cpu.py), the mapping of our layer ids to vLLM's, reading the files the connector
-writes, and
-the validation of every result: one result per input in input order, the same token ids, exactly one [T, H]
-state per requested layer and token. The field bug "1 of 4 layers kept", reordered results and states
-short by whole blocks (prefix caching) fail here, loudly, instead of writing wrong files. The extract loop
-(pipeline/extract/) owns batching, our output files, resume and progress; vLLM's scheduler packs each
-batch into steps.
+Owns the engine's construction (the speculative method, the KV connector that writes each request's states to
+a file, the settings extraction needs, tensor parallel size; the CPU build's defaults come from
+pipeline/runtime/vllm_cpu.py), the mapping of our layer ids to vLLM's, reading the files the connector writes,
+and the validation of every result: one result per input in input order, the same token ids, exactly one [T,
+H] state per requested layer and token. The field bug "1 of 4 layers kept", reordered results and states short
+by whole blocks (prefix caching) fail here, loudly, instead of writing wrong files. The extract loop
+(pipeline/extract/) owns batching, our output files, resume and progress; vLLM's scheduler packs each batch
+into steps.
 
 Why an in-process ``LLM`` rather than a ``vllm serve`` subprocess (docs/vllm.md): the extract loop already
 owns batching, ordering and back-pressure, so a server would add an HTTP hop, a port and a second process

@@ -8,23 +8,15 @@ from __future__ import annotations
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
-from pipeline.ondisk import integrity
-from pipeline.ondisk import formats, provenance
+from pipeline.ondisk import formats, integrity
 from pipeline.ondisk.atomic import remove_partials
 from pipeline.errors import StageError
 from pipeline.ondisk.outdir import refuse_overlap
 from pipeline.extract.config import ExtractConfig
 from pipeline.extract.plan import Batch
-
-# torch only in annotations here: the functions that use it import it, so that a command that only parses its
-# arguments (--help, check-args) never loads it (tests/pipeline/test_cli_imports.py)
-if TYPE_CHECKING:
-    import torch
-
 
 VLLM_SCRATCH_GLOB = ".vllm-states-*"  # pipeline/backends/vllm.py's per-run scratch folders in --out
 
@@ -33,23 +25,6 @@ def pending_batches(batches: list[Batch], done: set[int]) -> list[Batch]:
     """The batches left to run: a batch is recomputed whole unless every one of its samples is done, so a
     resumed run writes the same bytes as an uninterrupted one (pure)."""
     return [b for b in batches if not all(i in done for i in b.indices)]
-
-
-def expected_config(
-    cfg: ExtractConfig, model, layer_ids, num_samples, seq_length, dtype: torch.dtype
-) -> formats.DataConfig:
-    return formats.DataConfig(
-        model=str(model.path.resolve()),
-        layer_ids=list(layer_ids),
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        dtype=str(dtype).removeprefix("torch."),
-        num_samples=num_samples,
-        seq_length=seq_length,
-        prepared=str(cfg.prepared.resolve()),
-        backend=cfg.backend,
-        provenance=provenance.record("extract"),
-    )
 
 
 def prepare_output_dir(

@@ -20,7 +20,6 @@ from pipeline.model.modeldir import check_checkpoint, read_model_dir
 from pipeline.extract.config import ExtractConfig
 from pipeline.extract.plan import deal, plan_shard
 from pipeline.extract.resume import (
-    expected_config,
     pending_batches,
     prepare_output_dir,
     record_missing_checksums,
@@ -84,7 +83,9 @@ def run(cfg: ExtractConfig) -> dict:
         # deal the whole plan, not the pending part: workers list the directory at different moments
         plan = deal(plan, cfg.data_parallel, cfg.local_rank)
     # the output directory: resume, overwrite or refuse; what is done already; the batches left
-    expected = expected_config(cfg, model, layer_ids, n, meta.seq_length, dtype)
+    expected = formats.states_config(
+        model, layer_ids, dtype, n, meta.seq_length, cfg.prepared, cfg.backend, provenance.record("extract")
+    )
     if cfg.local_rank is None:
         done = prepare_output_dir(cfg, expected, prepared, owned)
     else:  # a worker: the launcher applied the output policy; it only re-reads what exists

@@ -263,6 +263,34 @@ class DataConfig:
     provenance_history: list = field(default_factory=list)  # earlier runs' records (a resumed set)
 
 
+def states_config(
+    model,
+    layer_ids,
+    dtype,
+    num_samples: int,
+    seq_length: int,
+    prepared: Path,
+    backend: str,
+    provenance: dict,
+    extra: dict | None = None,
+) -> DataConfig:
+    """The data config of a states set captured from ``model`` (a model folder as read by
+    pipeline/model/modeldir.py) in ``dtype``: what extract and online training's states write alike (pure)."""
+    return DataConfig(
+        model=str(model.path.resolve()),
+        layer_ids=list(layer_ids),
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        dtype=str(dtype).removeprefix("torch."),
+        num_samples=num_samples,
+        seq_length=seq_length,
+        prepared=str(Path(prepared).resolve()),
+        backend=backend,
+        extra=extra or {},
+        provenance=provenance,
+    )
+
+
 def write_data_config(directory: Path, config: DataConfig) -> None:
     write_json(directory / DATA_CONFIG, asdict(config))
 

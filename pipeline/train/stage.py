@@ -351,18 +351,16 @@ def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
     plan = states.plan_states(
         cfg.states_mode, states.parse_bytes(cfg.states_budget), sizes, train, held_out, measured
     )
-    dc = formats.DataConfig(
-        model=str(model.path.resolve()),
-        layer_ids=list(layer_ids),
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        dtype=str(dtype).removeprefix("torch."),
-        num_samples=n,
-        seq_length=meta.seq_length,
-        prepared=str(Path(cfg.prepared).resolve()),
-        backend=choice.backend,
+    dc = formats.states_config(
+        model,
+        layer_ids,
+        dtype,
+        n,
+        meta.seq_length,
+        Path(cfg.prepared),
+        choice.backend,
+        provenance.record("train-states"),
         extra={"states": plan.record()},
-        provenance=provenance.record("train-states"),
     )
     verifier, _ = _read_verifier(Path(cfg.verifier))
     inputs = target_inputs(

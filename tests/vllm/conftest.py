@@ -105,8 +105,13 @@ def compare_dirs(got: Path, want: Path) -> dict:
         "worst_per_layer": worst,
         "token_errors": torch.cat(token_errors),
         "median_per_layer": [float(e.median()) for e in per_layer],
-        "share_above": lambda tol: [float((e >= tol).float().mean()) for e in per_layer],
+        "token_errors_per_layer": per_layer,
     }
+
+
+def share_at_or_above(result: dict, tol: float) -> list[float]:
+    """Per layer: the share of tokens of a ``compare_dirs`` result whose relative error is ``tol`` or more."""
+    return [float((e >= tol).float().mean()) for e in result["token_errors_per_layer"]]
 
 
 def copy_model(src: Path, dst: Path, drop: tuple[str, ...] = (), **config_changes) -> Path:

@@ -26,7 +26,7 @@ import torch
 
 from pipeline.ondisk import formats
 from tests.conftest import run_pipeline
-from tests.vllm.conftest import compare_dirs, fp32_tolerance
+from tests.vllm.conftest import compare_dirs, fp32_tolerance, share_at_or_above
 
 pytestmark = pytest.mark.vllm
 
@@ -218,7 +218,7 @@ def test_vllm_kimi_matches_hf_fp32(tmp_path, prepared_kimi, tiny_kimi, hf_kimi_f
     out = tmp_path / "vllm"
     extract("vllm", "float32", prepared_kimi, tiny_kimi, out)
     result = compare_dirs(out, hf_kimi_fp32)
-    shares = result["share_above"](TOL)
+    shares = share_at_or_above(result, TOL)
     print(
         f"\nKimi-K2.5 fp32 vllm vs hf, per layer: worst per-token rel. error {result['worst_per_layer']}, "
         f"median {result['median_per_layer']}, share of tokens at or above {TOL:g}: {shares}"
