@@ -188,3 +188,27 @@ class Backend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def split_rows(
+    outs: list[torch.Tensor],
+    rows: list[tuple[int, slice]],
+    scales: list[tuple[torch.Tensor, torch.Tensor]],
+    copy,
+) -> tuple[list[list[torch.Tensor]], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Each sample's states (one ``copy`` per sample and layer: padding never leaves the device) and its
+    per-token scales (each layer's ``copy``'d whole, once: T floats against T x H states, then viewed per
+    sample), from a batch's captured outputs and where each sample's rows are in them (``inputs``)."""
+    states = [[copy(o[r]) for o in outs] for r in rows]
+    whole = [(copy(rms), copy(bad)) for rms, bad in scales]
+    return states, [[(rms[r], bad[r]) for rms, bad in whole] for r in rows]
+
+
+def pinned_copy(src: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of ``src``, queued on the current stream (from torch's caching host allocator, so
+    reuse costs nothing)."""
+    import torch
+
+    h = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    h.copy_(src, non_blocking=True)
+    return h

@@ -44,7 +44,9 @@ from pipeline.backends.base import (
     Captured,
     DeviceClock,
     resolve_device,
+    pinned_copy,
     resolve_dtype,
+    split_rows,
 )
 from pipeline.errors import StageError
 from pipeline.model.layer_profile import token_scales
@@ -277,7 +279,7 @@ class HFBackend(Backend):
         computed.record()
         with torch.cuda.stream(self._copies):
             self._copies.wait_event(computed)
-            states, per_sample = split_rows(outs, rows, scales, _to_host)
+            states, per_sample = split_rows(outs, rows, scales, pinned_copy)
             for t in [*outs, *(t for pair in scales for t in pair)]:
                 t.record_stream(self._copies)  # not handed to the next forward before the copies ran
             copied = torch.cuda.Event()
@@ -297,25 +299,3 @@ class HFBackend(Backend):
         self.model = self.decoder = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def split_rows(
-    outs: list[torch.Tensor],
-    rows: list[tuple[int, slice]],
-    scales: list[tuple[torch.Tensor, torch.Tensor]],
-    copy,
-) -> tuple[list[list[torch.Tensor]], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
-    """Each sample's states (one ``copy`` per sample and layer: padding never leaves the device) and its
-    per-token scales (each layer's ``copy``'d whole, once: T floats against T x H states, then viewed per
-    sample), from a batch's captured outputs and where each sample's rows are in them (``inputs``)."""
-    states = [[copy(o[r]) for o in outs] for r in rows]
-    whole = [(copy(rms), copy(bad)) for rms, bad in scales]
-    return states, [[(rms[r], bad[r]) for rms, bad in whole] for r in rows]
-
-
-def _to_host(src: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy of ``src``, queued on the current stream (from torch's caching host allocator, so
-    reuse costs nothing)."""
-    h = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-    h.copy_(src, non_blocking=True)
-    return h

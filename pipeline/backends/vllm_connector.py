@@ -8,10 +8,14 @@ own data file: on the H200 that host-side work, not the GPU, bounded the vllm lo
 "2026-12-03 evening": 20-23 ms per sample reading the block, on top of the facts and the write).
 
 This connector keeps vLLM's bookkeeping (which requests, their block tables, when a request counts as sent,
-which rank writes) and replaces the one method that moves the states (``_submit_async_write``): on the
-device, on the connector's copy stream, it gathers the request's block, splits it per layer and computes each
-layer's ``token_scales``, then copies the per-layer states and facts into pinned host memory. Where they go
-from there depends on where the engine's worker runs:
+which rank writes) and replaces how the states move: all the requests waiting to be saved in a step are
+saved at once when the step's metadata is bound, before its forward is launched (``bind_connector_metadata``;
+vLLM saves each request on its own after the forward, from ``get_finished``). On the device, on the
+connector's copy stream, one gather takes every request's states out of the cache, laid out per layer; each
+layer's ``token_scales`` are computed once; each request's per-layer states and the facts are copied into
+pinned host memory. Sampled on the H200, the per-request way cost the engine's thread ~4 s of a 9 s loop
+(~50 small calls per request; docs/benchmarks.md). Where they go from there depends on where the engine's
+worker runs:
 
 * **in the extract process** (tensor parallel 1 with the engine core in-process, vLLM's
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the backend asks for it with ``HANDOFF.enable()`` before it builds
@@ -41,27 +45,14 @@ from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
-    extract_from_kv_cache,
 )
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
+from pipeline.backends.base import pinned_copy, split_rows
 from pipeline.model.layer_profile import token_scales
 
 MODULE = __name__
 NAME = "EagleStatesConnector"
-
-
-def layer_tensors(block: torch.Tensor, token_ids: torch.Tensor) -> dict:
-    """The tensors of one request for a ``[T, layers, H]`` block, on the block's device (pure; what the
-    reader expects): per layer its contiguous ``[T, H]`` state and the state's ``token_scales``."""
-    out = {"token_ids": token_ids}
-    for j in range(block.shape[1]):
-        h = block[:, j].contiguous()
-        rms, bad = token_scales(h)
-        out[f"hidden_states.{j}"] = h
-        out[f"token_rms.{j}"] = rms
-        out[f"nonfinite.{j}"] = bad
-    return out
 
 
 def slot_mapping(block_ids: list[int], block_size: int) -> torch.Tensor:
@@ -70,15 +61,37 @@ def slot_mapping(block_ids: list[int], block_size: int) -> torch.Tensor:
     return (ids * block_size + torch.arange(block_size, dtype=torch.long).reshape(1, -1)).flatten()
 
 
-def to_host(tensors: dict) -> dict:
-    """Each device tensor copied into pinned host memory without waiting (the caller records the event)."""
-    out = {}
-    for name, t in tensors.items():
-        if t.device.type == "cpu":
-            out[name] = t
-        else:
-            out[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            out[name].copy_(t, non_blocking=True)
+def gather_layers(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The states at ``slots`` of the hidden-states cache (``[blocks, layers, block_size, H]``, vLLM's
+    layout for ``extract_hidden_states``), one gather laid out per layer: ``[layers, len(slots), H]``."""
+    block_size = cache.shape[2]
+    return cache.transpose(0, 1)[:, slots // block_size, slots % block_size]
+
+
+def step_tensors(cache: torch.Tensor, saves: list[tuple[list[int], torch.Tensor]], copy) -> list[dict]:
+    """The tensors of each request saved in one step (``saves``: its block ids and token ids), as the reader
+    expects them: ``token_ids`` and per layer j ``hidden_states.{j}`` (``[T, H]``, a ``copy`` of its own),
+    ``token_rms.{j}`` and ``nonfinite.{j}`` (``layer_profile.token_scales``, views of one ``copy`` per layer).
+
+    The whole step at once: one gather of every request's slots, one ``token_scales`` per layer, one copy
+    per request and layer. Per request, as vLLM's connector does it, the same work was ~50 small calls per
+    request on the engine's thread, which on the H200 held the GPU's next step back (docs/benchmarks.md)."""
+    block_size = cache.shape[2]
+    counts = [int(ids.shape[0]) for _, ids in saves]
+    slots = torch.cat([slot_mapping(blocks, block_size)[:n] for (blocks, _), n in zip(saves, counts)])
+    by_layer = gather_layers(cache, slots.to(cache.device, non_blocking=True)).unsqueeze(1)  # [L, 1, N, H]
+    outs = list(by_layer)
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    rows = [(0, slice(a, a + n)) for a, n in zip(starts, counts)]
+    states, scales = split_rows(outs, rows, [token_scales(o) for o in outs], copy)
+    out = []
+    for (_, ids), hs, facts in zip(saves, states, scales):
+        tensors = {"token_ids": ids.clone()}
+        for j, (h, (rms, bad)) in enumerate(zip(hs, facts)):
+            tensors[f"hidden_states.{j}"] = h
+            tensors[f"token_rms.{j}"] = rms
+            tensors[f"nonfinite.{j}"] = bad
+        out.append(tensors)
     return out
 
 
@@ -172,32 +185,47 @@ class EagleStatesConnector(ExampleHiddenStatesConnector):
         if not getattr(self, "_in_memory", False):
             super().wait_for_save()  # lock files exist before the client learns their paths
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        """The step's metadata, bound by the model runner before it launches the step's forward: the
+        requests that finished earlier and wait to be saved are saved here, all at once (``_save_step``), so
+        that their copies are queued ahead of this forward and run beside it."""
+        super().bind_connector_metadata(connector_metadata)
+        saves = getattr(connector_metadata, "pending_saves", None)
+        if saves and self._is_tp_rank_zero:
+            self._save_step([p for p in saves if p.req_id not in self._req_copy_events])
+
     def _submit_async_write(self, pending: PendingSave) -> None:
-        if not self._is_tp_rank_zero:
+        """vLLM's per-request save, which its ``get_finished`` calls for each of the step's pending saves:
+        they were saved with their step when the metadata was bound; one that was not is saved alone."""
+        if self._is_tp_rank_zero and pending.req_id not in self._req_copy_events:
+            self._save_step([pending])
+
+    def _save_step(self, pendings: list[PendingSave]) -> None:
+        if not pendings:
             return
         cache = self._kv_cache
         assert cache is not None
-        slots = slot_mapping(pending.block_ids, self._block_size)
-        count = pending.token_ids.shape[0]
+        saves = [(p.block_ids, p.token_ids) for p in pendings]
         if cache.device.type != "cuda":
             # the CPU build: no streams or events, the work is done when the calls return
-            tensors = layer_tensors(extract_from_kv_cache(cache, slots, count), pending.token_ids.clone())
+            per_request = step_tensors(cache, saves, torch.clone)
             done: Any = CopyDone()
         else:
             stream = self._get_copy_stream()
             stream.wait_stream(torch.cuda.current_stream())  # the forward that filled the cache comes first
-            with torch.cuda.stream(stream):
-                with gpu_sync_allowed():
-                    slots = slots.to(device=cache.device, non_blocking=True)
-                block = extract_from_kv_cache(cache, slots, count)
-                tensors = to_host(layer_tensors(block, pending.token_ids.clone()))
+            with torch.cuda.stream(stream), gpu_sync_allowed():  # the slots' upload from pageable memory
+                per_request = step_tensors(cache, saves, pinned_copy)
             done = torch.cuda.Event()
             done.record(stream)
-        assert pending.req_id not in self._req_copy_events, "two saves of one request"
-        self._req_copy_events[pending.req_id] = done  # get_finished reports the request sent after it
-        if self._in_memory:
-            HANDOFF.put(pending.filename, done, tensors)
-            return
+        for pending, tensors in zip(pendings, per_request, strict=True):
+            self._req_copy_events[pending.req_id] = done  # get_finished reports the request sent after it
+            if self._in_memory:
+                HANDOFF.put(pending.filename, done, tensors)
+            else:
+                self._write_async(pending, tensors, done)
+
+    def _write_async(self, pending: PendingSave, tensors: dict, done: Any) -> None:
+        """The request's file, written on the connector's writer pool under vLLM's lock protocol."""
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:

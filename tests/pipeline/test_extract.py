@@ -138,7 +138,7 @@ def test_device_scales_of_each_sample_give_the_writers_facts(packed, tiny_llama)
     here with a plain clone for the host copy) is each sample's states and exactly the facts the writer would
     compute from them: rows are cut where they belong in both layouts, padding never counted."""
     from pipeline.ondisk import integrity
-    from pipeline.backends.hf import split_rows
+    from pipeline.backends.base import split_rows
 
     md = read_model_dir(tiny_llama)
     backend = HFBackend(

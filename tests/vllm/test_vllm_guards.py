@@ -144,11 +144,12 @@ def our_connector_file(tmp_path: Path, tokens: list[int], layers: int = len(LAYE
     """A file as our EagleStatesConnector writes it (per-layer states and their facts) and its lock."""
     from safetensors.torch import save_file
 
-    from pipeline.backends.vllm_connector import layer_tensors
+    from pipeline.backends.vllm_connector import step_tensors
 
     path = tmp_path / "1-ours.safetensors"
-    block = torch.randn(len(tokens), layers, HIDDEN)
-    save_file(layer_tensors(block, torch.tensor(tokens)), str(path))
+    cache = torch.randn(-(-len(tokens) // 4), layers, 4, HIDDEN)  # [blocks, layers, block_size, H]
+    (tensors,) = step_tensors(cache, [(list(range(cache.shape[0])), torch.tensor(tokens))], torch.clone)
+    save_file(tensors, str(path))
     Path(str(path) + ".lock").touch()
     return path
 
@@ -227,22 +228,33 @@ def test_handoff_take_gives_up_when_the_engine_stopped():
         h.take("never", alive=alive, poll=0.01)
 
 
-def test_connector_tensors_split_per_layer_with_their_facts():
-    """layer_tensors: one contiguous [T, H] state per layer of the block, with token_scales of each."""
-    from pipeline.backends.vllm_connector import layer_tensors, slot_mapping
+def test_a_steps_saves_are_each_requests_states_per_layer_with_their_facts():
+    """step_tensors: for each request saved in a step, per layer the [T, H] rows of its blocks (vLLM's own
+    extract_from_kv_cache is the reference) in a tensor of its own, and token_scales of each."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        extract_from_kv_cache,
+    )
+
+    from pipeline.backends.vllm_connector import slot_mapping, step_tensors
     from pipeline.model.layer_profile import token_scales
 
-    block = torch.randn(5, 3, HIDDEN)
-    block[2, 1, 0] = float("nan")
-    out = layer_tensors(block, torch.arange(5))
-    for j in range(3):
-        h = out[f"hidden_states.{j}"]
-        assert h.is_contiguous()
-        torch.testing.assert_close(h, block[:, j], rtol=0, atol=0, equal_nan=True)
-        rms, bad = token_scales(block[:, j].contiguous())
-        assert torch.allclose(out[f"token_rms.{j}"], rms, equal_nan=True)
-        assert torch.equal(out[f"nonfinite.{j}"], bad)
-    assert out["nonfinite.1"].tolist() == [0, 0, 1, 0, 0]
+    cache = torch.randn(6, 3, 4, HIDDEN)  # [blocks, layers, block_size, H]
+    cache[1, 2, 3, 0] = float("nan")  # block 1, layer 2, offset 3: the first request's token 3
+    saves = [([1, 4], torch.arange(7)), ([0], torch.arange(3) + 50), ([5, 2, 3], torch.arange(9) + 90)]
+    out = step_tensors(cache, saves, torch.clone)
+    assert len(out) == len(saves)
+    for (blocks, ids), tensors in zip(saves, out, strict=True):
+        assert torch.equal(tensors["token_ids"], ids)
+        block = extract_from_kv_cache(cache, slot_mapping(blocks, 4), len(ids))
+        for j in range(3):
+            h = tensors[f"hidden_states.{j}"]
+            assert h.is_contiguous() and h.untyped_storage().nbytes() == h.nbytes  # its own storage
+            torch.testing.assert_close(h, block[:, j], rtol=0, atol=0, equal_nan=True)
+            rms, bad = token_scales(block[:, j].contiguous())
+            assert torch.allclose(tensors[f"token_rms.{j}"], rms, equal_nan=True)
+            assert torch.equal(tensors[f"nonfinite.{j}"], bad)
+    assert out[0]["nonfinite.2"].tolist() == [0, 0, 0, 1, 0, 0, 0]
+    assert sum(int(t[f"nonfinite.{j}"].sum()) for t in out for j in range(3)) == 1
     assert slot_mapping([3, 1], 4).tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
 
 
