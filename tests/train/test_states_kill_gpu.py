@@ -1,0 +1,99 @@
+"""A hybrid `pipeline train --device cuda` SIGKILLed on a GPU, then resumed (issue #31 item 5, the kill on
+the H200): what tests/train/test_states.py proves on the CPU, plus that the killed run leaves no process on
+the GPU.
+
+    python3 -m pytest -m gpu -p no:cacheprovider tests/train/test_states_kill_gpu.py
+
+The trainer and the hf producer both run on the GPU (``--device cuda``, ``--states-device cuda``). NVML is
+sampled while the first run trains: its pid must show up among the GPU's compute processes (else the check
+after the kill would prove nothing), and none of its processes may be there once it was killed. The resumed
+draft is compared with the CPU's offline run on the same data and seed by its last training loss, within 1%
+relative: the GPU's kernels (cuBLAS, fused loss) do not reproduce the CPU's sums bit for bit, and an epoch
+trained twice, or a step skipped, moves the tiny draft's loss by far more.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+import torch
+
+from tests.train.states_helpers import (
+    EPOCHS,
+    assert_recovered,
+    budget_for,
+    interrupt_then_resume,
+    states_config,
+    train_losses,
+)
+from tests.train.test_states import offline, stage_inputs  # noqa: F401 - the CPU reference's fixtures
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+def gpu_pids() -> set[int]:
+    """The pids of every compute process on every GPU, through NVML."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return {
+            p.pid
+            for i in range(pynvml.nvmlDeviceGetCount())
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))
+        }
+    finally:
+        pynvml.nvmlShutdown()
+
+
+class GpuPidWatch:
+    """Every pid seen on a GPU while the block runs (NVML, every 50 ms)."""
+
+    def __init__(self):
+        self.seen: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.seen |= gpu_pids()
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> GpuPidWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_sigkill_on_the_gpu_then_resume(stage_inputs, offline, tmp_path):  # noqa: F811 - fixtures
+    assert torch.cuda.is_available(), "this test needs a CUDA GPU (the gpu marker: run it on a GPU host)"
+    ref = offline["cfg"]
+    cfg = states_config(
+        stage_inputs,
+        tmp_path / "states",
+        tmp_path / "out",
+        states_mode="hybrid",
+        states_budget=str(int(budget_for(ref.data, held=8)) * 2),
+        states_max_batch_size=1,
+        checkpoint_steps=1,
+        device="cuda",
+        states_device="cuda",
+    )
+    steps = offline["summary"]["train"]["steps_per_epoch"]
+    with GpuPidWatch() as watch:
+        result = interrupt_then_resume(cfg, [(signal.SIGKILL, steps + 2)], timeout=300)
+    (killed,) = result["stops"]
+    ours = {killed["proc"].pid, *killed["children"]}
+    assert killed["proc"].pid in watch.seen, (killed["proc"].pid, watch.seen)  # it did run on the GPU
+    assert not ours & gpu_pids(), "a process of the killed run still holds the GPU"
+    assert steps + 2 <= killed["rows"] < EPOCHS * steps, f"kill landed outside epoch 1 ({killed['rows']})"
+    summary = assert_recovered(cfg, result, EPOCHS * steps)
+    assert summary["train"]["device"].startswith("cuda"), summary["train"]["device"]
+    gpu, cpu = train_losses(cfg.out)[-1], train_losses(ref.out)[-1]
+    print(f"\nlast train loss: GPU resumed {gpu:.6f}, CPU offline {cpu:.6f}")
+    assert abs(gpu - cpu) <= 1e-2 * abs(cpu), (gpu, cpu)
