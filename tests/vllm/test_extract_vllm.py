@@ -364,7 +364,8 @@ def test_the_requests_finished_in_one_step_are_saved_together(tiny_llama, tmp_pa
     assert max(map(len, saved_together)) >= 4, saved_together  # 12 sequences of <= 60 tokens: 1-3 steps
     for got, want in zip(together, alone, strict=True):
         for x, y in zip(got, want, strict=True):
-            assert per_token_rel(x, y) < 1e-5
+            assert x.untyped_storage().nbytes() == x.nbytes  # its own, not a view of the step's buffer
+            assert per_token_rel(x, y) < TOL  # on a GPU a step's kernels depend on its batch: TF32's bound
 
 
 @pytest.mark.gpu
