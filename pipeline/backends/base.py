@@ -212,9 +212,3 @@ def pinned_copy(src: torch.Tensor) -> torch.Tensor:
     h = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
     h.copy_(src, non_blocking=True)
     return h
-
-
-def owned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself where it owns its storage, else a copy that does (the writer's files must not carry a
-    whole step's buffer)."""
-    return t if t.untyped_storage().nbytes() == t.nbytes and t.is_contiguous() else t.clone()

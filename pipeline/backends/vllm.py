@@ -40,7 +40,7 @@ import torch
 
 from contract import sizes
 from pipeline.backends import vllm_scratch
-from pipeline.backends.base import Backend, BackendOptions, Captured, owned, visible_device_count
+from pipeline.backends.base import Backend, BackendOptions, Captured, visible_device_count
 from pipeline.backends.vllm_feed import EngineFeed
 from pipeline.runtime import vllm_cpu
 from pipeline.errors import StageError
@@ -445,7 +445,6 @@ class VllmBackend(Backend):
         else:
             tensors = _read_file(i, path)
         states, facts = request_states(i, seq, tensors, len(self.layer_ids), self.options.model.hidden_size)
-        states = [owned(h) for h in states]  # the hand-over's are views of the connector's step buffer
         if into is not None:
             into[:] = states
         if scales_into is not None:

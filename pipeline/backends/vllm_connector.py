@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
-from pipeline.backends.base import pinned_copy
+from pipeline.backends.base import pinned_copy, split_rows
 from pipeline.model.layer_profile import token_scales
 
 MODULE = __name__
@@ -68,32 +68,30 @@ def gather_layers(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.transpose(0, 1)[:, slots // block_size, slots % block_size]
 
 
-def step_tensors(cache: torch.Tensor, saves: list[tuple[list[int], torch.Tensor]], host) -> list[dict]:
+def step_tensors(cache: torch.Tensor, saves: list[tuple[list[int], torch.Tensor]], copy) -> list[dict]:
     """The tensors of each request saved in one step (``saves``: its block ids and token ids), as the reader
-    expects them: ``token_ids`` and per layer j ``hidden_states.{j}`` (``[T, H]``), ``token_rms.{j}`` and
-    ``nonfinite.{j}`` (``layer_profile.token_scales``).
+    expects them: ``token_ids`` and per layer j ``hidden_states.{j}`` (``[T, H]``, a ``copy`` of its own),
+    ``token_rms.{j}`` and ``nonfinite.{j}`` (``layer_profile.token_scales``, views of one ``copy`` per layer).
 
-    The whole step at once: one gather of every request's slots laid out per layer, ``token_scales`` over it,
-    and one ``host`` copy of each of the three (``pinned_copy`` on a GPU): each request's tensors are views
-    of those, so a reader that keeps a state makes it a tensor of its own (``base.owned``). Sampled on the
-    H200, the per-request work on the engine's thread (vLLM's way: ~50 small calls per request; then one
-    pinned allocation and copy per request and layer) held the GPU's next step back (docs/benchmarks.md)."""
+    The whole step at once: one gather of every request's slots, one ``token_scales`` per layer, one copy
+    per request and layer. Per request, as vLLM's connector does it, the same work was ~50 small calls per
+    request on the engine's thread, which on the H200 held the GPU's next step back (docs/benchmarks.md)."""
     block_size = cache.shape[2]
     counts = [int(ids.shape[0]) for _, ids in saves]
     slots = torch.cat([slot_mapping(blocks, block_size)[:n] for (blocks, _), n in zip(saves, counts)])
-    by_layer = gather_layers(cache, slots.to(cache.device, non_blocking=True))  # [L, N, H]
-    rms, bad = token_scales(by_layer)  # [L, N] each
-    by_layer, rms, bad = host(by_layer), host(rms), host(bad)
-    out, start = [], 0
-    for (_, ids), n in zip(saves, counts):
-        rows = slice(start, start + n)
+    by_layer = gather_layers(cache, slots.to(cache.device, non_blocking=True)).unsqueeze(1)  # [L, 1, N, H]
+    outs = list(by_layer)
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    rows = [(0, slice(a, a + n)) for a, n in zip(starts, counts)]
+    states, scales = split_rows(outs, rows, [token_scales(o) for o in outs], copy)
+    out = []
+    for (_, ids), hs, facts in zip(saves, states, scales):
         tensors = {"token_ids": ids.clone()}
-        for j in range(by_layer.shape[0]):
-            tensors[f"hidden_states.{j}"] = by_layer[j, rows]
-            tensors[f"token_rms.{j}"] = rms[j, rows]
-            tensors[f"nonfinite.{j}"] = bad[j, rows]
+        for j, (h, (rms, bad)) in enumerate(zip(hs, facts)):
+            tensors[f"hidden_states.{j}"] = h
+            tensors[f"token_rms.{j}"] = rms
+            tensors[f"nonfinite.{j}"] = bad
         out.append(tensors)
-        start += n
     return out
 
 
@@ -210,7 +208,7 @@ class EagleStatesConnector(ExampleHiddenStatesConnector):
         saves = [(p.block_ids, p.token_ids) for p in pendings]
         if cache.device.type != "cuda":
             # the CPU build: no streams or events, the work is done when the calls return
-            per_request = step_tensors(cache, saves, lambda t: t)
+            per_request = step_tensors(cache, saves, torch.clone)
             done: Any = CopyDone()
         else:
             stream = self._get_copy_stream()
