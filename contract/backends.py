@@ -1,12 +1,14 @@
 """Which extraction backend ``auto`` means: one rule for ``pipeline extract --backend auto`` and ops' layout.
 
-The rule, from what was measured side by side on one H200 (docs/benchmarks.md, "2026-12-03 night"): on a
-model whose weights fit one GPU the two loops now run level (llama-1b 1,024 conversations: vllm 193.5k
-tok/s from warm caches, 145k cold, hf 196k; llama-8b 256: 35.5k / 34.0k against 35.2k), but hf reaches its
-first batch 10-80 s sooner (1b: 24 s against 34 s warm and 111 s cold), so its whole process is the shorter
-one (1b: 34 s against 45 s warm / 125 s cold). So hf where the weights fit one GPU (data parallel over the
-GPUs: one process each), vLLM where they do not (tensor parallel over the GPUs: the reference Kimi-K2.5
-target, ~595 GB on 96 GB cards, fits no single card).
+The rule, from what was measured side by side on one H200 (docs/benchmarks.md, "2026-12-04 12:00-12:55
+UTC"): on a model whose weights fit one GPU vLLM's loop runs level with hf's from cold caches (llama-1b 1,024
+conversations: 204k against 205k tok/s; llama-8b 256: 34.6k against 34.2k) and ahead from warm ones (237k,
+37.1k: 1.16x, 1.08x, one run each), but hf reaches its first batch 7-13 s sooner (1b: 11 s against 18-21 s),
+so its whole process is the shorter one at these sizes (1b: 20 s against 28-31 s). A warm vLLM's faster loop
+would repay its start from ~6M (8b) to ~11M (1b) tokens; one sample per row is not enough to move the default
+for that. So hf where the weights fit one GPU (data parallel over the GPUs: one process each), vLLM where they
+do not (tensor parallel over the GPUs: the reference Kimi-K2.5 target, ~595 GB on 96 GB cards, fits no single
+card).
 Where vLLM is not installed the answer is hf; where the sizes are unknown (a dry run before the preflight)
 the answer waits for them.
 
@@ -24,7 +26,7 @@ BACKENDS = ("hf", "vllm")
 # The weights must fit in this share of one GPU's memory for the hf backend: the rest holds a batch's
 # activations (32,768 tokens by default) and the CUDA context.
 FIT_SHARE = 0.8
-MEASURED = "hf's loop runs level with vLLM's there and starts 10-80 s sooner (H200, docs/benchmarks.md)"
+MEASURED = "vLLM's loop is level with hf's there; hf starts 7-13 s sooner (H200, docs/benchmarks.md)"
 
 
 @dataclass(frozen=True)
