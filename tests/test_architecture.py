@@ -142,3 +142,36 @@ def test_the_checker_sees_imports(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import torch.nn\nfrom fabric import Connection\ndef f():\n    import docker\n")
     assert imported_roots(probe) == {"torch", "fabric", "docker"}
+
+
+# the round trips a phase of the extraction makes today, each a function of ondisk/formats.py that calls a
+# helper of another ondisk module and goes on (bench/config_trip.py; docs/architecture.md)
+PHASE_RETURNS = {"formats.py:read_prepared", "resume.py:prepare_output_dir", "formats.py:fold_checksums"}
+
+
+def test_each_extraction_phase_visits_a_file_once(prepared_llama, tiny_llama, tmp_path):
+    """The extraction's trip (issue #33 item 4): run's phases in their order (plan before the output
+    directory before the loop before the bookkeeping), and within a phase no file is come back to once left,
+    but for the three known ondisk round trips."""
+    from bench.config_trip import phases, returns, trace
+
+    visits = trace(prepared_llama, tiny_llama, tmp_path / "states")
+    by_phase = phases(visits)
+    order = list(by_phase)
+    for earlier, later in [
+        ("plan.py:plan_shard", "resume.py:prepare_output_dir"),
+        ("resume.py:prepare_output_dir", "loop.py:run_loop"),
+        ("loop.py:run_loop", "formats.py:fold_checksums"),
+    ]:
+        assert order.index(earlier) < order.index(later), order
+    bouncing = {name for name, vs in by_phase.items() if returns(vs)}
+    assert bouncing <= PHASE_RETURNS, bouncing - PHASE_RETURNS
+
+
+def test_the_trip_counts_stays_and_returns():
+    from bench.config_trip import Visit, returns, stays
+
+    files = ["a.py", "a.py", "b.py", "a.py", "c.py", "b.py"]
+    visits = [Visit(f, "f", "p", 2) for f in files]
+    assert stays(visits) == [("a.py", 2), ("b.py", 1), ("a.py", 1), ("c.py", 1), ("b.py", 1)]
+    assert returns(visits) == 2
