@@ -28,7 +28,7 @@ demo: env ## tiny model end to end: prepare -> extract -> weights -> train -> ve
 	$(PY) -m pipeline.demo --workdir $(DEMO_DIR) $(DEMO_ARGS)
 
 test-fast: env ## tests that need only the light environment
-	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not vllm and not gpu" $(PYTEST_ARGS)
 
 # `make test` runs the suites in TEST_SUITES side by side, each one's output printed whole when it ends: each
 # keeps about one of CI's 2 cores busy (the light suite mostly waits on sshd, Docker and subprocesses; the

@@ -7,7 +7,7 @@ bench-train-compare: env ## pipeline train vs speculators' own `speculators trai
 	$(PY) -m bench.train_compare --workdir runs/bench-train-compare --build tiny --conversations 40 --epochs-short 1 --epochs-long 2 --max-len 1024 --lr 1e-3 --json runs/bench-train-compare.json $(if $(shell $(PY) -c "import torch; print(torch.cuda.is_available() or '')"),,--speculators-env PYTHONPATH=tests/train/speculators_cpu --speculators-arg=--draft-attn-impl --speculators-arg=sdpa --speculators-arg=--hidden-states-dtype --speculators-arg=float32 --speculators-arg=--num-workers --speculators-arg=0) $(BENCH_ARGS)
 
 test-train: env ## the train stage's tests in the light environment
-	$(PY) -m pytest tests/train -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/train -m "not vllm and not gpu" $(PYTEST_ARGS)
 
 .PHONY: demo-learned
 demo-learned: env ## make demo on a tiny Llama trained for a minute on the stdlib's sources (its acceptance table means something)

@@ -39,11 +39,11 @@ TEST_SUITES += test-vllm
 bench-preflight: patch-vllm ## preflight's time to the first error vs. extract's time to its model load
 	$(VLLM_PY) bench/preflight_bench.py --workdir /tmp/preflight-bench --json-out runs/preflight_bench.json
 
-# On a GPU host with the image's stack (or shared/gpu-vllm's carried copy of it): the same vLLM tests on CUDA,
-# with the GPU bounds tests/vllm/conftest.py states, each test cut at 10 minutes.
+# On a GPU host with the image's stack (or shared/gpu-vllm's carried copy of it): the vLLM tests and the gpu-marked
+# ones on CUDA, with the GPU bounds tests/vllm/conftest.py states, each test cut at 10 minutes.
 .PHONY: test-vllm-gpu
 GPU_PYTHON ?= python3
 test-vllm-gpu: ## the vLLM tests on a GPU host (its python: GPU_PYTHON)
 	$(GPU_PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'test-vllm-gpu: no CUDA GPU visible')"
 	$(GPU_PYTHON) patches/apply.py
-	$(GPU_PYTHON) -m pytest -m vllm tests/vllm tests/train -p no:cacheprovider --timeout 600 $(PYTEST_ARGS)
+	$(GPU_PYTHON) -m pytest -m "vllm or gpu" tests/vllm tests/train -p no:cacheprovider --timeout 600 $(PYTEST_ARGS)
