@@ -121,35 +121,51 @@ def train_rows(out: Path) -> list[dict]:
     return [r for r in read_metrics(out / "metrics.jsonl") if "train" in r]
 
 
-class BytesWatch:
-    """Samples ``states.state_file_bytes(directory)`` every 5 ms while it is entered; ``seen`` holds every
-    figure, ``max`` the largest."""
+class Watch:
+    """Calls ``sample()`` on a thread every ``interval`` seconds while it is entered (subclasses keep what
+    they sample)."""
 
-    def __init__(self, directory: Path):
-        self.directory, self.seen = Path(directory), [0]
+    interval = 0.005
+
+    def __init__(self):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def sample(self) -> None:
+        raise NotImplementedError
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self.directory.is_dir():
-                try:
-                    self.seen.append(states.state_file_bytes(self.directory))
-                except OSError:
-                    pass
-            time.sleep(0.005)
+            self.sample()
+            self._stop.wait(self.interval)
 
-    @property
-    def max(self) -> int:
-        return max(self.seen)
-
-    def __enter__(self) -> BytesWatch:
+    def __enter__(self):
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class BytesWatch(Watch):
+    """Samples ``states.state_file_bytes(directory)`` every 5 ms while it is entered; ``seen`` holds every
+    figure, ``max`` the largest."""
+
+    def __init__(self, directory: Path):
+        super().__init__()
+        self.directory, self.seen = Path(directory), [0]
+
+    def sample(self) -> None:
+        if self.directory.is_dir():
+            try:
+                self.seen.append(states.state_file_bytes(self.directory))
+            except OSError:
+                pass
+
+    @property
+    def max(self) -> int:
+        return max(self.seen)
 
 
 def pipeline_env() -> dict[str, str]:

@@ -15,13 +15,13 @@ trained twice, or a step skipped, moves the tiny draft's loss by far more.
 from __future__ import annotations
 
 import signal
-import threading
 
 import pytest
 import torch
 
 from tests.train.states_helpers import (
     EPOCHS,
+    Watch,
     assert_recovered,
     budget_for,
     interrupt_then_resume,
@@ -48,26 +48,17 @@ def gpu_pids() -> set[int]:
         pynvml.nvmlShutdown()
 
 
-class GpuPidWatch:
+class GpuPidWatch(Watch):
     """Every pid seen on a GPU while the block runs (NVML, every 50 ms)."""
 
+    interval = 0.05
+
     def __init__(self):
+        super().__init__()
         self.seen: set[int] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.seen |= gpu_pids()
-            self._stop.wait(0.05)
-
-    def __enter__(self) -> GpuPidWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> None:
+        self.seen |= gpu_pids()
 
 
 def test_sigkill_on_the_gpu_then_resume(stage_inputs, offline, tmp_path):  # noqa: F811 - fixtures
