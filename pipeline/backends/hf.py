@@ -43,8 +43,8 @@ from pipeline.backends.base import (
     BackendOptions,
     Captured,
     DeviceClock,
-    resolve_device,
     pinned_copy,
+    resolve_device,
     resolve_dtype,
     split_rows,
 )

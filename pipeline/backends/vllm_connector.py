@@ -35,6 +35,7 @@ nothing but the vllm backend, the engine and the tests imports it.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -81,8 +82,8 @@ def step_tensors(cache: torch.Tensor, saves: list[tuple[list[int], torch.Tensor]
     slots = torch.cat([slot_mapping(blocks, block_size)[:n] for (blocks, _), n in zip(saves, counts)])
     by_layer = gather_layers(cache, slots.to(cache.device, non_blocking=True)).unsqueeze(1)  # [L, 1, N, H]
     outs = list(by_layer)
-    starts = [sum(counts[:k]) for k in range(len(counts))]
-    rows = [(0, slice(a, a + n)) for a, n in zip(starts, counts)]
+    ends = list(itertools.accumulate(counts))
+    rows = [(0, slice(end - n, end)) for end, n in zip(ends, counts)]  # split_rows' packed layout: row 0
     states, scales = split_rows(outs, rows, [token_scales(o) for o in outs], copy)
     out = []
     for (_, ids), hs, facts in zip(saves, states, scales):
