@@ -223,8 +223,9 @@ def stage(args: list[str], may_fail: bool = False, env: dict | None = None) -> t
     return time.perf_counter() - t0, rc
 
 
-def plan(work: Path, p: Preset, device: str, vocab: int) -> list[tuple[str, list[str]]]:
-    """The stage command lines, in order."""
+def plan(work: Path, p: Preset, device: str, vocab: int, backend: str = "hf") -> list[tuple[str, list[str]]]:
+    """The stage command lines, in order; extract runs ``backend`` (hf on ``device``, or vllm on every
+    visible GPU)."""
     model, prepared, states, verifier, train = (
         str(work / n) for n in ("model", "prepared", "hidden_states", "verifier", "train")
     )
@@ -257,9 +258,8 @@ def plan(work: Path, p: Preset, device: str, vocab: int) -> list[tuple[str, list
                 "--out",
                 states,
                 "--backend",
-                "hf",
-                "--device",
-                device,
+                backend,
+                *(("--device", device) if backend == "hf" else ()),
                 "--overwrite",
                 "--no-progress",
             ],
@@ -286,9 +286,12 @@ def train_flags(work: Path, states: Path, out: Path, epochs: int, max_len: int, 
     return [*(str(x) for pair in pairs for x in pair), "--overwrite"]
 
 
-def train_args(work: Path, p: Preset, device: str, mode: str, budget: int | None = None) -> list[str]:
+def train_args(
+    work: Path, p: Preset, device: str, mode: str, budget: int | None = None, backend: str = "hf"
+) -> list[str]:
     """The train stage's command line in states ``mode``: the same draft, data, steps and seed in every mode;
-    online/hybrid produce their states with extract's hf backend on ``device`` within ``budget`` bytes."""
+    online/hybrid produce their states with extract's ``backend`` within ``budget`` bytes (hf on ``device``,
+    the trainer's; vllm on every visible GPU, beside the trainer with pipeline train's memory share)."""
     t = p.train
     args = [
         "train",
@@ -302,8 +305,8 @@ def train_args(work: Path, p: Preset, device: str, mode: str, budget: int | None
         "--no-plots",
     ]
     if mode != "offline":
-        args += ["--states-mode", mode, "--states-budget", str(budget), "--states-backend", "hf"]
-        args += ["--states-device", device]
+        args += ["--states-mode", mode, "--states-budget", str(budget), "--states-backend", backend]
+        args += ["--states-device", device] if backend == "hf" else []
     return args
 
 
@@ -313,7 +316,7 @@ def budget_between(minimum: int, offline_bytes: int, share: float = STATES_SHARE
     return minimum + int(share * max(offline_bytes - minimum, 0))
 
 
-def states_minimum(work: Path, p: Preset, device: str) -> int:
+def states_minimum(work: Path, p: Preset, device: str, backend: str = "hf") -> int:
     """The least --states-budget the train stage accepts here, by its own plan (pipeline/train/states.py
     plan_states): the states kept for the whole run in every produced mode (held-out and acceptance-baseline
     samples: online keeps nothing else) plus the largest training sample. Reads the prepared set, the
@@ -322,7 +325,7 @@ def states_minimum(work: Path, p: Preset, device: str) -> int:
     from pipeline.train.config import TrainConfig
     from pipeline.train.stage import produced_inputs
 
-    args = train_args(work, p, device, "online", budget=2**60)  # room enough to plan
+    args = train_args(work, p, device, "online", budget=2**60, backend=backend)  # room enough to plan
     with command.make_context("pipeline train", args[1:]) as ctx:
         _, produced = produced_inputs(TrainConfig(**ctx.params))
     return produced.plan.kept_bytes + max(produced.sizes[i] for i in produced.train)
@@ -449,6 +452,13 @@ def _dir_gib(path: Path) -> float:
     help="Train the draft once per listed states mode (offline,online,hybrid), side by side on the same "
     "prepared set, draft, steps and seed; compare acceptance and speed with offline's.",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["hf", "vllm"]),
+    default="hf",
+    show_default=True,
+    help="The extract backend: offline's extract stage and online/hybrid's producer (--states-backend).",
+)
 def main(
     preset: str,
     workdir: Path,
@@ -460,6 +470,7 @@ def main(
     keep_states: bool,
     train_compile: bool,
     states_modes: list[str],
+    backend: str,
 ) -> None:
     """Train a target on real text, make a draft for it with the pipeline's CLIs, report acceptance vs
     baselines."""
@@ -477,7 +488,11 @@ def main(
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     report = Report(json_path)  # bench/train_bench.py's: every phase's figures rewritten to --json as it ends
     report.data.update(
-        preset=preset, device=device, recipe=dataclasses.asdict(p), command=shlex.join(["python", *sys.argv])
+        preset=preset,
+        device=device,
+        backend=backend,
+        recipe=dataclasses.asdict(p),
+        command=shlex.join(["python", *sys.argv]),
     )
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -543,7 +558,7 @@ def main(
     )
 
     vocab = json.loads((workdir / "model" / "config.json").read_text())["vocab_size"]
-    commands = plan(workdir, p, device, vocab)
+    commands = plan(workdir, p, device, vocab, backend)
     train_env = {} if train_compile else {"TORCHDYNAMO_DISABLE": "1"}
     report.data["stages"] = [shown(args, train_env if name == "train" else {}) for name, args in commands]
     report.write()
@@ -567,7 +582,7 @@ def main(
         from pipeline.train.states import state_file_bytes
 
         offline_bytes = state_file_bytes(workdir / "hidden_states")
-        minimum = states_minimum(workdir, p, device)
+        minimum = states_minimum(workdir, p, device, backend)
         budget = budget_between(minimum, offline_bytes)
         report.data["states_budget"] = {
             "offline_bytes": offline_bytes,
@@ -576,7 +591,7 @@ def main(
             "share_beyond_minimum": STATES_SHARE,
         }
     for mode in produced_modes:
-        args = train_args(workdir, p, device, mode, budget)
+        args = train_args(workdir, p, device, mode, budget, backend)
         report.data["stages"].append(shown(args, train_env))
         with GpuSampler() as gpu:
             seconds, _ = stage(args, env=train_env)

@@ -7,9 +7,9 @@ boundary, and the pure rendering into `pipeline train` flags and container envir
 description that `--dry-run` prints. A vllm producer may span several GPUs (tensor parallel over
 `producer_gpus`: `--states-tensor-parallel-size`, the engine on the first N GPUs the container sees, the
 trainer on the one after them). It also refuses, in one line, a split today's `pipeline train` cannot run
-(docs/train.md): one training process on one GPU, an hf producer on one GPU, no flag yet that holds the
-producer to a share of GPU memory. Pure: the host's GPU count comes from the preflight's probe
-(`check_gpu_count`).
+(docs/train.md): one training process on one GPU, an hf producer on one GPU, a memory share for anything
+but a vLLM engine (`--states-memory-share`, pipeline/train/share.py). Pure: the host's GPU count comes from
+the preflight's probe (`check_gpu_count`).
 
 Every process this mode starts (the trainer, its producer thread, the hf backend in the same process, or
 the vLLM engine's worker processes, children of it) runs inside the one stage container, so gpu-clean
@@ -48,6 +48,7 @@ FLAGS = (
     "--states-backend",
     "--states-device",
     "--states-tensor-parallel-size",
+    "--states-memory-share",
     "--device",
     "--data",
 )
@@ -166,11 +167,11 @@ class TrainPlan:
 
 def _runnable(ts: TrainStates, docker_gpus: str) -> None:
     """Refuse, in one line, a split that today's `pipeline train` cannot run (docs/train.md)."""
-    if ts.memory_share is not None:
+    if ts.memory_share is not None and ts.states_backend != "vllm":
         raise ConfigError(
-            f"train.memory_share {ts.memory_share:g}: pipeline train has no flag yet that holds the producer "
-            "to a share of each GPU's memory (docs/train.md); remove it (the producer and the trainer then "
-            "share each GPU through their allocators)"
+            f"train.memory_share {ts.memory_share:g}: the share holds a vLLM engine to part of each GPU's "
+            f"memory, and the {ts.states_backend} backend produces here; remove it, or set "
+            'states_backend = "vllm"'
         )
     if ts.shared:
         return
@@ -208,11 +209,19 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
         if ts.states_backend == "hf":
             want.append(("--states-device", "cuda:0"))
         want.append(("--device", "cuda:0"))
-        engine = (
-            "the vLLM engine on every GPU the container sees (tensor parallel over all)"
-            if ts.states_backend == "vllm"
-            else "the hf producer on cuda:0"
-        )
+        engine = "the hf producer on cuda:0"
+        if ts.states_backend == "vllm":
+            if ts.memory_share is not None:
+                want.append(("--states-memory-share", f"{ts.memory_share:g}"))
+            share = (
+                f"{ts.memory_share:g} of each GPU's memory (hosts file: train.memory_share)"
+                if ts.memory_share is not None
+                else "pipeline train's share of each GPU's memory (the weights' share + 0.2, within "
+                "0.3-0.85; hosts file: train.memory_share)"
+            )
+            engine = (
+                f"the vLLM engine on every GPU the container sees (tensor parallel over all), held to {share}"
+            )
         split = (
             f"GPUs shared: {engine}, the trainer on cuda:0 beside it "
             "(hosts file: train.gpus shared, the default)"

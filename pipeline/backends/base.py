@@ -53,6 +53,7 @@ class BackendOptions:
     planned_tokens: int | None = None  # tokens the run will capture (None: unknown), for the compile decision
     enforce_eager: bool = False  # vllm only: no CUDA graphs / torch.compile (faster start, slower loop)
     scratch_dir: Path | None = None  # vllm only: where the engine's per-request files wait to be read
+    memory_share: float | None = None  # vllm only: gpu_memory_utilization; None: vLLM's default
 
 
 def resolve_device(device: str) -> torch.device:

@@ -175,6 +175,8 @@ def engine_arguments(
         skip_tokenizer_init=True,
     )
     args.update(FORCED_SETTINGS)
+    if options.memory_share is not None:  # a trainer shares the GPU (pipeline/train/share.py)
+        args["gpu_memory_utilization"] = options.memory_share
     if compiled:
         args["compilation_config"] = {"cudagraph_mode": "NONE"}
     if options.model.is_wrapper:

@@ -122,6 +122,12 @@ class TrainConfig:
         help="online/hybrid, vllm producer: GPUs its engine spans, the first N visible ones "
         "[default: all visible]; the trainer's --device then names one past them.",
     )
+    states_memory_share: float | None = opt(
+        None,
+        help="online/hybrid, vllm producer: its share of each of its GPUs' memory (vLLM's "
+        "gpu_memory_utilization) [default: where the trainer runs on one of the engine's GPUs, the weights' "
+        "share plus 0.2 within 0.3-0.85 (pipeline/train/share.py); else vLLM's own].",
+    )
     states_dtype: str = opt("auto", help="online/hybrid: dtype of the states (as extract's --dtype).")
     layer_ids: tuple[int, ...] | None = opt(
         None, help="online/hybrid: captured decoder layers, comma-separated (default 2,L//2,L-3,L-1)."
@@ -157,6 +163,14 @@ class TrainConfig:
                     f"--num-workers {self.num_workers} with --states-mode {self.states_mode}: the loader "
                     "reads in the training process (a worker would fork while the producer runs); drop it"
                 )
+            from pipeline.train.share import check_share
+
+            check_share(self.states_memory_share)
+            if self.states_memory_share is not None and self.states_backend == "hf":
+                raise StageError(
+                    f"--states-memory-share {self.states_memory_share:g} with --states-backend hf: the share "
+                    "holds a vllm producer's engine; drop it, or use --states-backend vllm"
+                )
             if self.states_tensor_parallel_size is not None and self.states_backend == "hf":
                 raise StageError(
                     f"--states-tensor-parallel-size {self.states_tensor_parallel_size} with --states-backend "
@@ -175,6 +189,7 @@ class TrainConfig:
                     ("--layer-ids", self.layer_ids, None),
                     ("--states-backend", self.states_backend, "auto"),
                     ("--states-tensor-parallel-size", self.states_tensor_parallel_size, None),
+                    ("--states-memory-share", self.states_memory_share, None),
                 )
                 if v != default
             ]

@@ -313,6 +313,7 @@ class Produced:
     backend_options: object  # BackendOptions
     backend: str  # hf | vllm: --states-backend, auto resolved
     backend_reason: str  # why (auto's one line, or "as asked")
+    share_reason: str = ""  # the vllm producer's memory share and why (pipeline/train/share.py)
 
 
 def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
@@ -336,6 +337,7 @@ def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
     layer_ids = validate_layer_ids(cfg.layer_ids, model.num_layers)
     choice = resolve(cfg.states_backend, model.path)  # extract's rule for --backend auto
     hf = choice.backend == "hf"
+    share = _producer_share(cfg, choice.backend, model.path)
     dtype = resolve_dtype(  # as extract: the vllm engine's auto is bf16 wherever it runs
         cfg.states_dtype if hf or cfg.states_dtype != "auto" else "bfloat16",
         resolve_device(cfg.states_device) if hf else torch.device("cpu"),
@@ -378,9 +380,32 @@ def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
         tensor_parallel_size=cfg.states_tensor_parallel_size,
         # at most: every training sample each epoch and the held-out once (vllm's compile decision)
         planned_tokens=cfg.epochs * sum(lengths[i] for i in train) + sum(lengths[i] for i in held_out),
+        memory_share=share.value,
     )
+    shown = "" if hf else f"; memory share {share.value or 'vLLM default'}: {share.reason}"
     return inputs, Produced(
-        prepared, dc, plan, sizes, train, held_out, options, choice.backend, choice.reason
+        prepared, dc, plan, sizes, train, held_out, options, choice.backend, choice.reason, shown
+    )
+
+
+def _producer_share(cfg: TrainConfig, backend: str, model_dir: Path):
+    """The vllm producer's memory share for this run (pipeline/train/share.py) from the visible GPUs: the
+    engine on the first --states-tensor-parallel-size of them, the trainer on --device."""
+    from pipeline.backends.base import resolve_device, visible_device_count
+    from pipeline.backends.choice import gpu_memory_bytes, weights_bytes
+    from pipeline.train.share import producer_share
+
+    gpus = visible_device_count()
+    trainer = resolve_device(cfg.device) if gpus else torch.device("cpu")
+    trainer_gpu = (trainer.index or 0) if trainer.type == "cuda" else None
+    sharing = backend == "vllm" and trainer_gpu is not None  # the facts are read only where they count
+    return producer_share(
+        cfg.states_memory_share,
+        backend,
+        trainer_gpu,
+        cfg.states_tensor_parallel_size or gpus,
+        weights_bytes(model_dir) if sharing else None,
+        gpu_memory_bytes() if sharing else None,
     )
 
 
@@ -899,7 +924,10 @@ def run(cfg: TrainConfig, log=print) -> dict:
             )
             # loaded before the seed: a model load may draw from torch's generator, the draft's init must not
             # see it
-            log(f"states: the {produced.backend} backend produces ({produced.backend_reason})")
+            log(
+                f"states: the {produced.backend} backend produces ({produced.backend_reason}"
+                f"{produced.share_reason})"
+            )
             trainer_device = _current_cuda_device(rt.device)
             backend = held.enter_context(get_backend(produced.backend, produced.backend_options))
             if produced.backend == "vllm":  # its engine's processes end with this one even when it is killed

@@ -28,6 +28,19 @@ def test_plan_is_prepare_extract_hf_weights_train_at_k3_then_verify(tmp_path):
     assert train[train.index("--data") + 1] == str(Path(tmp_path) / "hidden_states")
 
 
+def test_a_vllm_plan_extracts_and_produces_with_vllm_on_every_gpu(tmp_path):
+    """--backend vllm: extract and the online producer run vLLM (no --device: the engine takes every
+    visible GPU); the trainer keeps its device."""
+    p = learned_bench.PRESETS["h200"]
+    extract = dict(learned_bench.plan(tmp_path, p, "cuda", 16384, "vllm"))["extract"]
+    assert extract[extract.index("--backend") + 1] == "vllm" and "--device" not in extract
+    online = learned_bench.train_args(tmp_path, p, "cuda", "online", 10**9, "vllm")
+    assert online[online.index("--states-backend") + 1] == "vllm" and "--states-device" not in online
+    assert online[online.index("--device") + 1] == "cuda"
+    hf = learned_bench.train_args(tmp_path, p, "cuda", "hybrid", 10**9)
+    assert hf[hf.index("--states-backend") + 1] == "hf" and hf[hf.index("--states-device") + 1] == "cuda"
+
+
 def test_sampler_draws_the_same_bounded_windows_for_a_seed():
     """Windows are corpus lines in order, short enough to batch, and the same for the same seed."""
     texts = learned.corpus_texts(200_000)

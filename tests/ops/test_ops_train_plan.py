@@ -123,6 +123,13 @@ def test_shared_plans_and_operator_flags_win():
     assert "CUDA_VISIBLE_DEVICES" not in env_of(hf.docker_run)
     vllm = plan_stage(box(TrainStates("online", "140G", "vllm")), "train", run_id="t3")
     assert "--states-device" not in vllm.stage_argv and flag(vllm.stage_argv, "--states-backend") == "vllm"
+    assert "--states-memory-share" not in vllm.stage_argv  # pipeline train's own rule decides
+    assert any("pipeline train's share of each GPU's memory" in line for line in vllm.train.why)
+    held = plan_stage(box(TrainStates("online", "140G", "vllm", memory_share=0.45)), "train", run_id="t3b")
+    assert flag(held.stage_argv, "--states-memory-share") == "0.45"
+    assert any(
+        "held to 0.45 of each GPU's memory (hosts file: train.memory_share)" in w for w in held.train.why
+    )
     mine = plan_stage(
         box(TrainStates("hybrid", "2T", "hf", (0,), (1,))),
         "train",
@@ -184,7 +191,7 @@ def test_offline_train_plan_is_unchanged():
             {"docker_gpus": "device=0,1,2"},
             'docker_gpus = "all"',
         ),
-        (TrainStates("hybrid", "2T", "hf", memory_share=0.8), {}, "no flag yet that holds the producer"),
+        (TrainStates("hybrid", "2T", "hf", memory_share=0.8), {}, "the hf backend produces here; remove it"),
         (TrainStates("hybrid", "2T", "hf", (0,), (1,)), {"docker_gpus": "device=0,1"}, 'docker_gpus = "all"'),
     ],
 )

@@ -353,7 +353,8 @@ def _one_line_exit_2(proc, *needles: str) -> None:
 
 def test_bad_inputs_are_one_line_and_touch_nothing(stage_inputs, offline, tmp_path, warm_pipeline):
     """No budget, a budget too small, a finished extract set as the states dir, online-only flags offline,
-    loader workers beside the producer: each one line, exit 2, and the extract set is left as it was."""
+    loader workers beside the producer, a memory share out of range or for an hf producer: each one line,
+    exit 2, and the extract set is left as it was."""
     ref = offline["cfg"]
     cfg = states_config(
         stage_inputs, tmp_path / "s", tmp_path / "o", states_mode="online", states_budget="1G"
@@ -375,6 +376,13 @@ def test_bad_inputs_are_one_line_and_touch_nothing(stage_inputs, offline, tmp_pa
     _one_line_exit_2(warm_pipeline(*offline_budget), "only with --states-mode online or hybrid")
     workers = [("2" if a == "0" and base[k - 1] == "--num-workers" else a) for k, a in enumerate(base)]
     _one_line_exit_2(warm_pipeline(*workers), "--num-workers 2 with --states-mode online")
+    # a memory share holds a vllm engine: refused for an hf producer, asked or chosen by auto (this CPU)
+    _one_line_exit_2(warm_pipeline(*base, "--states-memory-share", "1.5"), "between 0 and 1 (exclusive)")
+    asked_hf = [*base, "--states-backend", "hf", "--states-memory-share", "0.5"]
+    _one_line_exit_2(warm_pipeline(*asked_hf), "--states-memory-share 0.5 with --states-backend hf")
+    auto_hf = [*base, "--states-memory-share", "0.5"]
+    _one_line_exit_2(warm_pipeline(*auto_hf), "the hf backend produces here")
+    assert not (tmp_path / "s").exists() and not (tmp_path / "o").exists()
 
 
 @pytest.fixture

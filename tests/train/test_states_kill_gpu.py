@@ -4,7 +4,8 @@ the GPU.
 
     python3 -m pytest -m gpu -p no:cacheprovider tests/train/test_states_kill_gpu.py
 
-The trainer and the hf producer both run on the GPU (``--device cuda``, ``--states-device cuda``). NVML is
+The trainer and the hf producer both run on the GPU (``--device cuda``, ``--states-device cuda``), the states
+in fp32 as the CPU reference's, so the budget sized from its files holds part of the set. NVML is
 sampled while the first run trains: its pid must show up among the GPU's compute processes (else the check
 after the kill would prove nothing), and none of its processes may be there once it was killed. The resumed
 draft is compared with the CPU's offline run on the same data and seed by its last training loss, within 1%
@@ -74,6 +75,7 @@ def test_sigkill_on_the_gpu_then_resume(stage_inputs, offline, tmp_path):  # noq
         checkpoint_steps=1,
         device="cuda",
         states_device="cuda",
+        states_dtype="float32",  # the CPU's file sizes, which the budget was sized from (bf16: half of them)
     )
     steps = offline["summary"]["train"]["steps_per_epoch"]
     with GpuPidWatch() as watch:
@@ -84,6 +86,8 @@ def test_sigkill_on_the_gpu_then_resume(stage_inputs, offline, tmp_path):  # noq
     assert not ours & gpu_pids(), "a process of the killed run still holds the GPU"
     assert steps + 2 <= killed["rows"] < EPOCHS * steps, f"kill landed outside epoch 1 ({killed['rows']})"
     summary = assert_recovered(cfg, result, EPOCHS * steps)
+    # the budget bit: part of the set was produced again each epoch, not all of it kept after the first
+    assert summary["train"]["states"]["kept_samples"] < len(list(ref.data.glob("data_*.pt"))), summary
     assert summary["train"]["device"].startswith("cuda"), summary["train"]["device"]
     gpu, cpu = train_losses(cfg.out)[-1], train_losses(ref.out)[-1]
     print(f"\nlast train loss: GPU resumed {gpu:.6f}, CPU offline {cpu:.6f}")

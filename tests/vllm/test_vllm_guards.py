@@ -138,6 +138,9 @@ def test_engine_arguments_force_extraction_settings_and_map_layer_ids(tmp_path):
         4096,
         4096,
     )
+    assert "gpu_memory_utilization" not in args  # vLLM's own default, unless a trainer shares the GPU
+    shared = BackendOptions(model=options.model, layer_ids=options.layer_ids, memory_share=0.35)
+    assert engine_arguments(shared, 1, tmp_path)["gpu_memory_utilization"] == 0.35
 
 
 def our_connector_file(tmp_path: Path, tokens: list[int], layers: int = len(LAYERS)) -> Path:
