@@ -1044,6 +1044,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             "device": str(rt.device),
             "train_tokens_per_epoch": inputs.train_tokens,
             "train_seconds": round(seconds, 3),
+            "epoch_seconds": [round(e, 3) for e in trainer.epoch_seconds],  # the first holds compile warm-up
             "train_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
             "steps_per_epoch": trainer.steps_per_epoch,
         }
