@@ -31,6 +31,16 @@ def fp32_tolerance() -> float:
     return FP32_TOL_CUDA if torch.cuda.is_available() else FP32_TOL_CPU
 
 
+def held_engine_share() -> float | None:
+    """The GPU memory share of an engine a fixture keeps for the whole session. vLLM's default 0.92 would
+    hold the card, and every later engine (a test's own, or a `pipeline extract` subprocess, which asks for
+    0.92 of the GPU free at start) would then refuse to start: seen on the H200, "Free memory on device
+    cuda:0 (10.06/139.8 GiB) on startup is less than desired GPU memory utilization (0.92, 128.62 GiB)".
+    0.05 (7 GB on an H200) holds a tiny model's engine and leaves the 0.92 free; None on the CPU build,
+    which sizes its KV cache by VLLM_CPU_KVCACHE_SPACE."""
+    return 0.05 if torch.cuda.is_available() else None
+
+
 @pytest.fixture(autouse=True)
 def vllm_environment(request) -> None:
     """Fail (not skip) a `vllm`-marked test when vLLM/speculators are missing; unmarked unit tests run
@@ -72,6 +82,7 @@ def llama_backend_small_steps(tiny_llama, tmp_path_factory):
             max_batch_tokens=128,
             enforce_eager=True,
             scratch_dir=scratch,
+            memory_share=held_engine_share(),
         )
     )
     yield backend

@@ -206,7 +206,8 @@ def test_batched_equals_one_by_one_beyond_step_and_seq_limits(llama_backend_smal
     for i, (seq, got, want) in enumerate(zip(batch, batched, singles, strict=True)):
         assert [tuple(h.shape) for h in got] == [(len(seq), 256)] * 4, i
         for k, (x, y) in enumerate(zip(got, want, strict=True)):
-            assert per_token_rel(x, y) < 1e-5, (i, k, per_token_rel(x, y))
+            # on a GPU a step's kernels depend on its batch (TF32 attention: 1.3e-5 seen on the H200)
+            assert per_token_rel(x, y) < TOL, (i, k, per_token_rel(x, y))
     # the four captured layers are four different layers (the field bug kept one of four)
     states = batched[0]
     assert min(per_token_rel(states[a], states[b]) for a in range(4) for b in range(a + 1, 4)) > 0.05
