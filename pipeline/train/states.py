@@ -50,15 +50,9 @@ FILE_OVERHEAD = 4096
 FAILED = ".producer-failed"  # the producer's error, for a reader waiting on a file that will not come
 DONE = ".producer-done"  # the producer finished its schedule: a file still missing then is an error
 WAIT_POLL_S = 0.005
-# The producer waiting for room re-reads the disk when its reader deleted a state (``freed``), and at the
-# latest after this: it never polls the directory every few ms, which with hundreds of states waiting to be
-# read cost the trainer's thread the GIL (the vllm producer on the H200 waited 69 s for room in one run).
-ROOM_RECHECK_S = 0.5
 # a producer's error by states dir, for readers in its own process (the FAILED file is for worker processes,
 # and may not be writable on a full disk)
 _FAILED_HERE: dict[str, str] = {}
-# per states dir: notified by the reader in the producer's process after it deleted a transient state
-_FREED: dict[str, threading.Condition] = {}
 WINDOW_SHARE = 8  # hybrid: at least 1/8 of the budget left after the held-out states is the producer's window
 _UNITS = {
     "": 1,
@@ -408,7 +402,6 @@ class Producer:
         self.stats = ProducerStats(peak_bytes=present_bytes)
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._freed = _FREED.setdefault(str(self.directory), threading.Condition())
         self._thread = threading.Thread(target=self._run, name="states-producer", daemon=True)
         self.journal = formats.ChecksumJournal(self.directory)
 
@@ -420,8 +413,6 @@ class Producer:
     def stop(self) -> None:
         """Stop after the forward in progress (the trainer ended, or failed)."""
         self._stop.set()
-        with self._freed:  # a producer waiting for room wakes now
-            self._freed.notify_all()
         self._thread.join()
         self.journal.close()
 
@@ -445,13 +436,11 @@ class Producer:
         forever). False when stopped."""
         need = sum(self.sizes[i] for i in chunk)
         t0 = time.perf_counter()
-        with self._freed:  # the check under the lock: a reader's delete after it wakes this wait
-            while self._on_disk() + need > self.plan.budget or any(i in self.waiting for i in chunk):
-                if self._stop.is_set():
-                    return False
-                self._freed.wait(ROOM_RECHECK_S)
+        while self._on_disk() + need > self.plan.budget or any(i in self.waiting for i in chunk):
+            if self._stop.wait(WAIT_POLL_S):
+                return False
         self.stats.room_wait_seconds += time.perf_counter() - t0
-        return not self._stop.is_set()
+        return True
 
     def _run(self) -> None:
         try:
@@ -541,14 +530,6 @@ class Producer:
 # ---------------------------------------------------------------- the trainer's side
 
 
-def freed(directory: Path) -> None:
-    """A transient state in ``directory`` was deleted: wake its producer if it waits for room."""
-    cond = _FREED.get(str(directory))
-    if cond is not None:
-        with cond:
-            cond.notify_all()
-
-
 def wait_for(path: Path, directory: Path, timeout: float | None = None) -> None:
     """Return once ``path`` exists; raise if the producer failed or finished without it."""
     t0 = time.monotonic()
@@ -589,7 +570,6 @@ def produced_dataset(files: list[Path], max_len: int, dtype: torch.dtype, transi
                 return formats.read_sample(path, mmap=True)
             sample = formats.read_sample(path)
             path.unlink()
-            freed(path.parent)
             return sample
 
     return ProducedDataset()
