@@ -24,15 +24,13 @@ if TYPE_CHECKING:
 
 
 def visible_device_count() -> int:
-    """GPUs this process may use (CUDA_VISIBLE_DEVICES honoured); 0 without any. Counted through NVML
-    where possible, so that this process creates no CUDA context before vLLM spawns its workers."""
+    """GPUs this process may use (CUDA_VISIBLE_DEVICES honoured); 0 without any (a CPU build of torch too).
+    torch counts through NVML before CUDA is initialized, so this process creates no CUDA context (nor
+    poisons a later fork) before vLLM spawns its workers: what vLLM's own stateless count does, without
+    importing vLLM, whose import cost every hf run ~1 s before (it pulls in torch's inductor)."""
     import torch
 
-    try:
-        from vllm.utils.torch_utils import cuda_device_count_stateless
-    except ImportError:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return cuda_device_count_stateless()
+    return torch.cuda.device_count()
 
 
 @dataclass(frozen=True)

@@ -410,3 +410,21 @@ def test_an_in_process_engine_inspects_its_model_classes_here(tiny_llama, tmp_pa
         assert any("ExtractHiddenStates" in name for name in cached), cached
     finally:
         backend.close()
+
+
+def test_an_hf_extraction_imports_no_vllm(tmp_path, prepared_llama, tiny_llama, monkeypatch):
+    """Where vLLM is installed (the image), an hf run never imports it: counting the GPUs through vLLM cost
+    every hf extraction ~0.7-1.7 s of imports (vLLM pulls in torch's inductor; docs/benchmarks.md)."""
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")  # each import on stderr, `| vllm` when vLLM's is
+    out = tmp_path / "states"
+    proc = run_pipeline(
+        "extract", "--backend", "hf", "--prepared", prepared_llama, "--model", tiny_llama, "--out", out,
+        "--limit", LIMIT, "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {
+        ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time")
+    }
+    assert "torch" in imported  # the import log is there: the check below can fail
+    assert not {m for m in imported if m == "vllm" or m.startswith("vllm.")}, sorted(imported)[:20]
+    assert formats.existing_data_indices(out) == list(range(LIMIT))
