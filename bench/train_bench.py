@@ -7,6 +7,13 @@ run cut short by a time limit still reports what it finished.
 
     python bench/train_bench.py --preset tiny          # CPU, the demo model (8 layers, hidden 256)
     python bench/train_bench.py --preset llama-1b      # GPU, ~1.2B random Llama, seq 2048, draft vocab 32000
+
+``--states-modes offline,online,hybrid`` (issue #31 item 3: training speed online against offline on the
+llama-1b shape) then trains the same draft again with ``--states-mode online`` and ``hybrid``, the hf
+backend producing the states beside the trainer, within a budget between the least the stage accepts and
+the offline set (bench/states_modes.py), each in this process after the offline run, and prints their
+speed and acceptance against offline's (the column after epoch 0 leaves out the compile warm-up, which the
+first run pays).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from pathlib import Path
 
 import click
 import torch
+
+from bench.states_modes import budget_between, compare_modes, mode_row, parse_modes
 
 PRESETS = {
     # name: model overrides, conversations, seq_length, draft vocab (None = full), train options
@@ -198,8 +207,20 @@ def build_random_set(
 )
 @click.option("--conversations", type=int, default=None, help="Override the preset's conversation count.")
 @click.option("--epochs", type=int, default=None, help="Override the preset's epochs.")
+@click.option(
+    "--states-modes",
+    default="offline",
+    show_default=True,
+    callback=parse_modes,
+    help="Also train the same draft with its states produced while it trains (online,hybrid; issue #31).",
+)
 def main(
-    preset: str, workdir: Path, json_path: Path | None, conversations: int | None, epochs: int | None
+    preset: str,
+    workdir: Path,
+    json_path: Path | None,
+    conversations: int | None,
+    epochs: int | None,
+    states_modes: list[str],
 ) -> None:
     """Build a random target, extract, train a draft, measure; print a markdown table."""
     from pipeline.train.stage import TrainConfig, run
@@ -270,6 +291,46 @@ def main(
     click.echo("\n| figure | value |\n|---|---|")
     for k, v in rows:
         click.echo(f"| {k} | {v} |")
+    if len(states_modes) > 1 and not produced_modes(cfg, states_modes[1:], workdir, report):
+        raise SystemExit("train_bench: a states mode's acceptance is off offline's (above)")
+
+
+def produced_modes(cfg, modes: list[str], workdir: Path, report: Report) -> bool:
+    """Train ``cfg``'s draft again in each of ``modes`` (online/hybrid: the hf backend produces the states
+    while it trains) within a budget between the stage's minimum and the offline set; print and record each
+    mode against the offline run above. False when a mode's acceptance is off offline's."""
+    import dataclasses
+
+    from pipeline.train.stage import produced_inputs, run
+    from pipeline.train.states import state_file_bytes
+
+    produced = dict(states_backend="hf")  # the offline set was extracted with hf (build_random_set)
+    probe = dataclasses.replace(cfg, states_mode="online", states_budget=str(2**60), **produced)
+    _, plan = produced_inputs(probe)  # reads the set and the configs; loads no model
+    minimum = plan.plan.kept_bytes + max(plan.sizes[i] for i in plan.train)
+    budget = budget_between(minimum, state_file_bytes(Path(cfg.data)))
+    report.data["states_budget"] = {"minimum_bytes": minimum, "budget_bytes": budget}
+    for mode in modes:
+        mcfg = dataclasses.replace(
+            cfg,
+            states_mode=mode,
+            states_budget=str(budget),
+            data=workdir / f"states-{mode}",
+            out=workdir / f"train-{mode}",
+            overwrite=True,
+            **produced,
+        )
+        summary, s = _timed(run, mcfg, log=lambda m: click.echo(m, err=True))
+        report.phase(f"train-{mode}", s, train=summary["train"], eval=summary.get("eval", {}))
+    phases = report.data["phases"]
+    rows = [mode_row(m, phases["train" if m == "offline" else f"train-{m}"]) for m in ["offline", *modes]]
+    lines, failures = compare_modes(rows)
+    report.data["states_modes"] = {"rows": rows, "failures": failures}
+    report.write()
+    click.echo("\n" + "\n".join(lines))
+    for failure in failures:
+        click.echo(failure, err=True)
+    return not failures
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 # The train stage: benchmark and its tests. `make test` runs tests/train (vLLM-marked ones via test-vllm).
 .PHONY: bench-train bench-train-compare bench-train-loader test-train
-bench-train: env ## draft training: tokens/s + offline acceptance vs baselines (tiny, CPU); BENCH_ARGS="--preset llama-1b" on a GPU
+bench-train: env ## draft training: tokens/s + offline acceptance vs baselines (tiny, CPU); BENCH_ARGS="--preset llama-1b" on a GPU, plus "--states-modes offline,online,hybrid" for issue #31 item 3
 	$(PY) bench/train_bench.py --preset tiny --json runs/bench-train.json $(BENCH_ARGS)
 
 bench-train-compare: env ## pipeline train vs speculators' own `speculators train` on one set, same GPU (tiny set on the CPU here; see docs/benchmarks.md for the H200 runs)
