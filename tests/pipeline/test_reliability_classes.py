@@ -419,6 +419,7 @@ def test_every_number_of_every_stage_has_a_declared_range():
         ("extract", "world_size"),
         ("extract", "rank"),
         ("verify", "rank"),
+        ("train", "states_memory_share"),  # (0, 1) exclusive: pipeline/train/share.py check_share
     }
     unbounded = []
     for stage, target in COMMANDS.items():
