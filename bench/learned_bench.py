@@ -51,6 +51,7 @@ from bench.states_modes import (
     STATES_SHARE,
     budget_between,
     compare_modes,
+    least_budget,
     mode_row,
     parse_modes,
 )
@@ -317,10 +318,8 @@ def train_args(
 
 
 def states_minimum(work: Path, p: Preset, device: str, backend: str = "hf") -> int:
-    """The least --states-budget the train stage accepts here, by its own plan (pipeline/train/states.py
-    plan_states): the states kept for the whole run in every produced mode (held-out and acceptance-baseline
-    samples: online keeps nothing else) plus the largest training sample. Reads the prepared set, the
-    target's config and the verifier; loads no model."""
+    """The least --states-budget the train stage accepts for this run's command line (``least_budget`` of
+    its own plan). Reads the prepared set, the target's config and the verifier; loads no model."""
     from pipeline.train.cli import command
     from pipeline.train.config import TrainConfig
     from pipeline.train.stage import produced_inputs
@@ -328,7 +327,7 @@ def states_minimum(work: Path, p: Preset, device: str, backend: str = "hf") -> i
     args = train_args(work, p, device, "online", budget=2**60, backend=backend)  # room enough to plan
     with command.make_context("pipeline train", args[1:]) as ctx:
         _, produced = produced_inputs(TrainConfig(**ctx.params))
-    return produced.plan.kept_bytes + max(produced.sizes[i] for i in produced.train)
+    return least_budget(produced)
 
 
 def train_figures(out: Path) -> dict:

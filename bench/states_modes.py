@@ -12,6 +12,13 @@ STATES_SHARE = 0.5  # online/hybrid budget: the minimum plus this share of the o
 ACCEPTANCE_TOLERANCE = 0.05  # issue #31: every states mode within this of offline's acceptance at k=3
 
 
+def least_budget(produced) -> int:
+    """The least --states-budget the train stage accepts for a run it planned (``produced_inputs``' second
+    value, pipeline/train/stage.py): the states kept for the whole run (held-out and acceptance-baseline
+    samples: online keeps nothing else) plus the largest training sample."""
+    return produced.plan.kept_bytes + max(produced.sizes[i] for i in produced.train)
+
+
 def budget_between(minimum: int, offline_bytes: int, share: float = STATES_SHARE) -> int:
     """The online/hybrid budget: the least the train stage accepts plus ``share`` of what the offline set
     holds beyond it, so that online deletes what it reads and hybrid keeps only part of the set."""

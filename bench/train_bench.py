@@ -26,7 +26,7 @@ from pathlib import Path
 import click
 import torch
 
-from bench.states_modes import budget_between, compare_modes, mode_row, parse_modes
+from bench.states_modes import budget_between, compare_modes, least_budget, mode_row, parse_modes
 
 PRESETS = {
     # name: model overrides, conversations, seq_length, draft vocab (None = full), train options
@@ -306,8 +306,7 @@ def produced_modes(cfg, modes: list[str], workdir: Path, report: Report) -> bool
 
     produced = dict(states_backend="hf")  # the offline set was extracted with hf (build_random_set)
     probe = dataclasses.replace(cfg, states_mode="online", states_budget=str(2**60), **produced)
-    _, plan = produced_inputs(probe)  # reads the set and the configs; loads no model
-    minimum = plan.plan.kept_bytes + max(plan.sizes[i] for i in plan.train)
+    minimum = least_budget(produced_inputs(probe)[1])  # reads the set and the configs; loads no model
     budget = budget_between(minimum, state_file_bytes(Path(cfg.data)))
     report.data["states_budget"] = {"minimum_bytes": minimum, "budget_bytes": budget}
     for mode in modes:

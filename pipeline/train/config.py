@@ -165,12 +165,9 @@ class TrainConfig:
                 )
             from pipeline.train.share import check_share
 
-            check_share(self.states_memory_share)
-            if self.states_memory_share is not None and self.states_backend == "hf":
-                raise StageError(
-                    f"--states-memory-share {self.states_memory_share:g} with --states-backend hf: the share "
-                    "holds a vllm producer's engine; drop it, or use --states-backend vllm"
-                )
+            check_share(
+                self.states_memory_share, None if self.states_backend == "auto" else self.states_backend
+            )
             if self.states_tensor_parallel_size is not None and self.states_backend == "hf":
                 raise StageError(
                     f"--states-tensor-parallel-size {self.states_tensor_parallel_size} with --states-backend "

@@ -30,12 +30,20 @@ class Share:
     reason: str
 
 
-def check_share(share: float | None) -> None:
-    """``--states-memory-share`` is a fraction strictly between 0 and 1."""
-    if share is not None and not 0 < share < 1:
+def check_share(share: float | None, backend: str | None = None) -> None:
+    """``--states-memory-share`` is a fraction strictly between 0 and 1, for a vllm producer: refused in one
+    line for a ``backend`` known to be another (None: not resolved yet, auto before the model is read)."""
+    if share is None:
+        return
+    if not 0 < share < 1:
         raise StageError(
             f"--states-memory-share {share:g} must be between 0 and 1 (exclusive): the vllm producer's share "
             "of each of its GPUs' memory, e.g. 0.5"
+        )
+    if backend is not None and backend != "vllm":
+        raise StageError(
+            f"--states-memory-share {share:g} is the vllm producer's share of GPU memory, and the {backend} "
+            "backend produces here: drop it, or pass --states-backend vllm"
         )
 
 
@@ -49,13 +57,8 @@ def producer_share(
 ) -> Share:
     """The vllm producer's memory share. ``trainer_gpu``: the trainer's CUDA index (None off CUDA);
     ``engine_gpus``: the engine spans GPUs 0..engine_gpus-1 (tensor parallel)."""
-    check_share(asked)
+    check_share(asked, backend)
     if backend != "vllm":
-        if asked is not None:
-            raise StageError(
-                f"--states-memory-share {asked:g} is the vllm producer's share of GPU memory, and the "
-                f"{backend} backend produces here: drop it, or pass --states-backend vllm"
-            )
         return Share(None, f"the {backend} producer takes what its model and batches need")
     if asked is not None:
         return Share(asked, "as asked")

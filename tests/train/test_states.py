@@ -379,7 +379,9 @@ def test_bad_inputs_are_one_line_and_touch_nothing(stage_inputs, offline, tmp_pa
     # a memory share holds a vllm engine: refused for an hf producer, asked or chosen by auto (this CPU)
     _one_line_exit_2(warm_pipeline(*base, "--states-memory-share", "1.5"), "between 0 and 1 (exclusive)")
     asked_hf = [*base, "--states-backend", "hf", "--states-memory-share", "0.5"]
-    _one_line_exit_2(warm_pipeline(*asked_hf), "--states-memory-share 0.5 with --states-backend hf")
+    _one_line_exit_2(
+        warm_pipeline(*asked_hf), "--states-memory-share 0.5 is the vllm producer's", "hf backend"
+    )
     auto_hf = [*base, "--states-memory-share", "0.5"]
     _one_line_exit_2(warm_pipeline(*auto_hf), "the hf backend produces here")
     assert not (tmp_path / "s").exists() and not (tmp_path / "o").exists()
