@@ -158,11 +158,6 @@ class TrainConfig:
             if self.states_budget is None:
                 raise StageError(f"--states-mode {self.states_mode} needs --states-budget (bytes on disk)")
             parse_bytes(self.states_budget)
-            if self.num_workers:
-                raise StageError(
-                    f"--num-workers {self.num_workers} with --states-mode {self.states_mode}: the loader "
-                    "reads in the training process (a worker would fork while the producer runs); drop it"
-                )
             from pipeline.train.share import check_share
 
             check_share(

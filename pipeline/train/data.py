@@ -1,11 +1,12 @@
 """Our hidden-state samples (``data_{i}.pt``) as speculators 0.9's trainer consumes them.
 
-Owns the bridge between the on-disk contract of ``pipeline extract`` and speculators' data path: a
-``BaseDataset`` that reads one sample per index (the 3 auxiliary captured layers concatenated as the
-draft's input, the last captured layer as the verifier's last hidden state, the loss mask), and the loader
-that packs samples with speculators' ``MultipackDistributedBatchSamplerV2`` and ``CollateFn`` after its
-EAGLE-3 ``shift_batch`` (token t+1 against the states of token t). speculators 0.9's own dataset reads
-``hs_{i}.safetensors`` + an Arrow dataset instead; pipeline/interop.py converts between the two, losslessly
+Owns the bridge between the on-disk contract of ``pipeline extract`` and speculators' data path: the
+dataset of finished files (its ``BaseDataset`` classes live in pipeline/train/datasets.py: one sample per
+index, the 3 auxiliary captured layers concatenated as the draft's input, the last captured layer as the
+verifier's last hidden state, the loss mask), and the loader that packs samples with speculators'
+``MultipackDistributedBatchSamplerV2`` and ``CollateFn`` after its EAGLE-3 ``shift_batch`` (token t+1 against
+the states of token t). speculators 0.9's own dataset reads ``hs_{i}.safetensors`` + an Arrow dataset
+instead; pipeline/interop.py converts between the two, losslessly
 (``pipeline export-speculators`` / ``import-speculators``; docs/train.md says why data_{i}.pt stays).
 """
 
@@ -17,57 +18,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.ondisk import formats
 from pipeline.model.layers import NUM_CAPTURED
-
-
-def _dataset_class():
-    from speculators.train.data import BaseDataset
-
-    class SampleFileDataset(BaseDataset):
-        """``data_{i}.pt`` files in speculators' sample layout (before its shift)."""
-
-        def __init__(self, files: list[Path], max_len: int, hidden_states_dtype: torch.dtype = torch.float32):
-            self.files = [Path(f) for f in files]
-            super().__init__(max_len, hidden_states_dtype)
-
-        def __len__(self) -> int:
-            return len(self.files)
-
-        def _compute_approx_lengths(self) -> list[int]:
-            known = formats.read_sample_lengths(self.files[0].parent) if self.files else {}
-            lengths = []
-            for f in self.files:
-                index = int(f.stem.rsplit("_", 1)[-1])
-                lengths.append(
-                    known[index]
-                    if index in known
-                    else int(formats.read_sample(f, mmap=True)["input_ids"].shape[0])
-                )
-            return lengths
-
-        def _load(self, index: int) -> dict:
-            """File ``index`` as ``formats.read_sample`` gives it (pipeline/train/states.py waits for it
-            first)."""
-            return formats.read_sample(self.files[index], mmap=True)
-
-        def _get_raw_data(self, index: int) -> dict:
-            sample = self._load(index)
-            layers = sample["hidden_states"]
-            dtype = self.hidden_states_dtype
-            return {
-                "hidden_states": torch.cat([h.to(dtype) for h in layers[:-1]], dim=-1),
-                "input_ids": sample["input_ids"].long(),
-                "verifier_last_hidden_states": layers[-1].to(dtype),
-                "loss_mask": sample["loss_mask"].long(),
-            }
-
-    return SampleFileDataset
 
 
 def sample_dataset(files: list[Path], max_len: int, hidden_states_dtype: torch.dtype = torch.float32):
     """The dataset of ``files`` (speculators' ``BaseDataset``), unshifted: index i = file i."""
-    return _dataset_class()(files, max_len, hidden_states_dtype)
+    from pipeline.train.datasets import SampleFileDataset
+
+    return SampleFileDataset(files, max_len, hidden_states_dtype)
 
 
 def make_loader(
@@ -82,10 +40,12 @@ def make_loader(
     pin_memory: bool,
     dtype: torch.dtype = torch.float32,
     dataset=None,
+    start: str | None = None,
 ):
     """Packed batches of ``files`` for one data-parallel rank, speculators' sampler and collate; the hidden
     states in ``dtype`` (the trainer's autocast dtype: pipeline/train/stage.py ``states_dtype``). ``dataset``:
-    another dataset over the same files (pipeline/train/states.py's, which waits for produced ones)."""
+    another dataset over the same files (pipeline/train/datasets.py's ``ProducedDataset``, which waits for
+    produced ones). ``start``: how the loader's workers start (a multiprocessing start method; None: fork)."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
@@ -109,6 +69,7 @@ def make_loader(
         pin_memory=pin_memory,
         collate_fn=collate,
         persistent_workers=workers > 0,
+        multiprocessing_context=start if workers > 0 else None,
     )
 
 

@@ -674,12 +674,12 @@ def make_loader(
     from pipeline.train.data import make_loader as loader
 
     workers = cfg.num_workers if cfg.num_workers is not None else (4 if rt.device.type == "cuda" else 0)
-    dataset = None
+    dataset, start = None, None
     if transient is not None:
-        workers = 0  # no worker forked while the producer thread runs (TrainConfig refuses --num-workers)
-        from pipeline.train.states import produced_dataset
+        from pipeline.train.datasets import ProducedDataset
 
-        dataset = produced_dataset(files, cfg.max_len, states_dtype(rt.device), transient)
+        dataset = ProducedDataset(files, cfg.max_len, states_dtype(rt.device), transient)
+        start = "spawn"  # never fork the trainer while the producer's thread and CUDA context are live
     return loader(
         files,
         max_len=cfg.max_len,
@@ -691,6 +691,7 @@ def make_loader(
         pin_memory=rt.device.type == "cuda",
         dtype=states_dtype(rt.device),
         dataset=dataset,
+        start=start,
     )
 
 

@@ -18,8 +18,8 @@ Owns, for the modes in which no finished hidden-states set exists:
   ``formats.write_sample``, never letting the state files on disk (kept, waiting and being written, and the
   vllm engine's per-request files when its scratch folder is in the states dir: ``disk_bytes``) exceed the
   budget: it waits for the trainer to use and delete waiting files (back-pressure in bytes);
-* ``ProducedDataset``: the trainer's dataset over those files (pipeline/train/data.py's, speculators'
-  ``BaseDataset``), which waits for a file to appear, reads it whole, and deletes it when it is transient.
+* ``wait_for``: a reader's wait for a produced file (pipeline/train/datasets.py ``ProducedDataset``, the
+  trainer's dataset, reads it whole and deletes it when it is transient, in the trainer's loader workers).
 
 It does not train (pipeline/train/stage.py) and does not change how states are computed: the backend
 (pipeline/backends/) and the file format (pipeline/ondisk/formats.py) are extract's. One trainer process
@@ -35,13 +35,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pipeline.errors import StageError
 from pipeline.ondisk import formats
-
-if TYPE_CHECKING:
-    import torch
 
 MODES = ("offline", "online", "hybrid")
 # bytes a data_{i}.pt holds beyond its tensors' payload: torch's zip records and pickle; measured 2.5-2.7 KB
@@ -546,30 +542,3 @@ def wait_for(path: Path, directory: Path, timeout: float | None = None) -> None:
             raise StageError(f"{path} did not appear within {timeout:.0f} s")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
-
-
-def produced_dataset(files: list[Path], max_len: int, dtype: torch.dtype, transient: frozenset[str]):
-    """The trainer's dataset over produced files: speculators' ``BaseDataset`` through pipeline/train/data.py,
-    each read waiting for its file; a file named in ``transient`` is read whole and deleted."""
-    from pipeline.train.data import _dataset_class
-
-    base = _dataset_class()
-
-    class ProducedDataset(base):
-        def __init__(self):
-            self.transient = transient
-            self.wait_seconds = 0.0
-            super().__init__(files, max_len, dtype)
-
-        def _load(self, index: int) -> dict:
-            path = self.files[index]
-            t0 = time.perf_counter()
-            wait_for(path, path.parent)
-            self.wait_seconds += time.perf_counter() - t0
-            if path.name not in self.transient:
-                return formats.read_sample(path, mmap=True)
-            sample = formats.read_sample(path)
-            path.unlink()
-            return sample
-
-    return ProducedDataset()

@@ -89,7 +89,7 @@ def cli_args(cfg: TrainConfig) -> list[str]:
         ("--eval-max-samples", cfg.eval_max_samples),
         ("--device", cfg.device),
         ("--states-device", None if cfg.states_device == "auto" else cfg.states_device),
-        ("--num-workers", 0),
+        ("--num-workers", cfg.num_workers),
         ("--states-mode", cfg.states_mode),
         ("--states-budget", cfg.states_budget),
         ("--states-backend", None if cfg.states_backend == "auto" else cfg.states_backend),

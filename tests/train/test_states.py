@@ -27,6 +27,7 @@ from tests.train.states_helpers import (
     interrupt_then_resume,
     make_stage_inputs,
     states_config,
+    still_alive,
     train_losses,
 )
 
@@ -180,6 +181,50 @@ def test_a_reader_waiting_for_a_file_learns_why_it_will_not_come(tmp_path):
         states.wait_for(formats.data_file(tmp_path, 4), tmp_path, timeout=0.05)
 
 
+def test_loader_workers_wait_for_produced_files_read_and_delete_them(tmp_path):
+    """The produced set's loader in spawned workers: a batch whose files come later is read once they
+    come, the transient ones deleted by the worker that read them, the kept one left; the workers' waits
+    are summed where the trainer reports them."""
+    from pipeline.train.data import make_loader
+    from pipeline.train.datasets import ProducedDataset
+
+    lengths = {i: 6 + i for i in range(4)}
+    formats.write_sample_lengths(tmp_path, lengths)
+    files = [formats.data_file(tmp_path, i) for i in range(4)]
+
+    def write(i: int) -> None:
+        n = lengths[i]
+        hidden = [torch.full((n, 8), float(i)) for _ in range(4)]
+        formats.write_sample(files[i], torch.arange(n), hidden, torch.ones(n, dtype=torch.int64))
+
+    dataset = ProducedDataset(files, 64, torch.float32, frozenset())
+    loader = make_loader(
+        files, max_len=64, hidden_size=8, world_size=1, rank=0, seed=0, workers=2, pin_memory=False,
+        dataset=dataset, start="spawn",
+    )  # fmt: skip
+    order = [int(i) for batch in loader.batch_sampler for i in batch]  # what the loader will read, in order
+    dataset.transient = frozenset(files[i].name for i in order[:-1])  # the last one read is kept
+
+    def produce():  # the first file read at once; the others 0.5 s after a worker has read (deleted) it
+        write(order[0])
+        deadline = time.monotonic() + 60
+        while files[order[0]].exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        for i in order[1:]:
+            write(i)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        batches = list(loader)
+    finally:
+        producer.join()
+    assert sum(int(b["loss_mask"].sum()) for b in batches) == sum(lengths.values()) - 4  # shifted by one
+    assert [files[i].exists() for i in order] == [False, False, False, True]  # transient ones read, deleted
+    assert dataset.wait_seconds >= 0.5  # the workers' waits, seen in this process
+
+
 def test_replayed_batches_are_the_loaders_own(tmp_path):
     """The producer's order is the batches speculators' sampler gives the trainer, epoch by epoch."""
     from pipeline.train.data import make_loader
@@ -232,10 +277,13 @@ def offline(stage_inputs, tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_path, workers):
     """One sample per forward on both sides: online training writes the same bytes as extract for every
     state it keeps, and ends with the same weights, losses and acceptance as offline training on the same
-    data, steps and seed; its state files never exceed the budget; what it keeps passes `pipeline verify`."""
+    data, steps and seed; its state files never exceed the budget; what it keeps passes `pipeline verify`.
+    With loader workers (spawned: the producer's thread runs in the trainer) reading and deleting the files:
+    the same."""
     from pipeline import verify
     from pipeline.train.stage import run
 
@@ -250,6 +298,7 @@ def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_p
         states_mode="online",
         states_budget=budget,
         states_max_batch_size=1,
+        num_workers=workers,
     )
     summary = run(cfg, log=lambda m: None)
     st = summary["train"]["states"]
@@ -314,7 +363,8 @@ def test_sigkill_mid_epoch_then_resume(stage_inputs, offline, tmp_path):
     """A hybrid `pipeline train` process SIGKILLed in its second epoch, then resumed: the resumed process
     starts at the last checkpointed step (none before it trained again, metrics.jsonl has every step once),
     no partial or transient state file is left, the kept ones are reused, the state files never exceeded
-    the budget, and the draft equals the uninterrupted offline one bit for bit (one sample per forward)."""
+    the budget, and the draft equals the uninterrupted offline one bit for bit (one sample per forward).
+    Its two loader workers (spawned processes that read and delete the states) end with it."""
     ref = offline["cfg"]
     budget = budget_for(ref.data, held=8)
     cfg = states_config(
@@ -325,10 +375,13 @@ def test_sigkill_mid_epoch_then_resume(stage_inputs, offline, tmp_path):
         states_budget=str(int(budget) * 2),
         states_max_batch_size=1,
         checkpoint_steps=1,
+        num_workers=2,
     )
     steps = offline["summary"]["train"]["steps_per_epoch"]
     result = interrupt_then_resume(cfg, [(signal.SIGKILL, steps + 2)], timeout=300)
     (killed,) = result["stops"]
+    assert len(killed["children"]) >= 2  # the loader's workers (and their resource tracker) were running
+    assert not still_alive(killed["children"], within=30), "a loader worker outlived the killed trainer"
     assert steps + 2 <= killed["rows"] < EPOCHS * steps, (
         f"kill landed outside epoch 1 ({killed['rows']} steps)"
     )
@@ -374,8 +427,6 @@ def test_bad_inputs_are_one_line_and_touch_nothing(stage_inputs, offline, tmp_pa
         str(tmp_path / "o2"), "--states-budget", "1G",
     ]  # fmt: skip
     _one_line_exit_2(warm_pipeline(*offline_budget), "only with --states-mode online or hybrid")
-    workers = [("2" if a == "0" and base[k - 1] == "--num-workers" else a) for k, a in enumerate(base)]
-    _one_line_exit_2(warm_pipeline(*workers), "--num-workers 2 with --states-mode online")
     # a memory share holds a vllm engine: refused for an hf producer, asked or chosen by auto (this CPU)
     _one_line_exit_2(warm_pipeline(*base, "--states-memory-share", "1.5"), "between 0 and 1 (exclusive)")
     asked_hf = [*base, "--states-backend", "hf", "--states-memory-share", "0.5"]
