@@ -66,12 +66,19 @@ class SampleFileDataset(BaseDataset):
 class ProducedDataset(SampleFileDataset):
     """Files being produced: a read waits for its file; a file named in ``transient`` is read whole and
     deleted. ``wait_seconds``: what every reader of this dataset (the trainer's thread or its loader
-    workers) waited for files, summed."""
+    workers) waited for files, summed. A failed producer sets a shared flag, so that no worker waits for a
+    file that will not come (on a full disk the producer's FAILED file may not be written either)."""
 
     def __init__(self, files: list[Path], max_len: int, dtype: torch.dtype, transient: frozenset[str]):
+        from pipeline.train.states import register_reader
+
         self.transient = transient
-        # a spawn context's value: picklable into a spawned worker, shared with it
-        self._waited = multiprocessing.get_context("spawn").Value("d", 0.0)
+        # a spawn context's values: picklable into a spawned worker, shared with it
+        spawn = multiprocessing.get_context("spawn")
+        self._waited = spawn.Value("d", 0.0)
+        self._failed = spawn.RawValue("b", 0)  # set by the producer when it fails
+        if files:
+            register_reader(Path(files[0]).parent, self._failed)
         super().__init__(files, max_len, dtype)
 
     @property
@@ -83,7 +90,7 @@ class ProducedDataset(SampleFileDataset):
 
         path = self.files[index]
         t0 = time.perf_counter()
-        wait_for(path, path.parent)
+        wait_for(path, path.parent, failed_flag=self._failed)
         with self._waited.get_lock():
             self._waited.value += time.perf_counter() - t0
         if path.name not in self.transient:

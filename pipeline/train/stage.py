@@ -1023,7 +1023,15 @@ def run(cfg: TrainConfig, log=print) -> dict:
             )
             if produced is not None:
                 producer = _start_producer(cfg, produced, backend, train_loader, trainer, present, log)
-            epochs_run = trainer.run_training()
+            try:
+                epochs_run = trainer.run_training()
+            except Exception:
+                from pipeline.train.states import producer_failure
+
+                failure = producer_failure(cfg.data) if producer is not None else None
+                if failure is not None:  # a loader worker's report of it is many lines
+                    raise failure from None
+                raise
         finally:
             if handler:
                 metric_logger.removeHandler(handler)

@@ -49,6 +49,9 @@ WAIT_POLL_S = 0.005
 # a producer's error by states dir, for readers in its own process (the FAILED file is for worker processes,
 # and may not be writable on a full disk)
 _FAILED_HERE: dict[str, str] = {}
+# readers' shared flags by states dir (set when the producer fails): a loader worker in another process waits
+# on one, since on a full disk the FAILED file may never be written
+_READER_FLAGS: dict[str, list] = {}
 WINDOW_SHARE = 8  # hybrid: at least 1/8 of the budget left after the held-out states is the producer's window
 _UNITS = {
     "": 1,
@@ -473,6 +476,8 @@ class Producer:
                 )
             self.error = exc
             _FAILED_HERE[str(self.directory)] = str(exc)
+            for flag in _READER_FLAGS.get(str(self.directory), []):
+                flag.value = 1
             try:
                 (self.directory / FAILED).write_text(f"{exc}\n")
             except OSError:  # a disk too full even for this line: readers in this process still see it
@@ -526,14 +531,32 @@ class Producer:
 # ---------------------------------------------------------------- the trainer's side
 
 
-def wait_for(path: Path, directory: Path, timeout: float | None = None) -> None:
-    """Return once ``path`` exists; raise if the producer failed or finished without it."""
+def register_reader(directory: Path, flag) -> None:
+    """A reader of ``directory`` in this process or a worker of it: ``flag`` (a shared value, e.g. a spawn
+    context's ``RawValue("b")``) is set to 1 when the producer fails, which ``wait_for(..., failed=flag)``
+    sees in any process."""
+    _READER_FLAGS.setdefault(str(directory), []).append(flag)
+
+
+def producer_failure(directory: Path) -> StageError | None:
+    """The producer's failure as a reader reports it, if the producer of ``directory`` in this process
+    failed: the run's error in one line (a loader worker's report of it carries its traceback)."""
+    if str(directory) in _FAILED_HERE:
+        return StageError(f"the states producer failed: {_FAILED_HERE[str(directory)]}")
+    return None
+
+
+def wait_for(path: Path, directory: Path, timeout: float | None = None, failed_flag=None) -> None:
+    """Return once ``path`` exists; raise if the producer failed (``failed_flag`` set, its FAILED file, or
+    its error recorded in this process) or finished without it."""
     t0 = time.monotonic()
     delay = WAIT_POLL_S / 5
     while not path.exists():
         failed = directory / FAILED
-        if str(directory) in _FAILED_HERE:
-            raise StageError(f"the states producer failed: {_FAILED_HERE[str(directory)]}")
+        if (error := producer_failure(directory)) is not None:
+            raise error
+        if failed_flag is not None and failed_flag.value:
+            raise StageError("the states producer failed (the training process reports why)")
         if failed.exists():
             raise StageError(f"the states producer failed: {failed.read_text().strip()}")
         if (directory / DONE).exists() and not path.exists():

@@ -4,6 +4,7 @@ draft as offline, the budget on disk, resume after SIGKILL, and the refusals."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -164,8 +165,9 @@ def test_a_sample_read_in_two_epochs_is_written_again_only_once_its_first_copy_i
 
 
 def test_a_reader_waiting_for_a_file_learns_why_it_will_not_come(tmp_path):
-    """The trainer's wait for a state ends in one line when the producer failed or finished without it,
-    instead of hanging; a file that appears ends it at once."""
+    """The trainer's wait for a state ends in one line when the producer failed (its FAILED file, or the
+    readers' shared flag: a full disk may leave no file) or finished without it, instead of hanging; a file
+    that appears ends it at once."""
     target = formats.data_file(tmp_path, 3)
     (tmp_path / states.FAILED).write_text("OSError: disk full\n")
     with pytest.raises(StageError, match="producer failed: OSError: disk full"):
@@ -175,6 +177,10 @@ def test_a_reader_waiting_for_a_file_learns_why_it_will_not_come(tmp_path):
     with pytest.raises(StageError, match="did not make it"):
         states.wait_for(target, tmp_path)
     (tmp_path / states.DONE).unlink()
+    flag = multiprocessing.get_context("spawn").RawValue("b", 0)  # a loader worker's view, no file written
+    threading.Timer(0.1, setattr, args=(flag, "value", 1)).start()
+    with pytest.raises(StageError, match="producer failed"):
+        states.wait_for(target, tmp_path, timeout=10, failed_flag=flag)
     threading.Timer(0.05, target.write_bytes, args=(b"x",)).start()
     states.wait_for(target, tmp_path, timeout=10)
     with pytest.raises(StageError, match="did not appear"):
@@ -449,13 +455,21 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
+@pytest.mark.parametrize("workers", [0, 2])
 def test_a_full_disk_under_the_producer_ends_the_run_in_one_line(
-    stage_inputs, small_disk, tmp_path, warm_pipeline
+    stage_inputs, small_disk, tmp_path, warm_pipeline, workers
 ):
     """The disk fills before the budget does: the trainer, waiting for a state, ends the run with the
     producer's cause in one line, exit 2, instead of hanging; no partial file is left, every file there is
-    complete."""
-    cfg = states_config(stage_inputs, small_disk, tmp_path / "out", states_mode="online", states_budget="50M")
+    complete. With loader workers (other processes, for which the full disk may leave no FAILED file) too."""
+    cfg = states_config(
+        stage_inputs,
+        small_disk,
+        tmp_path / "out",
+        states_mode="online",
+        states_budget="50M",
+        num_workers=workers,
+    )
     proc = warm_pipeline(*cli_args(cfg), timeout=300)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2, proc.stderr[-2000:]
