@@ -695,6 +695,17 @@ def make_loader(
     )
 
 
+def _stop_loader_workers(*loaders) -> None:
+    """End the loaders' persistent worker processes now, the run's epochs done or failed. torch ends them
+    when a loader's iterator is collected; a failed run's traceback keeps the iterator, and at exit
+    multiprocessing then terminates the workers under torch's SIGCHLD watch, which raises in the main thread
+    after the run's one-line error ("DataLoader worker ... is killed by signal: Terminated")."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)  # None before the first epoch
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
 def _current_cuda_device(device: torch.device) -> torch.device | None:
     """The trainer's CUDA device with its index (``cuda`` alone is the current device: cuda:0 unless
     torchrun's rank chose another), to make current again after a backend changed it; None off CUDA."""
@@ -1033,6 +1044,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
                     raise failure from None
                 raise
         finally:
+            _stop_loader_workers(train_loader, val_loader)
             if handler:
                 metric_logger.removeHandler(handler)
                 handler.close()

@@ -410,10 +410,12 @@ class Producer:
         return self
 
     def stop(self) -> None:
-        """Stop after the forward in progress (the trainer ended, or failed)."""
+        """Stop after the forward in progress (the trainer ended, or failed); the run's readers' flags are
+        let go (a later run in this process registers its own)."""
         self._stop.set()
         self._thread.join()
         self.journal.close()
+        _READER_FLAGS.pop(str(self.directory), None)
 
     def finish(self) -> int:
         """The trainer is done: stop, raise the producer's error, return the samples of the schedule it did
