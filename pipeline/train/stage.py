@@ -582,6 +582,8 @@ def _trainer_class():
             self.stop_after = stop_after
             self.checkpoint_steps = checkpoint_steps
             self.epoch_seconds: list[float] = []
+            self.val_seconds: list[float] = []  # each epoch's validation (outside epoch_seconds)
+            self.checkpoint_seconds: list[float] = []  # each epoch's checkpoint
             super().__init__(*args, **kwargs)
 
         def setup_trainer(self):
@@ -641,10 +643,14 @@ def _trainer_class():
                     torch.cuda.synchronize()
                 self.epoch_seconds.append(time.perf_counter() - start)
                 _barrier(self.runtime)
+                start = time.perf_counter()
                 with _on_host(self.runtime.device):
                     self.val_epoch(epoch)
                 _barrier(self.runtime)
+                self.val_seconds.append(time.perf_counter() - start)
+                start = time.perf_counter()
                 self.save_checkpoint(epoch)
+                self.checkpoint_seconds.append(time.perf_counter() - start)
                 done += 1
             return done
 
@@ -855,10 +861,29 @@ def _check_resumable(previous: dict, now: dict, out: Path) -> None:
         )
 
 
+class PhaseClock:
+    """Wall seconds of a run's phases, each from the end of the one before: where a run's time goes beyond
+    its epochs (the summary's ``phase_seconds``: setup, training, of which training_validation and
+    training_checkpoints, states_finish, export, evaluation)."""
+
+    def __init__(self):
+        self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._last, 3)
+        self._last = now
+
+    def line(self) -> str:
+        return ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
+
+
 def run(cfg: TrainConfig, log=print) -> dict:
     """Train, export, evaluate; return the summary (rank 0) or {} (other ranks)."""
     from pipeline.train import draft as draft_mod
 
+    clock = PhaseClock()
     rt = setup_runtime(cfg.device)
     if rt.device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls: the draft trains in fp32 parameters
@@ -1034,6 +1059,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             )
             if produced is not None:
                 producer = _start_producer(cfg, produced, backend, train_loader, trainer, present, log)
+            clock.lap("setup")  # inputs checked, the backend loaded, the draft built, the loaders made
             try:
                 epochs_run = trainer.run_training()
             except Exception:
@@ -1048,11 +1074,15 @@ def run(cfg: TrainConfig, log=print) -> dict:
             if handler:
                 metric_logger.removeHandler(handler)
                 handler.close()
+        clock.lap("training")  # the epochs, their validations and checkpoints
+        clock.seconds["training_validation"] = round(sum(trainer.val_seconds), 3)
+        clock.seconds["training_checkpoints"] = round(sum(trainer.checkpoint_seconds), 3)
         states_stats = None
         if producer is not None:
             states_stats = _finish_producer(cfg, produced, producer, train_loader)
             producer = None
             backend.close()  # its memory (a vLLM engine's GPUs) is free for the evaluation; closes once
+            clock.lap("states_finish")
         final = last_epoch(out)
         complete = final is not None and final == cfg.epochs - 1
         tokens = inputs.train_tokens * epochs_run
@@ -1068,6 +1098,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             "epoch_seconds": [round(e, 3) for e in trainer.epoch_seconds],  # the first holds compile warm-up
             "train_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
             "steps_per_epoch": trainer.steps_per_epoch,
+            "phase_seconds": clock.seconds,  # the same dict: later phases land in it before the summary
         }
         if states_stats is not None:
             train_stats["states"] = states_stats
@@ -1081,6 +1112,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
         export_draft(
             out / CHECKPOINTS / str(final), out / DRAFT, DTYPES[cfg.save_dtype], str(inputs.model_dir)
         )
+        clock.lap("export")
         log(f"draft checkpoint: {out / DRAFT}")
         summary = {
             "stage": "train",
@@ -1113,6 +1145,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 ev["online"] = _online(cfg, inputs, out)
             write_json(out / EVAL, ev)
             summary["eval"] = ev
+            clock.lap("evaluation")
+        log(f"phases: {clock.line()}")
         write_json(out / SUMMARY, summary)
         if cfg.plots:
             from pipeline.train import plots

@@ -309,6 +309,7 @@ def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_p
     summary = run(cfg, log=lambda m: None)
     st = summary["train"]["states"]
     assert str(cfg.data) not in states._READER_FLAGS  # the run's readers' flags went with its producer
+    assert summary["train"]["phase_seconds"]["states_finish"] >= 0  # a produced run's own phase
     # held-out 4 and the 4 training samples the acceptance baseline reads are kept: produced once
     assert st["peak_bytes"] <= int(budget) and st["produced_samples"] == 4 + 12 + 8 * (EPOCHS - 1)
     kept = formats.existing_data_indices(cfg.data)

@@ -61,6 +61,25 @@ def test_metrics_log_loss_and_per_step_accuracy(trained):
     assert train[-1]["train"]["loss"] < train[0]["train"]["loss"]
 
 
+def test_summary_says_where_the_runs_time_went(trained):
+    """phase_seconds splits the run's wall time: each phase a non-negative figure, the training phase at
+    least its epochs plus their validations and checkpoints (parts of it), an offline run no states phase."""
+    _, _, summary = trained
+    tr = summary["train"]
+    ph = tr["phase_seconds"]
+    assert list(ph) == [
+        "setup",
+        "training",
+        "training_validation",
+        "training_checkpoints",
+        "export",
+        "evaluation",
+    ], ph
+    assert all(v >= 0 for v in ph.values()), ph
+    parts = tr["train_seconds"] + ph["training_validation"] + ph["training_checkpoints"]
+    assert ph["training"] >= parts - 0.01 and ph["training_validation"] > 0 and ph["training_checkpoints"] > 0
+
+
 def test_trained_draft_beats_trivial_baselines(trained):
     """On inputs with learnable structure the trained draft's acceptance length beats every trivial
     baseline."""
