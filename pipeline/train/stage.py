@@ -435,10 +435,12 @@ def setup_runtime(device: str) -> Runtime:
     if "LOCAL_RANK" in os.environ:  # torchrun
         from speculators.train import distributed as dist_state
 
+        if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+            return _setup_host_distributed()
         if not torch.cuda.is_available():
             raise StageError(
-                "torchrun data parallel needs GPUs (one per process) and none is visible: "
-                "run without torchrun"
+                f"torchrun data parallel with --device {device} needs GPUs (one per process) and none is "
+                "visible: pass --device cpu (or auto) to train on the CPU, or run without torchrun"
             )
         dist_state.maybe_setup_distributed()
         return Runtime(
@@ -455,6 +457,23 @@ def setup_runtime(device: str) -> Runtime:
     if dev.type == "cuda":
         torch.cuda.set_device(dev.index or 0)
     return Runtime(dev)
+
+
+def _setup_host_distributed() -> Runtime:
+    """torchrun on the CPU: a gloo process group, and speculators' topology state set as its
+    ``maybe_setup_distributed`` sets it on an accelerator (which it requires), so that its Trainer wraps the
+    draft in DistributedDataParallel (``is_distributed()``) and reduces its metrics over the group."""
+    import torch.distributed as dist
+    from speculators.train import distributed as dist_state
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dist_state._local_rank = int(os.environ["LOCAL_RANK"])
+    dist_state._rank = rank
+    dist_state._world_size = world_size
+    dist_state._is_distributed = True  # maybe_destroy_distributed then tears the group down
+    dist_state._init_sp_process_groups(rank, world_size, 1)  # sp 1: one data-parallel group of all ranks
+    return Runtime(torch.device("cpu"), rank, world_size, True)
 
 
 def _barrier(rt: Runtime) -> None:
@@ -720,9 +739,9 @@ def _current_cuda_device(device: torch.device) -> torch.device | None:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
+def _check_out(cfg: TrainConfig) -> None:
+    """The refusals of --out as the run finds it: every rank checks before rank 0 writes there."""
     out = Path(cfg.out)
-    ckpt = out / CHECKPOINTS
     if out.exists() and not out.is_dir():
         raise StageError(f"output {out} exists and is not a directory: choose another --out")
     if cfg.resume and cfg.overwrite:
@@ -735,6 +754,11 @@ def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
             f"output dir {out} is not empty: pass --resume to continue its checkpoints, "
             "--overwrite to replace it, or choose another --out"
         )
+
+
+def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
+    out = Path(cfg.out)
+    ckpt = out / CHECKPOINTS
     if rt.is_main and cfg.resume:
         settle_checkpoints(out)  # only a dir we were asked to continue
     has_epochs = ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
@@ -931,6 +955,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
                     "--prepared": cfg.prepared,
                 },
             )
+        _check_out(cfg)
+        _barrier(rt)  # every rank has seen --out as it was before rank 0 writes there
         if rt.is_main:  # for the whole torchrun job: the other ranks are its processes, not other writers
             held.enter_context(output_lock(cfg.out))
             if produced is not None:
