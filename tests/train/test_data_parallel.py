@@ -3,8 +3,10 @@ the producer's merged schedule of every rank's batches, and real 2-rank runs off
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,10 +23,13 @@ from tests.train.states_helpers import (
     budget_for,
     checkpoint_weights,
     cli_args,
+    committed_step,
     make_stage_inputs,
     pipeline_env,
     states_config,
+    still_alive,
     train_losses,
+    train_rows,
 )
 
 RANKS = 2
@@ -114,26 +119,42 @@ def dp_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
     return {**inputs, "states": root / "states"}
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS)]
+
+
 def torchrun(argv: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 -m pipeline ARGV`` on this host (a free rendezvous port)."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(RANKS),
-            "-m",
-            "pipeline",
-            *argv,
-        ],
+    """``torchrun --nproc-per-node 2 -m pipeline ARGV`` on this host (a free rendezvous port); a job that
+    outlives ``timeout`` (a hang) is killed whole, its ranks included, and fails the test."""
+    job = subprocess.Popen(
+        [*TORCHRUN, "-m", "pipeline", *argv],
         cwd=REPO,
         env=pipeline_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except BaseException:
+        kill_job(job)
+        raise
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
+
+
+def kill_job(job: subprocess.Popen) -> list[int]:
+    """SIGKILL a torchrun job and every process under it (torchrun starts each rank in a session of its
+    own, so a signal to its group misses them); return their pids."""
+    import psutil
+
+    try:
+        pids = [p.pid for p in psutil.Process(job.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        pids = []
+    for pid in [job.pid, *pids]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    job.communicate(timeout=60)
+    return pids
 
 
 @pytest.mark.slow
@@ -221,3 +242,52 @@ def test_a_failed_producer_ends_every_rank_in_one_line(dp_inputs, small_disk, tm
     first = done.stderr[done.stderr.index("Root Cause (first observed failure)") :]
     assert "rank      : 0 (local_rank: 0)" in first and "exitcode  : 2" in first, first
     assert not list(small_disk.glob(".*partial"))
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_mid_epoch_resume_to_the_offline_draft(dp_inputs, tmp_path):
+    """A 3-epoch 2-rank hybrid job checkpointing every step, SIGKILLed whole after its second epoch's second
+    step, then resumed: rank 0's producer starts at the checkpointed step of both ranks (W batches a step),
+    the killed job's transient files are removed, no step is trained twice, the budget holds, and the draft
+    equals the uninterrupted 2-rank offline one bit for bit."""
+    ref = states_config(dp_inputs, dp_inputs["states"], tmp_path / "offline", epochs=3)
+    assert torchrun(cli_args(ref)).returncode == 0
+    steps = json.loads((ref.out / "summary.json").read_text())["train"]["steps_per_epoch"]
+    cfg = states_config(
+        dp_inputs,
+        tmp_path / "states",
+        tmp_path / "hybrid",
+        states_mode="hybrid",
+        states_budget=budget_for(ref.data, held=6),
+        states_max_batch_size=1,
+        checkpoint_steps=1,
+        epochs=3,
+    )
+    with BytesWatch(cfg.data) as watch:
+        job = subprocess.Popen(
+            [*TORCHRUN, "-m", "pipeline", *cli_args(cfg)],
+            cwd=REPO,
+            env=pipeline_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 600
+        rows = 0  # the row of epoch 1's step 2 is logged after its step 1's checkpoint: a mid-epoch one
+        while job.poll() is None and time.monotonic() < deadline and rows < steps + 2:
+            time.sleep(0.01)
+            rows = len(train_rows(cfg.out)) if (cfg.out / "metrics.jsonl").is_file() else 0
+        pids = kill_job(job)
+        rows = len(train_rows(cfg.out))
+        assert steps + 2 <= rows < 3 * steps, f"the kill landed after the last epoch ({rows} steps)"
+        assert not still_alive(pids, within=30), "a rank outlived its killed job"
+        committed, local = committed_step(cfg.out)
+        resumed = torchrun([*cli_args(cfg), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resuming at step {committed}" in resumed.stderr and 0 < local < steps
+    assert [r["step"] for r in train_rows(cfg.out)] == list(range(3 * steps))
+    assert watch.max <= int(cfg.states_budget), (watch.max, cfg.states_budget)
+    for epoch in range(cfg.epochs):
+        a, b = checkpoint_weights(ref.out, epoch), checkpoint_weights(cfg.out, epoch)
+        assert all(torch.equal(a[k], b[k]) for k in a), epoch
+    kept = set(formats.read_data_config(cfg.data).extra["states"]["kept"])
+    assert set(formats.existing_data_indices(cfg.data)) == kept and not list(cfg.data.glob(".*partial"))
