@@ -26,14 +26,18 @@ hidden states, the verifier, the target model, the prepared dir) is refused befo
 rank 0 holds the output's lock while the run writes it, so that a second train into it is refused.
 
 Data parallel: started by ``torchrun --nproc-per-node N -m pipeline train ...`` each process trains on its
-shard through speculators' DDP setup (one GPU per process); rank 0 writes everything else. The draft
-architecture and its config live in pipeline/train/draft.py.
+shard through speculators' DDP setup (one GPU per process; on the CPU, ``--device cpu`` or no GPU visible,
+a gloo group: ``setup_runtime``); rank 0 writes everything else. The draft architecture and its config live
+in pipeline/train/draft.py.
 
 ``--states-mode online|hybrid``: no finished states set; ``--data`` is a states dir this run fills while it
 trains, from ``--prepared`` through ``--model`` with an extract backend, its state files held to
 ``--states-budget`` (the plan, the producer thread and the waiting dataset: pipeline/train/states.py). This
 module checks those inputs (``produced_inputs``), starts the producer at the trainer's resume point, stops
-it at the end and reports its figures under ``train.states`` in the summary; one process only.
+it at the end and reports its figures under ``train.states`` in the summary. Under torchrun rank 0 alone
+owns the states dir (prepares it, runs the hf producer over every rank's batches step by step, finishes it
+after every rank's epochs: barriers on both sides) and the other ranks only read it; a vllm producer in a
+torchrun job is refused.
 ``--checkpoint-steps N`` adds checkpoints inside an epoch, and a resumed run starts at the last one.
 """
 
@@ -75,6 +79,7 @@ from pipeline.model.vocab import vocab_mapping_problems
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FLEX_BLOCK = 128
+REPORT_GRACE_S = 30  # torchrun: how long other ranks leave rank 0 to report a failed producer
 LOSS = "kl_div"  # speculators 0.9's default loss for EAGLE-3: KL(target || draft) per TTT step
 
 
@@ -432,13 +437,17 @@ class Runtime:
 
 
 def setup_runtime(device: str) -> Runtime:
+    """This process's device and rank. Under torchrun: speculators' own setup on GPUs (NCCL, one GPU per
+    rank), a gloo group on the CPU (``--device cpu``, or auto with no GPU visible)."""
     if "LOCAL_RANK" in os.environ:  # torchrun
         from speculators.train import distributed as dist_state
 
+        if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+            return _setup_host_distributed()
         if not torch.cuda.is_available():
             raise StageError(
-                "torchrun data parallel needs GPUs (one per process) and none is visible: "
-                "run without torchrun"
+                f"torchrun data parallel with --device {device} needs GPUs (one per process) and none is "
+                "visible: pass --device cpu (or auto) to train on the CPU, or run without torchrun"
             )
         dist_state.maybe_setup_distributed()
         return Runtime(
@@ -455,6 +464,23 @@ def setup_runtime(device: str) -> Runtime:
     if dev.type == "cuda":
         torch.cuda.set_device(dev.index or 0)
     return Runtime(dev)
+
+
+def _setup_host_distributed() -> Runtime:
+    """torchrun on the CPU: a gloo process group, and speculators' topology state set as its
+    ``maybe_setup_distributed`` sets it on an accelerator (which it requires), so that its Trainer wraps the
+    draft in DistributedDataParallel (``is_distributed()``) and reduces its metrics over the group."""
+    import torch.distributed as dist
+    from speculators.train import distributed as dist_state
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dist_state._local_rank = int(os.environ["LOCAL_RANK"])
+    dist_state._rank = rank
+    dist_state._world_size = world_size
+    dist_state._is_distributed = True  # maybe_destroy_distributed then tears the group down
+    dist_state._init_sp_process_groups(rank, world_size, 1)  # sp 1: one data-parallel group of all ranks
+    return Runtime(torch.device("cpu"), rank, world_size, True)
 
 
 def _barrier(rt: Runtime) -> None:
@@ -720,9 +746,9 @@ def _current_cuda_device(device: torch.device) -> torch.device | None:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
+def _check_out(cfg: TrainConfig) -> None:
+    """The refusals of --out as the run finds it: every rank checks before rank 0 writes there."""
     out = Path(cfg.out)
-    ckpt = out / CHECKPOINTS
     if out.exists() and not out.is_dir():
         raise StageError(f"output {out} exists and is not a directory: choose another --out")
     if cfg.resume and cfg.overwrite:
@@ -735,6 +761,11 @@ def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
             f"output dir {out} is not empty: pass --resume to continue its checkpoints, "
             "--overwrite to replace it, or choose another --out"
         )
+
+
+def _prepare_out(cfg: TrainConfig, rt: Runtime) -> None:
+    out = Path(cfg.out)
+    ckpt = out / CHECKPOINTS
     if rt.is_main and cfg.resume:
         settle_checkpoints(out)  # only a dir we were asked to continue
     has_epochs = ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
@@ -894,13 +925,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
         produced = None
         if cfg.states_mode == "offline":
             inputs = check_inputs(cfg)
-        elif rt.distributed:
-            raise StageError(
-                f"--states-mode {cfg.states_mode} trains in one process: its producer follows one sampler; "
-                "run without torchrun"
-            )
         else:
             inputs, produced = produced_inputs(cfg)
+            _refuse_distributed_producer(cfg, produced, rt)
         attention = draft_mod.choose_attention(rt.device, cfg.attention)
         if attention == draft_mod.FLEX_ATTENTION and cfg.max_len % FLEX_BLOCK:
             raise StageError(
@@ -931,6 +958,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
                     "--prepared": cfg.prepared,
                 },
             )
+        _check_out(cfg)
+        _barrier(rt)  # every rank has seen --out as it was before rank 0 writes there
         if rt.is_main:  # for the whole torchrun job: the other ranks are its processes, not other writers
             held.enter_context(output_lock(cfg.out))
             if produced is not None:
@@ -946,7 +975,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             write_json(out / TRAIN_CONFIG, record)
         _barrier(rt)
         backend = None
-        if produced is not None:
+        if produced is not None and rt.is_main:  # rank 0 owns the states dir and its producer
             from pipeline.backends import get_backend
             from pipeline.train import states
 
@@ -979,6 +1008,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 )
             if trainer_device is not None:  # the hf backend made its own device the current one
                 torch.cuda.set_device(trainer_device)
+        if produced is not None:  # the other ranks read the states dir once rank 0 has prepared it
+            _barrier(rt)
 
         seed_everything(cfg.seed)
         spec_config = draft_mod.build_speculator_config(
@@ -1057,16 +1088,20 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 f"{len(train_loader)} steps per epoch"
                 + (f"; resuming at step {trainer.global_step}" if cfg.resume else "")
             )
-            if produced is not None:
-                producer = _start_producer(cfg, produced, backend, train_loader, trainer, present, log)
+            if produced is not None and rt.is_main:
+                producer = _start_producer(
+                    cfg, produced, backend, train_loader, trainer, present, rt.world_size, log
+                )
             clock.lap("setup")  # inputs checked, the backend loaded, the draft built, the loaders made
             try:
                 epochs_run = trainer.run_training()
             except Exception:
-                from pipeline.train.states import producer_failure
+                from pipeline.train.states import reported_failure
 
-                failure = producer_failure(cfg.data) if producer is not None else None
-                if failure is not None:  # a loader worker's report of it is many lines
+                failure = reported_failure(cfg.data) if produced is not None else None
+                if failure is not None:  # a loader worker's report of it is many lines (a peer's gloo error)
+                    if not rt.is_main:
+                        _leave_the_report_to_rank0(train_loader, val_loader)
                     raise failure from None
                 raise
         finally:
@@ -1078,6 +1113,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
         clock.seconds["training_validation"] = round(sum(trainer.val_seconds), 3)
         clock.seconds["training_checkpoints"] = round(sum(trainer.checkpoint_seconds), 3)
         states_stats = None
+        if produced is not None:  # every rank's epochs done: no reader of the states dir is left
+            _barrier(rt)
         if producer is not None:
             states_stats = _finish_producer(cfg, produced, producer, train_loader)
             producer = None
@@ -1199,8 +1236,35 @@ def trim_metrics(path: Path, global_step: int, epoch: int) -> int:
     return len(rows) - len(keep)
 
 
-def _start_producer(cfg: TrainConfig, produced: Produced, backend, train_loader, trainer, present, log):
-    """The producer of the epochs this invocation trains, from the trainer's resume point on."""
+def _leave_the_report_to_rank0(*loaders) -> None:
+    """A rank other than 0 whose reader saw the producer fail: the job's error is rank 0's one line, and
+    torchrun ends the other ranks as soon as one rank ends. So this rank leaves the process group (a rank 0
+    waiting for it in a collective is let go at once), ends its loader workers and waits up to
+    REPORT_GRACE_S for rank 0 to end the job; only then does it report the failure itself."""
+    from speculators.train.distributed import maybe_destroy_distributed
+
+    maybe_destroy_distributed()
+    _stop_loader_workers(*loaders)
+    time.sleep(REPORT_GRACE_S)
+
+
+def _refuse_distributed_producer(cfg: TrainConfig, produced: Produced, rt: Runtime) -> None:
+    """Under torchrun rank 0 produces for every rank with the hf backend in its own thread; a vllm engine
+    inside a torchrun job (its rank variables in the engine's environment, the GPUs shared with N trainer
+    processes) has never been run: refused in one line."""
+    if rt.distributed and produced.backend != "hf":
+        raise StageError(
+            f"--states-mode {cfg.states_mode} under torchrun produces with the hf backend only (rank 0's "
+            f"thread); the {produced.backend} producer is not supported in a torchrun job: pass "
+            "--states-backend hf, or run without torchrun"
+        )
+
+
+def _start_producer(
+    cfg: TrainConfig, produced: Produced, backend, train_loader, trainer, present, world_size: int, log
+):
+    """The producer of the epochs this invocation trains, from the trainer's resume point on: every rank's
+    batches step by step (``states.epoch_batches``), a resumed epoch's checkpointed steps skipped on each."""
     from pipeline.train import states
 
     last = (
@@ -1210,10 +1274,12 @@ def _start_producer(cfg: TrainConfig, produced: Produced, backend, train_loader,
     )
     lengths = train_loader.dataset.approx_lengths
     epochs = [
-        states.epoch_batches(lengths, cfg.max_len, cfg.seed, e) for e in range(trainer.current_epoch, last)
+        states.epoch_batches(lengths, cfg.max_len, cfg.seed, e, world_size)
+        for e in range(trainer.current_epoch, last)
     ]
+    first = trainer.resume_step * world_size  # each rank's checkpointed steps: world_size batches a step
     order = states.production_order(
-        epochs, trainer.resume_step, produced.train, produced.held_out, produced.plan.keep, present
+        epochs, first, produced.train, produced.held_out, produced.plan.keep, present
     )
     directory = Path(cfg.data)
     present_bytes = sum(formats.data_file(directory, i).stat().st_size for i in present)

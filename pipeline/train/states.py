@@ -7,7 +7,8 @@ Owns, for the modes in which no finished hidden-states set exists:
   states stay on disk for the whole run (the held-out ones always: validation reads them every epoch and
   the acceptance measurement at the end; in ``hybrid`` also as many training samples as the budget holds
   beside a producing window), the order in which the trainer will read the others (speculators' own sampler,
-  replayed), and how the producer groups them into forwards;
+  replayed: with torchrun, every rank's sampler, their batches interleaved step by step), and how the
+  producer groups them into forwards;
 * the states dir (``--data``): the same ``data_{i}.pt`` files, ``data_config.json`` and
   ``sample_lengths.json`` that ``pipeline extract`` writes, the data config recording the mode, the budget
   and the kept samples (``extra["states"]``) so that ``pipeline verify`` checks exactly the kept files; the
@@ -22,8 +23,10 @@ Owns, for the modes in which no finished hidden-states set exists:
   trainer's dataset, reads it whole and deletes it when it is transient, in the trainer's loader workers).
 
 It does not train (pipeline/train/stage.py) and does not change how states are computed: the backend
-(pipeline/backends/) and the file format (pipeline/ondisk/formats.py) are extract's. One trainer process
-only (a data-parallel run would need one schedule per rank: refused).
+(pipeline/backends/) and the file format (pipeline/ondisk/formats.py) are extract's. Data parallel
+(torchrun): one producer, in rank 0, for every rank's reads; each rank's readers wait for, read and delete
+its own files, and those of the other ranks learn of a failed producer from its FAILED file
+(``reported_failure``); the budget bounds the files of all ranks together.
 """
 
 from __future__ import annotations
@@ -168,13 +171,32 @@ def plan_states(
     return StatesPlan(mode, budget, frozenset(keep), kept, budget - kept)
 
 
-def epoch_batches(lengths: Sequence[int], max_len: int, seed: int, epoch: int) -> list[list[int]]:
-    """The trainer's batches of one epoch as dataset indices, in order: speculators' own packing sampler
-    with the arguments pipeline/train/data.py gives it (one process)."""
+def epoch_batches(
+    lengths: Sequence[int], max_len: int, seed: int, epoch: int, world_size: int = 1
+) -> list[list[int]]:
+    """The trainer's batches of one epoch as dataset indices, in the order they are read: speculators' own
+    packing sampler with the arguments pipeline/train/data.py gives each of ``world_size`` data-parallel
+    ranks, interleaved step by step (rank 0's first batch, rank 1's first, ..., rank 0's second, ...). Every
+    rank takes the same number of steps (speculators packs one batch per rank at a time); a sampler that
+    did not would leave the producer's schedule and the ranks' reads apart: refused."""
+    ranks = [_rank_batches(lengths, max_len, seed, epoch, world_size, r) for r in range(world_size)]
+    steps = {len(batches) for batches in ranks}
+    if len(steps) != 1:
+        raise StageError(
+            f"speculators' sampler gave the {world_size} ranks {sorted(steps)} steps in epoch {epoch}, not "
+            "one count: the producer cannot follow them (a speculators change); train in one process"
+        )
+    return [batch for step in zip(*ranks, strict=True) for batch in step]
+
+
+def _rank_batches(
+    lengths: Sequence[int], max_len: int, seed: int, epoch: int, world_size: int, rank: int
+) -> list[list[int]]:
+    """One rank's batches of one epoch, as its loader's sampler gives them."""
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     sampler = MultipackDistributedBatchSamplerV2(
-        batch_max_length=max_len, lengths=list(lengths), num_replicas=1, rank=0, seed=seed
+        batch_max_length=max_len, lengths=list(lengths), num_replicas=world_size, rank=rank, seed=seed
     )
     sampler.set_epoch(epoch)
     return [[int(i) for i in batch] for batch in sampler]
@@ -188,12 +210,13 @@ def production_order(
     keep: frozenset[int],
     present: frozenset[int],
 ) -> list[int]:
-    """Sample indices in the order the producer makes them: each epoch's batches (``epochs[0]`` from step
-    ``first_step``: a resumed epoch skips the steps its checkpoint holds) read through ``train`` (dataset
-    index -> sample index), a kept sample only while it is neither on disk (``present``) nor produced
-    earlier; the held-out samples not on disk after the first epoch's (the first validation reads them);
-    last, any other kept sample still missing (one whose step a resumed run skips), so that the run ends
-    with every kept file, as verify expects."""
+    """Sample indices in the order the producer makes them: each epoch's batches (``epoch_batches``;
+    ``epochs[0]`` from batch ``first_step``: a resumed epoch skips the steps its checkpoint holds,
+    ``world_size`` merged batches per step) read through ``train`` (dataset index -> sample index), a kept
+    sample only while it is neither on disk (``present``) nor produced earlier; the held-out samples not on
+    disk after the first epoch's (the first validation reads them); last, any other kept sample still
+    missing (one whose step a resumed run skips), so that the run ends with every kept file, as verify
+    expects."""
     order: list[int] = []
     made = set(present)
     for e, batches in enumerate(epochs):
@@ -546,6 +569,16 @@ def producer_failure(directory: Path) -> StageError | None:
     if str(directory) in _FAILED_HERE:
         return StageError(f"the states producer failed: {_FAILED_HERE[str(directory)]}")
     return None
+
+
+def reported_failure(directory: Path) -> StageError | None:
+    """The producer's failure as any rank of the run reports it: this process's producer's error, else the
+    FAILED file rank 0's producer wrote (the other ranks of a torchrun job); None when it did not fail."""
+    error = producer_failure(directory)
+    failed = Path(directory) / FAILED
+    if error is None and failed.is_file():
+        error = StageError(f"the states producer failed: {failed.read_text().strip()}")
+    return error
 
 
 def wait_for(path: Path, directory: Path, timeout: float | None = None, failed_flag=None) -> None:
