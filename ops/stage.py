@@ -272,7 +272,7 @@ def plan_stage(
         flags = train.flags
     shard_flags = ("--world-size", str(shard[0]), "--rank", str(shard[1])) if shard else ()
     stage_argv = (
-        "python",
+        *(train.launcher if train is not None else ("python",)),
         "-m",
         "pipeline",
         stage,

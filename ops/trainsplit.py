@@ -6,13 +6,17 @@ the states and the trainer: disjoint lists of host GPU indices, or "shared" by b
 boundary, and the pure rendering into `pipeline train` flags and container environment, with a
 description that `--dry-run` prints. A vllm producer may span several GPUs (tensor parallel over
 `producer_gpus`: `--states-tensor-parallel-size`, the engine on the first N GPUs the container sees, the
-trainer on the one after them). It also refuses, in one line, a split today's `pipeline train` cannot run
-(docs/train.md): one training process on one GPU, an hf producer on one GPU, a memory share for anything
-but a vLLM engine (`--states-memory-share`, pipeline/train/share.py). Pure: the host's GPU count comes from
+trainer on the one after them). Several trainer GPUs make the stage a torchrun job (`TrainPlan.launcher`:
+one `pipeline train` process per trainer GPU, speculators' DDP), the trainer GPUs first in the container's
+order (rank r on cuda:r) and the hf producer after them, in rank 0's process. It also refuses, in one line,
+a split today's `pipeline train` cannot run (docs/train.md): a vllm producer beside several trainer
+processes, an hf producer on more than one GPU, a memory share for anything but a vLLM engine
+(`--states-memory-share`, pipeline/train/share.py). Pure: the host's GPU count comes from
 the preflight's probe (`check_gpu_count`).
 
-Every process this mode starts (the trainer, its producer thread, the hf backend in the same process, or
-the vLLM engine's worker processes, children of it) runs inside the one stage container, so gpu-clean
+Every process this mode starts (the trainer, its producer thread, the hf backend in the same process, the
+vLLM engine's worker processes, children of it, or torchrun's agent and its trainer processes) runs inside
+the one stage container, so gpu-clean
 knows them by that container's labels (ops.lock.refuse_killing_stages) like any stage's.
 """
 
@@ -74,8 +78,17 @@ class TrainStates:
         return not self.producer_gpus
 
     @property
+    def data_parallel(self) -> bool:
+        """Several trainer GPUs: one trainer process per GPU (torchrun)."""
+        return len(self.trainer_gpus) > 1
+
+    @property
     def gpus(self) -> tuple[int, ...]:
-        """The host GPUs the split names, producer's first (the container's cuda:0.. in this order)."""
+        """The host GPUs the split names in the container's cuda:0.. order: the producer's first (a vllm
+        engine takes the first GPUs it sees), except with several trainer GPUs, whose torchrun ranks take
+        cuda:0..N-1: theirs first, then the hf producer's."""
+        if self.data_parallel:
+            return (*self.trainer_gpus, *self.producer_gpus)
         return (*self.producer_gpus, *self.trainer_gpus)
 
 
@@ -163,6 +176,7 @@ class TrainPlan:
     env: tuple[tuple[str, str], ...]
     data: str
     why: tuple[str, ...]
+    launcher: tuple[str, ...] = ("python",)  # the words before `-m pipeline train`: torchrun for several GPUs
 
 
 def _runnable(ts: TrainStates, docker_gpus: str) -> None:
@@ -175,10 +189,11 @@ def _runnable(ts: TrainStates, docker_gpus: str) -> None:
         )
     if ts.shared:
         return
-    if len(ts.trainer_gpus) > 1:
+    if ts.data_parallel and ts.states_backend != "hf":
         raise ConfigError(
-            f"train.trainer_gpus {list(ts.trainer_gpus)}: pipeline train --states-mode trains in one process "
-            "on one GPU (torchrun and FSDP are refused there); list one GPU"
+            f"train.trainer_gpus {list(ts.trainer_gpus)}: several trainer processes (torchrun) produce with "
+            f"the hf backend only, in rank 0's process; the {ts.states_backend} producer runs beside one "
+            'trainer: list one trainer GPU, or set states_backend = "hf"'
         )
     if len(ts.producer_gpus) > 1 and ts.states_backend == "hf":
         raise ConfigError(
@@ -205,6 +220,7 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
         ("--states-backend", ts.states_backend),
     ]
     env: tuple[tuple[str, str], ...] = ()
+    launcher: tuple[str, ...] = ("python",)
     if ts.shared:
         if ts.states_backend == "hf":
             want.append(("--states-device", "cuda:0"))
@@ -229,23 +245,42 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
     else:
         visible = ",".join(map(str, ts.gpus))
         env = (("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", visible))
-        tp = len(ts.producer_gpus)
-        if ts.states_backend == "hf":
-            want.append(("--states-device", "cuda:0"))
-            producer = f"the hf producer on host GPU {ts.producer_gpus[0]} (cuda:0 in the container)"
-        else:  # the engine's workers take cuda:0..tp-1, the first GPUs the container sees
-            want.append(("--states-tensor-parallel-size", str(tp)))
-            host = ", ".join(map(str, ts.producer_gpus))
-            producer = (
-                f"the vLLM engine tensor parallel {tp} on host GPU{'s' if tp > 1 else ''} {host} "
-                f"(cuda:0..{tp - 1} in the container; the model's attention heads must divide by {tp})"
-            )
-        want.append(("--device", f"cuda:{tp}"))
-        split = (
-            f"GPUs split: {producer}, the trainer on host GPU {ts.trainer_gpus[0]} (cuda:{tp}): "
+        order = (
             f"CUDA_VISIBLE_DEVICES={visible} in PCI bus order (nvidia-smi's and gpu-status's numbering); "
             "hosts file: train.producer_gpus, train.trainer_gpus"
         )
+        if ts.data_parallel:
+            n = len(ts.trainer_gpus)
+            launcher = ("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n))
+            want.append(("--states-device", f"cuda:{n}"))  # each rank's own device is torchrun's local rank
+            trainers = ", ".join(map(str, ts.trainer_gpus))
+            split = (
+                f"GPUs split: the hf producer on host GPU {ts.producer_gpus[0]} (cuda:{n} in the container, "
+                f"in rank 0's process), the trainer data parallel over host GPUs {trainers} "
+                f"(cuda:0..{n - 1}: torchrun, one process per GPU, speculators' DDP; rank 0 produces "
+                f"for every rank): {order}"
+            )
+        else:
+            tp = len(ts.producer_gpus)
+            if ts.states_backend == "hf":
+                want.append(("--states-device", "cuda:0"))
+                producer = f"the hf producer on host GPU {ts.producer_gpus[0]} (cuda:0 in the container)"
+            else:  # the engine's workers take cuda:0..tp-1, the first GPUs the container sees
+                want.append(("--states-tensor-parallel-size", str(tp)))
+                host = ", ".join(map(str, ts.producer_gpus))
+                producer = (
+                    f"the vLLM engine tensor parallel {tp} on host GPU{'s' if tp > 1 else ''} {host} "
+                    f"(cuda:0..{tp - 1} in the container; the model's attention heads must divide by {tp})"
+                )
+            want.append(("--device", f"cuda:{tp}"))
+            split = (
+                f"GPUs split: {producer}, the trainer on host GPU {ts.trainer_gpus[0]} (cuda:{tp}): {order}"
+            )
+    trainer = (
+        f"torchrun's agent and its {len(ts.trainer_gpus)} trainer processes"
+        if ts.data_parallel
+        else "the trainer"
+    )
     flags = tuple(w for flag, value in want if flag not in given for w in (flag, value))
     mine = [f for f, _ in want if f in given]
     why = (
@@ -253,12 +288,12 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
         f"the run, not a finished extract set), produced by the {ts.states_backend} backend while the draft "
         "trains",
         split,
-        f"processes: the trainer, its producer thread and any engine worker all run in container "
+        f"processes: {trainer}, its producer thread and any engine worker all run in container "
         f"{container}, labelled with the run id: gpu-clean refuses to kill them while it runs; the server "
         "is stopped before and restored after (--restore-server) as for extract",
         *((f"yours after `--` win: {', '.join(mine)}",) if mine else ()),
     )
-    return TrainPlan(ts, flags, env, given.get("--data", STATES_DIR), why)
+    return TrainPlan(ts, flags, env, given.get("--data", STATES_DIR), why, launcher)
 
 
 def check_gpu_count(ts: TrainStates, gpus: int) -> str | None:

@@ -474,3 +474,38 @@ def test_remote_train_with_produced_states(scene, train_host, dk):
     assert scene["server"].status == "running"
     run = json.loads((Path(runs) / "box" / "tr1" / "run.json").read_text())
     assert run["train"]["producer_gpus"] == [0] and run["train"]["trainer_gpus"] == [1]
+
+
+@pytest.mark.slow
+def test_remote_train_over_several_trainer_gpus_is_a_torchrun_job(scene, train_host, dk):
+    """trainer_gpus [1, 2] beside the hf producer on GPU 0 (a host of three GPUs): remote-train runs the stage
+    as a torchrun job of two `pipeline train` processes in the one container (on the CPU here: gloo, as
+    `--device cpu` after `--` asks), the trainer GPUs first in its CUDA_VISIBLE_DEVICES; both ranks train
+    and the run completes with the hybrid states dir verified, the server restored."""
+    runs, hosts = str(train_host["tmp"] / "runs"), train_host["hosts"]
+    assert ops(scene, "restore-server").returncode == 0  # an earlier test may have left it stopped
+    write_gpu_table(
+        train_host["table"], [{"processes": [train_host["server"]]}, {"processes": []}, {"processes": []}]
+    )
+    hosts.write_text(hosts.read_text() + "trainer_gpus = [1, 2]\n")
+    cpu = ("--device", "cpu", "--states-device", "cpu", "--prepared", "/data/prepared-draft")
+    extra = (*cpu, "--epochs", "2", "--max-len", "64", "--no-plots", "--no-eval")
+    res = _train_ops(
+        train_host, "remote-train", "--run-id", "tr2", "--runs-dir", runs, "--detach", extra=extra
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    assert "data parallel over host GPUs 1, 2 (cuda:0..1: torchrun" in res.stdout  # the `gpu split` line
+    ctr = dk.containers.get("eagle-tr2")
+    env = dict(e.split("=", 1) for e in ctr.attrs["Config"]["Env"])
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,2,0"
+    res = _train_ops(train_host, "attach", "tr2", "--runs-dir", runs, "--restore-server", timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    local = Path(runs) / "box" / "tr2"
+    log = (local / "stage.log").read_text()
+    assert "on cpu x2" in log and "OK (0 failed checks)" in log  # two ranks; `pipeline verify` of the draft
+    summary = json.loads((local / "summary.json").read_text())
+    assert summary["complete"] and summary["train"]["world_size"] == 2
+    assert summary["train"]["states"]["mode"] == "hybrid"
+    assert 0 < summary["train"]["states"]["peak_bytes"] <= 50_000_000
+    scene["server"].reload()
+    assert scene["server"].status == "running"

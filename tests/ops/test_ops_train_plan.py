@@ -164,6 +164,25 @@ def test_vllm_producer_split_over_several_gpus():
     assert flag(mine.stage_argv, "--states-tensor-parallel-size") == "4"
 
 
+def test_several_trainer_gpus_make_a_torchrun_job():
+    """The hf producer on host GPU 6 and the trainer on host GPUs 2, 3 and 7: the stage is a torchrun job of
+    three `pipeline train` processes (rank r on cuda:r, so the trainers' GPUs come first in the container's
+    order), the producer on cuda:3 in rank 0's process; no --device (each rank's is its local rank);
+    --dry-run's lines say so."""
+    plan = plan_stage(box(TrainStates("online", "500G", "hf", (6,), (2, 3, 7))), "train", run_id="t12")
+    launcher = ("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3")
+    assert plan.stage_argv[: len(launcher) + 3] == (*launcher, "-m", "pipeline", "train")
+    assert flag(plan.stage_argv, "--states-device") == "cuda:3" and "--device" not in plan.stage_argv
+    assert env_of(plan.docker_run)["CUDA_VISIBLE_DEVICES"] == "2,3,7,6"
+    assert shlex.split(plan.docker_run[-1])[: len(plan.stage_argv)] == list(plan.stage_argv)
+    (split,) = [line for line in plan.train.why if line.startswith("GPUs split")]
+    assert "the hf producer on host GPU 6 (cuda:3 in the container, in rank 0's process)" in split
+    assert "data parallel over host GPUs 2, 3, 7 (cuda:0..2: torchrun" in split
+    assert any("torchrun's agent and its 3 trainer processes" in line for line in plan.train.why)
+    one = plan_stage(box(TrainStates("online", "500G", "hf", (6,), (2,))), "train", run_id="t13")
+    assert one.stage_argv[:4] == ("python", "-m", "pipeline", "train")  # one trainer GPU: no torchrun
+
+
 def test_offline_train_plan_is_unchanged():
     """Without a train table the train stage reads the finished extract set, as before."""
     plan = plan_stage(box(TrainStates()), "train", run_id="t5")
@@ -180,11 +199,15 @@ def test_offline_train_plan_is_unchanged():
             {},
             "hf states backend produces on one",
         ),
-        (TrainStates("hybrid", "2T", "hf", (0,), (6, 7)), {}, "trains in one process on one GPU"),
         (
             TrainStates("hybrid", "2T", "vllm", (0, 1, 2, 3, 4, 5), (6, 7)),
             {},
-            "trains in one process on one GPU",
+            "several trainer processes .torchrun. produce with the hf backend only",
+        ),
+        (
+            TrainStates("hybrid", "2T", "hf", (0,), (6, 7)),
+            {"docker_gpus": "device=0,6,7"},
+            'docker_gpus = "all"',
         ),
         (
             TrainStates("hybrid", "2T", "vllm", (0, 1), (2,)),
@@ -196,9 +219,9 @@ def test_offline_train_plan_is_unchanged():
     ],
 )
 def test_splits_pipeline_train_cannot_run_are_refused(train, kw, message):
-    """Engine on 6 GPUs and trainer on 2 is what the issue asks for; today's pipeline train runs one process
-    with one trainer GPU and an hf producer on one GPU (a vllm producer may span several), so ops refuses
-    (exit 2) before anything connects."""
+    """What today's pipeline train cannot run: a vllm producer beside several trainer processes (it runs
+    beside one; a torchrun job produces with hf in rank 0), an hf producer on several GPUs, a host split
+    without the host's GPU numbering: ops refuses (exit 2) before anything connects."""
     with pytest.raises(ConfigError, match=message) as err:
         plan_stage(box(train, **kw), "train", run_id="t6")
     assert "\n" not in str(err.value)
