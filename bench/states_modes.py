@@ -48,12 +48,41 @@ def mode_row(mode: str, phase: dict) -> dict:
         "kept_samples": st.get("kept_samples"),
         "produced_samples": st.get("produced_samples"),
         "peak_bytes": st.get("peak_bytes"),
+        "phase_seconds": tr.get("phase_seconds") or {},  # pipeline/train/stage.py PhaseClock
     }
 
 
+PHASES = (  # the stage's phase_seconds keys, in the order a run passes them, and their columns
+    ("setup", "setup s"),
+    ("training", "training s"),
+    ("training_validation", "of it validation s"),
+    ("training_checkpoints", "of it checkpoints s"),
+    ("states_finish", "states finish s"),
+    ("export", "export s"),
+    ("evaluation", "evaluation s"),
+)
+
+
+def phase_lines(rows: list[dict]) -> list[str]:
+    """Where each mode's stage wall time went beyond its epochs (the stage's ``phase_seconds``), as a
+    markdown table; none when no row has them (a stage older than them)."""
+    if not any(r.get("phase_seconds") for r in rows):
+        return []
+    lines = [
+        "| mode | " + " | ".join(title for _, title in PHASES) + " |",
+        "|---|" + "---|" * len(PHASES),
+    ]
+    for r in rows:
+        ph = r.get("phase_seconds") or {}
+        cells = ["-" if ph.get(key) is None else f"{ph[key]:.1f}" for key, _ in PHASES]
+        lines.append(f"| {r['mode']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def compare_modes(rows: list[dict], tolerance: float = ACCEPTANCE_TOLERANCE) -> tuple[list[str], list[str]]:
-    """Every mode's row against offline's: adds the deltas to ``rows``; returns the markdown table and one
-    reason per mode whose acceptance is more than ``tolerance`` from offline's."""
+    """Every mode's row against offline's: adds the deltas to ``rows``; returns the markdown tables (the
+    modes' figures, then where their wall time went: ``phase_lines``) and one reason per mode whose
+    acceptance is more than ``tolerance`` from offline's."""
     base = next(r for r in rows if r["mode"] == "offline")
     lines = [
         "| mode | acceptance k=3 | delta vs offline | train wall s | training tok/s | tok/s vs offline "
@@ -83,7 +112,8 @@ def compare_modes(rows: list[dict], tolerance: float = ACCEPTANCE_TOLERANCE) -> 
             f"| {r['train_tokens_per_s']:,.0f} | {r['tokens_per_s_vs_offline']:.2f}x | {' | '.join(steady)} "
             f"| {' | '.join(waits)} |"
         )
-    return lines, failures
+    phases = phase_lines(rows)
+    return lines + ([""] + phases if phases else []), failures
 
 
 def parse_modes(ctx, param, value: str) -> list[str]:

@@ -204,6 +204,13 @@ def _container_args(
     return argv + tail
 
 
+def stage_arguments(stage_argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The words after `-m pipeline STAGE` of a stage's argv, whatever launches it (python, or the
+    data-parallel launcher `python -m pipeline.runtime.torchrun ...`)."""
+    at = next(i for i in range(len(stage_argv) - 1) if stage_argv[i : i + 2] == ("-m", "pipeline"))
+    return stage_argv[at + 3 :]
+
+
 def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
     """The one process the preflight container runs. Prepare and extract: `pipeline preflight` with the
     stage's own values, failing fast on the checks the stage refuses on (its StageSpec.fatal; every check
@@ -211,7 +218,7 @@ def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
     does; a refusal found by reading files (arguments, config, checkpoint headers, layer ids, data, disk)
     then costs no torch, transformers or vLLM import. Other stages: `pipeline check-args` of the argv."""
     spec = STAGES[stage]
-    args = stage_argv[4:]
+    args = stage_arguments(stage_argv)
     if spec.preflight not in ("model", "extract"):
         return shlex.join(("python", "-m", "pipeline", "check-args", stage, *args))
     pf = ["python", "-m", "pipeline", "preflight"]

@@ -6,12 +6,12 @@ the states and the trainer: disjoint lists of host GPU indices, or "shared" by b
 boundary, and the pure rendering into `pipeline train` flags and container environment, with a
 description that `--dry-run` prints. A vllm producer may span several GPUs (tensor parallel over
 `producer_gpus`: `--states-tensor-parallel-size`, the engine on the first N GPUs the container sees, the
-trainer on the one after them). Several trainer GPUs make the stage a torchrun job (`TrainPlan.launcher`:
-one `pipeline train` process per trainer GPU, speculators' DDP), the trainer GPUs first in the container's
-order (rank r on cuda:r) and the hf producer after them, in rank 0's process. It also refuses, in one line,
-a split today's `pipeline train` cannot run (docs/train.md): a vllm producer beside several trainer
-processes, an hf producer on more than one GPU, a memory share for anything but a vLLM engine
-(`--states-memory-share`, pipeline/train/share.py). Pure: the host's GPU count comes from
+trainer on the one after them). Several trainer GPUs make the stage a torchrun job (`TrainPlan.launcher`,
+pipeline/runtime/torchrun.py: one `pipeline train` process per trainer GPU, speculators' DDP), the trainer
+GPUs first in the container's order (rank r on cuda:r) and the hf producer after them, in rank 0's process.
+It also refuses, in one line, a split today's `pipeline train` cannot run (docs/train.md): a vllm producer
+beside several trainer processes, an hf producer on more than one GPU, a memory share for anything but a
+vLLM engine (`--states-memory-share`, pipeline/train/share.py). Pure: the host's GPU count comes from
 the preflight's probe (`check_gpu_count`).
 
 Every process this mode starts (the trainer, its producer thread, the hf backend in the same process, the
@@ -251,7 +251,14 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
         )
         if ts.data_parallel:
             n = len(ts.trainer_gpus)
-            launcher = ("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n))
+            launcher = (
+                "python",
+                "-m",
+                "pipeline.runtime.torchrun",
+                "--standalone",
+                "--nproc-per-node",
+                str(n),
+            )
             want.append(("--states-device", f"cuda:{n}"))  # each rank's own device is torchrun's local rank
             trainers = ", ".join(map(str, ts.trainer_gpus))
             split = (

@@ -149,6 +149,20 @@ def test_modes_are_compared_with_offline_and_a_gap_over_the_tolerance_fails():
         "hybrid acceptance 2.860 is +0.060 from offline's 2.800"
     )
     assert rows[1]["acceptance_delta"] == -0.04 and rows[2]["tokens_per_s_vs_offline"] == 0.8
+    assert len(lines) == 5  # no phases table for rows without the stage's phase_seconds
+
+
+def test_where_each_modes_wall_time_went_is_a_second_table():
+    """The stage's phase_seconds become one row per mode, in the order a run passes the phases; a phase a
+    mode has not (offline: no states to finish) is a dash."""
+    rows = [_row("offline", 2.8, 1000.0, (60.0, 1.0)), _row("hybrid", 2.8, 900.0, (50.0, 2.0))]
+    rows[0]["phase_seconds"] = {"setup": 12.0, "training": 70.5, "training_validation": 4.0, "export": 0.25}
+    rows[1]["phase_seconds"] = {"setup": 20.0, "training": 131.0, "states_finish": 80.04, "evaluation": 6.0}
+    lines, _ = learned_bench.compare_modes(rows)
+    table = lines[lines.index("") + 1 :]
+    assert table[0].startswith("| mode | setup s | training s | of it validation s |")
+    assert table[2] == "| offline | 12.0 | 70.5 | 4.0 | - | - | 0.2 | - |"
+    assert table[3] == "| hybrid | 20.0 | 131.0 | - | - | 80.0 | - | 6.0 |"
 
 
 def test_states_modes_option_puts_offline_first_and_refuses_a_list_without_it():

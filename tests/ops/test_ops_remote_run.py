@@ -490,6 +490,16 @@ def test_remote_train_over_several_trainer_gpus_is_a_torchrun_job(scene, train_h
     hosts.write_text(hosts.read_text() + "trainer_gpus = [1, 2]\n")
     cpu = ("--device", "cpu", "--states-device", "cpu", "--prepared", "/data/prepared-draft")
     extra = (*cpu, "--epochs", "2", "--max-len", "64", "--no-plots", "--no-eval")
+    # the default held-out share leaves one sample for two ranks: each rank refuses in one line, and the
+    # job's report is those lines and their exit code, not torchrun's many-line ChildFailedError traceback
+    res = _train_ops(
+        train_host, "remote-train", "--run-id", "tr3", "--runs-dir", runs, extra=extra, timeout=600
+    )
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    assert "error: 1 held-out samples for 2 processes: raise --eval-fraction" in out, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    extra = (*extra, "--eval-fraction", "0.4")
     res = _train_ops(
         train_host, "remote-train", "--run-id", "tr2", "--runs-dir", runs, "--detach", extra=extra
     )

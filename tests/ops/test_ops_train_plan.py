@@ -170,11 +170,13 @@ def test_several_trainer_gpus_make_a_torchrun_job():
     order), the producer on cuda:3 in rank 0's process; no --device (each rank's is its local rank);
     --dry-run's lines say so."""
     plan = plan_stage(box(TrainStates("online", "500G", "hf", (6,), (2, 3, 7))), "train", run_id="t12")
-    launcher = ("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3")
+    launcher = ("python", "-m", "pipeline.runtime.torchrun", "--standalone", "--nproc-per-node", "3")
     assert plan.stage_argv[: len(launcher) + 3] == (*launcher, "-m", "pipeline", "train")
     assert flag(plan.stage_argv, "--states-device") == "cuda:3" and "--device" not in plan.stage_argv
     assert env_of(plan.docker_run)["CUDA_VISIBLE_DEVICES"] == "2,3,7,6"
     assert shlex.split(plan.docker_run[-1])[: len(plan.stage_argv)] == list(plan.stage_argv)
+    check = plan.preflight_run[-1]  # the preflight checks the stage's own arguments, not torchrun's
+    assert f"pipeline check-args train --data {STATES_DIR} " in check and "nproc" not in check
     (split,) = [line for line in plan.train.why if line.startswith("GPUs split")]
     assert "the hf producer on host GPU 6 (cuda:3 in the container, in rank 0's process)" in split
     assert "data parallel over host GPUs 2, 3, 7 (cuda:0..2: torchrun" in split
