@@ -80,6 +80,11 @@ class TrainConfig:
         choices=("auto", "flex", "dense"),
         help="Draft attention: flex (GPUs) or dense (any device); auto: flex on a GPU.",
     )
+    fsdp: bool = opt(
+        False,
+        help="Under torchrun: shard the draft's weights, gradients and optimizer state over the processes "
+        "(speculators' FSDP) instead of a full copy on each (DDP).",
+    )
     num_workers: int | None = opt(
         None, low=0, high=1024, help="Data loader workers [default: 0 on CPU, 4 on GPU]."
     )

@@ -562,6 +562,7 @@ def _on_host(device: torch.device):
 
 def _trainer_class():
     from speculators.train.checkpointer import (
+        DistributedCheckpointer,
         SingleGPUCheckpointer,
         convert_float_dtype,
         load_safetensors_state_dict,
@@ -616,7 +617,10 @@ def _trainer_class():
             # speculators moves batches to `local_rank` and autocasts on the accelerator type it finds
             self.local_rank = self.runtime.trainer_rank
             self.device_type = self.runtime.device.type
-            self.checkpointer = DeviceCheckpointer(self.config.save_path, self.runtime.device)
+            if self.config.fsdp_shard:  # full state dicts gathered from the shards, saved by rank 0
+                self.checkpointer = DistributedCheckpointer(self.config.save_path)
+            else:
+                self.checkpointer = DeviceCheckpointer(self.config.save_path, self.runtime.device)
             super().setup_trainer()
             self.steps_per_epoch = len(self.train_loader)  # before a resumed epoch's skip shortens it
             # a checkpoint taken inside an epoch resumes at its step (speculators skips the steps it holds)
@@ -916,6 +920,11 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
     clock = PhaseClock()
     rt = setup_runtime(cfg.device)
+    if cfg.fsdp and not rt.distributed:
+        raise StageError(
+            "--fsdp shards the draft over torchrun's processes and this is one process: start it with "
+            "torchrun --nproc-per-node N, or drop --fsdp"
+        )
     if rt.device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls: the draft trains in fp32 parameters
     held = contextlib.ExitStack()  # the output's lock, held by rank 0 until the run ends
@@ -1062,6 +1071,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             scheduler_type=cfg.scheduler,
             scheduler_warmup_steps=cfg.warmup_steps,
             hidden_states_dtype=states_dtype(rt.device),  # the autocast dtype, the loader's too
+            fsdp_shard=cfg.fsdp,
         )
         trainer = _trainer_class()(
             model,
@@ -1129,6 +1139,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             "last_epoch": final,
             "complete": complete,
             "world_size": rt.world_size,
+            "data_parallel": _parallel_kind(trainer.model),
             "device": str(rt.device),
             "train_tokens_per_epoch": inputs.train_tokens,
             "train_seconds": round(seconds, 3),
@@ -1234,6 +1245,17 @@ def trim_metrics(path: Path, global_step: int, epoch: int) -> int:
         with atomic_path(path) as tmp:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
     return len(rows) - len(keep)
+
+
+def _parallel_kind(model) -> str | None:
+    """How the trainer holds the draft across torchrun's processes: "fsdp" (sharded), "ddp" (a full copy
+    each), None (one process)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, FSDPModule):
+        return "fsdp"
+    return "ddp" if isinstance(model, DistributedDataParallel) else None
 
 
 def _leave_the_report_to_rank0(*loaders) -> None:

@@ -291,3 +291,47 @@ def test_two_ranks_killed_mid_epoch_resume_to_the_offline_draft(dp_inputs, tmp_p
         assert all(torch.equal(a[k], b[k]) for k in a), epoch
     kept = set(formats.read_data_config(cfg.data).extra["states"]["kept"])
     assert set(formats.existing_data_indices(cfg.data)) == kept and not list(cfg.data.glob(".*partial"))
+
+
+@pytest.mark.slow
+def test_fsdp_shards_the_draft_and_trains_what_ddp_trains(dp_inputs, tmp_path):
+    """`--fsdp` under torchrun (2 CPU ranks, speculators' FSDP on gloo): each rank holds a shard of the draft
+    and its optimizer state, the checkpoints are full state dicts gathered by rank 0, and the weights after
+    each epoch are the DDP run's up to the reductions' summation order; the exported draft is there. One
+    process with --fsdp is refused in one line before anything is written."""
+    ddp = states_config(dp_inputs, dp_inputs["states"], tmp_path / "ddp")
+    fsdp = states_config(dp_inputs, dp_inputs["states"], tmp_path / "fsdp")
+    for cfg, extra in ((ddp, []), (fsdp, ["--fsdp"])):
+        done = torchrun([*cli_args(cfg), *extra])
+        assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((fsdp.out / "summary.json").read_text())
+    assert summary["complete"] and summary["train"]["world_size"] == RANKS
+    assert summary["train"]["data_parallel"] == "fsdp"  # the trainer's model is an FSDP module
+    assert json.loads((ddp.out / "summary.json").read_text())["train"]["data_parallel"] == "ddp"
+    assert json.loads((fsdp.out / "train_config.json").read_text())["fsdp"] is True
+    assert (fsdp.out / "draft" / "config.json").is_file()
+    for epoch in range(fsdp.epochs):
+        a, b = checkpoint_weights(ddp.out, epoch), checkpoint_weights(fsdp.out, epoch)
+        assert a.keys() == b.keys()
+        worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+        assert worst < 1e-4, (epoch, worst)
+    losses = train_losses(fsdp.out)
+    assert losses == pytest.approx(train_losses(ddp.out), rel=1e-4)
+
+    alone = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            *cli_args(states_config(dp_inputs, dp_inputs["states"], tmp_path / "one")),
+            "--fsdp",
+        ],
+        cwd=REPO,
+        env=pipeline_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert alone.returncode == 2, alone.stderr
+    assert alone.stderr.strip().splitlines()[-1].startswith("error: --fsdp shards the draft over torchrun's")
+    assert not (tmp_path / "one").exists()
