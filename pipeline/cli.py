@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import importlib
 import os
+import signal
 import sys
 
 import click
@@ -80,7 +81,20 @@ def main() -> None:
     """EAGLE-3 data pipeline: prepare -> extract -> weights -> train, and verify any output."""
 
 
+_INTERRUPTED = []  # a SIGINT arrived (Ctrl-C, or `docker stop`'s first signal as ops sends it)
+
+
+def _on_sigint(signum, frame) -> None:
+    """Python's own Ctrl-C (KeyboardInterrupt), remembered: a library that catches the KeyboardInterrupt and
+    raises its own error instead (pydantic while a checkpoint's config is serialized) must not turn an
+    interrupted run into a traceback and exit 1."""
+    _INTERRUPTED.append(signum)
+    signal.default_int_handler(signum, frame)
+
+
 def run() -> None:
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # nobody else's handler replaced
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         main(standalone_mode=False)
     except StageError as exc:
@@ -111,6 +125,11 @@ def run() -> None:
         # nothing half-written is left
         click.secho(f"error: {os_error_line(exc)}", fg="red", err=True)
         sys.exit(2)
+    except Exception:
+        if _INTERRUPTED:  # the KeyboardInterrupt came back as another error: interrupted all the same
+            click.echo("aborted", err=True)
+            sys.exit(130)
+        raise
 
 
 def os_error_line(exc: OSError) -> str:
