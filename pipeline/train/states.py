@@ -587,13 +587,10 @@ def wait_for(path: Path, directory: Path, timeout: float | None = None, failed_f
     t0 = time.monotonic()
     delay = WAIT_POLL_S / 5
     while not path.exists():
-        failed = directory / FAILED
-        if (error := producer_failure(directory)) is not None:
+        if (error := reported_failure(directory)) is not None:
             raise error
         if failed_flag is not None and failed_flag.value:
             raise StageError("the states producer failed (the training process reports why)")
-        if failed.exists():
-            raise StageError(f"the states producer failed: {failed.read_text().strip()}")
         if (directory / DONE).exists() and not path.exists():
             raise StageError(f"{path.name} was read but the producer's schedule did not make it (a bug)")
         if timeout is not None and time.monotonic() - t0 > timeout:

@@ -10,6 +10,7 @@ pipeline/demo/tiny.py once per session.
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,3 +212,13 @@ def trained(tmp_path_factory):
     cfg = inputs.config(root / "out", epochs=4, lr=1e-2, eval_fraction=0.25, plots=True, warmup_steps=0)
     summary = run(cfg, log=lambda m: None)
     return inputs, cfg, summary
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A states dir on a 1 MiB tmpfs: room for two or three of the tiny Llama's states."""
+    states_dir = tmp_path / "states"
+    states_dir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(states_dir)], check=True)
+    yield states_dir
+    subprocess.run(["umount", "-l", str(states_dir)], check=False)

@@ -52,6 +52,25 @@ def make_stage_inputs(root: Path, tiny_llama: Path, conversations: Path) -> dict
     return {"prepared": root / "prepared", "verifier": root / "verifier", "model": tiny_llama}
 
 
+def extract_per_sample(inputs: dict, out: Path) -> None:
+    """``pipeline extract`` of the inputs' prepared set on the CPU, one sample per forward (as the online
+    producer writes them, so that offline and produced runs read the same bytes)."""
+    from pipeline.extract.config import ExtractConfig
+    from pipeline.extract.stage import run as extract_run
+
+    extract_run(
+        ExtractConfig(
+            prepared=inputs["prepared"],
+            model=inputs["model"],
+            out=out,
+            device="cpu",
+            max_batch_size=1,
+            verify=False,
+            progress=False,
+        )
+    )
+
+
 def states_config(inputs: dict, data: Path, out: Path, **overrides) -> TrainConfig:
     """The tests' train config: 2 epochs of the 12 training samples on the CPU; ``overrides`` win."""
     base = dict(

@@ -23,6 +23,7 @@ from tests.train.states_helpers import (
     budget_for,
     checkpoint_weights,
     cli_args,
+    extract_per_sample,
     committed_step,
     make_stage_inputs,
     pipeline_env,
@@ -100,22 +101,9 @@ def test_a_resumed_epoch_skips_each_ranks_checkpointed_steps():
 def dp_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
     """The tiny Llama's prepared set and verifier (tests/train/states_helpers.py), and extract's states of
     it (one sample per forward, as the online producer below writes them)."""
-    from pipeline.extract.config import ExtractConfig
-    from pipeline.extract.stage import run as extract_run
-
     root = tmp_path_factory.mktemp("dp-inputs")
     inputs = make_stage_inputs(root, tiny_llama, conversations)
-    extract_run(
-        ExtractConfig(
-            prepared=inputs["prepared"],
-            model=inputs["model"],
-            out=root / "states",
-            device="cpu",
-            max_batch_size=1,
-            verify=False,
-            progress=False,
-        )
-    )
+    extract_per_sample(inputs, root / "states")
     return {**inputs, "states": root / "states"}
 
 
@@ -205,16 +193,6 @@ def test_two_ranks_online_give_the_two_rank_offline_draft_bit_for_bit(dp_inputs,
         assert formats.data_file(cfg.data, i).read_bytes() == formats.data_file(ref.data, i).read_bytes()
     result = verify.verify(verify.VerifyConfig(path=cfg.data))
     assert not [c for c in result.checks if c.status == "fail"], result.checks
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A states dir on a 1 MiB tmpfs: room for two or three of the tiny Llama's states."""
-    states_dir = tmp_path / "states"
-    states_dir.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(states_dir)], check=True)
-    yield states_dir
-    subprocess.run(["umount", "-l", str(states_dir)], check=False)
 
 
 @pytest.mark.slow

@@ -7,7 +7,6 @@ import json
 import multiprocessing
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -25,6 +24,7 @@ from tests.train.states_helpers import (
     budget_for,
     checkpoint_weights,
     cli_args,
+    extract_per_sample,
     interrupt_then_resume,
     make_stage_inputs,
     states_config,
@@ -262,22 +262,10 @@ def stage_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
 @pytest.fixture(scope="module")
 def offline(stage_inputs, tmp_path_factory) -> dict:
     """The reference: extract (one sample per forward) then offline train, in process."""
-    from pipeline.extract.config import ExtractConfig
-    from pipeline.extract.stage import run as extract_run
     from pipeline.train.stage import run
 
     root = tmp_path_factory.mktemp("offline")
-    extract_run(
-        ExtractConfig(
-            prepared=stage_inputs["prepared"],
-            model=stage_inputs["model"],
-            out=root / "states",
-            device="cpu",
-            max_batch_size=1,
-            verify=False,
-            progress=False,
-        )
-    )
+    extract_per_sample(stage_inputs, root / "states")
     cfg = states_config(stage_inputs, root / "states", root / "out")
     return {"cfg": cfg, "summary": run(cfg, log=lambda m: None)}
 
@@ -444,16 +432,6 @@ def test_bad_inputs_are_one_line_and_touch_nothing(stage_inputs, offline, tmp_pa
     auto_hf = [*base, "--states-memory-share", "0.5"]
     _one_line_exit_2(warm_pipeline(*auto_hf), "the hf backend produces here")
     assert not (tmp_path / "s").exists() and not (tmp_path / "o").exists()
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A states dir on a 1 MiB tmpfs: room for two or three of the tiny Llama's states."""
-    states_dir = tmp_path / "states"
-    states_dir.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(states_dir)], check=True)
-    yield states_dir
-    subprocess.run(["umount", "-l", str(states_dir)], check=False)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
