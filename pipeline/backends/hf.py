@@ -100,6 +100,17 @@ def find_decoder(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.Modul
     return module, layers
 
 
+def init_cuda(device: torch.device) -> None:
+    """CUDA's start on ``device``, before the load, so that its seconds are its own: the driver, the device's
+    context (a first allocation and kernel). An indexed device becomes the current one: events, the clock and
+    the copy stream use the current device's streams."""
+    torch.cuda.init()
+    if device.index is not None:
+        torch.cuda.set_device(device)
+    torch.zeros(1, device=device)
+    torch.cuda.synchronize(device)
+
+
 def load_causal_lm(
     options: BackendOptions, device: torch.device, dtype: torch.dtype, figures: dict[str, float] | None = None
 ) -> nn.Module:
@@ -193,13 +204,8 @@ class HFBackend(Backend):
         self.device = resolve_device(options.device)
         self.startup: dict[str, float] = {}  # the load's parts in seconds: load_causal_lm's, the CUDA init
         if self.device.type == "cuda":
-            with timed_part(self.startup, "cuda_init_seconds"):  # before the load: the driver, the context
-                torch.cuda.init()
-                if self.device.index is not None:
-                    # events, the clock and the copy stream use the current device's streams: the model's
-                    torch.cuda.set_device(self.device)
-                torch.zeros(1, device=self.device)
-                torch.cuda.synchronize(self.device)
+            with timed_part(self.startup, "cuda_init_seconds"):
+                init_cuda(self.device)
         self._dtype = resolve_dtype(options.dtype, self.device)
         if model is None:
             model = load_causal_lm(options, self.device, self._dtype, self.startup)
