@@ -204,6 +204,10 @@ class HFBackend(Backend):
         self.device = resolve_device(options.device)
         self.startup: dict[str, float] = {}  # the load's parts in seconds: load_causal_lm's, the CUDA init
         if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise StageError(
+                    f"device {options.device!r} asked for, but torch {torch.__version__} sees no CUDA device"
+                )
             with timed_part(self.startup, "cuda_init_seconds"):
                 init_cuda(self.device)
         self._dtype = resolve_dtype(options.dtype, self.device)
