@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from pipeline.model.modeldir import ModelDir
@@ -73,6 +75,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         from pipeline.errors import StageError
 
         raise StageError(f"unknown --dtype {dtype!r}: choose auto, bfloat16, float16 or float32") from None
+
+
+@contextmanager
+def timed_part(figures: dict[str, float], name: str) -> Iterator[None]:
+    """Add the wall seconds of the ``with`` block to ``figures[name]``: a backend's start-up, part by part. A
+    part that never ran is absent from ``figures``, never 0."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        figures[name] = figures.get(name, 0.0) + time.perf_counter() - t0
 
 
 class DeviceClock:
@@ -165,6 +178,9 @@ class Backend(ABC):
     name: str
     #: device time spent inside capture(), when the backend measures it (the hf backend does)
     clock: DeviceClock | None = None
+    #: the load's seconds by part (``*_seconds``, the hf backend's: see ``HFBackend``), where the backend
+    #: measures them; the extract stage adds them to its start-up figures
+    startup: Mapping[str, float] = MappingProxyType({})
 
     @property
     @abstractmethod

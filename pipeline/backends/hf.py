@@ -47,6 +47,7 @@ from pipeline.backends.base import (
     resolve_device,
     resolve_dtype,
     split_rows,
+    timed_part,
 )
 from pipeline.errors import StageError
 from pipeline.model.layer_profile import token_scales
@@ -99,23 +100,42 @@ def find_decoder(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.Modul
     return module, layers
 
 
-def load_causal_lm(options: BackendOptions, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def init_cuda(device: torch.device) -> None:
+    """CUDA's start on ``device``, before the load, so that its seconds are its own: the driver, the device's
+    context (a first allocation and kernel). An indexed device becomes the current one: events, the clock and
+    the copy stream use the current device's streams."""
+    torch.cuda.init()
+    if device.index is not None:
+        torch.cuda.set_device(device)
+    torch.zeros(1, device=device)
+    torch.cuda.synchronize(device)
+
+
+def load_causal_lm(
+    options: BackendOptions, device: torch.device, dtype: torch.dtype, figures: dict[str, float] | None = None
+) -> nn.Module:
     """The target with transformers: a causal LM, or for a wrapper whose config transformers has no causal-LM
     class for (Kimi-K2.5: ``Kimi_K25Config``) its image-text-to-text class, whose decoder sits under
-    ``language_model`` (``find_decoder`` finds it; the vision tower is loaded and never run)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    ``language_model`` (``find_decoder`` finds it; the vision tower is loaded and never run). Read into host
+    memory, then moved to ``device``. ``figures`` gets each part's seconds: transformers' import (~0 where it
+    was imported already), ``from_pretrained`` (every class tried), the move (on a GPU, to its copies' end).
+    """
+    figures = {} if figures is None else figures
+    with timed_part(figures, "transformers_import_seconds"):
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto_classes = [AutoModelForCausalLM] + (
         [AutoModelForImageTextToText] if options.model.is_wrapper else []
     )
     for i, auto in enumerate(auto_classes):
         try:
-            model = auto.from_pretrained(
-                options.model.path,
-                dtype=dtype,
-                trust_remote_code=options.trust_remote_code,
-                low_cpu_mem_usage=True,
-            )
+            with timed_part(figures, "model_read_seconds"):
+                model = auto.from_pretrained(
+                    options.model.path,
+                    dtype=dtype,
+                    trust_remote_code=options.trust_remote_code,
+                    low_cpu_mem_usage=True,
+                )
             break
         except (OSError, ValueError, KeyError) as exc:
             unregistered = isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc)
@@ -124,7 +144,11 @@ def load_causal_lm(options: BackendOptions, device: torch.device, dtype: torch.d
             raise StageError(
                 f"cannot load {options.model.path} with transformers: {str(exc).splitlines()[0]}"
             ) from None
-    return model.to(device).eval()
+    with timed_part(figures, "model_to_device_seconds"):
+        model = model.to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return model.eval()
 
 
 def packed_attention(
@@ -178,11 +202,18 @@ class HFBackend(Backend):
         every variant; ``close()`` gives it back as it was)."""
         self.options = options
         self.device = resolve_device(options.device)
-        if self.device.type == "cuda" and self.device.index is not None:
-            # events, the clock and the copy stream use the current device's streams: make it the model's
-            torch.cuda.set_device(self.device)
+        self.startup: dict[str, float] = {}  # the load's parts in seconds: load_causal_lm's, the CUDA init
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise StageError(
+                    f"device {options.device!r} asked for, but torch {torch.__version__} sees no CUDA device"
+                )
+            with timed_part(self.startup, "cuda_init_seconds"):
+                init_cuda(self.device)
         self._dtype = resolve_dtype(options.dtype, self.device)
-        self.model = load_causal_lm(options, self.device, self._dtype) if model is None else model
+        if model is None:
+            model = load_causal_lm(options, self.device, self._dtype, self.startup)
+        self.model = model
         self.decoder, layers = find_decoder(self.model, options.model.num_layers)
         self._layers, self._attn_before = layers, self.decoder.config._attn_implementation
         on_gpu = self.device.type == "cuda"

@@ -108,6 +108,7 @@ def run(cfg: ExtractConfig) -> dict:
         options = replace(options, planned_tokens=sum(int(lengths[i]) for b in batches for i in b.indices))
         with get_backend(cfg.backend, options) as backend:
             startup.update(model_load_seconds=time.perf_counter() - load0, loop_start_seconds=process_age())
+            startup.update(backend.startup)  # the load's parts, where the backend measures them
             # how the states were computed, so that `verify --model` recomputes them the same way (bf16 paths
             # that round differently drift apart at deep layers: 10-11% on random 8B weights, H200)
             expected.extra["compute_path"] = compute_path(backend)

@@ -8,6 +8,7 @@ An H200 run that dies on a broken benchmark costs device time that cannot be had
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -238,3 +239,22 @@ def test_e2e_bench_also_rows_take_environment_tokens_apart_from_flags():
         assert e2e_bench.ENGINE_TIMING.search(line), line
 
     assert not e2e_bench.ENGINE_TIMING.search("extracted 4 samples into /x (1 batches run; 9 tok/s)")
+
+
+def test_load_bench_reports_each_part_and_names_what_a_way_needs(tmp_path):
+    """Each way runs in its own process; the product's reports its load part by part, and transformers'
+    device_map, refused without accelerate (the image has none), is reported in one line, not a traceback."""
+    accelerate = importlib.util.find_spec("accelerate") is not None
+    r = _run(
+        tmp_path, "-m", "bench.load_bench", "--shape", "tiny", "--repeat", "1", "--workdir", str(tmp_path)
+    )
+    host = r["runs"]["host"][0]
+    parts = ("torch_import", "transformers_import", "model_read", "model_to_device")
+    assert all(host[f"{p}_seconds"] >= 0 for p in parts) and "cuda_init_seconds" not in host
+    assert sum(host[f"{p}_seconds"] for p in parts) <= host["load_seconds"] <= host["wall_seconds"]
+    device_map = r["runs"]["device_map"][0]
+    if accelerate:
+        assert r["bit_identical"] is True
+    else:
+        assert "requires `accelerate`" in device_map["error"] and "\n" not in device_map["error"]
+        assert r["bit_identical"] is None and r["host_over_device_map"] is None

@@ -103,6 +103,17 @@ def test_extract_flag_errors(tmp_path, tiny_llama, prepared_llama, flags, fragme
     assert not out.exists() or not list(out.glob("data_*.pt"))
 
 
+def test_extract_on_a_cuda_device_without_one(tmp_path, tiny_llama, prepared_llama, warm_pipeline):
+    """--device cuda where torch sees no GPU is one line, before the model loads (was torch's traceback)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    out = tmp_path / "states"
+    flags = ("--prepared", prepared_llama, "--model", tiny_llama, "--out", out, "--device", "cuda")
+    assert_refused(warm_pipeline("extract", *flags), "sees no CUDA device")
+    assert not out.exists() or not list(out.glob("data_*.pt"))
+
+
 def test_verify_refuses_what_is_not_a_stage_output(tmp_path, warm_pipeline):
     """verify on a missing path or an unrelated directory says what it expected."""
     assert_refused(warm_pipeline("verify", tmp_path / "missing"), "not a directory")

@@ -97,9 +97,9 @@ def test_first_batch_after_leaves_out_workers_without_a_batch_and_unknown_ages()
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_extract_reports_where_its_start_up_went(tmp_path, tiny_llama, prepared_llama, workers):
-    """The stats give, in process-age seconds, the end of the imports, the model load and the first batch (for
-    two workers: when the launcher started them, and each worker's own timeline); the printed line sums it
-    up."""
+    """The stats give, in process-age seconds, the end of the imports, the model load (and its parts) and the
+    first batch (for two workers: when the launcher started them, and each worker's own timeline); the printed
+    line sums it up."""
     argv = [
         "extract",
         "--prepared",
@@ -131,6 +131,11 @@ def test_extract_reports_where_its_start_up_went(tmp_path, tiny_llama, prepared_
     for t in timelines:
         assert 0 < t["imports_seconds"] and 0 < t["model_load_seconds"]
         assert t["imports_seconds"] + t["model_load_seconds"] <= t["loop_start_seconds"] + 0.02
+        # the load's parts, each measured inside it; the CUDA init is a GPU's only: absent, not 0, on the CPU
+        parts = [t[f"{k}_seconds"] for k in ("transformers_import", "model_read", "model_to_device")]
+        assert all(p >= 0 for p in parts) and t["model_read_seconds"] > 0
+        assert sum(parts) <= t["model_load_seconds"]
+        assert "cuda_init_seconds" not in t
         assert own.get("workers_started_seconds", 0) + t["loop_start_seconds"] < wall
     first, load = first_batch_after(stats)
     assert first == pytest.approx(
