@@ -8,16 +8,17 @@ description that `--dry-run` prints. A vllm producer may span several GPUs (tens
 `producer_gpus`: `--states-tensor-parallel-size`, the engine on the first N GPUs the container sees, the
 trainer on the one after them). Several trainer GPUs make the stage a torchrun job (`TrainPlan.launcher`,
 pipeline/runtime/torchrun.py: one `pipeline train` process per trainer GPU, speculators' DDP), the trainer
-GPUs first in the container's order (rank r on cuda:r) and the hf producer after them, in rank 0's process.
-It also refuses, in one line, a split today's `pipeline train` cannot run (docs/train.md): a vllm producer
-beside several trainer processes, an hf producer on more than one GPU, a memory share for anything but a
-vLLM engine (`--states-memory-share`, pipeline/train/share.py). Pure: the host's GPU count comes from
-the preflight's probe (`check_gpu_count`).
+GPUs first in the container's order (rank r on cuda:r) and the producer's after them: the hf producer in
+rank 0's process, or the vLLM engine in a process of rank 0's own (pipeline/train/producer_process.py),
+tensor parallel over the producer GPUs. It also refuses, in one line, a split today's `pipeline train`
+cannot run (docs/train.md): an hf producer on more than one GPU, a memory share for anything but a vLLM
+engine (`--states-memory-share`, pipeline/train/share.py). Pure: the host's GPU count comes from the
+preflight's probe (`check_gpu_count`).
 
-Every process this mode starts (the trainer, its producer thread, the hf backend in the same process, the
-vLLM engine's worker processes, children of it, or torchrun's agent and its trainer processes) runs inside
-the one stage container, so gpu-clean
-knows them by that container's labels (ops.lock.refuse_killing_stages) like any stage's.
+Every process this mode starts (the trainer, its producer thread or process, the hf backend in the same
+process, the vLLM engine's worker processes, children of it, or torchrun's agent and its trainer processes)
+runs inside the one stage container, so gpu-clean knows them by that container's labels
+(ops.lock.refuse_killing_stages) like any stage's.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class TrainStates:
     def gpus(self) -> tuple[int, ...]:
         """The host GPUs the split names in the container's cuda:0.. order: the producer's first (a vllm
         engine takes the first GPUs it sees), except with several trainer GPUs, whose torchrun ranks take
-        cuda:0..N-1: theirs first, then the hf producer's."""
+        cuda:0..N-1: theirs first, then the producer's."""
         if self.data_parallel:
             return (*self.trainer_gpus, *self.producer_gpus)
         return (*self.producer_gpus, *self.trainer_gpus)
@@ -189,12 +190,6 @@ def _runnable(ts: TrainStates, docker_gpus: str) -> None:
         )
     if ts.shared:
         return
-    if ts.data_parallel and ts.states_backend != "hf":
-        raise ConfigError(
-            f"train.trainer_gpus {list(ts.trainer_gpus)}: several trainer processes (torchrun) produce with "
-            f"the hf backend only, in rank 0's process; the {ts.states_backend} producer runs beside one "
-            'trainer: list one trainer GPU, or set states_backend = "hf"'
-        )
     if len(ts.producer_gpus) > 1 and ts.states_backend == "hf":
         raise ConfigError(
             f"train.producer_gpus {list(ts.producer_gpus)}: the hf states backend produces on one GPU; "
@@ -259,11 +254,24 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
                 "--nproc-per-node",
                 str(n),
             )
-            want.append(("--states-device", f"cuda:{n}"))  # each rank's own device is torchrun's local rank
             trainers = ", ".join(map(str, ts.trainer_gpus))
+            if ts.states_backend == "hf":
+                want.append(("--states-device", f"cuda:{n}"))  # each rank's device: torchrun's local rank
+                producer = (
+                    f"the hf producer on host GPU {ts.producer_gpus[0]} (cuda:{n} in the container, in rank "
+                    "0's process)"
+                )
+            else:  # rank 0 starts the engine in a process that sees only the GPUs after the trainers'
+                tp = len(ts.producer_gpus)
+                want.append(("--states-tensor-parallel-size", str(tp)))
+                host = ", ".join(map(str, ts.producer_gpus))
+                producer = (
+                    f"the vLLM engine tensor parallel {tp} on host GPU{'s' if tp > 1 else ''} {host} "
+                    f"(cuda:{n}..{n + tp - 1} in the container, in a process of rank 0's own; the model's "
+                    f"attention heads must divide by {tp})"
+                )
             split = (
-                f"GPUs split: the hf producer on host GPU {ts.producer_gpus[0]} (cuda:{n} in the container, "
-                f"in rank 0's process), the trainer data parallel over host GPUs {trainers} "
+                f"GPUs split: {producer}, the trainer data parallel over host GPUs {trainers} "
                 f"(cuda:0..{n - 1}: torchrun, one process per GPU, speculators' DDP; rank 0 produces "
                 f"for every rank): {order}"
             )
@@ -295,7 +303,7 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
         f"the run, not a finished extract set), produced by the {ts.states_backend} backend while the draft "
         "trains",
         split,
-        f"processes: {trainer}, its producer thread and any engine worker all run in container "
+        f"processes: {trainer}, its producer thread or process and any engine worker all run in container "
         f"{container}, labelled with the run id: gpu-clean refuses to kill them while it runs; the server "
         "is stopped before and restored after (--restore-server) as for extract",
         *((f"yours after `--` win: {', '.join(mine)}",) if mine else ()),

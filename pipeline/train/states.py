@@ -380,6 +380,49 @@ def state_file_bytes(directory: Path) -> int:
 # ---------------------------------------------------------------- producer
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """What a producer makes: ``order``'s samples within ``plan``'s budget (``sizes``: each sample's bound on
+    disk), the kept ones in ``present`` on disk already (``present_bytes``), in forwards of at most
+    ``max_batch_tokens`` tokens and ``max_batch_size`` samples, each sample ``num_layers`` states of
+    ``hidden_size``."""
+
+    order: tuple[int, ...]
+    plan: StatesPlan
+    sizes: tuple[int, ...]
+    present: frozenset[int]
+    present_bytes: int
+    hidden_size: int
+    num_layers: int
+    max_batch_tokens: int
+    max_batch_size: int
+
+    def record(self) -> dict:
+        """The schedule as JSON (a producer in another process: pipeline/train/producer_process.py)."""
+        record = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        plan = {f: getattr(self.plan, f) for f in self.plan.__dataclass_fields__}
+        return {
+            **record,
+            "order": list(self.order),
+            "sizes": list(self.sizes),
+            "present": sorted(self.present),
+            "plan": {**plan, "keep": sorted(self.plan.keep)},
+        }
+
+    @classmethod
+    def from_record(cls, record: dict) -> Schedule:
+        plan = StatesPlan(**{**record["plan"], "keep": frozenset(record["plan"]["keep"])})
+        return cls(
+            **{
+                **record,
+                "order": tuple(record["order"]),
+                "sizes": tuple(record["sizes"]),
+                "present": frozenset(record["present"]),
+                "plan": plan,
+            }
+        )
+
+
 @dataclass
 class ProducerStats:
     samples: int = 0
@@ -398,37 +441,22 @@ class Producer:
     Kept samples' files stay and their checksums go to the extract journal; transient ones are deleted by
     their reader (``ProducedDataset``), which the producer sees by their absence."""
 
-    def __init__(
-        self,
-        backend,
-        directory: Path,
-        prepared: formats.PreparedSamples,
-        order: Sequence[int],
-        plan: StatesPlan,
-        sizes: Sequence[int],
-        *,
-        present: frozenset[int],
-        present_bytes: int,
-        hidden_size: int,
-        num_layers: int,
-        max_batch_tokens: int,
-        max_batch_size: int,
-    ):
+    def __init__(self, backend, directory: Path, prepared: formats.PreparedSamples, schedule: Schedule):
         self.backend, self.directory, self.prepared = backend, Path(directory), prepared
-        self.order, self.plan, self.sizes = list(order), plan, sizes
-        self.hidden_size, self.num_layers = hidden_size, num_layers
-        self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
+        self.order, self.plan, self.sizes = list(schedule.order), schedule.plan, schedule.sizes
+        self.hidden_size, self.num_layers = schedule.hidden_size, schedule.num_layers
+        self.max_batch_tokens, self.max_batch_size = schedule.max_batch_tokens, schedule.max_batch_size
         self.lengths = prepared.lengths()
-        self.kept_bytes = present_bytes  # real sizes of the kept files on disk
+        self.kept_bytes = schedule.present_bytes  # real sizes of the kept files on disk
         self.waiting: dict[int, int] = {}  # transient sample -> its file's size, until its reader deletes it
-        self.stats = ProducerStats(peak_bytes=present_bytes)
+        self.stats = ProducerStats(peak_bytes=schedule.present_bytes)
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="states-producer", daemon=True)
         self.journal = formats.ChecksumJournal(self.directory)
 
     def start(self) -> Producer:
-        _FAILED_HERE.pop(str(self.directory), None)
+        clear_failure(self.directory)
         self._thread.start()
         return self
 
@@ -439,6 +467,11 @@ class Producer:
         self._thread.join()
         self.journal.close()
         _READER_FLAGS.pop(str(self.directory), None)
+
+    @property
+    def running(self) -> bool:
+        """Still producing: neither done with its schedule, nor failed, nor stopped."""
+        return self._thread.is_alive()
 
     def finish(self) -> int:
         """The trainer is done: stop, raise the producer's error, return the samples of the schedule it did
@@ -500,13 +533,7 @@ class Producer:
                     "(free space or lower --states-budget, then re-run with --resume)"
                 )
             self.error = exc
-            _FAILED_HERE[str(self.directory)] = str(exc)
-            for flag in _READER_FLAGS.get(str(self.directory), []):
-                flag.value = 1
-            try:
-                (self.directory / FAILED).write_text(f"{exc}\n")
-            except OSError:  # a disk too full even for this line: readers in this process still see it
-                pass
+            mark_failed(self.directory, str(exc))
 
     def _produce(self, chunk: list[int]) -> None:
         import torch
@@ -551,6 +578,24 @@ class Producer:
             self.stats.tokens += len(seq)
             self.stats.bytes_written += digest.bytes
             self.stats.peak_bytes = max(self.stats.peak_bytes, self.kept_bytes + sum(self.waiting.values()))
+
+
+def clear_failure(directory: Path) -> None:
+    """A new producer of ``directory`` starts: an earlier run's failure in this process is not its."""
+    _FAILED_HERE.pop(str(directory), None)
+
+
+def mark_failed(directory: Path, message: str) -> None:
+    """The producer of ``directory`` failed with ``message``: every reader learns it, in this process (its
+    recorded error, the flags of its loader workers) and in others (the FAILED file, where the disk lets it be
+    written)."""
+    _FAILED_HERE[str(directory)] = message
+    for flag in _READER_FLAGS.get(str(directory), []):
+        flag.value = 1
+    try:
+        (Path(directory) / FAILED).write_text(f"{message}\n")
+    except OSError:  # a disk too full even for this line: readers in this process still see it
+        pass
 
 
 # ---------------------------------------------------------------- the trainer's side

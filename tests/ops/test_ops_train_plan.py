@@ -185,6 +185,23 @@ def test_several_trainer_gpus_make_a_torchrun_job():
     assert one.stage_argv[:4] == ("python", "-m", "pipeline", "train")  # one trainer GPU: no torchrun
 
 
+def test_a_vllm_producer_beside_several_trainer_gpus():
+    """The Kimi plan's split: the vLLM engine tensor parallel 6 on host GPUs 0-5 and the trainer on host GPUs
+    6 and 7: a torchrun job of two ranks on cuda:0 and cuda:1 (the trainers' GPUs first in the container's
+    order), the engine on cuda:2..7 in a process of rank 0's own; --dry-run's lines say so."""
+    plan = plan_stage(
+        box(TrainStates("hybrid", "2T", "vllm", (0, 1, 2, 3, 4, 5), (6, 7))), "train", run_id="t14"
+    )
+    launcher = ("python", "-m", "pipeline.runtime.torchrun", "--standalone", "--nproc-per-node", "2")
+    assert plan.stage_argv[: len(launcher) + 3] == (*launcher, "-m", "pipeline", "train")
+    assert flag(plan.stage_argv, "--states-tensor-parallel-size") == "6"
+    assert "--states-device" not in plan.stage_argv and "--device" not in plan.stage_argv
+    assert env_of(plan.docker_run)["CUDA_VISIBLE_DEVICES"] == "6,7,0,1,2,3,4,5"
+    (split,) = [line for line in plan.train.why if line.startswith("GPUs split")]
+    assert "the vLLM engine tensor parallel 6 on host GPUs 0, 1, 2, 3, 4, 5 (cuda:2..7" in split
+    assert "in a process of rank 0's own" in split and "data parallel over host GPUs 6, 7" in split
+
+
 def test_offline_train_plan_is_unchanged():
     """Without a train table the train stage reads the finished extract set, as before."""
     plan = plan_stage(box(TrainStates()), "train", run_id="t5")
@@ -202,11 +219,6 @@ def test_offline_train_plan_is_unchanged():
             "hf states backend produces on one",
         ),
         (
-            TrainStates("hybrid", "2T", "vllm", (0, 1, 2, 3, 4, 5), (6, 7)),
-            {},
-            "several trainer processes .torchrun. produce with the hf backend only",
-        ),
-        (
             TrainStates("hybrid", "2T", "hf", (0,), (6, 7)),
             {"docker_gpus": "device=0,6,7"},
             'docker_gpus = "all"',
@@ -221,9 +233,9 @@ def test_offline_train_plan_is_unchanged():
     ],
 )
 def test_splits_pipeline_train_cannot_run_are_refused(train, kw, message):
-    """What today's pipeline train cannot run: a vllm producer beside several trainer processes (it runs
-    beside one; a torchrun job produces with hf in rank 0), an hf producer on several GPUs, a host split
-    without the host's GPU numbering: ops refuses (exit 2) before anything connects."""
+    """What today's pipeline train cannot run: an hf producer on several GPUs, a host split without the
+    host's GPU numbering, a memory share for the hf producer: ops refuses (exit 2) before anything
+    connects."""
     with pytest.raises(ConfigError, match=message) as err:
         plan_stage(box(train, **kw), "train", run_id="t6")
     assert "\n" not in str(err.value)

@@ -10,7 +10,6 @@ pipeline/demo/tiny.py once per session.
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 from pipeline.ondisk import formats
 from pipeline.train.stage import TrainConfig
+from tests.conftest import tmpfs
 
 
 @dataclass(frozen=True)
@@ -217,8 +217,5 @@ def trained(tmp_path_factory):
 @pytest.fixture
 def small_disk(tmp_path):
     """A states dir on a 1 MiB tmpfs: room for two or three of the tiny Llama's states."""
-    states_dir = tmp_path / "states"
-    states_dir.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(states_dir)], check=True)
-    yield states_dir
-    subprocess.run(["umount", "-l", str(states_dir)], check=False)
+    with tmpfs(tmp_path / "states", "1m") as states_dir:
+        yield states_dir

@@ -5,6 +5,7 @@ signalled mid-run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.files import read_metrics
 from tests.conftest import REPO
 
+RANKS = 2  # the torchrun jobs' processes
 SAMPLES = 16  # prepared samples: 12 train, 4 held out
 MAX_LEN = 256
 EPOCHS = 2
@@ -114,6 +116,7 @@ def cli_args(cfg: TrainConfig) -> list[str]:
         ("--states-backend", None if cfg.states_backend == "auto" else cfg.states_backend),
         ("--states-dtype", None if cfg.states_dtype == "auto" else cfg.states_dtype),
         ("--states-max-batch-size", cfg.states_max_batch_size),
+        ("--states-tensor-parallel-size", cfg.states_tensor_parallel_size),
         ("--checkpoint-steps", cfg.checkpoint_steps),
     ):
         if value is not None:
@@ -335,3 +338,41 @@ def assert_recovered(cfg: TrainConfig, result: dict, total_steps: int) -> dict:
     assert {i: formats.data_file(cfg.data, i).stat().st_mtime_ns for i in last["kept"]} == last["kept"]
     assert not [c for c in verify.verify(verify.VerifyConfig(path=cfg.data)).checks if c.status == "fail"]
     return summary
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS)]
+
+
+def torchrun(argv: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 -m pipeline ARGV`` on this host (a free rendezvous port); a job that
+    outlives ``timeout`` (a hang) is killed whole, its ranks included, and fails the test."""
+    job = subprocess.Popen(
+        [*TORCHRUN, "-m", "pipeline", *argv],
+        cwd=REPO,
+        env=pipeline_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except BaseException:
+        kill_job(job)
+        raise
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
+
+
+def kill_job(job: subprocess.Popen) -> list[int]:
+    """SIGKILL a torchrun job and every process under it (torchrun starts each rank in a session of its
+    own, so a signal to its group misses them); return their pids."""
+    import psutil
+
+    try:
+        pids = [p.pid for p in psutil.Process(job.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        pids = []
+    for pid in [job.pid, *pids]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    job.communicate(timeout=60)
+    return pids

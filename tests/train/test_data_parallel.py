@@ -3,10 +3,8 @@ the producer's merged schedule of every rank's batches, and real 2-rank runs off
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,21 +17,23 @@ from pipeline.ondisk import formats
 from pipeline.train import stage, states
 from tests.conftest import REPO
 from tests.train.states_helpers import (
+    RANKS,
+    TORCHRUN,
     BytesWatch,
     budget_for,
     checkpoint_weights,
     cli_args,
     extract_per_sample,
+    kill_job,
     committed_step,
     make_stage_inputs,
     pipeline_env,
     states_config,
     still_alive,
     train_losses,
+    torchrun,
     train_rows,
 )
-
-RANKS = 2
 
 
 # ---------------------------------------------------------------- the merged schedule (pure)
@@ -107,44 +107,6 @@ def dp_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
     return {**inputs, "states": root / "states"}
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS)]
-
-
-def torchrun(argv: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 -m pipeline ARGV`` on this host (a free rendezvous port); a job that
-    outlives ``timeout`` (a hang) is killed whole, its ranks included, and fails the test."""
-    job = subprocess.Popen(
-        [*TORCHRUN, "-m", "pipeline", *argv],
-        cwd=REPO,
-        env=pipeline_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, err = job.communicate(timeout=timeout)
-    except BaseException:
-        kill_job(job)
-        raise
-    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
-
-
-def kill_job(job: subprocess.Popen) -> list[int]:
-    """SIGKILL a torchrun job and every process under it (torchrun starts each rank in a session of its
-    own, so a signal to its group misses them); return their pids."""
-    import psutil
-
-    try:
-        pids = [p.pid for p in psutil.Process(job.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        pids = []
-    for pid in [job.pid, *pids]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    job.communicate(timeout=60)
-    return pids
-
-
 @pytest.mark.slow
 def test_two_ranks_online_give_the_two_rank_offline_draft_bit_for_bit(dp_inputs, tmp_path):
     """2 CPU ranks (gloo, speculators' DDP), once offline on extract's states and once online under a budget
@@ -180,6 +142,7 @@ def test_two_ranks_online_give_the_two_rank_offline_draft_bit_for_bit(dp_inputs,
     assert st["peak_bytes"] <= int(budget) and watch.max <= int(budget), (st["peak_bytes"], watch.max, budget)
     # the 4 held-out once, every training sample each epoch: transient ones came, were read and went
     assert st["produced_samples"] == 4 + 12 * cfg.epochs and st["producer_room_wait_seconds"] > 0
+    assert st["producer"] == "thread"  # the hf producer: a thread of rank 0's
     for epoch in range(cfg.epochs):
         a, b = checkpoint_weights(ref.out, epoch), checkpoint_weights(cfg.out, epoch)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), epoch

@@ -137,20 +137,9 @@ def test_a_sample_read_in_two_epochs_is_written_again_only_once_its_first_copy_i
     lengths = [8, 8, 8]
     sizes = [states.sample_bytes(t, 4, 1, 4) for t in lengths]
     plan = states.StatesPlan("online", 10**9, frozenset(), 0, 10**9)
-    producer = states.Producer(
-        _Backend(),
-        tmp_path,
-        _Prepared(lengths),
-        [0, 1, 0, 2],
-        plan,
-        sizes,
-        present=frozenset(),
-        present_bytes=0,
-        hidden_size=4,
-        num_layers=1,
-        max_batch_tokens=1000,
-        max_batch_size=64,
-    ).start()
+    schedule = states.Schedule((0, 1, 0, 2), plan, tuple(sizes), frozenset(), 0, 4, 1, 1000, 64)
+    assert states.Schedule.from_record(json.loads(json.dumps(schedule.record()))) == schedule
+    producer = states.Producer(_Backend(), tmp_path, _Prepared(lengths), schedule).start()
     try:
         deadline = time.monotonic() + 10
         while producer.stats.samples < 2 and time.monotonic() < deadline:

@@ -26,7 +26,12 @@ files: the tests take both.
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -34,18 +39,26 @@ import pytest
 
 from pipeline.errors import StageError
 from pipeline.ondisk import formats
+from pipeline.train import stage as states_stage
 from pipeline.train import states
-from tests.conftest import run_pipeline
+from tests.conftest import REPO, run_pipeline
 from tests.train.states_helpers import (
     EPOCHS,
+    TORCHRUN,
     BytesWatch,
     assert_recovered,
     checkpoint_weights,
+    cli_args,
+    committed_step,
     interrupt_then_resume,
+    kill_job,
     make_stage_inputs,
+    pipeline_env,
     states_config,
     still_alive,
+    torchrun,
     train_losses,
+    train_rows,
 )
 from tests.vllm.conftest import compare_dirs, fp32_tolerance
 from tests.vllm.scratch_in_states_dir import choose_out
@@ -304,3 +317,151 @@ def test_sigint_then_sigkill_then_resume(stage_inputs, offline, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < WEIGHTS_ATOL
     la, lb = train_losses(ref.out)[-1], train_losses(cfg.out)[-1]
     assert abs(la - lb) <= LOSS_RTOL * abs(la), (la, lb)
+
+
+# ------------------------------------------------------------ torchrun: the engine in a process of its own
+
+
+@pytest.fixture(scope="module")
+def offline_two_ranks(offline, tmp_path_factory) -> dict:
+    """The reference of the torchrun runs: 2 CPU ranks (gloo, speculators' DDP) trained on the offline
+    fixture's vllm extract."""
+    cfg = replace(offline["cfg"], out=tmp_path_factory.mktemp("vllm-dp") / "offline")
+    done = torchrun(cli_args(cfg))
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((cfg.out / "summary.json").read_text())
+    return {"cfg": cfg, "steps": summary["train"]["steps_per_epoch"]}
+
+
+def job_processes(job: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(job.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def rank_process(job: subprocess.Popen, rank: int) -> psutil.Process:
+    """The torchrun job's trainer process of ``rank`` (torchrun's agent's child with that RANK)."""
+    for proc in psutil.Process(job.pid).children():
+        if proc.environ().get("RANK") == str(rank):
+            return proc
+    raise AssertionError(f"no rank {rank} under torchrun {job.pid}")
+
+
+def producer_process_of(rank0: psutil.Process) -> psutil.Process:
+    """Rank 0's states producer process (pipeline/train/producer_process.py)."""
+    found = [p for p in rank0.children() if "pipeline.train.producer_process" in " ".join(p.cmdline())]
+    assert len(found) == 1, [p.cmdline() for p in rank0.children()]
+    return found[0]
+
+
+def start_job(cfg, resume: bool = False) -> subprocess.Popen:
+    err = tempfile.TemporaryFile("w+")  # not a pipe: a process that outlived the job would hold it open
+    job = subprocess.Popen(
+        [*TORCHRUN, "-m", "pipeline", *cli_args(cfg), *(["--resume"] if resume else [])],
+        cwd=REPO,
+        env=pipeline_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+        text=True,
+    )
+    job.err = err
+    return job
+
+
+def wait_rows(job: subprocess.Popen, out: Path, rows: int, timeout: float = 600) -> int:
+    deadline, seen = time.monotonic() + timeout, 0
+    while job.poll() is None and time.monotonic() < deadline and seen < rows:
+        time.sleep(0.01)
+        seen = len(train_rows(out)) if (out / "metrics.jsonl").is_file() else 0
+    assert job.poll() is None, "the job ended before the signal: " + stderr_of(job)[-3000:]
+    return seen
+
+
+def stderr_of(job: subprocess.Popen) -> str:
+    job.err.seek(0)
+    return job.err.read()
+
+
+def test_a_torchrun_job_produces_with_an_engine_in_a_process_of_its_own(
+    stage_inputs, offline_two_ranks, tmp_path
+):
+    """2 trainer ranks, online, the vllm producer tensor parallel 2: rank 0 runs the engine in a process that
+    does not see torchrun's environment (in a rank, vLLM took the job's process group and hung). torchrun's
+    agent and rank 0 SIGKILLed in epoch 1 (the agent would otherwise end rank 0's session, the producer's
+    process with it): the producer's process sees rank 0 gone, closes its engine and exits, and no process of
+    the job is left. Resumed: no step trained twice, the budget held throughout, the kept files
+    pass verify, and the draft is the 2-rank offline one within the stated tolerance."""
+    ref, steps = offline_two_ranks["cfg"], offline_two_ranks["steps"]
+    cfg = vllm_config(
+        stage_inputs,
+        tmp_path,
+        states_mode="online",
+        states_budget=budget(stage_inputs, 4),  # the 4 held-out and room for 2 more: it waits for room
+        states_tensor_parallel_size=2,  # worker processes under the producer's process
+        states_max_batch_size=1,
+        checkpoint_steps=1,
+    )
+    with BytesWatch(cfg.data) as watch:
+        job = start_job(cfg)
+        try:
+            rows = wait_rows(job, cfg.out, steps + 1)
+            rank0 = rank_process(job, 0)
+            producer = producer_process_of(rank0)
+            assert "RANK" not in producer.environ() and "MASTER_PORT" not in producer.environ()
+            under = [" ".join(p.cmdline()) for p in producer.children(recursive=True)]
+            assert len([c for c in under if "VLLM::Worker" in c]) == 2, under
+            assert len([c for c in under if "pipeline.train.reaper" in c]) == 1, under
+            pids = [p.pid for p in job_processes(job)]
+            assert not (cfg.data / states.DONE).exists(), "the producer was done: the kill tests nothing"
+            job.kill()  # torchrun's agent first: it would end rank 0's session, the producer's process in it
+            rank0.kill()
+            job.wait(timeout=120)
+        finally:
+            kill_job(job)
+        assert steps + 1 <= rows < EPOCHS * steps
+        orphans = still_alive(pids, within=30)
+        for pid in orphans:
+            psutil.Process(pid).kill()
+        assert not orphans, "a process of the job (the producer's, its engine's) outlived rank 0"
+        committed, _ = committed_step(cfg.out)
+        resumed = torchrun([*cli_args(cfg), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resuming at step {committed}" in resumed.stderr
+    assert "in a process of its own" in resumed.stderr
+    assert [r["step"] for r in train_rows(cfg.out)] == list(range(EPOCHS * steps))
+    assert watch.max <= int(cfg.states_budget), (watch.max, cfg.states_budget)
+    summary = json.loads((cfg.out / "summary.json").read_text())["train"]
+    assert summary["world_size"] == 2 and summary["states"]["peak_bytes"] <= int(cfg.states_budget)
+    assert summary["states"]["producer"] == "process"
+    assert_verified(cfg.data)
+    assert not list(cfg.data.glob(SCRATCH)) and not list(cfg.data.glob(".*partial"))
+    a, b = checkpoint_weights(ref.out, EPOCHS - 1), checkpoint_weights(cfg.out, EPOCHS - 1)
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    la, lb = train_losses(ref.out)[-1], train_losses(cfg.out)[-1]
+    print(f"torchrun vllm producer against 2-rank offline: weights {worst:.2e}, last loss {la} / {lb}")
+    assert worst < WEIGHTS_ATOL and abs(la - lb) <= LOSS_RTOL * abs(la), (worst, la, lb)
+
+
+def test_a_killed_producer_process_ends_the_job_in_one_line(stage_inputs, tmp_path):
+    """The producer's process of a torchrun job SIGKILLed mid-run (tensor parallel 1: the engine inside it):
+    rank 0 reports it as a failed producer in one line, the only error line, the other rank leaves the report
+    to it, and no process of the job is left."""
+    cfg = vllm_config(stage_inputs, tmp_path, states_mode="online", states_budget="50M")
+    job = start_job(cfg)
+    try:
+        wait_rows(job, cfg.out, 2)
+        producer = producer_process_of(rank_process(job, 0))
+        pids = [p.pid for p in job_processes(job)]
+        producer.kill()
+        job.wait(timeout=states_stage.REPORT_GRACE_S + 120)
+    finally:
+        kill_job(job)
+    err = stderr_of(job)
+    assert job.returncode != 0, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: the states producer failed: its process ended with exit code -9 and no report "
+        "(its output is above)"
+    ], err[-4000:]
+    assert not still_alive(pids, within=30), "a process of the job outlived it"
