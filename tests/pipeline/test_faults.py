@@ -8,17 +8,14 @@ import subprocess
 import pytest
 
 from pipeline.ondisk import formats
-from tests.conftest import run_pipeline, run_extract
+from tests.conftest import run_extract, run_pipeline, tmpfs
 
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 2 MiB tmpfs (root only; CI runs as root): a disk that fills up."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    """A 2 MiB tmpfs: a disk that fills up."""
+    with tmpfs(tmp_path / "small", "2m") as mnt:
+        yield mnt
 
 
 def test_disk_full_leaves_no_partial_file_and_resume_completes(small_tmpfs, tiny_llama, prepared_llama):

@@ -10,13 +10,12 @@ import importlib
 import json
 import os
 import shutil
-import subprocess
 import typing
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_pipeline
+from tests.conftest import run_pipeline, tmpfs
 from tests.pipeline.test_reliability_readers import cli, refused
 
 
@@ -113,12 +112,9 @@ def test_a_turn_list_that_is_not_a_list_is_named_as_such(
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A tmpfs of 64 KiB (root only; CI runs as root): a file system a stage's output does not fit in."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    """A tmpfs of 64 KiB: a file system a stage's output does not fit in."""
+    with tmpfs(tmp_path / "disk", "64k") as mnt:
+        yield mnt
 
 
 def test_full_disk_in_weights_is_one_line_naming_the_output(small_disk, tiny_llama):
@@ -137,10 +133,7 @@ def test_full_disk_in_weights_is_one_line_naming_the_output(small_disk, tiny_lla
 def test_full_disk_in_prepare_names_the_file(tmp_path, monkeypatch, capsys, tiny_llama, conversations):
     """prepare's files do not fit a 4 KiB tmpfs: the line names the output's file (not its staging name)
     and "No space left on device"; nothing is left there (before: a line naming no path)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mnt)], check=True)
-    try:
+    with tmpfs(tmp_path / "disk", "4k") as mnt:
         out = mnt / "p"
         rc, err = cli(
             monkeypatch, capsys, "prepare", "--data", conversations, "--model", tiny_llama, "--out", out,
@@ -149,8 +142,6 @@ def test_full_disk_in_prepare_names_the_file(tmp_path, monkeypatch, capsys, tiny
         refused((rc, err), f"{out}/", "No space left on device")
         assert ".staging" not in err
         assert list(mnt.iterdir()) == []
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_full_disk_in_train_is_one_line_and_leaves_no_output(

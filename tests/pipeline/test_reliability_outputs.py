@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import PYTHON, REPO
+from tests.conftest import PYTHON, REPO, tmpfs
 from tests.pipeline.test_reliability_readers import cli, linked_copy, refused
 
 
@@ -143,12 +143,9 @@ def test_shards_of_one_output_lock_separately(tmp_path):
 @pytest.fixture
 def mounted_out(tmp_path):
     """An output directory that is a mount point (rename(2) of it fails with EBUSY), holding an old output."""
-    out = tmp_path / "out"
-    out.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(out)], check=True)
-    (out / "old-output.txt").write_text("previous run\n")
-    yield out
-    subprocess.run(["umount", "-l", str(out)], check=False)
+    with tmpfs(tmp_path / "out", "4m") as out:
+        (out / "old-output.txt").write_text("previous run\n")
+        yield out
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
