@@ -104,7 +104,8 @@ def gpu_check(state: GpuState) -> CheckResult:
 def split_check(plan: StagePlan, state: GpuState) -> CheckResult | None:
     """train with produced states: the hosts file's producer/trainer GPUs against the GPUs the probe found
     (None: no split to check, or no GPU facts: gpu_check reports those)."""
-    if plan.train is None or plan.train.states.shared or not state.gpus:
+    ts = plan.train.states if plan.train is not None else None
+    if ts is None or (ts.shared and not ts.data_parallel) or not state.gpus:
         return None
     why = check_gpu_count(plan.train.states, len(state.gpus))
     return CheckResult("gpu split", FAIL, why) if why else CheckResult("gpu split", OK, plan.train.why[1])

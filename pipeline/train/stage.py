@@ -320,9 +320,9 @@ class Produced:
     backend: str  # hf | vllm: --states-backend, auto resolved
     backend_reason: str  # why (auto's one line, or "as asked")
     share_reason: str = ""  # the vllm producer's memory share and why (pipeline/train/share.py)
-    # a torchrun job's vllm producer, in a process of its own: the GPUs it sees ([] on the CPU); None: the
-    # producer is a thread of this process (pipeline/train/producer_process.py)
-    engine_gpus: list[str] | None = None
+    # a torchrun job's vllm producer, in a process of its own: its GPUs (producer_process.Placement); None:
+    # the producer is a thread of this process
+    engine: object = None
 
 
 def produced_inputs(cfg: TrainConfig, world_size: int = 1) -> tuple[TrainInputs, Produced]:
@@ -347,8 +347,8 @@ def produced_inputs(cfg: TrainConfig, world_size: int = 1) -> tuple[TrainInputs,
     layer_ids = validate_layer_ids(cfg.layer_ids, model.num_layers)
     choice = resolve(cfg.states_backend, model.path)  # extract's rule for --backend auto
     hf = choice.backend == "hf"
-    engine_gpus = _engine_gpus(cfg, choice.backend, world_size)
-    share = _producer_share(cfg, choice.backend, model.path, engine_gpus is not None)
+    engine = _engine_placement(cfg, choice.backend, world_size)
+    share = _producer_share(cfg, choice.backend, model.path, engine)
     dtype = resolve_dtype(  # as extract: the vllm engine's auto is bf16 wherever it runs
         cfg.states_dtype if hf or cfg.states_dtype != "auto" else "bfloat16",
         resolve_device(cfg.states_device) if hf else torch.device("cpu"),
@@ -394,44 +394,51 @@ def produced_inputs(cfg: TrainConfig, world_size: int = 1) -> tuple[TrainInputs,
         memory_share=share.value,
     )
     shown = "" if hf else f"; memory share {share.value or 'vLLM default'}: {share.reason}"
-    if engine_gpus is not None:
-        shown += "; in a process of its own, " + (
-            f"CUDA_VISIBLE_DEVICES={','.join(engine_gpus)}" if engine_gpus else "on the CPU"
-        )
+    if engine is not None:
+        where = "on the CPU"
+        if engine.gpus:
+            where = f"CUDA_VISIBLE_DEVICES={','.join(engine.gpus)}"
+            where += ", the trainers' GPUs too" if engine.shared else ", GPUs of its own"
+        shown += f"; in a process of its own, {where}"
     return inputs, Produced(
-        prepared, dc, plan, sizes, train, held_out, options, choice.backend, choice.reason, shown, engine_gpus
+        prepared, dc, plan, sizes, train, held_out, options, choice.backend, choice.reason, shown, engine
     )
 
 
-def _engine_gpus(cfg: TrainConfig, backend: str, world_size: int) -> list[str] | None:
-    """A torchrun job's vllm producer: the GPUs its process sees, the ones after the trainers' (refused in
-    one line when too few are left; [] on the CPU); None where the producer is a thread of the trainer's."""
+def _engine_placement(cfg: TrainConfig, backend: str, world_size: int):
+    """A torchrun job's vllm producer: where its process runs (``producer_process.engine_placement``: the
+    GPUs after the trainers', or theirs shared; refused in one line when too few are left); None where the
+    producer is a thread of the trainer's process."""
     from pipeline.backends.base import visible_device_count
     from pipeline.train import producer_process
 
     if world_size == 1 or backend != "vllm":
         return None
     visible = producer_process.visible_gpu_ids(os.environ, visible_device_count())
-    return producer_process.engine_gpus(visible, world_size, cfg.states_tensor_parallel_size)
+    return producer_process.engine_placement(visible, world_size, cfg.states_tensor_parallel_size)
 
 
-def _producer_share(cfg: TrainConfig, backend: str, model_dir: Path, own_process: bool = False):
+def _producer_share(cfg: TrainConfig, backend: str, model_dir: Path, engine=None):
     """The vllm producer's memory share for this run (pipeline/train/share.py) from the visible GPUs: the
     engine on the first --states-tensor-parallel-size of them, the trainer on --device; a torchrun job's
-    engine (``own_process``) on GPUs no trainer uses."""
+    engine (``engine``, its placement) on GPUs of its own, or over the trainers' (rank 0's on cuda:0)."""
     from pipeline.backends.base import resolve_device, visible_device_count
     from pipeline.backends.choice import gpu_memory_bytes, weights_bytes
     from pipeline.train.share import producer_share
 
     gpus = visible_device_count()
-    trainer = resolve_device(cfg.device) if gpus and not own_process else torch.device("cpu")
+    trainer = resolve_device(cfg.device) if gpus else torch.device("cpu")
     trainer_gpu = (trainer.index or 0) if trainer.type == "cuda" else None
+    engine_gpus = cfg.states_tensor_parallel_size or gpus
+    if engine is not None:  # torchrun: rank r on cuda:r; the engine's own GPUs are none of the trainers'
+        trainer_gpu = 0 if engine.shared else None
+        engine_gpus = len(engine.gpus)
     sharing = backend == "vllm" and trainer_gpu is not None  # the facts are read only where they count
     return producer_share(
         cfg.states_memory_share,
         backend,
         trainer_gpu,
-        cfg.states_tensor_parallel_size or gpus,
+        engine_gpus,
         weights_bytes(model_dir) if sharing else None,
         gpu_memory_bytes() if sharing else None,
     )
@@ -1026,14 +1033,14 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 f"{produced.share_reason})"
             )
             trainer_device = _current_cuda_device(rt.device)
-            if produced.engine_gpus is not None:  # a torchrun job's vllm engine: in a process of its own
+            if produced.engine is not None:  # a torchrun job's vllm engine: in a process of its own
                 from pipeline.train.producer_process import ProducerProcess, engine_environment
 
-                env = engine_environment(os.environ, produced.engine_gpus)
+                env = engine_environment(os.environ, produced.engine.gpus)
                 backend = held.enter_context(ProducerProcess(produced.backend, produced.backend_options, env))
             else:
                 backend = held.enter_context(get_backend(produced.backend, produced.backend_options))
-            if produced.backend == "vllm" and produced.engine_gpus is None:
+            if produced.backend == "vllm" and produced.engine is None:
                 from pipeline.train import reaper  # its engine's processes end with this one, even if killed
 
                 held.enter_context(reaper.watch())
@@ -1337,7 +1344,7 @@ def _start_producer(
         max_batch_tokens=cfg.states_max_batch_tokens,
         max_batch_size=cfg.states_max_batch_size,
     )
-    if produced.engine_gpus is not None:  # the producer's process: the schedule goes there
+    if produced.engine is not None:  # the producer's process: the schedule goes there
         return backend.produce(directory, Path(cfg.prepared), schedule)
     return states.Producer(backend, directory, produced.prepared, schedule).start()
 
@@ -1361,7 +1368,7 @@ def _finish_producer(cfg: TrainConfig, produced: Produced, producer, train_loade
     st = producer.stats
     return {
         "mode": cfg.states_mode,
-        "producer": "thread" if produced.engine_gpus is None else "process",  # of rank 0's (producer_process)
+        "producer": "thread" if produced.engine is None else "process",  # of rank 0's (producer_process)
         "budget_bytes": produced.plan.budget,
         "kept_samples": len(produced.plan.keep),
         "files_on_disk": files,

@@ -72,6 +72,13 @@ def test_table_is_read_and_offline_is_the_default(tmp_path):
         ({**HYBRID, "gpus": "shared", "memory_share": 0}, "between 0 and 1"),
         ({**HYBRID, "memory_share": 0.5}, 'with gpus = "shared" only'),
         ({**HYBRID, "budget": "2T"}, "unknown train key"),
+        ({**HYBRID, "trainers": 0}, "trainers must be a whole number of trainer processes >= 1, got 0"),
+        ({**HYBRID, "trainers": "8"}, "trainers must be a whole number"),
+        ({**HYBRID, "trainers": True}, "trainers must be a whole number"),
+        (
+            {**HYBRID, "producer_gpus": [0], "trainer_gpus": [1, 2], "trainers": 2},
+            "with train.trainer_gpus there",
+        ),
     ],
 )
 def test_bad_train_tables_are_one_line_errors(tmp_path, train, message):
@@ -185,6 +192,27 @@ def test_several_trainer_gpus_make_a_torchrun_job():
     assert one.stage_argv[:4] == ("python", "-m", "pipeline", "train")  # one trainer GPU: no torchrun
 
 
+def test_several_trainers_on_shared_gpus_are_a_torchrun_job_beside_the_engine(tmp_path):
+    """The Kimi plan's first split: `gpus = "shared"`, `trainers = 8`: a torchrun job of 8 ranks on cuda:0..7
+    and the vLLM engine tensor parallel over every GPU the container sees, in a process of rank 0's own, held
+    to the memory share; no --device (each rank's is its local rank). With hf, the producer on cuda:0 in
+    rank 0's process."""
+    cfg = load(tmp_path, **HYBRID, states_backend="vllm", gpus="shared", memory_share=0.7, trainers=8)
+    assert cfg.train.trainers == 8 and cfg.train.data_parallel
+    plan = plan_stage(cfg, "train", run_id="t15")
+    launcher = ("python", "-m", "pipeline.runtime.torchrun", "--standalone", "--nproc-per-node", "8")
+    assert plan.stage_argv[: len(launcher) + 3] == (*launcher, "-m", "pipeline", "train")
+    assert flag(plan.stage_argv, "--states-memory-share") == "0.7"
+    assert "--device" not in plan.stage_argv and "--states-device" not in plan.stage_argv
+    assert "CUDA_VISIBLE_DEVICES" not in env_of(plan.docker_run)
+    (split,) = [line for line in plan.train.why if line.startswith("GPUs shared")]
+    assert "tensor parallel over all, in a process of rank 0's own), held to 0.7" in split
+    assert "the trainer data parallel over cuda:0..7 beside it (torchrun" in split
+    hf = plan_stage(box(TrainStates("online", "1T", "hf", trainers=2)), "train", run_id="t16")
+    assert flag(hf.stage_argv, "--states-device") == "cuda:0" and "--device" not in hf.stage_argv
+    assert hf.stage_argv[:6] == launcher[:5] + ("2",)
+
+
 def test_a_vllm_producer_beside_several_trainer_gpus():
     """The Kimi plan's split: the vLLM engine tensor parallel 6 on host GPUs 0-5 and the trainer on host GPUs
     6 and 7: a torchrun job of two ranks on cuda:0 and cuda:1 (the trainers' GPUs first in the container's
@@ -261,6 +289,12 @@ def test_preflight_checks_the_split_against_the_hosts_gpus():
     assert split_check(plan, _gpus(8)).status == OK
     shared = plan_stage(box(TrainStates("online", "1T")), "train", run_id="t8")
     assert split_check(shared, _gpus(2)) is None
+    eight = plan_stage(box(TrainStates("online", "1T", "vllm", trainers=8)), "train", run_id="t8b")
+    assert (
+        split_check(eight, _gpus(4)).detail
+        == "train.trainers 8: one trainer process per GPU, and the host has 4"
+    )
+    assert split_check(eight, _gpus(8)).status == OK
 
 
 def dry_run(hosts) -> subprocess.CompletedProcess:

@@ -7,20 +7,37 @@ from __future__ import annotations
 import pytest
 
 from pipeline.errors import StageError
-from pipeline.train.producer_process import engine_environment, engine_gpus, visible_gpu_ids
+from pipeline.train.producer_process import (
+    Placement,
+    engine_environment,
+    engine_placement,
+    visible_gpu_ids,
+)
 
 
 def test_the_engine_takes_the_gpus_after_the_trainers():
     visible = ["6", "7", "0", "1", "2", "3", "4", "5"]  # ops' order: the trainers' first
-    assert engine_gpus(visible, 2, None) == ["0", "1", "2", "3", "4", "5"]
-    assert engine_gpus(visible, 2, 4) == ["0", "1", "2", "3"]
-    assert engine_gpus([], 2, None) == []  # no GPU: vLLM's CPU build
+    assert engine_placement(visible, 2, None) == Placement(("0", "1", "2", "3", "4", "5"))
+    assert engine_placement(visible, 2, 4) == Placement(("0", "1", "2", "3"))
+    assert engine_placement([], 2, None) == Placement(())  # no GPU: vLLM's CPU build
 
 
-@pytest.mark.parametrize("visible, tp", [(["0", "1"], None), (["0", "1", "2"], 2), (["0", "1", "2"], 0)])
-def test_too_few_gpus_for_the_engine_are_refused_in_one_line(visible, tp):
-    with pytest.raises(StageError, match="runs on GPUs of its own") as err:
-        engine_gpus(visible, 2, tp)
+def test_where_the_trainers_took_every_gpu_the_engine_shares_them():
+    """The Kimi plan's first split: 8 trainer processes, the engine tensor parallel 8 on the same GPUs."""
+    visible = [str(i) for i in range(8)]
+    assert engine_placement(visible, 8, None) == Placement(tuple(visible), shared=True)
+    assert engine_placement(visible, 8, 4) == Placement(("0", "1", "2", "3"), shared=True)
+    with pytest.raises(StageError, match="shares the trainers' 8 GPU.s. here: give at most 8"):
+        engine_placement(visible, 8, 16)
+
+
+TOO_FEW = [(["0", "1", "2"], 2), (["0", "1", "2"], 0), (["0", "1", "2", "3"], 3)]
+
+
+@pytest.mark.parametrize("visible, tp", TOO_FEW)
+def test_too_few_gpus_left_for_the_engine_are_refused_in_one_line(visible, tp):
+    with pytest.raises(StageError, match="runs on the GPUs after the 2 trainer processes'") as err:
+        engine_placement(visible, 2, tp)
     assert "\n" not in str(err.value) and "--states-tensor-parallel-size" in str(err.value)
 
 

@@ -43,3 +43,31 @@ def test_a_share_out_of_range_or_for_hf_is_one_line(asked, backend, message):
     with pytest.raises(StageError, match=message) as err:
         producer_share(asked, backend, 0, 1, None, None)
     assert "\n" not in str(err.value)
+
+
+def test_a_torchrun_jobs_engine_shares_only_where_it_spans_the_trainers_gpus(monkeypatch, tmp_path):
+    """The train stage's glue (pipeline/train/stage.py ``_producer_share``) on an 8-GPU host: a torchrun job's
+    engine over the trainers' 8 GPUs gets the share (rank 0 trains on cuda:0, one of the engine's), the same
+    engine on 6 GPUs of its own after 2 trainers vLLM's default."""
+    import pipeline.backends.base as base
+    import pipeline.backends.choice as choice
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.producer_process import Placement
+    from pipeline.train.stage import _producer_share
+
+    monkeypatch.setattr(base, "visible_device_count", lambda: 8)
+    monkeypatch.setattr(choice, "weights_bytes", lambda path: 595 * 10**9)
+    monkeypatch.setattr(choice, "gpu_memory_bytes", lambda: 96 * GIB)
+    cfg = TrainConfig(
+        data=tmp_path,
+        verifier=tmp_path,
+        out=tmp_path / "out",
+        states_mode="online",
+        states_budget="1T",
+        prepared=tmp_path,
+        model=tmp_path,
+    )
+    shared = _producer_share(cfg, "vllm", tmp_path, Placement(tuple("01234567"), shared=True))
+    assert shared.value == HIGHEST and "shared with the trainer on GPU 0" in shared.reason
+    own = _producer_share(cfg, "vllm", tmp_path, Placement(tuple("234567")))
+    assert own.value is None and "no GPU of the engine's" in own.reason
