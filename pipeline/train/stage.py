@@ -27,14 +27,15 @@ rank 0 holds the output's lock while the run writes it, so that a second train i
 
 Data parallel: started by ``torchrun --nproc-per-node N -m pipeline train ...`` each process trains on its
 shard through speculators' DDP setup (one GPU per process; on the CPU, ``--device cpu`` or no GPU visible,
-a gloo group: ``setup_runtime``); rank 0 writes everything else. The draft architecture and its config live
-in pipeline/train/draft.py.
+a gloo group: pipeline/train/runtime.py); rank 0 writes everything else. The draft architecture and its
+config live in pipeline/train/draft.py.
 
 ``--states-mode online|hybrid``: no finished states set; ``--data`` is a states dir this run fills while it
 trains, from ``--prepared`` through ``--model`` with an extract backend, its state files held to
 ``--states-budget`` (the plan, the producer thread and the waiting dataset: pipeline/train/states.py). This
 module checks those inputs (``produced_inputs``), starts the producer at the trainer's resume point, stops
-it at the end and reports its figures under ``train.states`` in the summary. Under torchrun rank 0 alone
+it at the end and reports its figures under ``train.states`` in the summary (the glue:
+pipeline/train/produced.py). Under torchrun rank 0 alone
 owns the states dir (prepares it, runs the producer over every rank's batches step by step, finishes it
 after every rank's epochs: barriers on both sides) and the other ranks only read it; its hf producer is a
 thread, its vllm producer a process of its own on the GPUs after the trainers' (pipeline/train/
@@ -64,7 +65,10 @@ from pipeline.train.draft import TargetFacts, read_target_facts
 from pipeline.errors import StageError
 from pipeline.model.layers import NUM_CAPTURED, to_vllm_aux_ids, validate_layer_ids
 from pipeline.ondisk.outdir import output_lock, refuse_overlap
+from pipeline.train.produced import Produced
+from pipeline.train.runtime import Runtime, barrier, current_cuda_device, setup_runtime
 from pipeline.train.config import TrainConfig
+from pipeline.train import produced as produced_mod
 from pipeline.train.data import seed_everything
 from pipeline.train.files import (
     CHECKPOINTS,
@@ -305,26 +309,6 @@ def target_inputs(
     )
 
 
-@dataclass
-class Produced:
-    """An online or hybrid run's producing side, checked and planned (pipeline/train/states.py); the
-    backend is loaded later, once the output is locked."""
-
-    prepared: formats.PreparedSamples
-    data_config: formats.DataConfig
-    plan: object  # states.StatesPlan
-    sizes: list[int]
-    train: list[int]  # dataset index -> sample index
-    held_out: list[int]
-    backend_options: object  # BackendOptions
-    backend: str  # hf | vllm: --states-backend, auto resolved
-    backend_reason: str  # why (auto's one line, or "as asked")
-    share_reason: str = ""  # the vllm producer's memory share and why (pipeline/train/share.py)
-    # a torchrun job's vllm producer, in a process of its own: its GPUs (producer_process.Placement); None:
-    # the producer is a thread of this process
-    engine: object = None
-
-
 def produced_inputs(cfg: TrainConfig, world_size: int = 1) -> tuple[TrainInputs, Produced]:
     """The inputs of a run that produces its states: the prepared set and the target as extract checks
     them, the states dir's description as extract would write it (plus the plan), then the same checks
@@ -347,8 +331,8 @@ def produced_inputs(cfg: TrainConfig, world_size: int = 1) -> tuple[TrainInputs,
     layer_ids = validate_layer_ids(cfg.layer_ids, model.num_layers)
     choice = resolve(cfg.states_backend, model.path)  # extract's rule for --backend auto
     hf = choice.backend == "hf"
-    engine = _engine_placement(cfg, choice.backend, world_size)
-    share = _producer_share(cfg, choice.backend, model.path, engine)
+    engine = produced_mod.engine_placement(cfg, choice.backend, world_size)
+    share = produced_mod.memory_share(cfg, choice.backend, model.path, engine)
     dtype = resolve_dtype(  # as extract: the vllm engine's auto is bf16 wherever it runs
         cfg.states_dtype if hf or cfg.states_dtype != "auto" else "bfloat16",
         resolve_device(cfg.states_device) if hf else torch.device("cpu"),
@@ -403,119 +387,6 @@ def produced_inputs(cfg: TrainConfig, world_size: int = 1) -> tuple[TrainInputs,
     return inputs, Produced(
         prepared, dc, plan, sizes, train, held_out, options, choice.backend, choice.reason, shown, engine
     )
-
-
-def _engine_placement(cfg: TrainConfig, backend: str, world_size: int):
-    """A torchrun job's vllm producer: where its process runs (``producer_process.engine_placement``: the
-    GPUs after the trainers', or theirs shared; refused in one line when too few are left); None where the
-    producer is a thread of the trainer's process."""
-    from pipeline.backends.base import visible_device_count
-    from pipeline.train import producer_process
-
-    if world_size == 1 or backend != "vllm":
-        return None
-    visible = producer_process.visible_gpu_ids(os.environ, visible_device_count())
-    return producer_process.engine_placement(visible, world_size, cfg.states_tensor_parallel_size)
-
-
-def _producer_share(cfg: TrainConfig, backend: str, model_dir: Path, engine=None):
-    """The vllm producer's memory share for this run (pipeline/train/share.py) from the visible GPUs: the
-    engine on the first --states-tensor-parallel-size of them, the trainer on --device; a torchrun job's
-    engine (``engine``, its placement) on GPUs of its own, or over the trainers' (rank 0's on cuda:0)."""
-    from pipeline.backends.base import resolve_device, visible_device_count
-    from pipeline.backends.choice import gpu_memory_bytes, weights_bytes
-    from pipeline.train.share import producer_share
-
-    gpus = visible_device_count()
-    trainer = resolve_device(cfg.device) if gpus else torch.device("cpu")
-    trainer_gpu = (trainer.index or 0) if trainer.type == "cuda" else None
-    engine_gpus = cfg.states_tensor_parallel_size or gpus
-    if engine is not None:  # torchrun: rank r on cuda:r; the engine's own GPUs are none of the trainers'
-        trainer_gpu = 0 if engine.shared else None
-        engine_gpus = len(engine.gpus)
-    sharing = backend == "vllm" and trainer_gpu is not None  # the facts are read only where they count
-    return producer_share(
-        cfg.states_memory_share,
-        backend,
-        trainer_gpu,
-        engine_gpus,
-        weights_bytes(model_dir) if sharing else None,
-        gpu_memory_bytes() if sharing else None,
-    )
-
-
-# ---------------------------------------------------------------- runtime
-
-
-@dataclass(frozen=True)
-class Runtime:
-    device: torch.device
-    rank: int = 0
-    world_size: int = 1
-    distributed: bool = False
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def trainer_rank(self):
-        """What speculators' Trainer passes to ``.to()``: a GPU index, or "cpu"."""
-        if self.device.type == "cuda":
-            return self.device.index or 0
-        return self.device.type
-
-
-def setup_runtime(device: str) -> Runtime:
-    """This process's device and rank. Under torchrun: speculators' own setup on GPUs (NCCL, one GPU per
-    rank), a gloo group on the CPU (``--device cpu``, or auto with no GPU visible)."""
-    if "LOCAL_RANK" in os.environ:  # torchrun
-        from speculators.train import distributed as dist_state
-
-        if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-            return _setup_host_distributed()
-        if not torch.cuda.is_available():
-            raise StageError(
-                f"torchrun data parallel with --device {device} needs GPUs (one per process) and none is "
-                "visible: pass --device cpu (or auto) to train on the CPU, or run without torchrun"
-            )
-        dist_state.maybe_setup_distributed()
-        return Runtime(
-            torch.device("cuda", dist_state.get_local_rank()),
-            dist_state.get_rank(),
-            dist_state.get_world_size(),
-            True,
-        )
-    if device == "auto":
-        return Runtime(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise StageError("--device cuda but no CUDA device is visible: use --device cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev.index or 0)
-    return Runtime(dev)
-
-
-def _setup_host_distributed() -> Runtime:
-    """torchrun on the CPU: a gloo process group, and speculators' topology state set as its
-    ``maybe_setup_distributed`` sets it on an accelerator (which it requires), so that its Trainer wraps the
-    draft in DistributedDataParallel (``is_distributed()``) and reduces its metrics over the group."""
-    import torch.distributed as dist
-    from speculators.train import distributed as dist_state
-
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    dist_state._local_rank = int(os.environ["LOCAL_RANK"])
-    dist_state._rank = rank
-    dist_state._world_size = world_size
-    dist_state._is_distributed = True  # maybe_destroy_distributed then tears the group down
-    dist_state._init_sp_process_groups(rank, world_size, 1)  # sp 1: one data-parallel group of all ranks
-    return Runtime(torch.device("cpu"), rank, world_size, True)
-
-
-def _barrier(rt: Runtime) -> None:
-    if rt.distributed:
-        torch.distributed.barrier()
 
 
 class MetricsFile(logging.Handler):
@@ -683,7 +554,7 @@ def _trainer_class():
                 self.checkpointer.path = final_root
             if self.runtime.is_main:
                 replace_checkpoint(final_root, epoch)
-            _barrier(self.runtime)
+            barrier(self.runtime)
 
         def _save_training_state(self, epoch: int, local_step: int) -> None:
             write_json(
@@ -702,11 +573,11 @@ def _trainer_class():
                 if self.runtime.device.type == "cuda":
                     torch.cuda.synchronize()
                 self.epoch_seconds.append(time.perf_counter() - start)
-                _barrier(self.runtime)
+                barrier(self.runtime)
                 start = time.perf_counter()
                 with _on_host(self.runtime.device):
                     self.val_epoch(epoch)
-                _barrier(self.runtime)
+                barrier(self.runtime)
                 self.val_seconds.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 self.save_checkpoint(epoch)
@@ -770,14 +641,6 @@ def _stop_loader_workers(*loaders) -> None:
         iterator = getattr(loader, "_iterator", None)  # None before the first epoch
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
-
-
-def _current_cuda_device(device: torch.device) -> torch.device | None:
-    """The trainer's CUDA device with its index (``cuda`` alone is the current device: cuda:0 unless
-    torchrun's rank chose another), to make current again after a backend changed it; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _check_out(cfg: TrainConfig) -> None:
@@ -997,7 +860,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 },
             )
         _check_out(cfg)
-        _barrier(rt)  # every rank has seen --out as it was before rank 0 writes there
+        barrier(rt)  # every rank has seen --out as it was before rank 0 writes there
         if rt.is_main:  # for the whole torchrun job: the other ranks are its processes, not other writers
             held.enter_context(output_lock(cfg.out))
             if produced is not None:
@@ -1011,7 +874,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
         if rt.is_main:
             draft_mod.write_verifier_view(view, inputs.verifier, inputs.target)
             write_json(out / TRAIN_CONFIG, record)
-        _barrier(rt)
+        barrier(rt)
         backend = None
         if produced is not None and rt.is_main:  # rank 0 owns the states dir and its producer
             from pipeline.backends import get_backend
@@ -1032,7 +895,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 f"states: the {produced.backend} backend produces ({produced.backend_reason}"
                 f"{produced.share_reason})"
             )
-            trainer_device = _current_cuda_device(rt.device)
+            trainer_device = current_cuda_device(rt.device)
             if produced.engine is not None:  # a torchrun job's vllm engine: in a process of its own
                 from pipeline.train.producer_process import ProducerProcess, engine_environment
 
@@ -1053,7 +916,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             if trainer_device is not None:  # the hf backend made its own device the current one
                 torch.cuda.set_device(trainer_device)
         if produced is not None:  # the other ranks read the states dir once rank 0 has prepared it
-            _barrier(rt)
+            barrier(rt)
 
         seed_everything(cfg.seed)
         spec_config = draft_mod.build_speculator_config(
@@ -1134,7 +997,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 + (f"; resuming at step {trainer.global_step}" if cfg.resume else "")
             )
             if produced is not None and rt.is_main:
-                producer = _start_producer(
+                producer = produced_mod.start(
                     cfg, produced, backend, train_loader, trainer, present, rt.world_size, log
                 )
             clock.lap("setup")  # inputs checked, the backend loaded, the draft built, the loaders made
@@ -1159,9 +1022,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
         clock.seconds["training_checkpoints"] = round(sum(trainer.checkpoint_seconds), 3)
         states_stats = None
         if produced is not None:  # every rank's epochs done: no reader of the states dir is left
-            _barrier(rt)
+            barrier(rt)
         if producer is not None:
-            states_stats = _finish_producer(cfg, produced, producer, train_loader)
+            states_stats = produced_mod.finish(cfg, produced, producer, train_loader)
             producer = None
             backend.close()  # its memory (a vLLM engine's GPUs) is free for the evaluation; closes once
             clock.lap("states_finish")
@@ -1303,84 +1166,6 @@ def _leave_the_report_to_rank0(*loaders) -> None:
     maybe_destroy_distributed()
     _stop_loader_workers(*loaders)
     time.sleep(REPORT_GRACE_S)
-
-
-def _start_producer(
-    cfg: TrainConfig, produced: Produced, backend, train_loader, trainer, present, world_size: int, log
-):
-    """The producer of the epochs this invocation trains, from the trainer's resume point on: every rank's
-    batches step by step (``states.epoch_batches``), a resumed epoch's checkpointed steps skipped on each."""
-    from pipeline.train import states
-
-    last = (
-        cfg.epochs
-        if cfg.stop_after_epochs is None
-        else min(cfg.epochs, trainer.current_epoch + cfg.stop_after_epochs)
-    )
-    lengths = train_loader.dataset.approx_lengths
-    epochs = [
-        states.epoch_batches(lengths, cfg.max_len, cfg.seed, e, world_size)
-        for e in range(trainer.current_epoch, last)
-    ]
-    first = trainer.resume_step * world_size  # each rank's checkpointed steps: world_size batches a step
-    order = states.production_order(
-        epochs, first, produced.train, produced.held_out, produced.plan.keep, present
-    )
-    directory = Path(cfg.data)
-    present_bytes = sum(formats.data_file(directory, i).stat().st_size for i in present)
-    log(
-        f"states ({cfg.states_mode}): {len(order)} samples to produce with the {produced.backend} backend, "
-        f"{len(produced.plan.keep)} kept ({len(present)} on disk already), budget "
-        f"{produced.plan.budget:,} bytes"
-    )
-    schedule = states.Schedule(
-        tuple(order),
-        produced.plan,
-        tuple(produced.sizes),
-        present,
-        present_bytes,
-        hidden_size=produced.data_config.hidden_size,
-        num_layers=len(produced.data_config.layer_ids),
-        max_batch_tokens=cfg.states_max_batch_tokens,
-        max_batch_size=cfg.states_max_batch_size,
-    )
-    if produced.engine is not None:  # the producer's process: the schedule goes there
-        return backend.produce(directory, Path(cfg.prepared), schedule)
-    return states.Producer(backend, directory, produced.prepared, schedule).start()
-
-
-def _finish_producer(cfg: TrainConfig, produced: Produced, producer, train_loader) -> dict:
-    """After training: no transient state left on disk, the kept files' records folded; the figures."""
-    from pipeline.train import states
-
-    directory = Path(cfg.data)
-    unmade = producer.finish()  # the producer's error, if any, is the run's
-    unread = [i for i in formats.existing_data_indices(directory) if i not in produced.plan.keep]
-    for i in unread:
-        formats.data_file(directory, i).unlink()
-    if unmade or unread:  # the producer's schedule and the trainer's reads disagreed
-        raise StageError(
-            f"states: {unmade} scheduled samples not produced and {len(unread)} produced but never read: "
-            "the producer's order is not the trainer's (a bug; the draft is saved, the states dir holds only "
-            "kept files)"
-        )
-    files = states.finish_states_dir(directory, produced.data_config)
-    st = producer.stats
-    return {
-        "mode": cfg.states_mode,
-        "producer": "thread" if produced.engine is None else "process",  # of rank 0's (producer_process)
-        "budget_bytes": produced.plan.budget,
-        "kept_samples": len(produced.plan.keep),
-        "files_on_disk": files,
-        "bytes_on_disk": states.state_file_bytes(directory),
-        "peak_bytes": st.peak_bytes,
-        "produced_samples": st.samples,
-        "produced_tokens": st.tokens,
-        "produced_bytes": st.bytes_written,
-        "capture_seconds": round(st.capture_seconds, 3),
-        "producer_room_wait_seconds": round(st.room_wait_seconds, 3),
-        "trainer_wait_seconds": round(getattr(train_loader.dataset, "wait_seconds", 0.0), 3),
-    }
 
 
 def online_dtype(cfg: TrainConfig, model_dir: Path) -> str:

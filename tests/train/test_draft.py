@@ -181,7 +181,8 @@ def test_rope_of_a_transformers5_config_reaches_the_draft():
 
 def test_dense_kernel_matches_flex_forward(make_inputs, tmp_path):
     """On a packed batch, the CPU kernel gives the same loss and proposals as speculators' flex attention."""
-    from pipeline.train.stage import Runtime, get_trainer_kwargs, make_loader
+    from pipeline.train.runtime import Runtime
+    from pipeline.train.stage import get_trainer_kwargs, make_loader
 
     inputs = make_inputs()
     dense, checked = _model(inputs, tmp_path)

@@ -46,14 +46,14 @@ def test_a_share_out_of_range_or_for_hf_is_one_line(asked, backend, message):
 
 
 def test_a_torchrun_jobs_engine_shares_only_where_it_spans_the_trainers_gpus(monkeypatch, tmp_path):
-    """The train stage's glue (pipeline/train/stage.py ``_producer_share``) on an 8-GPU host: a torchrun job's
+    """The train stage's glue (pipeline/train/produced.py ``memory_share``) on an 8-GPU host: a torchrun job's
     engine over the trainers' 8 GPUs gets the share (rank 0 trains on cuda:0, one of the engine's), the same
     engine on 6 GPUs of its own after 2 trainers vLLM's default."""
     import pipeline.backends.base as base
     import pipeline.backends.choice as choice
     from pipeline.train.config import TrainConfig
     from pipeline.train.producer_process import Placement
-    from pipeline.train.stage import _producer_share
+    from pipeline.train.produced import memory_share
 
     monkeypatch.setattr(base, "visible_device_count", lambda: 8)
     monkeypatch.setattr(choice, "weights_bytes", lambda path: 595 * 10**9)
@@ -67,7 +67,7 @@ def test_a_torchrun_jobs_engine_shares_only_where_it_spans_the_trainers_gpus(mon
         prepared=tmp_path,
         model=tmp_path,
     )
-    shared = _producer_share(cfg, "vllm", tmp_path, Placement(tuple("01234567"), shared=True))
+    shared = memory_share(cfg, "vllm", tmp_path, Placement(tuple("01234567"), shared=True))
     assert shared.value == HIGHEST and "shared with the trainer on GPU 0" in shared.reason
-    own = _producer_share(cfg, "vllm", tmp_path, Placement(tuple("234567")))
+    own = memory_share(cfg, "vllm", tmp_path, Placement(tuple("234567")))
     assert own.value is None and "no GPU of the engine's" in own.reason
