@@ -34,7 +34,7 @@ from ops.remote_run import remote_run
 from ops.request import RunRequest
 from ops.runstate import run_dir, write_json
 from ops.secret_env import available, env_file_text
-from ops.stage import StagePlan, new_run_id, plan_stage
+from ops.stage import StagePlan, new_run_id, plan_stage, stage_arguments
 from ops.stageargs import StageArgs, parse
 
 SHARDED = ("extract", "verify")  # stages whose pipeline command takes --world-size/--rank
@@ -419,7 +419,7 @@ def run_fanout(
     for job in plan.jobs:
         console.print(
             f"  rank {job.rank}/{plan.world_size} {job.host.name}: "
-            + (f"skipped: {job.skip}" if job.skip else shlex.join(job.plan.stage_argv[3:])),
+            + (f"skipped: {job.skip}" if job.skip else shlex.join(stage_arguments(job.plan.stage_argv))),
             markup=False,
         )
         if job.skip:
