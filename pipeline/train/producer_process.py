@@ -151,7 +151,8 @@ class ProducerProcess:
         from pipeline.train.states import ProducerStats
 
         self.name, self._options, self._environ = name, options, dict(environ)
-        self.dtype = None
+        self.dtype = None  # the engine's torch dtype, once started
+        self._dtype_name: str | None = None  # as its ready line gives it
         self.stats = ProducerStats()
         self.error: BaseException | None = None
         self.directory: Path | None = None
@@ -191,10 +192,10 @@ class ProducerProcess:
         self._monitor.start()
         self._send({"backend": self.name, "options": _options_record(self._options)})
         self._ready.wait()  # or the child ended: _watch sets it on its last line too
-        if self.dtype is None:
+        if self._dtype_name is None:
             self.close()
             raise self.error or StageError("the states producer's process ended before its engine started")
-        self.dtype = getattr(torch, self.dtype)
+        self.dtype = getattr(torch, self._dtype_name)
         return self
 
     def _send(self, message: dict) -> None:
@@ -213,7 +214,7 @@ class ProducerProcess:
             for line in lines:
                 message = json.loads(line)
                 if "ready" in message:
-                    self.dtype = message["ready"]["dtype"]
+                    self._dtype_name = message["ready"]["dtype"]
                     self._ready.set()
                 elif "finished" in message:
                     self.stats = states.ProducerStats(**message["finished"]["stats"])
@@ -282,14 +283,14 @@ class ProducerProcess:
 
 
 def _serve(send) -> int:
-    from pipeline.backends import get_backend
     from pipeline.ondisk import formats
-    from pipeline.train import reaper, states
+    from pipeline.train import states
+    from pipeline.train.produced import open_backend
 
     spec = json.loads(sys.stdin.readline())
     with contextlib.ExitStack() as stack:
-        backend = stack.enter_context(get_backend(spec["backend"], _options_from(spec["options"])))
-        stack.enter_context(reaper.watch())  # if this process is killed, the engine's end with it
+        # with the watchdog: if this process is killed, the engine's processes end with it
+        backend = open_backend(stack, spec["backend"], _options_from(spec["options"]))
         send({"ready": {"dtype": str(backend.dtype).removeprefix("torch.")}})
         line = sys.stdin.readline()
         if not line:  # rank 0 stopped before training (a failure of its own, reported there)
@@ -303,11 +304,7 @@ def _serve(send) -> int:
         producer.start()
         while producer.running and not asked.wait(0.1):
             pass
-        producer.stop()
-        if producer.error is not None:
-            send({"failed": str(producer.error)})
-            return 1
-        unmade = len(producer.order) - producer.stats.samples
+        unmade = producer.finish()  # its error is this process's: main reports it
         send({"finished": {"stats": asdict(producer.stats), "unmade": unmade}})
     return 0
 

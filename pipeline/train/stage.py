@@ -877,7 +877,6 @@ def run(cfg: TrainConfig, log=print) -> dict:
         barrier(rt)
         backend = None
         if produced is not None and rt.is_main:  # rank 0 owns the states dir and its producer
-            from pipeline.backends import get_backend
             from pipeline.train import states
 
             present = states.prepare_states_dir(
@@ -902,11 +901,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 env = engine_environment(os.environ, produced.engine.gpus)
                 backend = held.enter_context(ProducerProcess(produced.backend, produced.backend_options, env))
             else:
-                backend = held.enter_context(get_backend(produced.backend, produced.backend_options))
-            if produced.backend == "vllm" and produced.engine is None:
-                from pipeline.train import reaper  # its engine's processes end with this one, even if killed
-
-                held.enter_context(reaper.watch())
+                backend = produced_mod.open_backend(held, produced.backend, produced.backend_options)
             got = str(backend.dtype).removeprefix("torch.")
             if got != produced.data_config.dtype:  # the plan's sizes and the data config assume it
                 raise StageError(

@@ -218,13 +218,7 @@ def signal_after_steps(
         text=True,
         start_new_session=True,  # a Ctrl-C of the test's terminal does not reach it; only `sig` does
     )
-    deadline = time.monotonic() + timeout
-    rows: list[dict] = []
-    while proc.poll() is None and time.monotonic() < deadline:
-        rows = train_rows(out) if (out / "metrics.jsonl").is_file() else []
-        if len(rows) >= steps:
-            break
-        time.sleep(0.02)
+    rows = rows_seen(proc, out, steps, timeout)
     try:
         children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     except psutil.NoSuchProcess:
@@ -234,7 +228,17 @@ def signal_after_steps(
     err.seek(0)
     proc.stderr_text = err.read()
     err.close()
-    return proc, len(rows), children
+    return proc, rows, children
+
+
+def rows_seen(proc: subprocess.Popen, out: Path, rows: int, timeout: float) -> int:
+    """Wait until ``out``'s metrics.jsonl holds ``rows`` training rows, ``proc`` ends or ``timeout``
+    seconds pass; return the rows seen."""
+    deadline, seen = time.monotonic() + timeout, 0
+    while proc.poll() is None and time.monotonic() < deadline and seen < rows:
+        time.sleep(0.01)
+        seen = len(train_rows(out)) if (out / "metrics.jsonl").is_file() else 0
+    return seen
 
 
 def still_alive(pids: list[int], within: float = 0.0) -> list[int]:

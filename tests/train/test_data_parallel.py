@@ -28,6 +28,7 @@ from tests.train.states_helpers import (
     committed_step,
     make_stage_inputs,
     pipeline_env,
+    rows_seen,
     states_config,
     still_alive,
     train_losses,
@@ -212,11 +213,8 @@ def test_two_ranks_killed_mid_epoch_resume_to_the_offline_draft(dp_inputs, tmp_p
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 600
-        rows = 0  # the row of epoch 1's step 2 is logged after its step 1's checkpoint: a mid-epoch one
-        while job.poll() is None and time.monotonic() < deadline and rows < steps + 2:
-            time.sleep(0.01)
-            rows = len(train_rows(cfg.out)) if (cfg.out / "metrics.jsonl").is_file() else 0
+        # the row of epoch 1's step 2 is logged after its step 1's checkpoint: a mid-epoch one
+        rows_seen(job, cfg.out, steps + 2, 600)
         pids = kill_job(job)
         rows = len(train_rows(cfg.out))
         assert steps + 2 <= rows < 3 * steps, f"the kill landed after the last epoch ({rows} steps)"

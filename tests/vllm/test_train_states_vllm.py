@@ -30,7 +30,6 @@ import json
 import signal
 import subprocess
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,6 +53,7 @@ from tests.train.states_helpers import (
     kill_job,
     make_stage_inputs,
     pipeline_env,
+    rows_seen,
     states_config,
     still_alive,
     torchrun,
@@ -370,10 +370,7 @@ def start_job(cfg, resume: bool = False) -> subprocess.Popen:
 
 
 def wait_rows(job: subprocess.Popen, out: Path, rows: int, timeout: float = 600) -> int:
-    deadline, seen = time.monotonic() + timeout, 0
-    while job.poll() is None and time.monotonic() < deadline and seen < rows:
-        time.sleep(0.01)
-        seen = len(train_rows(out)) if (out / "metrics.jsonl").is_file() else 0
+    seen = rows_seen(job, out, rows, timeout)
     assert job.poll() is None, "the job ended before the signal: " + stderr_of(job)[-3000:]
     return seen
 
