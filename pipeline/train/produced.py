@@ -42,19 +42,6 @@ class Produced:
     engine: object = None
 
 
-def open_backend(stack, name: str, options):
-    """The producer's backend in this process, entered on ``stack`` (an ExitStack); a vllm engine with the
-    watchdog that ends its processes should this one be killed (pipeline/train/reaper.py)."""
-    from pipeline.backends import get_backend
-
-    backend = stack.enter_context(get_backend(name, options))
-    if name == "vllm":
-        from pipeline.train import reaper
-
-        stack.enter_context(reaper.watch())
-    return backend
-
-
 def engine_placement(cfg: TrainConfig, backend: str, world_size: int):
     """A torchrun job's vllm producer: where its process runs (``producer_process.engine_placement``: the
     GPUs after the trainers', or theirs shared; refused in one line when too few are left); None where the

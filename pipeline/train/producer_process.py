@@ -285,7 +285,7 @@ class ProducerProcess:
 def _serve(send) -> int:
     from pipeline.ondisk import formats
     from pipeline.train import states
-    from pipeline.train.produced import open_backend
+    from pipeline.train.reaper import open_backend
 
     spec = json.loads(sys.stdin.readline())
     with contextlib.ExitStack() as stack:

@@ -85,5 +85,16 @@ def watch() -> Iterator[subprocess.Popen]:
         proc.wait()
 
 
+def open_backend(stack: contextlib.ExitStack, name: str, options):
+    """A states producer's backend in this process, entered on ``stack``; a vllm engine with the watchdog
+    over its processes, should this one be killed."""
+    from pipeline.backends import get_backend
+
+    backend = stack.enter_context(get_backend(name, options))
+    if name == "vllm":
+        stack.enter_context(watch())
+    return backend
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -901,7 +901,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 env = engine_environment(os.environ, produced.engine.gpus)
                 backend = held.enter_context(ProducerProcess(produced.backend, produced.backend_options, env))
             else:
-                backend = produced_mod.open_backend(held, produced.backend, produced.backend_options)
+                from pipeline.train.reaper import open_backend
+
+                backend = open_backend(held, produced.backend, produced.backend_options)
             got = str(backend.dtype).removeprefix("torch.")
             if got != produced.data_config.dtype:  # the plan's sizes and the data config assume it
                 raise StageError(
