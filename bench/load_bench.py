@@ -199,7 +199,9 @@ def main(
             + " |"
         )
     overlap = (
-        med["host"]["load_seconds"] / med["overlap"]["load_seconds"] if med["host"] and med["overlap"] else None
+        med["host"]["load_seconds"] / med["overlap"]["load_seconds"]
+        if med["host"] and med["overlap"]
+        else None
     )
     print(
         f"\nload (torch import to weights on {device}), median of {repeat}: host / overlap = "
