@@ -133,6 +133,13 @@ class TrainConfig:
         "gpu_memory_utilization) [default: where the trainer runs on one of the engine's GPUs, the weights' "
         "share plus 0.2 within 0.3-0.85 (pipeline/train/share.py); else vLLM's own].",
     )
+    states_producer: str = opt(
+        "auto",
+        choices=("auto", "thread", "process"),
+        help="online/hybrid, vllm producer: where its engine runs: a thread of the trainer's process, or a "
+        "process of its own (its Python off the trainer's GIL; its states come as files); auto: a process "
+        "under torchrun (an engine inside a rank hangs on the job's process group), else a thread.",
+    )
     states_dtype: str = opt("auto", help="online/hybrid: dtype of the states (as extract's --dtype).")
     layer_ids: tuple[int, ...] | None = opt(
         None, help="online/hybrid: captured decoder layers, comma-separated (default 2,L//2,L-3,L-1)."
@@ -168,6 +175,12 @@ class TrainConfig:
             check_share(
                 self.states_memory_share, None if self.states_backend == "auto" else self.states_backend
             )
+            if self.states_producer != "auto" and self.states_backend == "hf":
+                raise StageError(
+                    f"--states-producer {self.states_producer} with --states-backend hf: only the vllm "
+                    "producer's place is chosen (the hf producer is a thread of the trainer's); use "
+                    "--states-backend vllm or leave --states-producer auto"
+                )
             if self.states_tensor_parallel_size is not None and self.states_backend == "hf":
                 raise StageError(
                     f"--states-tensor-parallel-size {self.states_tensor_parallel_size} with --states-backend "
@@ -187,6 +200,7 @@ class TrainConfig:
                     ("--states-backend", self.states_backend, "auto"),
                     ("--states-tensor-parallel-size", self.states_tensor_parallel_size, None),
                     ("--states-memory-share", self.states_memory_share, None),
+                    ("--states-producer", self.states_producer, "auto"),
                 )
                 if v != default
             ]

@@ -43,22 +43,40 @@ class Produced:
 
 
 def engine_placement(cfg: TrainConfig, backend: str, world_size: int):
-    """A torchrun job's vllm producer: where its process runs (``producer_process.engine_placement``: the
-    GPUs after the trainers', or theirs shared; refused in one line when too few are left); None where the
-    producer is a thread of the trainer's process."""
-    from pipeline.backends.base import visible_device_count
+    """Where a vllm producer's process runs (``producer_process.Placement``), or None where the producer is
+    a thread of the trainer's process. A torchrun job's always has one (an engine inside a rank hangs on
+    the job's process group): ``producer_process.engine_placement``, the GPUs after the trainers', or theirs
+    shared; refused in one line when too few are left. One process's, with ``--states-producer process``:
+    the GPUs the thread's engine would take (the first --states-tensor-parallel-size visible, all without
+    it), shared when the trainer's --device is one of them."""
+    from pipeline.backends.base import resolve_device, visible_device_count
     from pipeline.train import producer_process
 
-    if world_size == 1 or backend != "vllm":
+    if backend != "vllm":
+        return None
+    if world_size > 1 and cfg.states_producer == "thread":
+        raise StageError(
+            "--states-producer thread under torchrun: a vllm engine inside a rank takes the job's process "
+            "group and hangs; use --states-producer auto or process"
+        )
+    if world_size == 1 and cfg.states_producer != "process":
         return None
     visible = producer_process.visible_gpu_ids(os.environ, visible_device_count())
-    return producer_process.engine_placement(visible, world_size, cfg.states_tensor_parallel_size)
+    if world_size > 1:
+        return producer_process.engine_placement(visible, world_size, cfg.states_tensor_parallel_size)
+    if not visible:
+        return producer_process.Placement(())
+    gpus = visible[: cfg.states_tensor_parallel_size or len(visible)]
+    trainer = resolve_device(cfg.device)
+    shared = trainer.type == "cuda" and (trainer.index or 0) < len(gpus)
+    return producer_process.Placement(tuple(gpus), shared=shared)
 
 
 def memory_share(cfg: TrainConfig, backend: str, model_dir: Path, engine=None):
     """The vllm producer's memory share for this run (pipeline/train/share.py) from the visible GPUs: the
-    engine on the first --states-tensor-parallel-size of them, the trainer on --device; a torchrun job's
-    engine (``engine``, its placement) on GPUs of its own, or over the trainers' (rank 0's on cuda:0)."""
+    engine on the first --states-tensor-parallel-size of them, the trainer on --device (in one process, the
+    engine's a thread or a process); a torchrun job's engine (``engine``, its placement) on GPUs of its own,
+    or over the trainers' (rank 0's on cuda:0)."""
     from pipeline.backends.base import resolve_device, visible_device_count
     from pipeline.backends.choice import gpu_memory_bytes, weights_bytes
     from pipeline.train.share import producer_share

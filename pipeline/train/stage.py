@@ -332,7 +332,8 @@ def produced_inputs(cfg: TrainConfig, world_size: int = 1) -> tuple[TrainInputs,
     choice = resolve(cfg.states_backend, model.path)  # extract's rule for --backend auto
     hf = choice.backend == "hf"
     engine = produced_mod.engine_placement(cfg, choice.backend, world_size)
-    share = produced_mod.memory_share(cfg, choice.backend, model.path, engine)
+    # one process's engine process takes the GPUs (and the share) its thread would
+    share = produced_mod.memory_share(cfg, choice.backend, model.path, engine if world_size > 1 else None)
     dtype = resolve_dtype(  # as extract: the vllm engine's auto is bf16 wherever it runs
         cfg.states_dtype if hf or cfg.states_dtype != "auto" else "bfloat16",
         resolve_device(cfg.states_device) if hf else torch.device("cpu"),
@@ -895,7 +896,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 f"{produced.share_reason})"
             )
             trainer_device = current_cuda_device(rt.device)
-            if produced.engine is not None:  # a torchrun job's vllm engine: in a process of its own
+            if produced.engine is not None:  # a vllm engine in a process of its own (produced.engine_placement)
                 from pipeline.train.producer_process import ProducerProcess, engine_environment
 
                 env = engine_environment(os.environ, produced.engine.gpus)

@@ -70,3 +70,38 @@ def test_the_engines_environment_has_nothing_of_torchruns():
     env = engine_environment(rank, ["0", "1"])
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/usr/bin", "HF_HOME": "/cache"}
     assert engine_environment({"RANK": "1", "PATH": "/bin"}, []) == {"PATH": "/bin"}
+
+
+def one_process_placement(monkeypatch, gpus: int, producer: str, world: int = 1, tp=None, device="cuda:0"):
+    """pipeline/train/produced.py's choice for a vllm producer, on a faked host of ``gpus`` GPUs."""
+    from types import SimpleNamespace
+
+    from pipeline.train import produced
+
+    monkeypatch.setattr("pipeline.backends.base.visible_device_count", lambda: gpus)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = SimpleNamespace(states_producer=producer, states_tensor_parallel_size=tp, device=device)
+    return produced.engine_placement(cfg, "vllm", world)
+
+
+def test_one_process_runs_its_engine_in_a_process_only_when_asked(monkeypatch):
+    """--states-producer process in one process: the GPUs the engine's thread would take (the first
+    --states-tensor-parallel-size visible, else all), shared when the trainer's --device is one of them."""
+    assert one_process_placement(monkeypatch, 1, "auto") is None
+    assert one_process_placement(monkeypatch, 1, "thread") is None
+    assert one_process_placement(monkeypatch, 1, "process") == Placement(("0",), shared=True)
+    assert one_process_placement(monkeypatch, 8, "process", tp=6, device="cuda:6") == Placement(
+        ("0", "1", "2", "3", "4", "5")
+    )
+    assert one_process_placement(monkeypatch, 8, "process", tp=6, device="cuda:2").shared
+    assert one_process_placement(monkeypatch, 0, "process", device="cpu") == Placement(())
+    # a torchrun job's engine is a process whatever auto says
+    assert one_process_placement(monkeypatch, 8, "auto", world=2) == Placement(
+        ("2", "3", "4", "5", "6", "7")
+    )
+
+
+def test_a_thread_engine_under_torchrun_is_refused_in_one_line(monkeypatch):
+    with pytest.raises(StageError, match="--states-producer thread under torchrun.*hangs") as err:
+        one_process_placement(monkeypatch, 8, "thread", world=2)
+    assert "\n" not in str(err.value)

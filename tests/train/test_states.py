@@ -420,6 +420,13 @@ def test_bad_inputs_are_one_line_and_touch_nothing(stage_inputs, offline, tmp_pa
     )
     auto_hf = [*base, "--states-memory-share", "0.5"]
     _one_line_exit_2(warm_pipeline(*auto_hf), "the hf backend produces here")
+    # only the vllm producer's place is chosen
+    hf_process = [*base, "--states-backend", "hf", "--states-producer", "process"]
+    _one_line_exit_2(warm_pipeline(*hf_process), "--states-producer process with --states-backend hf")
+    _one_line_exit_2(
+        warm_pipeline(*offline_budget[:-2], "--states-producer", "thread"),
+        "--states-producer: only with --states-mode online or hybrid",
+    )
     assert not (tmp_path / "s").exists() and not (tmp_path / "o").exists()
 
 
