@@ -896,7 +896,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 f"{produced.share_reason})"
             )
             trainer_device = current_cuda_device(rt.device)
-            if produced.engine is not None:  # a vllm engine in a process of its own (produced.engine_placement)
+            if produced.engine is not None:  # a vllm engine in a process of its own (engine_placement)
                 from pipeline.train.producer_process import ProducerProcess, engine_environment
 
                 env = engine_environment(os.environ, produced.engine.gpus)
