@@ -54,6 +54,7 @@ from bench.states_modes import (
     least_budget,
     mode_row,
     parse_modes,
+    split_mode,
 )
 from bench.train_bench import Report
 
@@ -281,7 +282,8 @@ def mode_dirs(work: Path, mode: str) -> tuple[Path, Path]:
     """The states dir and the output of the draft trained in ``mode``: offline reads extract's set."""
     if mode == "offline":
         return work / "hidden_states", work / "train"
-    return work / f"states-{mode}", work / f"train-{mode}"
+    name = mode.replace(":", "-")  # online:process
+    return work / f"states-{name}", work / f"train-{name}"
 
 
 def train_flags(work: Path, states: Path, out: Path, epochs: int, max_len: int, lr: float) -> list[str]:
@@ -312,7 +314,9 @@ def train_args(
         "--no-plots",
     ]
     if mode != "offline":
-        args += ["--states-mode", mode, "--states-budget", str(budget), "--states-backend", backend]
+        states_mode, producer = split_mode(mode)
+        args += ["--states-mode", states_mode, "--states-budget", str(budget), "--states-backend", backend]
+        args += ["--states-producer", producer] if producer else []
         args += ["--states-device", device] if backend == "hf" else []
     return args
 
@@ -391,7 +395,8 @@ def _dir_gib(path: Path) -> float:
     show_default=True,
     callback=parse_modes,
     help="Train the draft once per listed states mode (offline,online,hybrid), side by side on the same "
-    "prepared set, draft, steps and seed; compare acceptance and speed with offline's.",
+    "prepared set, draft, steps and seed; compare acceptance and speed with offline's. With --backend "
+    "vllm, online:process or online:thread (hybrid too) also sets where the producer's engine runs.",
 )
 @click.option(
     "--backend",

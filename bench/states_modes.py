@@ -116,12 +116,31 @@ def compare_modes(rows: list[dict], tolerance: float = ACCEPTANCE_TOLERANCE) -> 
     return lines + ([""] + phases if phases else []), failures
 
 
+PRODUCERS = ("thread", "process")  # pipeline train --states-producer, where a vllm producer's engine runs
+
+
+def split_mode(token: str) -> tuple[str, str | None]:
+    """A ``--states-modes`` entry: the states mode and, after a colon, where the vllm producer's engine
+    runs (``online:process``: ``--states-producer process``; none: the stage's auto)."""
+    mode, _, producer = token.partition(":")
+    return mode, producer or None
+
+
 def parse_modes(ctx, param, value: str) -> list[str]:
-    """``--states-modes``: offline (the reference) first, then the others listed, each once."""
+    """``--states-modes``: offline (the reference) first, then the others listed, each once; a produced mode
+    may name its producer's place (``online:process``, ``hybrid:thread``)."""
     from pipeline.train.states import MODES
 
     modes = [m.strip() for m in value.split(",") if m.strip()]
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown or "offline" not in modes:
-        raise click.BadParameter(f"a comma-separated list of {', '.join(MODES)} that includes offline")
+    bad = [
+        m
+        for m in modes
+        if split_mode(m)[0] not in MODES
+        or (split_mode(m)[1] is not None and (split_mode(m)[1] not in PRODUCERS or m.startswith("offline")))
+    ]
+    if bad or "offline" not in modes:
+        raise click.BadParameter(
+            f"a comma-separated list of {', '.join(MODES)} that includes offline (online and hybrid may "
+            f"add :{' or :'.join(PRODUCERS)}, where the vllm producer runs)"
+        )
     return ["offline", *dict.fromkeys(m for m in modes if m != "offline")]

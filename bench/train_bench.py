@@ -26,7 +26,7 @@ from pathlib import Path
 import click
 import torch
 
-from bench.states_modes import budget_between, compare_modes, least_budget, mode_row, parse_modes
+from bench.states_modes import budget_between, compare_modes, least_budget, mode_row, parse_modes, split_mode
 
 PRESETS = {
     # name: model overrides, conversations, seq_length, draft vocab (None = full), train options
@@ -198,6 +198,15 @@ def build_random_set(
     }
 
 
+def parse_hf_modes(ctx, param, value: str) -> list[str]:
+    """``--states-modes`` as parse_modes reads it, without a producer's place: this bench's states are the hf
+    backend's, whose producer is a thread of the trainer's (bench/learned_bench.py --backend vllm has it)."""
+    modes = parse_modes(ctx, param, value)
+    if any(split_mode(m)[1] for m in modes):
+        raise click.BadParameter("the hf producer has no place to choose: give modes without ':'")
+    return modes
+
+
 @click.command()
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True)
 @click.option(
@@ -212,7 +221,7 @@ def build_random_set(
     "--states-modes",
     default="offline",
     show_default=True,
-    callback=parse_modes,
+    callback=parse_hf_modes,
     help="Also train the same draft with its states produced while it trains (online,hybrid; issue #31).",
 )
 def main(

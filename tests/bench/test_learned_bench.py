@@ -171,6 +171,23 @@ def test_states_modes_option_puts_offline_first_and_refuses_a_list_without_it():
         "hybrid",
         "online",
     ]
-    for bad in ("online,hybrid", "offline,streaming"):
+    assert learned_bench.parse_modes(None, None, "offline,online:process,online:thread") == [
+        "offline",
+        "online:process",
+        "online:thread",
+    ]
+    assert learned_bench.train_args(
+        Path("w"), learned_bench.PRESETS["tiny"], "cpu", "online:process", 9, "vllm"
+    )[-8:] == [
+        "--states-mode",
+        "online",
+        "--states-budget",
+        "9",
+        "--states-backend",
+        "vllm",
+        "--states-producer",
+        "process",
+    ]
+    for bad in ("online,hybrid", "offline,streaming", "offline:process,online", "offline,online:fork"):
         with pytest.raises(click.BadParameter):
             learned_bench.parse_modes(None, None, bad)

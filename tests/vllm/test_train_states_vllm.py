@@ -256,6 +256,36 @@ def test_hybrid_reuses_what_it_keeps(stage_inputs, offline, tmp_path, engine_spy
     assert_close_to_offline(cfg, summary, offline)
 
 
+def test_one_process_with_its_engine_in_a_process_of_its_own(stage_inputs, offline, tmp_path):
+    """``--states-producer process`` without torchrun: online, tensor parallel 1, the engine in a child
+    process (pipeline/train/producer_process.py) rather than a thread of the trainer's: the summary says so,
+    the budget holds, verify passes, the draft is the offline one within the stated tolerance, and no
+    process of the producer's outlives the run."""
+    from pipeline.train.stage import run
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    cfg = vllm_config(
+        stage_inputs,
+        tmp_path,
+        states_mode="online",
+        states_budget=budget(stage_inputs, 8),
+        states_producer="process",
+    )
+    logged: list[str] = []
+    with BytesWatch(cfg.data) as watch:
+        summary = run(cfg, log=logged.append)
+    st = summary["train"]["states"]
+    assert st["producer"] == "process", st
+    assert any("in a process of its own, on the CPU" in line for line in logged), logged
+    assert watch.max <= int(cfg.states_budget) and st["peak_bytes"] <= int(cfg.states_budget)
+    assert st["produced_samples"] == 4 + 12 + 8 * (EPOCHS - 1)
+    left = [p for p in me.children(recursive=True) if p.pid not in before and not tracker(p)]
+    assert not still_alive([p.pid for p in left], within=15), "a producer process outlived the run"
+    assert_verified(cfg.data)
+    assert_close_to_offline(cfg, summary, offline)
+
+
 def test_a_failing_producer_closes_the_engine(stage_inputs, tmp_path, monkeypatch, engine_spy):
     """The disk fails under the producer (its third file): the run ends in the producer's one-line error,
     and the engine's processes and folder are gone, no partial file left."""
