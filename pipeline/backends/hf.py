@@ -226,6 +226,8 @@ class HFBackend(Backend):
                 raise StageError(
                     f"device {options.device!r} asked for, but torch {torch.__version__} sees no CUDA device"
                 )
+            if model is None:  # transformers' import runs while CUDA starts (bench/load_bench.py: overlap)
+                import_transformers_in_background()
             with timed_part(self.startup, "cuda_init_seconds"):
                 init_cuda(self.device)
         self._dtype = resolve_dtype(options.dtype, self.device)
