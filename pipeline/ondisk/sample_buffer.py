@@ -174,7 +174,9 @@ class SampleBuffer:
                 raise NotFastPath("byte order")
             for name in _SMALL_RECORDS:  # read by torch.load first: a damaged one fails it, so it fails here
                 if reader.has_record(name):
-                    reader.get_record(name)
+                    record = reader.get_record(name)
+                    if name == ".storage_alignment":  # torch.load parses it (int()): so must its value here
+                        int(record)
             return _Unpickler(reader.get_record("data.pkl"), reader, self._buffer[:size]).load()
         except NotFastPath:
             raise

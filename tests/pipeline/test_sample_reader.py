@@ -105,13 +105,37 @@ def test_buffer_reads_what_write_sample_wrote_and_reuses_its_memory(tmp_path, dt
         )
 
 
+def _record_data_offset(path, suffix: str) -> int:
+    """Where the stored (uncompressed) bytes of the zip record whose name ends in ``suffix`` begin."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
+    with open(path, "rb") as fh:
+        fh.seek(info.header_offset)
+        header = fh.read(30)
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
 def _save(path, obj, **kwargs):
     torch.save(obj, path, **kwargs)
     return path
 
 
 @pytest.mark.parametrize(
-    "case", ["non_contiguous", "offset_view", "other_global", "legacy", "truncated", "not_zip", "forced"]
+    "case",
+    [
+        "non_contiguous",
+        "offset_view",
+        "other_global",
+        "legacy",
+        "truncated",
+        "not_zip",
+        "forced",
+        "alignment_value",
+    ],
 )
 def test_buffer_refuses_anything_write_sample_does_not_write(tmp_path, monkeypatch, case):
     """Each of these goes to formats.read_sample instead (NotFastPath), which then loads or reports it."""
@@ -140,6 +164,14 @@ def test_buffer_refuses_anything_write_sample_does_not_write(tmp_path, monkeypat
     elif case == "forced":
         formats.write_sample(path, ids, hs, mask)
         monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    elif case == "alignment_value":  # one byte of a record's value, which the zip reader does not check
+        formats.write_sample(path, ids, hs, mask)
+        data = bytearray(path.read_bytes())
+        at = _record_data_offset(path, ".storage_alignment")
+        data[at] = 0  # b"64" -> b"\x004": torch.load's int() of it fails (a hypothesis case of 2026-12-05)
+        path.write_bytes(bytes(data))
+        with pytest.raises(ValueError, match="invalid literal for int"):
+            formats.read_sample(path)
     with pytest.raises(NotFastPath):
         SampleBuffer().read(path)
     assert not (tmp_path / "ran").exists()
