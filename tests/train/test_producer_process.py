@@ -96,9 +96,7 @@ def test_one_process_runs_its_engine_in_a_process_only_when_asked(monkeypatch):
     assert one_process_placement(monkeypatch, 8, "process", tp=6, device="cuda:2").shared
     assert one_process_placement(monkeypatch, 0, "process", device="cpu") == Placement(())
     # a torchrun job's engine is a process whatever auto says
-    assert one_process_placement(monkeypatch, 8, "auto", world=2) == Placement(
-        ("2", "3", "4", "5", "6", "7")
-    )
+    assert one_process_placement(monkeypatch, 8, "auto", world=2) == Placement(("2", "3", "4", "5", "6", "7"))
 
 
 def test_a_thread_engine_under_torchrun_is_refused_in_one_line(monkeypatch):
