@@ -3,9 +3,6 @@ each in a fresh process, in turns.
 
 - ``host`` (the product): ``pipeline.backends.hf.load_causal_lm`` as extract runs it: ``from_pretrained`` into
   host memory, then ``.to(device)``; on a GPU ``init_cuda`` first, as ``HFBackend`` does.
-- ``overlap``: ``host`` with transformers' import started in a thread before ``init_cuda``
-  (``pipeline.backends.hf.import_transformers_in_background``), so that the two overlap where CUDA's start
-  leaves the GIL; ``cuda_init_seconds`` then includes what the import's thread took of it.
 - ``device_map``: ``from_pretrained(..., device_map={"": device})``, transformers putting each tensor on the
   device as it reads it (after the same ``init_cuda``). transformers 5.19 refuses it without ``accelerate``
   (``check_and_set_device_map``), although for one device nothing of accelerate's runs; our image has none,
@@ -36,7 +33,7 @@ import click
 from bench.timing import timed
 
 REPO = Path(__file__).resolve().parent.parent
-WAYS = ("host", "overlap", "device_map")
+WAYS = ("host", "device_map")
 PARTS = (
     "torch_import_seconds",
     "cuda_init_seconds",
@@ -69,15 +66,11 @@ def load_once(way: str, model_dir: Path, device: str, dtype: str) -> tuple[objec
     from pipeline.model.modeldir import read_model_dir
 
     dev = torch.device(device)
-    if way == "overlap":
-        from pipeline.backends.hf import import_transformers_in_background
-
-        import_transformers_in_background()
     if dev.type == "cuda":
         with timed_part(figures, "cuda_init_seconds"):
             init_cuda(dev)
     dt = resolve_dtype(dtype, dev)
-    if way in ("host", "overlap"):
+    if way == "host":
         options = BackendOptions(model=read_model_dir(model_dir), layer_ids=(0,))
         model = load_causal_lm(options, dev, dt, figures)
     else:
@@ -198,15 +191,8 @@ def main(
             + " | ".join(f"{m[k]:.2f}" if k in m else "-" for k in (*PARTS, "wall_seconds"))
             + " |"
         )
-    overlap = (
-        med["host"]["load_seconds"] / med["overlap"]["load_seconds"]
-        if med["host"] and med["overlap"]
-        else None
-    )
     print(
-        f"\nload (torch import to weights on {device}), median of {repeat}: host / overlap = "
-        + (f"{overlap:.2f}x" if overlap else "n/a")
-        + "; host / device_map = "
+        f"\nload (torch import to weights on {device}), median of {repeat}: host / device_map = "
         + (f"{ratio:.2f}x" if ratio else "n/a (a way did not load)")
         + f"; weights bit-identical: {same}"
     )
@@ -222,7 +208,6 @@ def main(
                     "runs": runs,
                     "medians": med,
                     "host_over_device_map": ratio,
-                    "host_over_overlap": overlap,
                     "bit_identical": same,
                 },
                 indent=2,

@@ -32,7 +32,6 @@ empty kernel cache, ~3.5 s with a warm one); against the fused eager loop it sav
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -110,23 +109,6 @@ def init_cuda(device: torch.device) -> None:
         torch.cuda.set_device(device)
     torch.zeros(1, device=device)
     torch.cuda.synchronize(device)
-
-
-def import_transformers_in_background() -> threading.Thread:
-    """transformers' import (most of a small target's load: 1.6 of 1.7 s on a 2-core CPU, more on a GPU host)
-    started in a thread of its own, so that it runs while this thread waits in native code, CUDA's start. A
-    later ``from transformers import ...`` in any thread waits for it on Python's import lock rather than
-    importing twice; an import that fails here fails again there, where it is reported."""
-
-    def run() -> None:
-        try:
-            from transformers import AutoModelForCausalLM  # noqa: F401 - the import is the work
-        except Exception:  # noqa: BLE001 - load_causal_lm's own import reports it
-            pass
-
-    thread = threading.Thread(target=run, name="transformers-import", daemon=True)
-    thread.start()
-    return thread
 
 
 def load_causal_lm(
@@ -226,8 +208,6 @@ class HFBackend(Backend):
                 raise StageError(
                     f"device {options.device!r} asked for, but torch {torch.__version__} sees no CUDA device"
                 )
-            if model is None:  # transformers' import runs while CUDA starts (bench/load_bench.py: overlap)
-                import_transformers_in_background()
             with timed_part(self.startup, "cuda_init_seconds"):
                 init_cuda(self.device)
         self._dtype = resolve_dtype(options.dtype, self.device)
