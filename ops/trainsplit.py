@@ -10,7 +10,8 @@ trainer on the one after them). Several trainer GPUs make the stage a torchrun j
 pipeline/runtime/torchrun.py: one `pipeline train` process per trainer GPU, speculators' DDP), the trainer
 GPUs first in the container's order (rank r on cuda:r) and the producer's after them: the hf producer in
 rank 0's process, or the vLLM engine in a process of rank 0's own (pipeline/train/producer_process.py),
-tensor parallel over the producer GPUs. It also refuses, in one line, a split today's `pipeline train`
+tensor parallel over the producer GPUs. With one trainer the vLLM engine is in a process of its own too
+(`pipeline train --states-producer auto`). It also refuses, in one line, a split today's `pipeline train`
 cannot run (docs/train.md): an hf producer on more than one GPU, a memory share for anything but a vLLM
 engine (`--states-memory-share`, pipeline/train/share.py). Pure: the host's GPU count comes from the
 preflight's probe (`check_gpu_count`).
@@ -249,7 +250,7 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
                 else "pipeline train's share of each GPU's memory (the weights' share + 0.2, within "
                 "0.3-0.85; hosts file: train.memory_share)"
             )
-            own = ", in a process of rank 0's own" if n > 1 else ""
+            own = ", in a process of rank 0's own" if n > 1 else ", in a process of its own"
             engine = (
                 f"the vLLM engine on every GPU the container sees (tensor parallel over all{own}), held to "
                 f"{share}"
@@ -302,7 +303,8 @@ def plan_train(ts: TrainStates, args: StageArgs, *, docker_gpus: str, container:
                 host = ", ".join(map(str, ts.producer_gpus))
                 producer = (
                     f"the vLLM engine tensor parallel {tp} on host GPU{'s' if tp > 1 else ''} {host} "
-                    f"(cuda:0..{tp - 1} in the container; the model's attention heads must divide by {tp})"
+                    f"(cuda:0..{tp - 1} in the container, in a process of its own; the model's attention "
+                    f"heads must divide by {tp})"
                 )
             want.append(("--device", f"cuda:{tp}"))
             split = (

@@ -136,9 +136,9 @@ class TrainConfig:
     states_producer: str = opt(
         "auto",
         choices=("auto", "thread", "process"),
-        help="online/hybrid, vllm producer: where its engine runs: a thread of the trainer's process, or a "
-        "process of its own (its Python off the trainer's GIL; its states come as files); auto: a process "
-        "under torchrun (an engine inside a rank hangs on the job's process group), else a thread.",
+        help="online/hybrid, vllm producer: where its engine runs: a process of its own (its Python off the "
+        "trainer's GIL, its states come as files), or a thread of the trainer's process (the engine starts "
+        "sooner, it trains slower: docs/train.md); auto: a process (a thread under torchrun would hang).",
     )
     states_dtype: str = opt("auto", help="online/hybrid: dtype of the states (as extract's --dtype).")
     layer_ids: tuple[int, ...] | None = opt(

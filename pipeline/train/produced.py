@@ -44,11 +44,13 @@ class Produced:
 
 def engine_placement(cfg: TrainConfig, backend: str, world_size: int):
     """Where a vllm producer's process runs (``producer_process.Placement``), or None where the producer is
-    a thread of the trainer's process. A torchrun job's always has one (an engine inside a rank hangs on
-    the job's process group): ``producer_process.engine_placement``, the GPUs after the trainers', or theirs
-    shared; refused in one line when too few are left. One process's, with ``--states-producer process``:
-    the GPUs the thread's engine would take (the first --states-tensor-parallel-size visible, all without
-    it), shared when the trainer's --device is one of them."""
+    a thread of the trainer's process (the hf producer; the vllm one with ``--states-producer thread``,
+    refused under torchrun, where an engine inside a rank hangs on the job's process group). A torchrun
+    job's: ``producer_process.engine_placement``, the GPUs after the trainers', or theirs shared; refused in
+    one line when too few are left. One process's: the GPUs the thread's engine would take (the first
+    --states-tensor-parallel-size visible, all without it), shared when the trainer's --device is one of
+    them. A process is the default: beside the trainer on the H200 it trained 1.39x faster than the thread
+    (docs/benchmarks.md, 2026-12-05)."""
     from pipeline.backends.base import resolve_device, visible_device_count
     from pipeline.train import producer_process
 
@@ -59,7 +61,7 @@ def engine_placement(cfg: TrainConfig, backend: str, world_size: int):
             "--states-producer thread under torchrun: a vllm engine inside a rank takes the job's process "
             "group and hangs; use --states-producer auto or process"
         )
-    if world_size == 1 and cfg.states_producer != "process":
+    if world_size == 1 and cfg.states_producer == "thread":
         return None
     visible = producer_process.visible_gpu_ids(os.environ, visible_device_count())
     if world_size > 1:

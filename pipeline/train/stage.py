@@ -383,7 +383,8 @@ def produced_inputs(cfg: TrainConfig, world_size: int = 1) -> tuple[TrainInputs,
         where = "on the CPU"
         if engine.gpus:
             where = f"CUDA_VISIBLE_DEVICES={','.join(engine.gpus)}"
-            where += ", the trainers' GPUs too" if engine.shared else ", GPUs of its own"
+            trainers = "the trainers' GPUs" if world_size > 1 else "the trainer's GPU"
+            where += f", {trainers} too" if engine.shared else ", GPUs of its own"
         shown += f"; in a process of its own, {where}"
     return inputs, Produced(
         prepared, dc, plan, sizes, train, held_out, options, choice.backend, choice.reason, shown, engine

@@ -132,6 +132,7 @@ def test_shared_plans_and_operator_flags_win():
     assert "--states-device" not in vllm.stage_argv and flag(vllm.stage_argv, "--states-backend") == "vllm"
     assert "--states-memory-share" not in vllm.stage_argv  # pipeline train's own rule decides
     assert any("pipeline train's share of each GPU's memory" in line for line in vllm.train.why)
+    assert any("tensor parallel over all, in a process of its own)" in line for line in vllm.train.why)
     held = plan_stage(box(TrainStates("online", "140G", "vllm", memory_share=0.45)), "train", run_id="t3b")
     assert flag(held.stage_argv, "--states-memory-share") == "0.45"
     assert any(
@@ -162,6 +163,7 @@ def test_vllm_producer_split_over_several_gpus():
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,7" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     (split,) = [line for line in plan.train.why if line.startswith("GPUs split")]
     assert "the vLLM engine tensor parallel 6 on host GPUs 0, 1, 2, 3, 4, 5 (cuda:0..5" in split
+    assert "(cuda:0..5 in the container, in a process of its own;" in split  # pipeline train's default
     assert "the trainer on host GPU 7 (cuda:6)" in split
     one = plan_stage(box(TrainStates("online", "1T", "vllm", (3,), (1,))), "train", run_id="t10")
     assert flag(one.stage_argv, "--states-tensor-parallel-size") == "1"

@@ -117,6 +117,7 @@ def cli_args(cfg: TrainConfig) -> list[str]:
         ("--states-dtype", None if cfg.states_dtype == "auto" else cfg.states_dtype),
         ("--states-max-batch-size", cfg.states_max_batch_size),
         ("--states-tensor-parallel-size", cfg.states_tensor_parallel_size),
+        ("--states-producer", None if cfg.states_producer == "auto" else cfg.states_producer),
         ("--checkpoint-steps", cfg.checkpoint_steps),
     ):
         if value is not None:

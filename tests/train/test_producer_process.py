@@ -84,11 +84,11 @@ def one_process_placement(monkeypatch, gpus: int, producer: str, world: int = 1,
     return produced.engine_placement(cfg, "vllm", world)
 
 
-def test_one_process_runs_its_engine_in_a_process_only_when_asked(monkeypatch):
-    """--states-producer process in one process: the GPUs the engine's thread would take (the first
+def test_one_process_runs_its_engine_in_a_process_unless_asked_for_a_thread(monkeypatch):
+    """In one process (auto or process): the GPUs the engine's thread would take (the first
     --states-tensor-parallel-size visible, else all), shared when the trainer's --device is one of them."""
-    assert one_process_placement(monkeypatch, 1, "auto") is None
     assert one_process_placement(monkeypatch, 1, "thread") is None
+    assert one_process_placement(monkeypatch, 1, "auto") == Placement(("0",), shared=True)
     assert one_process_placement(monkeypatch, 1, "process") == Placement(("0",), shared=True)
     assert one_process_placement(monkeypatch, 8, "process", tp=6, device="cuda:6") == Placement(
         ("0", "1", "2", "3", "4", "5")

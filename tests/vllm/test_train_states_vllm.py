@@ -19,9 +19,11 @@ a lost sample or a sample's states swapped with another's are O(1) errors in the
 these.
 
 Each engine start costs ~15-20 s on 2 cores: one for the offline extract, one per in-process run, three for
-the run stopped twice and resumed. Tensor parallel 1 runs the engine in the training process and hands the
-states over in memory; tensor parallel 2 (the multi-GPU producer's path) runs worker processes that write
-files: the tests take both.
+the run stopped twice and resumed. The engine runs in a process of its own by default (``--states-producer
+auto``; always under torchrun), or as a thread of the training process (``thread``, which the engine spy and
+the patched scratch folder need: they see only this process). Tensor parallel 1 hands the states over in
+memory inside the engine's process; tensor parallel 2 (the multi-GPU producer's path) runs worker processes
+that write files: the tests take both.
 """
 
 from __future__ import annotations
@@ -223,6 +225,7 @@ def test_online_with_the_engines_files_in_the_states_dir(
         states_mode="online",
         states_budget=budget(stage_inputs, 8),
         states_tensor_parallel_size=2,  # worker processes: the states come as files
+        states_producer="thread",  # the engine in this process: the spy and the patched scratch see it
     )
     with BytesWatch(cfg.data) as watch:
         summary = run(cfg, log=lambda m: None)
@@ -243,7 +246,13 @@ def test_hybrid_reuses_what_it_keeps(stage_inputs, offline, tmp_path, engine_spy
     stated tolerance, and the engine is closed."""
     from pipeline.train.stage import run
 
-    cfg = vllm_config(stage_inputs, tmp_path, states_mode="hybrid", states_budget=budget(stage_inputs, 11))
+    cfg = vllm_config(
+        stage_inputs,
+        tmp_path,
+        states_mode="hybrid",
+        states_budget=budget(stage_inputs, 11),
+        states_producer="thread",  # the engine in this process, the states handed over in memory
+    )
     with BytesWatch(cfg.data) as watch:
         summary = run(cfg, log=lambda m: None)
     st = summary["train"]["states"]
@@ -257,8 +266,9 @@ def test_hybrid_reuses_what_it_keeps(stage_inputs, offline, tmp_path, engine_spy
 
 
 def test_one_process_with_its_engine_in_a_process_of_its_own(stage_inputs, offline, tmp_path):
-    """``--states-producer process`` without torchrun: online, tensor parallel 1, the engine in a child
-    process (pipeline/train/producer_process.py) rather than a thread of the trainer's: the summary says so,
+    """``--states-producer auto`` (the default: a process) without torchrun: online, tensor parallel 1, the
+    engine in a child process (pipeline/train/producer_process.py), not a thread of the trainer's: the
+    summary says so,
     the budget holds, verify passes, the draft is the offline one within the stated tolerance, and no
     process of the producer's outlives the run."""
     from pipeline.train.stage import run
@@ -270,7 +280,6 @@ def test_one_process_with_its_engine_in_a_process_of_its_own(stage_inputs, offli
         tmp_path,
         states_mode="online",
         states_budget=budget(stage_inputs, 8),
-        states_producer="process",
     )
     logged: list[str] = []
     with BytesWatch(cfg.data) as watch:
@@ -300,7 +309,9 @@ def test_a_failing_producer_closes_the_engine(stage_inputs, tmp_path, monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(formats, "write_sample", failing)
-    cfg = vllm_config(stage_inputs, tmp_path, states_mode="online", states_budget="50M")
+    cfg = vllm_config(
+        stage_inputs, tmp_path, states_mode="online", states_budget="50M", states_producer="thread"
+    )
     with pytest.raises(StageError, match="writing states to .* No space left on device"):
         run(cfg, log=lambda m: None)
     assert_engine_closed(engine_spy)
@@ -324,6 +335,7 @@ def test_sigint_then_sigkill_then_resume(stage_inputs, offline, tmp_path):
         states_tensor_parallel_size=2,  # worker processes, files in the states dir
         states_max_batch_size=1,
         checkpoint_steps=1,
+        states_producer="thread",  # the process's own engine (the producer process: the torchrun tests)
     )
     result = interrupt_then_resume(
         cfg, [(signal.SIGINT, 2), (signal.SIGKILL, steps + 2)], timeout=600, module=WRAPPER
