@@ -131,14 +131,12 @@ def parse_modes(ctx, param, value: str) -> list[str]:
     may name its producer's place (``online:process``, ``hybrid:thread``)."""
     from pipeline.train.states import MODES
 
+    def valid(token: str) -> bool:
+        mode, producer = split_mode(token)
+        return mode in MODES and (producer is None or (producer in PRODUCERS and mode != "offline"))
+
     modes = [m.strip() for m in value.split(",") if m.strip()]
-    bad = [
-        m
-        for m in modes
-        if split_mode(m)[0] not in MODES
-        or (split_mode(m)[1] is not None and (split_mode(m)[1] not in PRODUCERS or m.startswith("offline")))
-    ]
-    if bad or "offline" not in modes:
+    if not all(map(valid, modes)) or "offline" not in modes:
         raise click.BadParameter(
             f"a comma-separated list of {', '.join(MODES)} that includes offline (online and hybrid may "
             f"add :{' or :'.join(PRODUCERS)}, where the vllm producer runs)"
