@@ -191,3 +191,13 @@ def test_states_modes_option_puts_offline_first_and_refuses_a_list_without_it():
     for bad in ("online,hybrid", "offline,streaming", "offline:process,online", "offline,online:fork"):
         with pytest.raises(click.BadParameter):
             learned_bench.parse_modes(None, None, bad)
+
+
+def test_train_bench_modes_name_no_producers_place():
+    """bench/train_bench.py produces with hf, whose producer is the trainer's thread: ``online:process`` is
+    refused at the option, not after the offline run."""
+    from bench import train_bench
+
+    assert train_bench.parse_hf_modes(None, None, "offline,hybrid") == ["offline", "hybrid"]
+    with pytest.raises(click.BadParameter, match="the hf producer has no place to choose"):
+        train_bench.parse_hf_modes(None, None, "offline,online:process")
