@@ -56,12 +56,12 @@ def engine_placement(cfg: TrainConfig, backend: str, world_size: int):
 
     if backend != "vllm":
         return None
-    if world_size > 1 and cfg.states_producer == "thread":
-        raise StageError(
-            "--states-producer thread under torchrun: a vllm engine inside a rank takes the job's process "
-            "group and hangs; use --states-producer auto or process"
-        )
-    if world_size == 1 and cfg.states_producer == "thread":
+    if cfg.states_producer == "thread":
+        if world_size > 1:
+            raise StageError(
+                "--states-producer thread under torchrun: a vllm engine inside a rank takes the job's "
+                "process group and hangs; use --states-producer auto or process"
+            )
         return None
     visible = producer_process.visible_gpu_ids(os.environ, visible_device_count())
     if world_size > 1:

@@ -72,8 +72,9 @@ def test_the_engines_environment_has_nothing_of_torchruns():
     assert engine_environment({"RANK": "1", "PATH": "/bin"}, []) == {"PATH": "/bin"}
 
 
-def one_process_placement(monkeypatch, gpus: int, producer: str, world: int = 1, tp=None, device="cuda:0"):
-    """pipeline/train/produced.py's choice for a vllm producer, on a faked host of ``gpus`` GPUs."""
+def vllm_placement(monkeypatch, gpus: int, producer: str, world: int = 1, tp=None, device="cuda:0"):
+    """pipeline/train/produced.py's choice for a vllm producer of a ``world``-rank run, on a faked host of
+    ``gpus`` GPUs."""
     from types import SimpleNamespace
 
     from pipeline.train import produced
@@ -87,19 +88,19 @@ def one_process_placement(monkeypatch, gpus: int, producer: str, world: int = 1,
 def test_one_process_runs_its_engine_in_a_process_unless_asked_for_a_thread(monkeypatch):
     """In one process (auto or process): the GPUs the engine's thread would take (the first
     --states-tensor-parallel-size visible, else all), shared when the trainer's --device is one of them."""
-    assert one_process_placement(monkeypatch, 1, "thread") is None
-    assert one_process_placement(monkeypatch, 1, "auto") == Placement(("0",), shared=True)
-    assert one_process_placement(monkeypatch, 1, "process") == Placement(("0",), shared=True)
-    assert one_process_placement(monkeypatch, 8, "process", tp=6, device="cuda:6") == Placement(
+    assert vllm_placement(monkeypatch, 1, "thread") is None
+    assert vllm_placement(monkeypatch, 1, "auto") == Placement(("0",), shared=True)
+    assert vllm_placement(monkeypatch, 1, "process") == Placement(("0",), shared=True)
+    assert vllm_placement(monkeypatch, 8, "process", tp=6, device="cuda:6") == Placement(
         ("0", "1", "2", "3", "4", "5")
     )
-    assert one_process_placement(monkeypatch, 8, "process", tp=6, device="cuda:2").shared
-    assert one_process_placement(monkeypatch, 0, "process", device="cpu") == Placement(())
+    assert vllm_placement(monkeypatch, 8, "process", tp=6, device="cuda:2").shared
+    assert vllm_placement(monkeypatch, 0, "process", device="cpu") == Placement(())
     # a torchrun job's engine is a process whatever auto says
-    assert one_process_placement(monkeypatch, 8, "auto", world=2) == Placement(("2", "3", "4", "5", "6", "7"))
+    assert vllm_placement(monkeypatch, 8, "auto", world=2) == Placement(("2", "3", "4", "5", "6", "7"))
 
 
 def test_a_thread_engine_under_torchrun_is_refused_in_one_line(monkeypatch):
     with pytest.raises(StageError, match="--states-producer thread under torchrun.*hangs") as err:
-        one_process_placement(monkeypatch, 8, "thread", world=2)
+        vllm_placement(monkeypatch, 8, "thread", world=2)
     assert "\n" not in str(err.value)

@@ -268,9 +268,8 @@ def test_hybrid_reuses_what_it_keeps(stage_inputs, offline, tmp_path, engine_spy
 def test_one_process_with_its_engine_in_a_process_of_its_own(stage_inputs, offline, tmp_path):
     """``--states-producer auto`` (the default: a process) without torchrun: online, tensor parallel 1, the
     engine in a child process (pipeline/train/producer_process.py), not a thread of the trainer's: the
-    summary says so,
-    the budget holds, verify passes, the draft is the offline one within the stated tolerance, and no
-    process of the producer's outlives the run."""
+    summary says so, the budget holds, verify passes, the draft is the offline one within the stated
+    tolerance, and no process of the producer's outlives the run."""
     from pipeline.train.stage import run
 
     me = psutil.Process()
