@@ -1,5 +1,5 @@
 # The train stage: benchmark and its tests. `make test` runs tests/train (vLLM-marked ones via test-vllm).
-.PHONY: bench-train bench-train-compare bench-train-loader test-train
+.PHONY: bench-train bench-train-compare bench-train-loader bench-reader-start test-train
 bench-train: env ## draft training: tokens/s + offline acceptance vs baselines (tiny, CPU); BENCH_ARGS="--preset llama-1b" on a GPU, plus "--states-modes offline,online,hybrid" for issue #31 item 3
 	$(PY) bench/train_bench.py --preset tiny --json runs/bench-train.json $(BENCH_ARGS)
 
@@ -15,3 +15,6 @@ demo-learned: env ## make demo on a tiny Llama trained for a minute on the stdli
 
 bench-train-loader: env ## the training loader's host cost, fp32 against bf16 batches, side by side (CPU)
 	$(PY) -m bench.loader_bench --workdir /tmp/loader-bench --json-out runs/loader_bench.json $(BENCH_ARGS)
+
+bench-reader-start: env ## online/hybrid training: loader workers started by spawn vs the fork server, in turns (CPU, tiny)
+	$(PY) -m bench.reader_start_bench --workdir /tmp/reader-start --json-out runs/bench-reader-start.json $(BENCH_ARGS)

@@ -12,6 +12,9 @@ instead; pipeline/interop.py converts between the two, losslessly
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
+import os
 import random
 from pathlib import Path
 
@@ -19,6 +22,26 @@ import numpy as np
 import torch
 
 from pipeline.model.layers import NUM_CAPTURED
+
+
+# How a produced run's loader workers start (online/hybrid: the trainer cannot fork once the producer's thread
+# and CUDA context are live). A fork server is a fresh interpreter started once, which imports what a worker
+# unpickles (speculators, hence transformers and torch's inductor: seconds per process) while the trainer
+# loads; each worker is then forked from it, ready. Under ``spawn`` every worker paid those imports itself,
+# the train loader's at its first batch and the validation loader's at the first validation.
+READER_START = "forkserver"
+READER_MODULES = ("pipeline.train.datasets", "speculators.models.eagle3.data", "speculators.train.data")
+
+
+def start_reader_server() -> None:
+    """Start the produced loaders' fork server now, its imports beside this process's work (a no-op once it
+    runs). Its environment and ``sys.path`` are this process's at this moment."""
+    from multiprocessing import forkserver
+
+    if READER_START != "forkserver":  # bench/reader_start_bench.py's baseline sets "spawn"
+        return
+    multiprocessing.get_context(READER_START).set_forkserver_preload(list(READER_MODULES))
+    forkserver.ensure_running()
 
 
 def sample_dataset(files: list[Path], max_len: int, hidden_states_dtype: torch.dtype = torch.float32):
@@ -52,6 +75,13 @@ def make_loader(
     from torch.utils.data import DataLoader
 
     dataset = sample_dataset(files, max_len, dtype) if dataset is None else dataset
+    init = None
+    if start is not None and workers > 0:  # workers not forked from this process: they watch it themselves
+        import psutil
+
+        from pipeline.train.datasets import end_with_trainer
+
+        init = functools.partial(end_with_trainer, os.getpid(), psutil.Process().create_time())
     sampler = MultipackDistributedBatchSamplerV2(
         batch_max_length=max_len,
         lengths=dataset.approx_lengths,
@@ -70,6 +100,7 @@ def make_loader(
         collate_fn=collate,
         persistent_workers=workers > 0,
         multiprocessing_context=start if workers > 0 else None,
+        worker_init_fn=init,
     )
 
 

@@ -9,15 +9,18 @@ Owns two classes:
   online|hybrid``): each read waits for its file (pipeline/train/states.py ``wait_for``), and a transient
   file is read whole and deleted, which is what lets the producer write the next one within the budget.
 
-They live here, importable by name, because a loader worker started by ``spawn`` unpickles its dataset: a
-produced run's loader cannot fork (the producer's thread and CUDA context are live in the trainer), and a
-class defined inside a function cannot be unpickled. The time readers wait is summed in a shared value, so
-the trainer's summary sees the waits of every worker. This module imports speculators: import it lazily.
+They live here, importable by name, because a produced run's loader worker unpickles its dataset: it cannot
+fork from the trainer (the producer's thread and CUDA context are live there) and forks from a fork server
+instead (pipeline/train/data.py ``READER_START``), and a class defined inside a function cannot be
+unpickled. The time readers wait is summed in a shared value, so the trainer's summary sees the waits of
+every worker. This module imports speculators: import it lazily.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -73,10 +76,12 @@ class ProducedDataset(SampleFileDataset):
         from pipeline.train.states import register_reader
 
         self.transient = transient
-        # a spawn context's values: picklable into a spawned worker, shared with it
-        spawn = multiprocessing.get_context("spawn")
-        self._waited = spawn.Value("d", 0.0)
-        self._failed = spawn.RawValue("b", 0)  # set by the producer when it fails
+        from pipeline.train.data import READER_START
+
+        # values of the workers' start context: picklable into a worker, shared with it
+        start = multiprocessing.get_context(READER_START)
+        self._waited = start.Value("d", 0.0)
+        self._failed = start.RawValue("b", 0)  # set by the producer when it fails
         if files:
             register_reader(Path(files[0]).parent, self._failed)
         super().__init__(files, max_len, dtype)
@@ -98,3 +103,30 @@ class ProducedDataset(SampleFileDataset):
         sample = formats.read_sample(path)
         path.unlink()
         return sample
+
+
+TRAINER_POLL_S = 0.5
+
+
+def end_with_trainer(pid: int, started: float, worker_id: int) -> None:
+    """A produced loader's ``worker_init_fn``: a thread of the worker that ends it once the trainer (``pid``,
+    created at ``started``) is gone. torch's own check is of the worker's parent, between reads: a worker
+    forked by the fork server has the server for parent, and the server lives while any worker holds its
+    pipe, so after a SIGKILL of the trainer both would stay for ever, idle or waiting for a file that the
+    killed producer will never write."""
+    import psutil
+
+    def watch() -> None:
+        while True:
+            time.sleep(TRAINER_POLL_S)
+            try:
+                trainer = psutil.Process(pid)
+                alive = (
+                    abs(trainer.create_time() - started) < 1e-3 and trainer.status() != psutil.STATUS_ZOMBIE
+                )
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                os._exit(1)
+
+    threading.Thread(target=watch, name=f"end-with-trainer-{worker_id}", daemon=True).start()

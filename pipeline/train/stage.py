@@ -599,6 +599,11 @@ def states_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
+    """Each loader's worker processes: ``--num-workers``, else 4 on a GPU and none on the CPU."""
+    return cfg.num_workers if cfg.num_workers is not None else (4 if rt.device.type == "cuda" else 0)
+
+
 def make_loader(
     files: list[Path],
     cfg: TrainConfig,
@@ -612,13 +617,15 @@ def make_loader(
     named deleted once read (pipeline/train/states.py)."""
     from pipeline.train.data import make_loader as loader
 
-    workers = cfg.num_workers if cfg.num_workers is not None else (4 if rt.device.type == "cuda" else 0)
+    from pipeline.train.data import READER_START
+
+    workers = loader_workers(cfg, rt)
     dataset, start = None, None
     if transient is not None:
         from pipeline.train.datasets import ProducedDataset
 
         dataset = ProducedDataset(files, cfg.max_len, states_dtype(rt.device), transient)
-        start = "spawn"  # never fork the trainer while the producer's thread and CUDA context are live
+        start = READER_START  # never fork the trainer while the producer's thread and CUDA context are live
     return loader(
         files,
         max_len=cfg.max_len,
@@ -831,6 +838,10 @@ def run(cfg: TrainConfig, log=print) -> dict:
             inputs = check_inputs(cfg)
         else:
             inputs, produced = produced_inputs(cfg, rt.world_size)
+            if loader_workers(cfg, rt):
+                from pipeline.train.data import start_reader_server
+
+                start_reader_server()  # the workers' imports, done beside this setup (make_loader)
         attention = draft_mod.choose_attention(rt.device, cfg.attention)
         if attention == draft_mod.FLEX_ATTENTION and cfg.max_len % FLEX_BLOCK:
             raise StageError(

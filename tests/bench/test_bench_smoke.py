@@ -258,3 +258,19 @@ def test_load_bench_reports_each_part_and_names_what_a_way_needs(tmp_path):
     else:
         assert "requires `accelerate`" in device_map["error"] and "\n" not in device_map["error"]
         assert r["bit_identical"] is None and r["host_over_device_map"] is None
+
+
+def test_reader_start_bench_trains_the_same_draft_both_ways(tmp_path):
+    """Both starts of the produced loaders' workers, one online row each: the bench's own check (the same
+    draft both ways, or a non-zero exit) holds, and every figure is there."""
+    r = _run(
+        tmp_path,
+        *("-m", "bench.reader_start_bench", "--workdir", str(tmp_path / "w"), "--conversations", "24"),
+        *("--epochs", "1", "--workers", "1", "--modes", "online", "--repeat", "1"),
+    )
+    assert [(row["mode"], row["start"]) for row in r["rows"]] == [
+        ("online", "spawn"),
+        ("online", "forkserver"),
+    ]
+    assert len({row["acceptance"] for row in r["rows"]}) == 1
+    assert all(row["validation_seconds"] > 0 and row["epoch0_seconds"] > 0 for row in r["rows"])

@@ -177,10 +177,10 @@ def test_a_reader_waiting_for_a_file_learns_why_it_will_not_come(tmp_path):
 
 
 def test_loader_workers_wait_for_produced_files_read_and_delete_them(tmp_path):
-    """The produced set's loader in spawned workers: a batch whose files come later is read once they
-    come, the transient ones deleted by the worker that read them, the kept one left; the workers' waits
-    are summed where the trainer reports them."""
-    from pipeline.train.data import make_loader
+    """The produced set's loader in workers forked by the fork server: a batch whose files come later is
+    read once they come, the transient ones deleted by the worker that read them, the kept one left; the
+    workers' waits are summed where the trainer reports them."""
+    from pipeline.train.data import READER_START, make_loader
     from pipeline.train.datasets import ProducedDataset
 
     lengths = {i: 6 + i for i in range(4)}
@@ -195,7 +195,7 @@ def test_loader_workers_wait_for_produced_files_read_and_delete_them(tmp_path):
     dataset = ProducedDataset(files, 64, torch.float32, frozenset())
     loader = make_loader(
         files, max_len=64, hidden_size=8, world_size=1, rank=0, seed=0, workers=2, pin_memory=False,
-        dataset=dataset, start="spawn",
+        dataset=dataset, start=READER_START,
     )  # fmt: skip
     order = [int(i) for batch in loader.batch_sampler for i in batch]  # what the loader will read, in order
     dataset.transient = frozenset(files[i].name for i in order[:-1])  # the last one read is kept
@@ -218,6 +218,57 @@ def test_loader_workers_wait_for_produced_files_read_and_delete_them(tmp_path):
     assert sum(int(b["loss_mask"].sum()) for b in batches) == sum(lengths.values()) - 4  # shifted by one
     assert [files[i].exists() for i in order] == [False, False, False, True]  # transient ones read, deleted
     assert dataset.wait_seconds >= 0.5  # the workers' waits, seen in this process
+
+
+READER_WAITING = """
+import sys, torch
+from pathlib import Path
+from pipeline.ondisk import formats
+from pipeline.train.data import READER_START, make_loader, start_reader_server
+from pipeline.train.datasets import ProducedDataset
+start_reader_server()  # as the stage does: the worker starts with its imports done
+d = Path(sys.argv[1])
+formats.write_sample_lengths(d, {0: 8})
+files = [formats.data_file(d, 0)]
+dataset = ProducedDataset(files, 64, torch.float32, frozenset())
+loader = make_loader(files, max_len=64, hidden_size=8, world_size=1, rank=0, seed=0, workers=1,
+                     pin_memory=False, dataset=dataset, start=READER_START)
+print("reading", flush=True)
+next(iter(loader))  # data_0.pt never comes: the worker waits for it
+"""
+
+
+def test_a_loader_worker_waiting_for_a_file_ends_with_its_killed_trainer(tmp_path):
+    """A trainer SIGKILLed while its loader worker waits for a state that its producer (killed with it) will
+    never write: the worker, and every other process the trainer started, is gone within seconds, not
+    left polling for that file for ever."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.conftest import REPO
+
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", READER_WAITING, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    me = psutil.Process(trainer.pid)
+
+    def forked() -> list[psutil.Process]:  # the workers: children of the fork server, the trainer's child
+        return [p for p in me.children(recursive=True) if p.ppid() != me.pid]
+
+    try:
+        assert trainer.stdout.readline().strip() == "reading"
+        deadline = time.monotonic() + 60
+        while not forked() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert forked(), [p.cmdline() for p in me.children(recursive=True)]
+        time.sleep(2.0)  # the worker, forked with its imports done, is inside its wait for data_0.pt
+        started = [p.pid for p in me.children(recursive=True)]  # the server, the worker, the resource tracker
+    finally:
+        trainer.kill()
+        trainer.wait(timeout=30)
+    assert not still_alive(started, within=20), "a loader worker outlived its killed trainer"
 
 
 def test_replayed_batches_are_the_loaders_own(tmp_path):
@@ -265,8 +316,8 @@ def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_p
     """One sample per forward on both sides: online training writes the same bytes as extract for every
     state it keeps, and ends with the same weights, losses and acceptance as offline training on the same
     data, steps and seed; its state files never exceed the budget; what it keeps passes `pipeline verify`.
-    With loader workers (spawned: the producer's thread runs in the trainer) reading and deleting the files:
-    the same."""
+    With loader workers (forked by the fork server: the producer's thread runs in the trainer) reading and
+    deleting the files: the same."""
     from pipeline import verify
     from pipeline.train.stage import run
 
@@ -349,7 +400,7 @@ def test_sigkill_mid_epoch_then_resume(stage_inputs, offline, tmp_path):
     starts at the last checkpointed step (none before it trained again, metrics.jsonl has every step once),
     no partial or transient state file is left, the kept ones are reused, the state files never exceeded
     the budget, and the draft equals the uninterrupted offline one bit for bit (one sample per forward).
-    Its two loader workers (spawned processes that read and delete the states) end with it."""
+    Its two loader workers (forked by the fork server, they read and delete the states) end with it."""
     ref = offline["cfg"]
     budget = budget_for(ref.data, held=8)
     cfg = states_config(

@@ -29,6 +29,7 @@ that write files: the tests take both.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import tempfile
@@ -123,10 +124,14 @@ def scratch_dirs(data: Path) -> set[Path]:
 
 
 def tracker(proc: psutil.Process) -> bool:
-    """multiprocessing's resource tracker: started once for this process by the first spawn, it lives as
-    long as this process (it is not the engine's)."""
+    """multiprocessing's helpers of this process: its resource tracker (started by the first spawn) and the
+    produced loaders' fork server (pipeline/train/data.py ``READER_START``, a child of this process; the
+    workers forked from it are its children, and are not helpers). Each lives as long as this process, and
+    neither is the engine's."""
     try:
-        return any("resource_tracker" in part for part in proc.cmdline())
+        cmdline = " ".join(proc.cmdline())
+        server = "multiprocessing.forkserver" in cmdline and proc.ppid() == os.getpid()
+        return "multiprocessing.resource_tracker" in cmdline or server
     except psutil.NoSuchProcess:
         return False
 
