@@ -270,11 +270,13 @@ def test_hybrid_reuses_what_it_keeps(stage_inputs, offline, tmp_path, engine_spy
     assert_close_to_offline(cfg, summary, offline)
 
 
-def test_one_process_with_its_engine_in_a_process_of_its_own(stage_inputs, offline, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_one_process_with_its_engine_in_a_process_of_its_own(stage_inputs, offline, tmp_path, workers):
     """``--states-producer auto`` (the default: a process) without torchrun: online, tensor parallel 1, the
     engine in a child process (pipeline/train/producer_process.py), not a thread of the trainer's: the
     summary says so, the budget holds, verify passes, the draft is the offline one within the stated
-    tolerance, and no process of the producer's outlives the run."""
+    tolerance, and no process of the producer's outlives the run. With loader workers too (a GPU's default
+    path: they fork from the fork server, beside the engine's process), and none of them outlives it."""
     from pipeline.train.stage import run
 
     me = psutil.Process()
@@ -284,6 +286,7 @@ def test_one_process_with_its_engine_in_a_process_of_its_own(stage_inputs, offli
         tmp_path,
         states_mode="online",
         states_budget=budget(stage_inputs, 8),
+        num_workers=workers,
     )
     logged: list[str] = []
     with BytesWatch(cfg.data) as watch:
@@ -294,7 +297,7 @@ def test_one_process_with_its_engine_in_a_process_of_its_own(stage_inputs, offli
     assert watch.max <= int(cfg.states_budget) and st["peak_bytes"] <= int(cfg.states_budget)
     assert st["produced_samples"] == 4 + 12 + 8 * (EPOCHS - 1)
     left = [p for p in me.children(recursive=True) if p.pid not in before and not tracker(p)]
-    assert not still_alive([p.pid for p in left], within=15), "a producer process outlived the run"
+    assert not still_alive([p.pid for p in left], within=15), "a producer or loader process outlived the run"
     assert_verified(cfg.data)
     assert_close_to_offline(cfg, summary, offline)
 
