@@ -219,3 +219,27 @@ def small_disk(tmp_path):
     """A states dir on a 1 MiB tmpfs: room for two or three of the tiny Llama's states."""
     with tmpfs(tmp_path / "states", "1m") as states_dir:
         yield states_dir
+
+
+# ------------------------------------------------------------ produced states (--states-mode online|hybrid)
+
+
+@pytest.fixture(scope="module")
+def stage_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
+    """prepare (full vocab as draft vocab) and weights for the tiny Llama; the first SAMPLES samples
+    (tests/train/states_helpers.py)."""
+    from tests.train.states_helpers import make_stage_inputs
+
+    return make_stage_inputs(tmp_path_factory.mktemp("states-inputs"), tiny_llama, conversations)
+
+
+@pytest.fixture(scope="module")
+def offline(stage_inputs, tmp_path_factory) -> dict:
+    """The produced modes' reference: extract (one sample per forward) then offline train, in process."""
+    from pipeline.train.stage import run
+    from tests.train.states_helpers import extract_per_sample, states_config
+
+    root = tmp_path_factory.mktemp("offline")
+    extract_per_sample(stage_inputs, root / "states")
+    cfg = states_config(stage_inputs, root / "states", root / "out")
+    return {"cfg": cfg, "summary": run(cfg, log=lambda m: None)}

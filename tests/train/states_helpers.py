@@ -381,3 +381,31 @@ def kill_job(job: subprocess.Popen) -> list[int]:
             os.kill(pid, signal.SIGKILL)
     job.communicate(timeout=60)
     return pids
+
+
+def gpu_pids() -> set[int]:
+    """The pids of every compute process on every GPU, through NVML."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return {
+            p.pid
+            for i in range(pynvml.nvmlDeviceGetCount())
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))
+        }
+    finally:
+        pynvml.nvmlShutdown()
+
+
+class GpuPidWatch(Watch):
+    """Every pid seen on a GPU while the block runs (NVML, every 50 ms)."""
+
+    interval = 0.05
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[int] = set()
+
+    def sample(self) -> None:
+        self.seen |= gpu_pids()

@@ -24,9 +24,7 @@ from tests.train.states_helpers import (
     budget_for,
     checkpoint_weights,
     cli_args,
-    extract_per_sample,
     interrupt_then_resume,
-    make_stage_inputs,
     states_config,
     still_alive,
     train_losses,
@@ -291,23 +289,7 @@ def test_replayed_batches_are_the_loaders_own(tmp_path):
 
 
 # ---------------------------------------------------------------- on the tiny Llama, real stages
-
-
-@pytest.fixture(scope="module")
-def stage_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
-    """prepare (full vocab as draft vocab) and weights for the tiny Llama; the first SAMPLES samples."""
-    return make_stage_inputs(tmp_path_factory.mktemp("states-inputs"), tiny_llama, conversations)
-
-
-@pytest.fixture(scope="module")
-def offline(stage_inputs, tmp_path_factory) -> dict:
-    """The reference: extract (one sample per forward) then offline train, in process."""
-    from pipeline.train.stage import run
-
-    root = tmp_path_factory.mktemp("offline")
-    extract_per_sample(stage_inputs, root / "states")
-    cfg = states_config(stage_inputs, root / "states", root / "out")
-    return {"cfg": cfg, "summary": run(cfg, log=lambda m: None)}
+# (the fixtures stage_inputs and offline: tests/train/conftest.py)
 
 
 @pytest.mark.slow

@@ -22,47 +22,19 @@ import torch
 
 from tests.train.states_helpers import (
     EPOCHS,
-    Watch,
+    GpuPidWatch,
     assert_recovered,
     budget_for,
+    gpu_pids,
     interrupt_then_resume,
     states_config,
     train_losses,
 )
-from tests.train.test_states import offline, stage_inputs  # noqa: F401 - the CPU reference's fixtures
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def gpu_pids() -> set[int]:
-    """The pids of every compute process on every GPU, through NVML."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        return {
-            p.pid
-            for i in range(pynvml.nvmlDeviceGetCount())
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))
-        }
-    finally:
-        pynvml.nvmlShutdown()
-
-
-class GpuPidWatch(Watch):
-    """Every pid seen on a GPU while the block runs (NVML, every 50 ms)."""
-
-    interval = 0.05
-
-    def __init__(self):
-        super().__init__()
-        self.seen: set[int] = set()
-
-    def sample(self) -> None:
-        self.seen |= gpu_pids()
-
-
-def test_sigkill_on_the_gpu_then_resume(stage_inputs, offline, tmp_path):  # noqa: F811 - fixtures
+def test_sigkill_on_the_gpu_then_resume(stage_inputs, offline, tmp_path):
     assert torch.cuda.is_available(), "this test needs a CUDA GPU (the gpu marker: run it on a GPU host)"
     ref = offline["cfg"]
     cfg = states_config(

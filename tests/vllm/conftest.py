@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from pipeline.ondisk import formats
+from pipeline.train import states
+from tests.conftest import run_pipeline
+from tests.train.states_helpers import make_stage_inputs, states_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -153,3 +156,49 @@ def deepseek_for_vllm(tiny_deepseek, tmp_path_factory) -> Path:
     return copy_model(
         tiny_deepseek, tmp_path_factory.mktemp("dsv3-sigmoid") / "model", scoring_func="sigmoid"
     )
+
+
+# ---------------------------------------------------------------- produced states with the vllm backend
+# (tests/vllm/test_train_states_vllm.py, and its 2-GPU module)
+
+
+@pytest.fixture(scope="module")
+def stage_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
+    return make_stage_inputs(tmp_path_factory.mktemp("vllm-states-inputs"), tiny_llama, conversations)
+
+
+@pytest.fixture(scope="module")
+def offline(stage_inputs, tmp_path_factory) -> dict:
+    """The reference: `pipeline extract --backend vllm` (fp32, eager, tensor parallel 1) of the prepared
+    set, then offline training on it, in process."""
+    from pipeline.train.stage import run
+
+    root = tmp_path_factory.mktemp("vllm-offline")
+    run_pipeline(
+        *("extract", "--backend", "vllm", "--dtype", "float32", "--enforce-eager"),
+        *("--tensor-parallel-size", 1, "--no-progress"),
+        *("--prepared", stage_inputs["prepared"], "--model", stage_inputs["model"], "--out", root / "states"),
+        check=True,
+        timeout=900,
+    )
+    cfg = states_config(stage_inputs, root / "states", root / "out")
+    return {"cfg": cfg, "summary": run(cfg, log=lambda m: None)}
+
+
+def vllm_config(stage_inputs, tmp_path: Path, **overrides):
+    return states_config(
+        stage_inputs,
+        tmp_path / "states",
+        tmp_path / "out",
+        states_backend="vllm",
+        states_dtype="float32",
+        **overrides,
+    )
+
+
+def budget(stage_inputs, held: int, extra_samples: int = 2) -> str:
+    """Room for the ``held`` largest samples and ``extra_samples`` more of the largest, by the plan's own
+    per-sample bound for the vllm backend (``states.disk_bytes``): well under the whole set."""
+    prepared, _ = formats.read_prepared(stage_inputs["prepared"])
+    sizes = sorted(states.disk_bytes(t, 256, 4, 4, "vllm") for t in prepared.lengths())
+    return str(sum(sizes[-held:]) + extra_samples * sizes[-1])

@@ -43,7 +43,7 @@ from pipeline.errors import StageError
 from pipeline.ondisk import formats
 from pipeline.train import stage as states_stage
 from pipeline.train import states
-from tests.conftest import REPO, run_pipeline
+from tests.conftest import REPO
 from tests.train.states_helpers import (
     EPOCHS,
     TORCHRUN,
@@ -54,16 +54,14 @@ from tests.train.states_helpers import (
     committed_step,
     interrupt_then_resume,
     kill_job,
-    make_stage_inputs,
     pipeline_env,
     rows_seen,
-    states_config,
     still_alive,
     torchrun,
     train_losses,
     train_rows,
 )
-from tests.vllm.conftest import compare_dirs, fp32_tolerance
+from tests.vllm.conftest import budget, compare_dirs, fp32_tolerance, vllm_config
 from tests.vllm.scratch_in_states_dir import choose_out
 
 pytestmark = pytest.mark.vllm
@@ -75,48 +73,6 @@ ACCEPTANCE_ATOL = 0.05  # issue #31
 SHM_SCRATCH = "eagle-vllm-states-*"  # pipeline/backends/vllm_scratch.py SHM_PREFIX
 SCRATCH = ".vllm-states-*"  # its PREFIX, in the output dir (pipeline/extract/resume.py VLLM_SCRATCH_GLOB)
 WRAPPER = "tests.vllm.scratch_in_states_dir"
-
-
-@pytest.fixture(scope="module")
-def stage_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
-    return make_stage_inputs(tmp_path_factory.mktemp("vllm-states-inputs"), tiny_llama, conversations)
-
-
-@pytest.fixture(scope="module")
-def offline(stage_inputs, tmp_path_factory) -> dict:
-    """The reference: `pipeline extract --backend vllm` (fp32, eager, tensor parallel 1) of the prepared
-    set, then offline training on it, in process."""
-    from pipeline.train.stage import run
-
-    root = tmp_path_factory.mktemp("vllm-offline")
-    run_pipeline(
-        *("extract", "--backend", "vllm", "--dtype", "float32", "--enforce-eager"),
-        *("--tensor-parallel-size", 1, "--no-progress"),
-        *("--prepared", stage_inputs["prepared"], "--model", stage_inputs["model"], "--out", root / "states"),
-        check=True,
-        timeout=900,
-    )
-    cfg = states_config(stage_inputs, root / "states", root / "out")
-    return {"cfg": cfg, "summary": run(cfg, log=lambda m: None)}
-
-
-def vllm_config(stage_inputs, tmp_path: Path, **overrides):
-    return states_config(
-        stage_inputs,
-        tmp_path / "states",
-        tmp_path / "out",
-        states_backend="vllm",
-        states_dtype="float32",
-        **overrides,
-    )
-
-
-def budget(stage_inputs, held: int, extra_samples: int = 2) -> str:
-    """Room for the ``held`` largest samples and ``extra_samples`` more of the largest, by the plan's own
-    per-sample bound for the vllm backend (``states.disk_bytes``): well under the whole set."""
-    prepared, _ = formats.read_prepared(stage_inputs["prepared"])
-    sizes = sorted(states.disk_bytes(t, 256, 4, 4, "vllm") for t in prepared.lengths())
-    return str(sum(sizes[-held:]) + extra_samples * sizes[-1])
 
 
 def scratch_dirs(data: Path) -> set[Path]:

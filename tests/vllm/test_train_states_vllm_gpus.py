@@ -24,9 +24,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.train.states_helpers import cli_args, torchrun, train_losses
-from tests.train.test_states_kill_gpu import GpuPidWatch, gpu_pids
-from tests.vllm.test_train_states_vllm import budget, offline, stage_inputs, vllm_config  # noqa: F401
+from tests.train.states_helpers import GpuPidWatch, cli_args, gpu_pids, torchrun, train_losses
+from tests.vllm.conftest import budget, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gpu, pytest.mark.slow]
 LOSS_RTOL = 1e-2
@@ -39,7 +38,7 @@ def two_gpus() -> None:
 
 
 @pytest.fixture(scope="module")
-def offline_on_gpus(two_gpus, offline, tmp_path_factory) -> dict:  # noqa: F811 - fixtures
+def offline_on_gpus(two_gpus, offline, tmp_path_factory) -> dict:
     """The reference: the offline fixture's vllm extract trained by 2 ranks on cuda:0 and cuda:1."""
     cfg = replace(offline["cfg"], out=tmp_path_factory.mktemp("gpus") / "offline", device="cuda")
     done = torchrun(cli_args(cfg))
@@ -54,7 +53,7 @@ def last_loss_close(out, ref_out) -> tuple[float, float]:
 
 
 def test_two_gpu_ranks_beside_an_engine_sharing_their_gpus(
-    stage_inputs,  # noqa: F811 - fixtures
+    stage_inputs,
     offline_on_gpus,
     tmp_path,
 ):
