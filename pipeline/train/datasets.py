@@ -73,11 +73,10 @@ class ProducedDataset(SampleFileDataset):
     file that will not come (on a full disk the producer's FAILED file may not be written either)."""
 
     def __init__(self, files: list[Path], max_len: int, dtype: torch.dtype, transient: frozenset[str]):
+        from pipeline.train.data import READER_START
         from pipeline.train.states import register_reader
 
         self.transient = transient
-        from pipeline.train.data import READER_START
-
         # values of the workers' start context: picklable into a worker, shared with it
         start = multiprocessing.get_context(READER_START)
         self._waited = start.Value("d", 0.0)

@@ -615,9 +615,8 @@ def make_loader(
 ):
     """The loader of ``files``; with ``transient`` (online/hybrid) over files still being produced, those
     named deleted once read (pipeline/train/states.py)."""
-    from pipeline.train.data import make_loader as loader
-
     from pipeline.train.data import READER_START
+    from pipeline.train.data import make_loader as loader
 
     workers = loader_workers(cfg, rt)
     dataset, start = None, None
