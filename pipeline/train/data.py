@@ -16,6 +16,8 @@ import functools
 import multiprocessing
 import os
 import random
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,7 @@ from pipeline.model.layers import NUM_CAPTURED
 # the train loader's at its first batch and the validation loader's at the first validation.
 READER_START = "forkserver"
 READER_MODULES = ("pipeline.train.datasets", "speculators.models.eagle3.data", "speculators.train.data")
+TRAINER_POLL_S = 0.5  # how often a produced loader's worker checks that its trainer lives
 
 
 def start_reader_server() -> None:
@@ -42,6 +45,30 @@ def start_reader_server() -> None:
         return
     multiprocessing.get_context(READER_START).set_forkserver_preload(list(READER_MODULES))
     forkserver.ensure_running()
+
+
+def end_with_trainer(pid: int, started: float, worker_id: int) -> None:
+    """A produced loader's ``worker_init_fn``: a thread of the worker that ends it once the trainer (``pid``,
+    created at ``started``) is gone. torch's own check is of the worker's parent, between reads: a worker
+    forked by the fork server has the server for parent, and the server lives while any worker holds its
+    pipe, so after a SIGKILL of the trainer both would stay for ever, idle or waiting for a file that the
+    killed producer will never write."""
+    import psutil
+
+    def watch() -> None:
+        while True:
+            time.sleep(TRAINER_POLL_S)
+            try:
+                trainer = psutil.Process(pid)
+                alive = (
+                    abs(trainer.create_time() - started) < 1e-3 and trainer.status() != psutil.STATUS_ZOMBIE
+                )
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                os._exit(1)
+
+    threading.Thread(target=watch, name=f"end-with-trainer-{worker_id}", daemon=True).start()
 
 
 def sample_dataset(files: list[Path], max_len: int, hidden_states_dtype: torch.dtype = torch.float32):
@@ -78,8 +105,6 @@ def make_loader(
     init = None
     if start is not None and workers > 0:  # workers not forked from this process: they watch it themselves
         import psutil
-
-        from pipeline.train.datasets import end_with_trainer
 
         init = functools.partial(end_with_trainer, os.getpid(), psutil.Process().create_time())
     sampler = MultipackDistributedBatchSamplerV2(

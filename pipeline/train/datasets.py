@@ -19,8 +19,6 @@ every worker. This module imports speculators: import it lazily.
 from __future__ import annotations
 
 import multiprocessing
-import os
-import threading
 import time
 from pathlib import Path
 
@@ -72,15 +70,17 @@ class ProducedDataset(SampleFileDataset):
     workers) waited for files, summed. A failed producer sets a shared flag, so that no worker waits for a
     file that will not come (on a full disk the producer's FAILED file may not be written either)."""
 
-    def __init__(self, files: list[Path], max_len: int, dtype: torch.dtype, transient: frozenset[str]):
-        from pipeline.train.data import READER_START
+    def __init__(
+        self, files: list[Path], max_len: int, dtype: torch.dtype, transient: frozenset[str], start: str
+    ):
         from pipeline.train.states import register_reader
 
         self.transient = transient
-        # values of the workers' start context: picklable into a worker, shared with it
-        start = multiprocessing.get_context(READER_START)
-        self._waited = start.Value("d", 0.0)
-        self._failed = start.RawValue("b", 0)  # set by the producer when it fails
+        # values of the workers' start context (``start``, a multiprocessing start method): picklable into a
+        # worker, shared with it
+        context = multiprocessing.get_context(start)
+        self._waited = context.Value("d", 0.0)
+        self._failed = context.RawValue("b", 0)  # set by the producer when it fails
         if files:
             register_reader(Path(files[0]).parent, self._failed)
         super().__init__(files, max_len, dtype)
@@ -102,30 +102,3 @@ class ProducedDataset(SampleFileDataset):
         sample = formats.read_sample(path)
         path.unlink()
         return sample
-
-
-TRAINER_POLL_S = 0.5
-
-
-def end_with_trainer(pid: int, started: float, worker_id: int) -> None:
-    """A produced loader's ``worker_init_fn``: a thread of the worker that ends it once the trainer (``pid``,
-    created at ``started``) is gone. torch's own check is of the worker's parent, between reads: a worker
-    forked by the fork server has the server for parent, and the server lives while any worker holds its
-    pipe, so after a SIGKILL of the trainer both would stay for ever, idle or waiting for a file that the
-    killed producer will never write."""
-    import psutil
-
-    def watch() -> None:
-        while True:
-            time.sleep(TRAINER_POLL_S)
-            try:
-                trainer = psutil.Process(pid)
-                alive = (
-                    abs(trainer.create_time() - started) < 1e-3 and trainer.status() != psutil.STATUS_ZOMBIE
-                )
-            except psutil.NoSuchProcess:
-                alive = False
-            if not alive:
-                os._exit(1)
-
-    threading.Thread(target=watch, name=f"end-with-trainer-{worker_id}", daemon=True).start()

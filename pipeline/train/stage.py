@@ -623,8 +623,8 @@ def make_loader(
     if transient is not None:
         from pipeline.train.datasets import ProducedDataset
 
-        dataset = ProducedDataset(files, cfg.max_len, states_dtype(rt.device), transient)
         start = READER_START  # never fork the trainer while the producer's thread and CUDA context are live
+        dataset = ProducedDataset(files, cfg.max_len, states_dtype(rt.device), transient, start)
     return loader(
         files,
         max_len=cfg.max_len,

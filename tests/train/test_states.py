@@ -190,7 +190,7 @@ def test_loader_workers_wait_for_produced_files_read_and_delete_them(tmp_path):
         hidden = [torch.full((n, 8), float(i)) for _ in range(4)]
         formats.write_sample(files[i], torch.arange(n), hidden, torch.ones(n, dtype=torch.int64))
 
-    dataset = ProducedDataset(files, 64, torch.float32, frozenset())
+    dataset = ProducedDataset(files, 64, torch.float32, frozenset(), READER_START)
     loader = make_loader(
         files, max_len=64, hidden_size=8, world_size=1, rank=0, seed=0, workers=2, pin_memory=False,
         dataset=dataset, start=READER_START,
@@ -228,7 +228,7 @@ start_reader_server()  # as the stage does: the worker starts with its imports d
 d = Path(sys.argv[1])
 formats.write_sample_lengths(d, {0: 8})
 files = [formats.data_file(d, 0)]
-dataset = ProducedDataset(files, 64, torch.float32, frozenset())
+dataset = ProducedDataset(files, 64, torch.float32, frozenset(), READER_START)
 loader = make_loader(files, max_len=64, hidden_size=8, world_size=1, rank=0, seed=0, workers=1,
                      pin_memory=False, dataset=dataset, start=READER_START)
 print("reading", flush=True)
