@@ -36,10 +36,9 @@ def row(workdir: Path, mode: str, start: str, workers: int, epochs: int) -> dict
     import time
 
     import pipeline.train.data as data
-    from bench.states_modes import budget_between, least_budget
+    from bench.states_modes import offline_budget
     from pipeline.train.cli import quiet_libraries
-    from pipeline.train.stage import TrainConfig, produced_inputs, run
-    from pipeline.train.states import state_file_bytes
+    from pipeline.train.stage import TrainConfig, run
 
     quiet_libraries()
     data.READER_START = start  # read where the loaders are made (stage.make_loader, ProducedDataset)
@@ -55,15 +54,10 @@ def row(workdir: Path, mode: str, start: str, workers: int, epochs: int) -> dict
         lr=1e-3,
         num_workers=workers,
         overwrite=True,
-        states_mode=mode,
-        states_backend="hf",
-        states_budget=str(2**60),
     )
-    minimum = least_budget(produced_inputs(cfg)[1])
+    _, budget = offline_budget(cfg)
     cfg = dataclasses.replace(
-        cfg,
-        states_budget=str(budget_between(minimum, state_file_bytes(cfg.data))),
-        data=workdir / f"states-{mode}",
+        cfg, states_mode=mode, states_backend="hf", states_budget=str(budget), data=workdir / f"states-{mode}"
     )
     t0 = time.perf_counter()
     summary = run(cfg, log=lambda m: None)

@@ -1,7 +1,8 @@
 """States modes side by side (issue #31): the online/hybrid budget between the least the train stage
 accepts and the offline set, one row of figures per mode from its train phase, and the comparison with
 offline's acceptance and speed. Shared by bench/learned_bench.py (a learned target: acceptance) and
-bench/train_bench.py (the random GPU shapes: speed); pure.
+bench/train_bench.py (the random GPU shapes: speed), and bench/reader_start_bench.py; pure but for
+``offline_budget``, which reads the set.
 """
 
 from __future__ import annotations
@@ -23,6 +24,20 @@ def budget_between(minimum: int, offline_bytes: int, share: float = STATES_SHARE
     """The online/hybrid budget: the least the train stage accepts plus ``share`` of what the offline set
     holds beyond it, so that online deletes what it reads and hybrid keeps only part of the set."""
     return minimum + int(share * max(offline_bytes - minimum, 0))
+
+
+def offline_budget(cfg) -> tuple[int, int]:
+    """The least budget and ``budget_between``'s for produced runs of ``cfg``'s draft against the offline
+    set in ``cfg.data`` (a TrainConfig; the states made by the hf backend): planned by the train stage with
+    room enough, which reads the set and the configs and loads no model."""
+    import dataclasses
+
+    from pipeline.train.stage import produced_inputs
+    from pipeline.train.states import state_file_bytes
+
+    probe = dataclasses.replace(cfg, states_mode="online", states_budget=str(2**60), states_backend="hf")
+    minimum = least_budget(produced_inputs(probe)[1])
+    return minimum, budget_between(minimum, state_file_bytes(probe.data))
 
 
 def mode_row(mode: str, phase: dict) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 import click
 import torch
 
-from bench.states_modes import budget_between, compare_modes, least_budget, mode_row, parse_modes, split_mode
+from bench.states_modes import compare_modes, mode_row, offline_budget, parse_modes, split_mode
 
 PRESETS = {
     # name: model overrides, conversations, seq_length, draft vocab (None = full), train options
@@ -311,13 +311,10 @@ def produced_modes(cfg, modes: list[str], workdir: Path, report: Report) -> bool
     mode against the offline run above. False when a mode's acceptance is off offline's."""
     import dataclasses
 
-    from pipeline.train.stage import produced_inputs, run
-    from pipeline.train.states import state_file_bytes
+    from pipeline.train.stage import run
 
     produced = dict(states_backend="hf")  # the offline set was extracted with hf (build_random_set)
-    probe = dataclasses.replace(cfg, states_mode="online", states_budget=str(2**60), **produced)
-    minimum = least_budget(produced_inputs(probe)[1])  # reads the set and the configs; loads no model
-    budget = budget_between(minimum, state_file_bytes(Path(cfg.data)))
+    minimum, budget = offline_budget(cfg)
     report.data["states_budget"] = {"minimum_bytes": minimum, "budget_bytes": budget}
     for mode in modes:
         mcfg = dataclasses.replace(

@@ -13,7 +13,6 @@ instead; pipeline/interop.py converts between the two, losslessly
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import random
 import threading
@@ -39,11 +38,11 @@ TRAINER_POLL_S = 0.5  # how often a produced loader's worker checks that its tra
 def start_reader_server() -> None:
     """Start the produced loaders' fork server now, its imports beside this process's work (a no-op once it
     runs). Its environment and ``sys.path`` are this process's at this moment."""
-    from multiprocessing import forkserver
-
     if READER_START != "forkserver":  # bench/reader_start_bench.py's baseline sets "spawn"
         return
-    multiprocessing.get_context(READER_START).set_forkserver_preload(list(READER_MODULES))
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(list(READER_MODULES))
     forkserver.ensure_running()
 
 
