@@ -477,6 +477,7 @@ def main(
             "tokens": sum(lengths),
             "build_seconds": built,
             "decoder_params": roof.decoder_params,
+            "active_decoder_params": round(roof.active_params),
             **runs,
             **versus_naive,
             "rel_err_vs_fp32_per_layer": errors,

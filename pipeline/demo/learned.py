@@ -284,7 +284,7 @@ def build_learned_model(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.demo.tiny import VOCAB_SIZE, _llama_config, train_tokenizer
+    from pipeline.demo.tiny import VOCAB_SIZE, llama_config, train_tokenizer
 
     say = log or (lambda m: None)
     out_dir = Path(out_dir)
@@ -305,7 +305,7 @@ def build_learned_model(
         sample = sample[:cut]
     tokenizer = train_tokenizer(staging, seed=seed, texts=sample, vocab_size=vocab_size or VOCAB_SIZE)
     say(f"tokenizer: {len(tokenizer)} tokens ({time.monotonic() - t0:.1f} s)")
-    config = _llama_config(len(tokenizer), **{"num_hidden_layers": 4, "dtype": "float32", **overrides})
+    config = llama_config(len(tokenizer), **{"num_hidden_layers": 4, "dtype": "float32", **overrides})
     dev = torch.device(device)
     torch.manual_seed(seed)
     with dev:

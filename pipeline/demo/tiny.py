@@ -184,7 +184,8 @@ def train_tokenizer(
     return fast
 
 
-def _llama_config(vocab_size: int, **overrides):
+def llama_config(vocab_size: int, **overrides):
+    """The tiny Llama's config (``overrides`` on top); bench/gpu_models.py scales it up."""
     from transformers import LlamaConfig
 
     cfg = dict(
@@ -207,7 +208,9 @@ def _llama_config(vocab_size: int, **overrides):
     return LlamaConfig(**cfg)
 
 
-def _deepseek_config(vocab_size: int, **overrides):
+def deepseek_config(vocab_size: int, **overrides):
+    """The tiny DeepSeek-V3 layout's config (MLA + MoE, ``overrides`` on top); bench/gpu_models.py scales
+    it up."""
     from transformers import DeepseekV3Config
 
     cfg = dict(
@@ -246,12 +249,19 @@ def _deepseek_config(vocab_size: int, **overrides):
     return config
 
 
+def spell_out_routing(text: dict) -> None:
+    """Write into a DeepSeek-V3 layout's config.json dict the routing that transformers hard-codes
+    (``noaux_tc``, sigmoid scores) and vLLM would otherwise take as softmax."""
+    text["topk_method"] = "noaux_tc"
+    text["scoring_func"] = "sigmoid"
+
+
 def _kimi_k25_config(vocab_size: int, media_ids: dict[str, int], **overrides):
     """Kimi-K2.5's layout: the tiny DeepseekV3 as ``text_config``, a one-block vision tower; untied
     embeddings as the real checkpoint."""
     from transformers import Kimi_K25Config
 
-    text = _deepseek_config(vocab_size, **overrides).to_dict()
+    text = deepseek_config(vocab_size, **overrides).to_dict()
     vision = dict(
         patch_size=14,
         pos_emb_height=8,
@@ -323,7 +333,7 @@ def build_tiny_model(kind: str, out_dir: Path, *, seed: int = 0, **overrides) ->
         media_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in KIMI_MEDIA_TOKENS}
         config = _kimi_k25_config(vocab_size, media_ids, **overrides)
     else:
-        config = (_llama_config if kind == "llama" else _deepseek_config)(vocab_size, **overrides)
+        config = (llama_config if kind == "llama" else deepseek_config)(vocab_size, **overrides)
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if kind == "kimi_k25" else AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.bfloat16)
@@ -343,12 +353,8 @@ def build_tiny_model(kind: str, out_dir: Path, *, seed: int = 0, **overrides) ->
     cfg_path = staging / "config.json"
     raw = json.loads(cfg_path.read_text())
     text = raw["text_config"] if kind == "kimi_k25" else raw
-    if kind in (
-        "deepseek_v3",
-        "kimi_k25",
-    ):  # what transformers hard-codes, spelled out for vLLM (softmax by default)
-        text["topk_method"] = "noaux_tc"
-        text["scoring_func"] = "sigmoid"
+    if kind in ("deepseek_v3", "kimi_k25"):
+        spell_out_routing(text)
     if kind == "kimi_k25":  # the real checkpoint's class name, the one vLLM registers
         raw["architectures"] = ["KimiK25ForConditionalGeneration"]
         processor = {"image_processor_type": "KimiK25VisionProcessor", "media_proc_cfg": KIMI_MEDIA_PROC_CFG}

@@ -109,6 +109,33 @@ def test_e2e_bench_runs_both_processes_and_checks_them_against_fp32(tmp_path):
     assert max(tiny["rel_err_vs_fp32_per_layer"]["ours"]) < 1e-4
 
 
+@pytest.mark.slow
+def test_e2e_bench_builds_an_moe_target_and_counts_the_experts_a_token_meets(tmp_path):
+    """The DeepSeek-V3 layout's shape (MLA + MoE) runs through the product's CLI against fp32; its
+    checkpoint spells out the routing vLLM would otherwise take as softmax; the FLOP count takes 2 of 8
+    routed experts."""
+    r = _run(
+        tmp_path,
+        "-m",
+        "bench.e2e_bench",
+        "--shapes",
+        "dsv3-tiny",
+        "--samples",
+        "6",
+        "--seq-length",
+        "128",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--no-naive",
+    )
+    moe = r["shapes"]["dsv3-tiny"]
+    assert moe["ours"]["bytes"] > 0 and max(moe["rel_err_vs_fp32_per_layer"]["ours"]) < 1e-4
+    config = json.loads((tmp_path / "w" / "model-dsv3-tiny" / "config.json").read_text())
+    assert (config["scoring_func"], config["topk_method"]) == ("sigmoid", "noaux_tc")
+    routed = 7 * 8 * 3 * 256 * 128  # 7 MoE layers, 8 experts of gate, up and down 256 x 128
+    assert moe["active_decoder_params"] == moe["decoder_params"] - routed + routed // 4
+
+
 def test_e2e_bench_keeps_only_the_files_it_compares_before_the_naive_run(tmp_path):
     """After ours' figures, only the first COMPARED data files stay (the comparisons read no others); the rest
     of the directory is left alone, and the freed bytes are counted."""

@@ -31,3 +31,18 @@ def test_flops_of_two_samples_equal_a_hand_count():
     assert shape.flops([3, 5]) == dense + attention == 16000 + 2016
     # a second a 1e15-FLOP run spends at 790 TFLOP/s: 1.27 s
     assert abs(DecoderShape(5 * 10**14, 1, 1, 1).roofline_fraction([1], 1.0 / 0.79) - 1.0) < 1e-3
+
+
+def test_an_moe_token_counts_only_its_routed_experts(tiny_deepseek):
+    """The tiny DeepSeek-V3 layout: of its 7 MoE layers' 8 routed experts (3 x 256 x 128 each) a token meets
+    2, so they count a quarter; MLA's heads are 192 for queries and keys, 128 for values."""
+    shape = model_shape(tiny_deepseek)
+    routed = 7 * 8 * 3 * 256 * 128
+    assert shape.routed_params == routed
+    assert (shape.experts, shape.experts_per_token, shape.head_dim, shape.value_dim) == (8, 2, 192, 128)
+    assert shape.active_params == shape.decoder_params - routed + routed // 4
+    pairs = 1 + 2 + 3
+    attention = 8 * 4 * pairs * (2 * 192 + 2 * 128)  # layers x heads x pairs x (QK dot + PV sum)
+    assert shape.flops([3]) == 2 * shape.active_params * 3 + attention
+    dense = DecoderShape(shape.decoder_params, 8, 4, 192, 128)  # the same model counted as if dense
+    assert dense.flops([3]) - shape.flops([3]) == 2 * (routed - routed // 4) * 3
