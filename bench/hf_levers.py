@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from bench.gpu_models import build_model
-from bench.roofline import DecoderShape, is_decoder_param
+from bench.roofline import DecoderShape, is_decoder_param, is_routed_expert_param
 
 VARIANTS = {  # name: (packed, compile, max_batch_tokens, fused RMSNorms)
     "plain-16k": (False, False, 16384, False),
@@ -222,7 +222,9 @@ def main(
         built = time.perf_counter() - t0
         cfg = model.config
         roof = DecoderShape.from_config(
-            cfg.to_dict(), sum(p.numel() for k, p in model.named_parameters() if is_decoder_param(k))
+            cfg.to_dict(),
+            sum(p.numel() for k, p in model.named_parameters() if is_decoder_param(k)),
+            sum(p.numel() for k, p in model.named_parameters() if is_routed_expert_param(k)),
         )
         seqs = samples(n, seq_length, cfg.vocab_size)
         lengths = [len(s) for s in seqs]
