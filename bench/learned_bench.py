@@ -326,7 +326,7 @@ def states_minimum(work: Path, p: Preset, device: str, backend: str = "hf") -> i
     its own plan). Reads the prepared set, the target's config and the verifier; loads no model."""
     from pipeline.train.cli import command
     from pipeline.train.config import TrainConfig
-    from pipeline.train.stage import produced_inputs
+    from pipeline.train.inputs import produced_inputs
 
     args = train_args(work, p, device, "online", budget=2**60, backend=backend)  # room enough to plan
     with command.make_context("pipeline train", args[1:]) as ctx:

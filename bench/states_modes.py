@@ -32,7 +32,7 @@ def offline_budget(cfg) -> tuple[int, int]:
     room enough, which reads the set and the configs and loads no model."""
     import dataclasses
 
-    from pipeline.train.stage import produced_inputs
+    from pipeline.train.inputs import produced_inputs
     from pipeline.train.states import state_file_bytes
 
     probe = dataclasses.replace(cfg, states_mode="online", states_budget=str(2**60), states_backend="hf")

@@ -74,7 +74,8 @@ def attention_check(cfg) -> dict:
     """Loss and proposals of the trained draft on one packed batch with speculators' flex kernel and ours."""
     from pipeline.train import draft as draft_mod
     from pipeline.train.runtime import Runtime
-    from pipeline.train.stage import DRAFT, check_inputs, get_trainer_kwargs, make_loader
+    from pipeline.train.inputs import check_inputs
+    from pipeline.train.stage import DRAFT, get_trainer_kwargs, make_loader
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inputs = check_inputs(cfg)

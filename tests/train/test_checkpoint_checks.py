@@ -100,7 +100,7 @@ def test_full_vocab_draft_passes_without_mapping_and_fails_with_one(make_inputs,
     import numpy as np
 
     from pipeline.train import draft as draft_mod
-    from pipeline.train.stage import check_inputs
+    from pipeline.train.inputs import check_inputs
 
     inputs = make_inputs(draft_vocab=96)
     checked = check_inputs(inputs.config(tmp_path / "unused"))

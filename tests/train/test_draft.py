@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.train import draft as draft_mod
-from pipeline.train.stage import check_inputs
+from pipeline.train.inputs import check_inputs
 
 
 def _model(inputs, tmp_path, d2t=None, t2d=None, seed=0, attention=draft_mod.DENSE_ATTENTION):

@@ -10,7 +10,8 @@ import pytest
 
 from pipeline.ondisk import formats
 from pipeline.errors import StageError
-from pipeline.train.stage import check_inputs, run, split_indices
+from pipeline.train.inputs import check_inputs, split_indices
+from pipeline.train.stage import run
 
 
 def _assert_rejected(cfg, *fragments: str) -> str:
