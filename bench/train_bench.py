@@ -75,7 +75,8 @@ def attention_check(cfg) -> dict:
     from pipeline.train import draft as draft_mod
     from pipeline.train.runtime import Runtime
     from pipeline.train.inputs import check_inputs
-    from pipeline.train.stage import DRAFT, get_trainer_kwargs, make_loader
+    from pipeline.train.stage import DRAFT, make_loader
+    from pipeline.train.trainer import get_trainer_kwargs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     inputs = check_inputs(cfg)

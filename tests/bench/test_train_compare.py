@@ -157,7 +157,8 @@ def test_both_tools_hold_out_the_same_samples_and_train_the_same_model(one_set):
     validates on, and both end at the same validation loss and step accuracies (they differed by 5% on a
     learned target while each held out its own samples)."""
     record = json.loads((one_set / "speculators" / "eagle-ops.json").read_text())
-    # the eager loss: speculators' default (fused) needs Triton; ours trains eager (stage.loss_implementation)
+    # the eager loss: speculators' default (fused) needs Triton; ours trains eager
+    # (pipeline/train/trainer.py loss_implementation)
     extra = (*CPU_SPECULATORS_ARGS, "--loss-implementation", "eager")
     opts = {"max_len": 256, "lr": 1e-3, "speculators_extra": extra}
     env = {**os.environ, "PYTHONPATH": str(CPU_SHIM)}

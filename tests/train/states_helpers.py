@@ -263,7 +263,7 @@ def still_alive(pids: list[int], within: float = 0.0) -> list[int]:
 def committed_step(out: Path) -> tuple[int, int]:
     """The last checkpoint's (global step, local step): where a resume starts (after it settles what a kill
     cut short, as the resume does)."""
-    from pipeline.train.stage import last_epoch, settle_checkpoints
+    from pipeline.train.trainer import last_epoch, settle_checkpoints
 
     settle_checkpoints(out)
 

@@ -182,7 +182,8 @@ def test_rope_of_a_transformers5_config_reaches_the_draft():
 def test_dense_kernel_matches_flex_forward(make_inputs, tmp_path):
     """On a packed batch, the CPU kernel gives the same loss and proposals as speculators' flex attention."""
     from pipeline.train.runtime import Runtime
-    from pipeline.train.stage import get_trainer_kwargs, make_loader
+    from pipeline.train.stage import make_loader
+    from pipeline.train.trainer import get_trainer_kwargs
 
     inputs = make_inputs()
     dense, checked = _model(inputs, tmp_path)
@@ -218,7 +219,8 @@ def test_bf16_batches_are_the_fp32_ones_rounded_and_step_alike(make_inputs, tmp_
     packing as fp32 batches with the states rounded to bf16, and under the bf16 autocast of a GPU step (run
     here with the CPU's bf16 autocast) the draft takes them and gives the fp32 batch's loss up to rounding."""
     from pipeline.train.data import make_loader
-    from pipeline.train.stage import get_trainer_kwargs, states_dtype
+    from pipeline.train.stage import states_dtype
+    from pipeline.train.trainer import get_trainer_kwargs
 
     assert states_dtype(torch.device("cuda")) == torch.bfloat16
     assert states_dtype(torch.device("cpu")) == torch.float32

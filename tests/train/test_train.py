@@ -154,7 +154,7 @@ def test_a_kill_anywhere_in_a_checkpoint_replacement_leaves_one_whole_checkpoint
     steps up to ``cut``), `settle_checkpoints` leaves epoch 1 whole: the old save before the new one is
     renamed in, the new one after, and no staging or aside directory."""
     from pipeline.train.files import CHECKPOINTS
-    from pipeline.train.stage import last_epoch, replace_checkpoint, settle_checkpoints
+    from pipeline.train.trainer import last_epoch, replace_checkpoint, settle_checkpoints
 
     ckpt = tmp_path / CHECKPOINTS
     _checkpoint(ckpt, "0", 4)
