@@ -327,7 +327,12 @@ def run_naive(prepared: Path, model: Path, out: Path) -> dict:
 
 
 @click.command()
-@click.option("--shapes", default="llama-1b,llama-8b", show_default=True)
+@click.option(
+    "--shapes",
+    default="llama-1b,llama-8b",
+    show_default=True,
+    help="bench/gpu_models.py's dense SHAPES and DeepSeek-V3-layout MOE_SHAPES (dsv3-tiny, dsv3-9b).",
+)
 @click.option(
     "--samples",
     "counts",

@@ -9,6 +9,10 @@ would repay its start from ~6M (8b) to ~11M (1b) tokens; one sample per row is n
 for that. So hf where the weights fit one GPU (data parallel over the GPUs: one process each), vLLM where they
 do not (tensor parallel over the GPUs: the reference Kimi-K2.5 target, ~595 GB on 96 GB cards, fits no single
 card).
+Those figures are dense Llamas'. An MoE target that fits one GPU (a DeepSeek-V3 layout smaller than the
+reference's) gets hf by the same rule, unmeasured against vLLM's fused MoE and MLA kernels: the run that
+decides it is ``python -m bench.e2e_bench --shapes dsv3-9b --samples 384 --no-naive --also "vllm:--backend
+vllm" --also "vllmwarm@vllm:--backend vllm"`` on one GPU (not run yet: no GPU was lent on 2026-12-05).
 Where vLLM is not installed the answer is hf; where the sizes are unknown (a dry run before the preflight)
 the answer waits for them.
 
