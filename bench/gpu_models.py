@@ -52,7 +52,7 @@ SHAPES = {
 # group) at sizes that fit one GPU, so that the hf backend, which the rule gives such a model, can run it
 MOE_SHAPES = {
     "dsv3-tiny": dict(),  # the smoke tests' size (CPU): the tiny layout as it is (8 layers)
-    # ~9.3B parameters (18.6 GB in bf16), ~1.2B of them met by each token: hidden 2048, 16 layers (the
+    # ~9.3B parameters (18.7 GB in bf16), ~1.3B of them met by each token: hidden 2048, 16 layers (the
     # first dense), 64 routed experts of 1,408 (6 per token) + 2 shared, vocab 129,280
     "dsv3-9b": dict(
         vocab_size=129280,
