@@ -29,6 +29,12 @@ def _run(tmp_path: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+def _e2e(tmp_path: Path, shape: str, *extra: str) -> dict:
+    """bench.e2e_bench on 6 samples of at most 128 tokens of ``shape``, working in ``tmp_path/w``."""
+    argv = ["--shapes", shape, "--samples", "6", "--seq-length", "128", "--workdir", str(tmp_path / "w")]
+    return _run(tmp_path, "-m", "bench.e2e_bench", *argv, *extra)
+
+
 def test_extract_bench_agrees_with_the_naive_reference(tmp_path):
     r = _run(
         tmp_path,
@@ -78,21 +84,7 @@ def test_e2e_bench_runs_both_processes_and_checks_them_against_fp32(tmp_path):
     base = tmp_path / "base"
     for part in ("pipeline", "contract"):
         shutil.copytree(ROOT / part, base / part, ignore=shutil.ignore_patterns("__pycache__"))
-    r = _run(
-        tmp_path,
-        "-m",
-        "bench.e2e_bench",
-        "--shapes",
-        "tiny",
-        "--samples",
-        "6",
-        "--seq-length",
-        "128",
-        "--workdir",
-        str(tmp_path / "w"),
-        "--baseline",
-        str(base),
-    )
+    r = _e2e(tmp_path, "tiny", "--baseline", str(base))
     tiny = r["shapes"]["tiny"]
     assert (
         tiny["baseline"]["bytes"] == tiny["ours"]["bytes"] and tiny["baseline"]["closing_check"] == "record"
@@ -114,20 +106,7 @@ def test_e2e_bench_builds_an_moe_target_and_counts_the_experts_a_token_meets(tmp
     """The DeepSeek-V3 layout's shape (MLA + MoE) runs through the product's CLI against fp32; its
     checkpoint spells out the routing vLLM would otherwise take as softmax; the FLOP count takes 2 of 8
     routed experts."""
-    r = _run(
-        tmp_path,
-        "-m",
-        "bench.e2e_bench",
-        "--shapes",
-        "dsv3-tiny",
-        "--samples",
-        "6",
-        "--seq-length",
-        "128",
-        "--workdir",
-        str(tmp_path / "w"),
-        "--no-naive",
-    )
+    r = _e2e(tmp_path, "dsv3-tiny", "--no-naive")
     moe = r["shapes"]["dsv3-tiny"]
     assert moe["ours"]["bytes"] > 0 and max(moe["rel_err_vs_fp32_per_layer"]["ours"]) < 1e-4
     config = json.loads((tmp_path / "w" / "model-dsv3-tiny" / "config.json").read_text())
