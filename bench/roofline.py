@@ -18,22 +18,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.model.experts import active_params, experts_met, is_routed_expert_param
+
 PEAK_BF16_FLOPS = 790e12  # H200 dense bf16: an 8192^3 bf16 matmul measured 769-798 TFLOP/s on these machines
 
 
 def is_decoder_param(name: str) -> bool:
     """A parameter the captured forward multiplies by: everything but the embedding table and the lm_head."""
     return "embed_tokens" not in name and "lm_head" not in name
-
-
-def is_routed_expert_param(name: str) -> bool:
-    """A routed expert's weight (``mlp.experts.N.*`` on disk, ``mlp.experts.*`` fused in memory): a token
-    meets only its ``k`` of them. Shared experts and the router are met by every token."""
-    return ".experts." in name and "shared_experts" not in name
-
-
-# how each MoE family names its expert count (DeepSeek-V3 / Kimi, Qwen-MoE, Mixtral)
-EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 
 
 @dataclass(frozen=True)
@@ -59,7 +51,7 @@ class DecoderShape:
         else:
             head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
             value_dim = None
-        experts = next((int(text[k]) for k in EXPERT_COUNT_KEYS if text.get(k)), 0)
+        k, experts = experts_met(text)
         return cls(
             decoder_params,
             int(text["num_hidden_layers"]),
@@ -67,17 +59,14 @@ class DecoderShape:
             head_dim,
             value_dim,
             routed_params,
-            int(text.get("num_experts_per_tok") or 0) if experts else 0,
+            k,
             experts,
         )
 
     @property
     def active_params(self) -> float:
         """The decoder parameters one token meets: the routed experts' share k / E of theirs."""
-        if not self.experts:
-            return self.decoder_params
-        met = self.routed_params * self.experts_per_token / self.experts
-        return self.decoder_params - self.routed_params + met
+        return active_params(self.decoder_params, self.routed_params, self.experts_per_token, self.experts)
 
     def flops(self, lengths: Iterable[int]) -> int:
         """FLOPs of one forward over samples of these lengths (each sample attends to itself only)."""

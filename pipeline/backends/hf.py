@@ -50,10 +50,11 @@ from pipeline.backends.base import (
     timed_part,
 )
 from pipeline.errors import StageError
+from pipeline.model.experts import active_decoder_params
 from pipeline.model.layer_profile import token_scales
 
 PACKED_ATTENTION = "eagle_ops_packed"
-COMPILE_MIN_FLOPS = 4e16  # 2 x decoder parameters x planned tokens above which compiling pays for itself
+COMPILE_MIN_FLOPS = 4e16  # 2 x decoder parameters met x planned tokens above which compiling pays for itself
 
 
 def flash_fits(config) -> bool:
@@ -64,10 +65,12 @@ def flash_fits(config) -> bool:
 
 
 def should_compile(
-    option: bool | None, on_gpu: bool, decoder_params: int, planned_tokens: int | None
+    option: bool | None, on_gpu: bool, decoder_params: float, planned_tokens: int | None
 ) -> bool:
-    """The compile decision: as asked; else on a GPU when the run's dense decoder FLOPs (or, unknown, always)
-    reach ``COMPILE_MIN_FLOPS``; never on the CPU by default (inductor's C++ build takes minutes there)."""
+    """The compile decision: as asked; else on a GPU when the run's decoder FLOPs (or, unknown, always)
+    reach ``COMPILE_MIN_FLOPS``; never on the CPU by default (inductor's C++ build takes minutes there).
+    ``decoder_params``: those one token meets (an MoE's routed experts at k / E: pipeline/model/experts.py),
+    so that an MoE is not credited with FLOPs its tokens never perform."""
     if option is not None:
         return option
     return on_gpu and (planned_tokens is None or 2 * decoder_params * planned_tokens >= COMPILE_MIN_FLOPS)
@@ -218,10 +221,11 @@ class HFBackend(Backend):
         self._layers, self._attn_before = layers, self.decoder.config._attn_implementation
         on_gpu = self.device.type == "cuda"
         self.packed = on_gpu and flash_fits(self.decoder.config) if options.packed is None else options.packed
-        decoder_params = sum(
-            p.numel() for name, p in self.decoder.named_parameters() if "embed_tokens" not in name
+        self.params_met = active_decoder_params(  # per token: what --compile auto weighs a run by
+            ((name, p.numel()) for name, p in self.decoder.named_parameters()),
+            self.decoder.config.to_dict(),
         )
-        self.compiled = should_compile(options.compile, on_gpu, decoder_params, options.planned_tokens)
+        self.compiled = should_compile(options.compile, on_gpu, self.params_met, options.planned_tokens)
         if self.packed:
             use_packed_attention(self.decoder)
         if self.compiled:

@@ -192,6 +192,33 @@ def test_compile_is_chosen_for_long_gpu_runs_only():
     assert should_compile(True, False, params, 1) and not should_compile(False, True, params, 10 * enough)
 
 
+def test_compile_auto_credits_an_moe_only_with_the_experts_a_token_meets(tiny_deepseek, tiny_llama):
+    """The count the hf backend weighs ``--compile auto`` by, from the loaded model (routed experts fused in
+    memory): the tiny DeepSeek's 7 MoE layers x 8 routed experts of 3 x 256 x 128, of which a token meets 2,
+    count a quarter; a dense Llama counts whole. A run long enough to compile the same parameters dense is
+    not long enough for the MoE."""
+    from pipeline.backends.hf import COMPILE_MIN_FLOPS, should_compile
+
+    def counts(model_dir, layer_ids):
+        backend = HFBackend(
+            BackendOptions(
+                model=read_model_dir(model_dir), layer_ids=layer_ids, device="cpu", dtype="float32"
+            )
+        )
+        every = sum(p.numel() for name, p in backend.decoder.named_parameters() if "embed_tokens" not in name)
+        met = backend.params_met
+        backend.close()
+        return every, met
+
+    every, met = counts(tiny_deepseek, (2, 4, 5, 7))
+    routed = 7 * 8 * 3 * 256 * 128
+    assert met == every - routed + routed // 4
+    dense_every, dense_met = counts(tiny_llama, (2, 4, 5, 7))
+    assert dense_met == dense_every
+    tokens = int(COMPILE_MIN_FLOPS / (2 * met)) - 1  # would compile if every parameter counted
+    assert should_compile(None, True, every, tokens) and not should_compile(None, True, met, tokens)
+
+
 def test_packing_is_left_to_models_whose_heads_flash_attention_takes(tiny_llama, tiny_deepseek):
     """Llama's heads fit flash attention's varlen kernel; an MLA config fits only while its query-key and
     value head sizes are equal (DeepSeek-V3's and the tiny DeepSeek's: 192 and 128)."""
