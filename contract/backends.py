@@ -10,15 +10,16 @@ for that. So hf where the weights fit one GPU (data parallel over the GPUs: one 
 do not (tensor parallel over the GPUs: the reference Kimi-K2.5 target, ~595 GB on 96 GB cards, fits no single
 card).
 Those figures are dense Llamas'. An MoE target that fits one GPU (a DeepSeek-V3 layout smaller than the
-reference's) gets hf by the same rule, unmeasured against vLLM's fused MoE and MLA kernels: the run that
-decides it is ``python -m bench.e2e_bench --shapes dsv3-9b --samples 384 --no-naive --also "vllm:--backend
-vllm" --also "vllmwarm@vllm:--backend vllm"`` on one GPU (not run yet: no GPU was lent on 2026-12-05).
+reference's) gets hf by the same rule, unmeasured against vLLM's fused MoE and MLA kernels, and its reason
+says so (the experts as contract/experts.py reads them from config.json). The run that decides it, on one
+GPU (not run yet: no GPU was lent on 2026-12-05): ``python -m bench.e2e_bench --shapes dsv3-9b --samples
+384 --no-naive --also "vllm:--backend vllm" --also "vllmwarm@vllm:--backend vllm"``.
 Where vLLM is not installed the answer is hf; where the sizes are unknown (a dry run before the preflight)
 the answer waits for them.
 
 Owns only the decision and its one-line reason; the facts (weight bytes, GPU memory, whether vLLM is
-installed) are gathered by each side: pipeline/backends/choice.py in the container, ops' preflight on the
-host. Standard library only (contract/__init__.py).
+installed, the routed experts) are gathered by each side: pipeline/backends/choice.py in the container,
+ops' preflight on the host. Standard library only (contract/__init__.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ BACKENDS = ("hf", "vllm")
 # activations (32,768 tokens by default) and the CUDA context.
 FIT_SHARE = 0.8
 MEASURED = "vLLM's loop is level with hf's there; hf starts 7-13 s sooner (H200, docs/benchmarks.md)"
+UNMEASURED_MOE = (
+    "those figures are dense models'; hf against vLLM's fused-MoE kernels on one GPU is unmeasured "
+    '(docs/vllm.md, "Not verified here")'
+)
 
 
 @dataclass(frozen=True)
@@ -39,8 +44,15 @@ class Choice:
     reason: str
 
 
-def choose(weights_bytes: int | None, gpu_memory_bytes: int | None, gpus: int, has_vllm: bool) -> Choice:
-    """The backend ``auto`` resolves to, and why (pure)."""
+def choose(
+    weights_bytes: int | None,
+    gpu_memory_bytes: int | None,
+    gpus: int,
+    has_vllm: bool,
+    experts: tuple[int, int] = (0, 0),
+) -> Choice:
+    """The backend ``auto`` resolves to, and why (pure). ``experts``: ``(k, E)`` of an MoE target
+    (contract/experts.py), ``(0, 0)`` for a dense one."""
     if gpus < 1:
         return Choice("hf", "no GPU visible (the vllm CPU build is for tests)")
     if not has_vllm:
@@ -52,6 +64,13 @@ def choose(weights_bytes: int | None, gpu_memory_bytes: int | None, gpus: int, h
         f"weights {weights_bytes / gib:.1f} GiB, {FIT_SHARE:.0%} of one GPU {gpu_memory_bytes / gib:.1f} GiB"
     )
     if weights_bytes <= FIT_SHARE * gpu_memory_bytes:
+        k, routed = experts
+        if routed:
+            return Choice(
+                "hf",
+                f"the model fits one GPU ({sizes}); an MoE ({k} of {routed} experts per token): "
+                + UNMEASURED_MOE,
+            )
         return Choice("hf", f"the model fits one GPU ({sizes}); {MEASURED}")
     return Choice("vllm", f"the model does not fit one GPU ({sizes}): vLLM runs it tensor parallel")
 

@@ -61,14 +61,15 @@ def resolve(
     args: StageArgs = StageArgs(),
     weights_bytes: int | None = None,
     gpu_memory_bytes: int | None = None,
+    experts: tuple[int, int] = (0, 0),
 ) -> Layout:
     """The concrete layout for a host with `gpus` GPUs visible to the stage (each of `gpu_memory_bytes`,
-    the checkpoint `weights_bytes`). ConfigError for one that cannot run: more GPUs asked for than there
-    are, data parallelism with vLLM."""
+    the checkpoint `weights_bytes`, `experts` its MoE's (k, E) routed experts: contract/experts.py).
+    ConfigError for one that cannot run: more GPUs asked for than there are, data parallelism with vLLM."""
     backend = args.backend or configured.backend
     reason = "as given after --" if args.backend else "as configured"
     if backend == AUTO:
-        choice = choose(weights_bytes, gpu_memory_bytes, max(gpus, 1), bool(image_has_vllm))
+        choice = choose(weights_bytes, gpu_memory_bytes, max(gpus, 1), bool(image_has_vllm), experts)
         backend, reason = choice.backend, choice.reason
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")

@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass
 
 from contract import sizes
+from contract.experts import experts_met
 from contract.stages import STAGES
 from ops.connection import Runner
 from ops.gpus import GpuState
@@ -145,10 +146,18 @@ def paths_request(host: HostConfig, plan: StagePlan) -> dict:
     return {
         "paths": [host.data_root, host.model_dir, host.cache_dir, *plan.host_inputs, plan.host_output],
         "free": [plan.host_output],
+        # extract's disk check reads both; the layout's backend rule weighs the config's experts
         "json": [meta, config] if plan.stage == "extract" else [],
         # the layout's backend rule (contract/backends.py) weighs the checkpoint against one GPU
         "weights": [host.model_dir] if STAGES[plan.stage].layout else [],
     }
+
+
+def model_experts(host: HostConfig, facts: dict) -> tuple[int, int]:
+    """The target's (k, E) routed experts from the config.json the agent read (`paths_request` asks for it
+    where the layout's backend rule weighs it); (0, 0) for a dense model or a config not read."""
+    _, config = _meta_and_config(host)
+    return experts_met((facts.get("json") or {}).get(config))
 
 
 def path_checks(host: HostConfig, plan: StagePlan, facts: dict) -> list[CheckResult]:

@@ -36,6 +36,7 @@ from ops.preflight import (
     driver_check,
     failed,
     gpu_check,
+    model_experts,
     path_checks,
     paths_request,
     secrets_check,
@@ -81,6 +82,7 @@ def preflight(
     weights = (facts.get("weights") or {}).get(host.model_dir)
     if weights is not None:
         plan = dataclasses.replace(plan, model_weights_bytes=weights)
+    plan = dataclasses.replace(plan, model_experts=model_experts(host, facts))
     root = facts["paths"][host.data_root]
     if root.get("exists"):
         plan = resolve_user(host, plan, root["uid"], root["gid"])

@@ -82,6 +82,8 @@ class StagePlan:
     )
     # the checkpoint's weight bytes on the host, once the preflight has read them (the layout's backend rule)
     model_weights_bytes: int | None = None
+    # its MoE's (k, E) routed experts from the config.json the preflight read; (0, 0): dense or not read
+    model_experts: tuple[int, int] = (0, 0)
     train: TrainPlan | None = (
         None  # train with states produced while it trains (the hosts file's train table)
     )

@@ -91,6 +91,7 @@ def resolve_layout(
             image_has_vllm=version is not None,
             args=plan.args,
             weights_bytes=plan.model_weights_bytes,
+            experts=plan.model_experts,
             gpu_memory_bytes=min(g.memory_total_mib for g in state.gpus) * 2**20 if state.gpus else None,
         )
     except ConfigError as exc:

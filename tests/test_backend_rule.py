@@ -34,6 +34,17 @@ def test_without_vllm_or_without_gpus_the_answer_is_hf():
     assert choose(600 * GIB, None, 0, True).backend == "hf"
 
 
+def test_an_moe_that_fits_one_gpu_says_its_figures_are_unmeasured():
+    """An MoE that fits one GPU still gets hf (nothing measured says otherwise), and its reason names the
+    experts and says the figures behind the rule are dense models'; one that does not fit gets vLLM."""
+    fits = choose(18 * GIB, H200, 8, True, experts=(6, 64))
+    assert fits.backend == "hf"
+    assert "an MoE (6 of 64 experts per token)" in fits.reason and "unmeasured" in fits.reason
+    assert "unmeasured" not in choose(18 * GIB, H200, 8, True).reason  # a dense model: the measured line
+    big = choose(595 * 10**9, 96 * GIB, 8, True, experts=(8, 384))
+    assert big.backend == "vllm" and "does not fit one GPU" in big.reason
+
+
 def test_unknown_sizes_shard_with_vllm():
     """A size that cannot be read (no weight files listed, NVML absent) does not guess 'fits'."""
     assert choose(None, H200, 8, True).backend == "vllm"
@@ -49,6 +60,25 @@ def test_the_container_side_reads_the_weight_bytes_and_resolves_auto(tiny_llama)
     assert resolve("auto", tiny_llama).backend == "hf"
     assert resolve("auto", tiny_llama).reason.startswith("no GPU visible")
     assert resolve("vllm", tiny_llama).backend == "vllm"
+
+
+def test_the_container_side_reads_the_experts_from_config_json(tmp_path, tiny_llama, tiny_deepseek):
+    """The tiny DeepSeek's config: 2 of 8 routed experts a token; a Llama's: dense; a wrapper's text_config
+    is looked into; an unreadable config.json counts as dense (the stage's own checks name it)."""
+    import json
+
+    from pipeline.backends.choice import model_experts
+
+    assert model_experts(tiny_deepseek) == (2, 8)
+    assert model_experts(tiny_llama) == (0, 0)
+    wrapper = tmp_path / "wrapper"
+    wrapper.mkdir()
+    text = json.loads((tiny_deepseek / "config.json").read_text())
+    (wrapper / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
+    assert model_experts(wrapper) == (2, 8)
+    (wrapper / "config.json").write_text("{not json")
+    assert model_experts(wrapper) == (0, 0)
+    assert model_experts(tmp_path / "missing") == (0, 0)
 
 
 def test_extract_says_what_auto_chose_on_stdout_and_keeps_stderr_clean(tmp_path, tiny_llama, prepared_llama):

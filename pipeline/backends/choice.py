@@ -1,6 +1,7 @@
 """The facts ``--backend auto`` is decided on, read in the container: the checkpoint's weight bytes, the
-smallest visible GPU's memory, the GPU count, whether vLLM is installed. The rule itself is
-contract/backends.py, shared with ops' layout, so a host run and a run by hand choose alike.
+smallest visible GPU's memory, the GPU count, whether vLLM is installed, an MoE's routed experts (its
+config.json). The rule itself is contract/backends.py, shared with ops' layout, so a host run and a run by
+hand choose alike.
 
 GPU memory comes from NVML (nvidia-ml-py), not from torch: asking torch would create a CUDA context in
 this process before vLLM starts its workers. Nothing here loads a model or imports vLLM.
@@ -9,10 +10,12 @@ this process before vLLM starts its workers. Nothing here loads a model or impor
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
 from contract.backends import Choice, choose, weight_file
+from contract.experts import experts_met
 from pipeline.backends.base import visible_device_count
 
 
@@ -22,6 +25,15 @@ def weights_bytes(model_dir: Path) -> int | None:
         return sum(p.stat().st_size for p in model_dir.iterdir() if weight_file(p.name) and p.is_file())
     except OSError:
         return None
+
+
+def model_experts(model_dir: Path) -> tuple[int, int]:
+    """``(k, E)`` of the model's routed experts from its config.json; ``(0, 0)`` for a dense model, and for
+    a config that cannot be read (the stage's own checks name that)."""
+    try:
+        return experts_met(json.loads((model_dir / "config.json").read_text()))
+    except (OSError, ValueError):
+        return (0, 0)
 
 
 def gpu_memory_bytes() -> int | None:
@@ -64,4 +76,5 @@ def resolve(requested: str, model_dir: Path) -> Choice:
         gpu_memory_bytes() if gpus else None,
         gpus,
         importlib.util.find_spec("vllm") is not None,
+        model_experts(model_dir),
     )

@@ -1,8 +1,8 @@
 """Which of a model's decoder parameters one token meets: all of a dense model's; of a mixture of experts,
 every shared weight (attention, norms, the router, the shared experts) and ``k`` of its ``E`` routed experts.
 
-Owns the name rule for a routed expert's weight, the config keys that give ``E`` and ``k`` in each MoE
-family, and the count of the parameters a token meets. The hf backend's ``--compile auto`` estimates a
+Owns the name rule for a routed expert's weight and the count of the parameters a token meets (``k`` and
+``E`` as contract/experts.py reads them from the config). The hf backend's ``--compile auto`` estimates a
 run's FLOPs from it, and bench/roofline.py counts the FLOPs a capture performs with it. Pure: names,
 sizes and a config in, a count out.
 """
@@ -11,22 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-# how each MoE family names its routed-expert count (DeepSeek-V3 / Kimi, Qwen-MoE, Mixtral)
-EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+from contract.experts import experts_met
 
 
 def is_routed_expert_param(name: str) -> bool:
     """A routed expert's weight (``mlp.experts.N.*`` on disk, ``mlp.experts.*`` fused in memory): a token
     meets only its ``k`` of them. Shared experts and the router are met by every token."""
     return ".experts." in name and "shared_experts" not in name
-
-
-def experts_met(config: Mapping) -> tuple[int, int]:
-    """``(k, E)``: the routed experts a token meets and the routed experts there are (``(0, 0)``: dense).
-    ``config`` is a text config as a dict (a wrapper's ``text_config`` is looked into)."""
-    text = config.get("text_config") or config
-    experts = next((int(text[key]) for key in EXPERT_COUNT_KEYS if text.get(key)), 0)
-    return (int(text.get("num_experts_per_tok") or 0), experts) if experts else (0, 0)
 
 
 def active_params(decoder_params: int, routed_params: int, k: int, experts: int) -> float:

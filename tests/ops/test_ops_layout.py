@@ -36,6 +36,30 @@ def test_auto_weighs_the_checkpoint_against_one_gpu_as_pipeline_extract_does():
     )
 
 
+def test_auto_names_an_moe_from_the_config_the_preflight_read():
+    """The experts come from the config.json the host agent read (its `json` facts, at the model folder's
+    path): an MoE that fits one GPU runs on hf, its reason says the rule's figures are unmeasured for it."""
+    from ops.preflight import model_experts
+
+    host = host_from_table("box", {"host": "box", "model_dir": "/models/m/"}, "f")
+    config = {"n_routed_experts": 64, "num_experts_per_tok": 6}
+    facts = {"json": {"/models/m/config.json": config, "/data/prepared/metadata.json": {}}}
+    assert model_experts(host, facts) == (6, 64)
+    assert model_experts(host, {"json": {"/models/m/config.json": None}}) == (0, 0)  # not read: dense
+    assert model_experts(host, {}) == (0, 0)
+    gib = 2**30
+    moe = resolve(
+        Layout(),
+        gpus=8,
+        image_has_vllm=True,
+        weights_bytes=18 * gib,
+        gpu_memory_bytes=141 * gib,
+        experts=(6, 64),
+    )
+    assert moe == Layout("hf", 1, 8) and "an MoE (6 of 64 experts per token)" in moe.reason
+    assert "unmeasured" in describe(Layout(), moe)
+
+
 def test_hosts_file_and_operator_flags_win_in_that_order():
     """Configured values beat auto; flags after `--` beat the hosts file and are not repeated by ops."""
     assert resolve(Layout("vllm", 4), gpus=8, image_has_vllm=False) == Layout("vllm", 4, 1)

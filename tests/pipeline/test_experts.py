@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.model.experts import active_decoder_params, experts_met, is_routed_expert_param
+from contract.experts import experts_met
+from pipeline.model.experts import active_decoder_params, is_routed_expert_param
 
 
 @pytest.mark.parametrize(
