@@ -18,7 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.model.experts import active_params, experts_met, is_routed_expert_param
+from contract.experts import experts_met
+from pipeline.model.experts import active_params, is_routed_expert_param
 
 PEAK_BF16_FLOPS = 790e12  # H200 dense bf16: an 8192^3 bf16 matmul measured 769-798 TFLOP/s on these machines
 
