@@ -9,15 +9,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-# how each MoE family names its routed-expert count (DeepSeek-V3 / Kimi, Qwen-MoE, Mixtral)
-EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+# how MoE families name their routed-expert count in config.json (DeepSeek-V3 / Kimi, Qwen-MoE and
+# gpt-oss, Mixtral, ERNIE-MoE) and the count a token meets (most, gpt-oss's own, ERNIE's, Hunyuan's)
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+PER_TOKEN_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk")
 
 
 def experts_met(config: Mapping | None) -> tuple[int, int]:
     """``(k, E)``: the routed experts a token meets and the routed experts there are; ``(0, 0)`` for a dense
-    model or no config. A wrapper's ``text_config`` is looked into."""
+    model or no config; ``(E, E)`` where the config gives no per-token count (every expert counted: the
+    upper bound). A wrapper's ``text_config`` is looked into."""
     if not config:
         return (0, 0)
     text = config.get("text_config") or config
-    experts = next((int(text[key]) for key in EXPERT_COUNT_KEYS if text.get(key)), 0)
-    return (int(text.get("num_experts_per_tok") or 0), experts) if experts else (0, 0)
+    experts = next((_count(text[key]) for key in EXPERT_COUNT_KEYS if _count(text.get(key))), 0)
+    if not experts:
+        return (0, 0)
+    k = next((_count(text[key]) for key in PER_TOKEN_KEYS if _count(text.get(key))), experts)
+    return (k, experts)
+
+
+def _count(value) -> int:
+    """A positive count as configs write it (an int; ERNIE-VL's per-modality list: its first); else 0."""
+    if isinstance(value, list | tuple):
+        value = value[0] if value else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

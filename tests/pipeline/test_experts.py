@@ -30,8 +30,16 @@ def test_a_routed_expert_is_told_by_its_name(name, routed):
         ({"num_experts": 60, "num_experts_per_tok": 4}, (4, 60)),  # Qwen-MoE
         ({"num_local_experts": 8, "num_experts_per_tok": 2}, (2, 8)),  # Mixtral
         ({"text_config": {"n_routed_experts": 384, "num_experts_per_tok": 8}}, (8, 384)),  # a wrapper
+        ({"num_local_experts": 128, "experts_per_token": 4}, (4, 128)),  # gpt-oss's own key
+        ({"moe_num_experts": 64, "moe_k": 6}, (6, 64)),  # ERNIE-MoE
+        ({"moe_num_experts": [64, 64], "moe_k": 6}, (6, 64)),  # ERNIE-VL: one count per modality
+        ({"num_experts": 16, "moe_topk": 2}, (2, 16)),  # Hunyuan
+        ({"n_routed_experts": 64}, (64, 64)),  # no per-token count: every expert counted
         ({"num_experts_per_tok": 8}, (0, 0)),  # no expert count: dense
+        ({"num_experts": 0, "num_experts_per_tok": 2}, (0, 0)),  # a dense config of an MoE family
+        ({"num_experts": None}, (0, 0)),
         ({"hidden_size": 4096}, (0, 0)),
+        (None, (0, 0)),
     ],
 )
 def test_each_family_gives_its_expert_counts(config, met):
