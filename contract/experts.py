@@ -18,10 +18,13 @@ PER_TOKEN_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk
 def experts_met(config: Mapping | None) -> tuple[int, int]:
     """``(k, E)``: the routed experts a token meets and the routed experts there are; ``(0, 0)`` for a dense
     model or no config; ``(E, E)`` where the config gives no per-token count (every expert counted: the
-    upper bound). A wrapper's ``text_config`` is looked into."""
-    if not config:
+    upper bound). A wrapper's ``text_config`` is looked into. A config that is not a JSON object (a damaged
+    file, which the stage's own checks name) counts as dense here."""
+    if not isinstance(config, Mapping):
         return (0, 0)
     text = config.get("text_config") or config
+    if not isinstance(text, Mapping):
+        return (0, 0)
     experts = next((_count(text[key]) for key in EXPERT_COUNT_KEYS if _count(text.get(key))), 0)
     if not experts:
         return (0, 0)

@@ -233,6 +233,8 @@ def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
         pf += ["--backend", "hf"]  # prepare loads no model: its tokenizer and config matter, not vLLM
     if "--trust-remote-code" in args:
         pf.append("--trust-remote-code")
+    if spec.preflight == "extract" and "--expert-parallel" in args:
+        pf.append("--expert-parallel")  # refused there, before the server stops, for hf or a dense model
     pf += ["--fail-fast-on", ",".join(spec.fatal) or "any"]
     return shlex.join((*pf, "--", stage, *args))
 

@@ -38,9 +38,11 @@ import click
 from pipeline.ondisk.paths import LoopCheckedPath
 
 from contract import sizes
+from contract.experts import experts_met
 from pipeline.runtime import patchset
 from pipeline.checks import CheckResult, fail, ok, warn
 from pipeline.errors import CheckFailed, StageError
+from pipeline.model.experts import expert_parallel_refusal
 from pipeline.model.layers import default_layer_ids, parse_layer_ids, validate_layer_ids
 from pipeline.model import modeldir
 from pipeline.model.modeldir import ModelDir, read_model_dir
@@ -73,6 +75,7 @@ class PreflightConfig:
     tensor_parallel_size: int | None = None  # default: all visible devices
     dtype: str = "auto"  # for the disk estimate: auto counts as bfloat16
     trust_remote_code: bool = False
+    expert_parallel: bool = False  # extract's --expert-parallel: the vllm backend, an MoE target
 
 
 # ------------------------------------------------------------------ checkpoint headers (no weights)
@@ -137,6 +140,13 @@ def check_model(cfg: PreflightConfig) -> Iterator[CheckResult]:
     if model.architecture.startswith("KimiK25") and not model.is_wrapper:
         yield fail("model config", f"{model.architecture} needs a text_config section in config.json")
     yield from check_checkpoint(cfg.model, model, text)
+    if cfg.expert_parallel:
+        refusal = expert_parallel_refusal(cfg.backend, cfg.model, model.raw)
+        k, experts = experts_met(model.raw)
+        if refusal:
+            yield fail("expert parallel", refusal)
+        else:
+            yield ok("expert parallel", f"{experts} routed experts ({k} per token) spread over the GPUs")
     yield from check_layer_ids(cfg, model)
     if cfg.prepared is not None:
         yield from check_prepared(cfg.prepared, model)
@@ -358,6 +368,8 @@ def check_parallel(cfg: PreflightConfig, model: ModelDir, text: dict) -> Iterato
     devices = visible_device_count()
     if devices:
         yield cuda_usable(devices)
+    if cfg.expert_parallel and (refusal := expert_parallel_refusal("vllm", on_gpu=devices > 0)):
+        yield fail("expert parallel", refusal)
     tp = cfg.tensor_parallel_size or max(1, devices)
     heads = int(text.get("num_attention_heads", 0) or 0)
     kv_heads = int(text.get("num_key_value_heads", heads) or heads)
@@ -738,6 +750,7 @@ def _write_json(path: Path, results: list[CheckResult], seconds: float) -> None:
 @click.option(
     "--trust-remote-code", is_flag=True, help="Allow the tokenizer's own Python code (e.g. Kimi-K2.5)."
 )
+@click.option("--expert-parallel", is_flag=True, help="extract's --expert-parallel (an MoE target on vllm).")
 @click.option(
     "--json", "json_path", type=LoopCheckedPath(), default=None, help="Also write the results here."
 )

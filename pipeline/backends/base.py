@@ -52,6 +52,7 @@ class BackendOptions:
     fused_norms: bool | None = None  # hf: RMSNorms through torch's fused kernel; None = on a GPU, when eager
     planned_tokens: int | None = None  # tokens the run will capture (None: unknown), for the compile decision
     enforce_eager: bool = False  # vllm only: no CUDA graphs / torch.compile (faster start, slower loop)
+    expert_parallel: bool = False  # vllm only: an MoE's whole experts spread over the GPUs, not sliced
     scratch_dir: Path | None = None  # vllm only: where the engine's per-request files wait to be read
     memory_share: float | None = None  # vllm only: gpu_memory_utilization; None: vLLM's default
 

@@ -179,6 +179,10 @@ def engine_arguments(
         args["gpu_memory_utilization"] = options.memory_share
     if compiled:
         args["compilation_config"] = {"cudagraph_mode": "NONE"}
+    if options.expert_parallel:
+        # each rank holds E / ranks whole experts (instead of 1 / ranks of every expert) and, with the
+        # filter, reads only those experts' tensors from the checkpoint at load
+        args.update(enable_expert_parallel=True, enable_ep_weight_filter=True)
     if options.model.is_wrapper:
         # a vision-language wrapper (Kimi-K2.5) reads text only here: no vision tower built or loaded (its
         # memory stays free), no image profiling; vLLM ignores the flag for a model that is not multimodal

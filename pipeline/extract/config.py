@@ -8,6 +8,7 @@ from pathlib import Path
 from contract.summary import CLOSING_CHECKS
 from pipeline.backends import BACKENDS
 from pipeline.errors import StageError
+from pipeline.model.experts import expert_parallel_refusal
 from pipeline.options import opt, validate
 from pipeline.extract.writer import WRITER_THREADS
 
@@ -50,6 +51,11 @@ class ExtractConfig:
     enforce_eager: bool = opt(
         False, help="vllm backend: no CUDA graphs or torch.compile (faster start, slower loop)."
     )
+    expert_parallel: bool = opt(
+        False,
+        help="vllm backend, an MoE target over several GPUs: each GPU holds whole experts and reads only "
+        "their weights, instead of a slice of every expert (vLLM's expert parallelism).",
+    )
     trust_remote_code: bool = opt(False, help="Allow the model's own Python code (e.g. Kimi-K2.5).")
     verify: bool = opt(True, decls="--no-verify", help="Skip the summary.json check at the end.")
     closing_check: str = opt(
@@ -91,6 +97,8 @@ class ExtractConfig:
             raise StageError(f"--writer-threads {self.writer_threads} must be at least 1")
         if self.data_parallel < 1:
             raise StageError(f"--data-parallel {self.data_parallel} must be at least 1")
+        if self.expert_parallel and self.backend == "hf":  # auto is told apart once it has chosen (stage.py)
+            raise StageError(expert_parallel_refusal(self.backend))
         if self.data_parallel > 1 and self.device.startswith("cuda:"):
             raise StageError(
                 f"--data-parallel gives each worker one GPU of its own; drop --device {self.device} "

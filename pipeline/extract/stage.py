@@ -16,6 +16,7 @@ from pipeline.backends import BACKENDS, BackendOptions, get_backend
 from pipeline.backends.base import visible_device_count
 from pipeline.errors import StageError
 from pipeline.model.layers import validate_layer_ids
+from pipeline.model.experts import expert_parallel_refusal
 from pipeline.model.modeldir import check_checkpoint, read_model_dir
 from pipeline.extract.config import ExtractConfig
 from pipeline.extract.plan import deal, plan_shard
@@ -50,6 +51,10 @@ def run(cfg: ExtractConfig) -> dict:
             f"but {cfg.model} has {model.vocab_size}: re-run prepare with this model"
         )
     layer_ids = validate_layer_ids(cfg.layer_ids, model.num_layers)
+    if cfg.expert_parallel and (
+        refusal := expert_parallel_refusal(cfg.backend, model.path, model.raw, visible_device_count() > 0)
+    ):
+        raise StageError(refusal)
     if cfg.backend not in BACKENDS:
         raise StageError(f"unknown --backend {cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
     n = len(prepared) if cfg.limit is None else min(cfg.limit, len(prepared))
@@ -66,6 +71,7 @@ def run(cfg: ExtractConfig) -> dict:
         max_batch_tokens=cfg.max_batch_tokens,
         trust_remote_code=cfg.trust_remote_code,
         enforce_eager=cfg.enforce_eager,
+        expert_parallel=cfg.expert_parallel,
         scratch_dir=cfg.out,
         compile={"auto": None, "on": True, "off": False}[cfg.compile],
     )

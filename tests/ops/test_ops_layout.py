@@ -160,6 +160,22 @@ def test_preflight_script_carries_the_stage_argv_exactly():
     )
 
 
+def test_the_preflight_gets_expert_parallel_from_the_stage_arguments():
+    """`-- --expert-parallel` reaches extract's preflight as its own flag, so that an MoE-less model, the hf
+    backend or a host without GPUs is refused there, before the server stops; prepare's preflight never
+    gets it."""
+    host = HostConfig(name="h", host="h", docker_gpus="")
+    plan = plan_stage(
+        host, "extract", run_id="r", layout=Layout("vllm", 8, 1), extra_args=("--expert-parallel",)
+    )
+    words = shlex.split(plan.preflight_run[-1])
+    before = words[: words.index("--")]
+    assert "--expert-parallel" in before and words[-1] == "--expert-parallel"
+    prepare_argv = plan_stage(host, "prepare", run_id="r", extra_args=("--expert-parallel",)).stage_argv
+    prepare = shlex.split(preflight_script("prepare", prepare_argv))
+    assert "--expert-parallel" not in prepare[: prepare.index("--")]
+
+
 def test_relayout_keeps_user_secrets_and_env_dir():
     """Filling in the layout after the probe changes the flags only: same run id, user, env file."""
     host = HostConfig(name="h", host="h")

@@ -141,6 +141,14 @@ def test_engine_arguments_force_extraction_settings_and_map_layer_ids(tmp_path):
     assert "gpu_memory_utilization" not in args  # vLLM's own default, unless a trainer shares the GPU
     shared = BackendOptions(model=options.model, layer_ids=options.layer_ids, memory_share=0.35)
     assert engine_arguments(shared, 1, tmp_path)["gpu_memory_utilization"] == 0.35
+    assert "enable_expert_parallel" not in args and "enable_ep_weight_filter" not in args
+    spread = BackendOptions(model=options.model, layer_ids=options.layer_ids, expert_parallel=True)
+    ep = engine_arguments(spread, 8, tmp_path)  # --expert-parallel: whole experts per rank, only theirs read
+    assert (ep["enable_expert_parallel"], ep["enable_ep_weight_filter"], ep["tensor_parallel_size"]) == (
+        True,
+        True,
+        8,
+    )
 
 
 def our_connector_file(tmp_path: Path, tokens: list[int], layers: int = len(LAYERS)) -> Path:
