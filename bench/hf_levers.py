@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from bench.gpu_models import build_model
-from bench.roofline import DecoderShape, is_decoder_param
-from pipeline.model.experts import is_routed_expert_param
+from bench.roofline import DecoderShape
+from pipeline.model.experts import is_decoder_param, is_routed_expert_param
 
 VARIANTS = {  # name: (packed, compile, max_batch_tokens, fused RMSNorms)
     "plain-16k": (False, False, 16384, False),

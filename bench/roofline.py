@@ -19,14 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.experts import experts_met
-from pipeline.model.experts import active_params, is_routed_expert_param
+from pipeline.model.experts import active_params, is_decoder_param, is_routed_expert_param
 
 PEAK_BF16_FLOPS = 790e12  # H200 dense bf16: an 8192^3 bf16 matmul measured 769-798 TFLOP/s on these machines
-
-
-def is_decoder_param(name: str) -> bool:
-    """A parameter the captured forward multiplies by: everything but the embedding table and the lm_head."""
-    return "embed_tokens" not in name and "lm_head" not in name
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,11 @@ from collections.abc import Iterable, Mapping
 from contract.experts import experts_met
 
 
+def is_decoder_param(name: str) -> bool:
+    """A parameter a captured forward multiplies by: everything but the embedding table and the lm_head."""
+    return "embed_tokens" not in name and "lm_head" not in name
+
+
 def is_routed_expert_param(name: str) -> bool:
     """A routed expert's weight (``mlp.experts.N.*`` on disk, ``mlp.experts.*`` fused in memory): a token
     meets only its ``k`` of them. Shared experts and the router are met by every token."""
@@ -32,7 +37,7 @@ def active_decoder_params(named_sizes: Iterable[tuple[str, int]], config: Mappin
     """``active_params`` of a model's decoder from its ``(name, numel)`` pairs (the embedding excluded)."""
     total = routed = 0
     for name, size in named_sizes:
-        if "embed_tokens" in name or "lm_head" in name:
+        if not is_decoder_param(name):
             continue
         total += size
         if is_routed_expert_param(name):
