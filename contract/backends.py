@@ -9,11 +9,16 @@ would repay its start from ~6M (8b) to ~11M (1b) tokens; one sample per row is n
 for that. So hf where the weights fit one GPU (data parallel over the GPUs: one process each), vLLM where they
 do not (tensor parallel over the GPUs: the reference Kimi-K2.5 target, ~595 GB on 96 GB cards, fits no single
 card).
-Those figures are dense Llamas'. An MoE target that fits one GPU (a DeepSeek-V3 layout smaller than the
-reference's) gets hf by the same rule, unmeasured against vLLM's fused MoE and MLA kernels, and its reason
-says so (the experts as contract/experts.py reads them from config.json). The run that decides it, on one
-GPU (not run yet: no GPU was lent on 2026-12-05): ``python -m bench.e2e_bench --shapes dsv3-9b --samples
-384 --no-naive --also "vllm:--backend vllm" --also "vllmwarm@vllm:--backend vllm"``.
+Those figures are dense Llamas'. An MoE target (routed experts in config.json, as contract/experts.py reads
+them) that fits one GPU goes to vLLM where the stage sees one GPU: on a DeepSeek-V3 layout of 9.3B parameters
+(1.3B met per token; bench/gpu_models.py's dsv3-9b) on one H100 (docs/benchmarks.md, "2026-12-05 14:46-14:57
+UTC"), vLLM's fused-MoE loop ran 1.2-1.5x hf's from cold caches (91k and 94k against 61k and 78k tok/s; its
+Triton kernels compile inside the first batches) and 1.7-2.0x from warm ones (122k, 134k), while hf reached
+its first batch 22-27 s sooner (28-32 s against 52-58 s). The warm loop repays that start from ~5M tokens
+(~2,500 conversations of 2,048 tokens), less than any set a draft is trained on; hf's whole process is the
+shorter one only for smaller runs (1.2M tokens: 44-48 s against 66-71 s). With several GPUs such a model
+keeps hf, one process per GPU: vLLM would run it tensor parallel over all of them (ops' layout and
+``pipeline extract``'s default), and that against hf's data parallelism is unmeasured (it needs two GPUs).
 Where vLLM is not installed the answer is hf; where the sizes are unknown (a dry run before the preflight)
 the answer waits for them.
 
@@ -32,9 +37,9 @@ BACKENDS = ("hf", "vllm")
 # activations (32,768 tokens by default) and the CUDA context.
 FIT_SHARE = 0.8
 MEASURED = "vLLM's loop is level with hf's there; hf starts 7-13 s sooner (H200, docs/benchmarks.md)"
-UNMEASURED_MOE = (
-    "those figures are dense models'; hf against vLLM's fused-MoE kernels on one GPU is unmeasured "
-    '(docs/vllm.md, "Not verified here")'
+MEASURED_MOE = (
+    "vLLM's fused-MoE loop ran 1.7-2.0x hf's from warm caches (1.2-1.5x cold), hf starts 22-27 s sooner: "
+    "vLLM pays from ~5M tokens (H100, docs/benchmarks.md)"
 )
 
 
@@ -65,11 +70,18 @@ def choose(
     )
     if weights_bytes <= FIT_SHARE * gpu_memory_bytes:
         k, routed = experts
+        if routed and gpus == 1:
+            return Choice(
+                "vllm",
+                f"the model fits one GPU ({sizes}) and is an MoE ({k} of {routed} experts per token): "
+                + MEASURED_MOE,
+            )
         if routed:
             return Choice(
                 "hf",
-                f"the model fits one GPU ({sizes}); an MoE ({k} of {routed} experts per token): "
-                + UNMEASURED_MOE,
+                f"the model fits one GPU ({sizes}) and is an MoE ({k} of {routed} experts per token): "
+                f"{MEASURED_MOE} on one GPU; on {gpus} GPUs vLLM's tensor parallelism against hf's process "
+                "per GPU is unmeasured",
             )
         return Choice("hf", f"the model fits one GPU ({sizes}); {MEASURED}")
     return Choice("vllm", f"the model does not fit one GPU ({sizes}): vLLM runs it tensor parallel")

@@ -34,15 +34,19 @@ def test_without_vllm_or_without_gpus_the_answer_is_hf():
     assert choose(600 * GIB, None, 0, True).backend == "hf"
 
 
-def test_an_moe_that_fits_one_gpu_says_its_figures_are_unmeasured():
-    """An MoE that fits one GPU still gets hf (nothing measured says otherwise), and its reason names the
-    experts and says the figures behind the rule are dense models'; one that does not fit gets vLLM."""
-    fits = choose(18 * GIB, H200, 8, True, experts=(6, 64))
-    assert fits.backend == "hf"
-    assert "an MoE (6 of 64 experts per token)" in fits.reason and "unmeasured" in fits.reason
-    assert "unmeasured" not in choose(18 * GIB, H200, 8, True).reason  # a dense model: the measured line
+def test_an_moe_that_fits_one_gpu_runs_on_vllm_where_the_stage_sees_one_gpu():
+    """One GPU: an MoE that fits goes to vLLM (its fused-MoE loop measured 1.7-2.0x hf's), with the figures;
+    several GPUs: hf, one process per GPU, the reason saying what is unmeasured; a dense model of the same
+    size keeps hf; an MoE that does not fit gets vLLM, tensor parallel."""
+    one = choose(18 * GIB, H200, 1, True, experts=(6, 64))
+    assert one.backend == "vllm"
+    assert "an MoE (6 of 64 experts per token)" in one.reason and "1.7-2.0x" in one.reason
+    eight = choose(18 * GIB, H200, 8, True, experts=(6, 64))
+    assert eight.backend == "hf" and "on 8 GPUs" in eight.reason and "unmeasured" in eight.reason
+    assert choose(18 * GIB, H200, 1, True).backend == "hf"  # dense: the measured line
     big = choose(595 * 10**9, 96 * GIB, 8, True, experts=(8, 384))
     assert big.backend == "vllm" and "does not fit one GPU" in big.reason
+    assert choose(18 * GIB, H200, 1, False, experts=(6, 64)).backend == "hf"  # no vLLM in the image
 
 
 def test_unknown_sizes_shard_with_vllm():

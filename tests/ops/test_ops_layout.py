@@ -38,7 +38,8 @@ def test_auto_weighs_the_checkpoint_against_one_gpu_as_pipeline_extract_does():
 
 def test_auto_names_an_moe_from_the_config_the_preflight_read():
     """The experts come from the config.json the host agent read (its `json` facts, at the model folder's
-    path): an MoE that fits one GPU runs on hf, its reason says the rule's figures are unmeasured for it."""
+    path): an MoE that fits one GPU runs on vLLM on a one-GPU host, on hf (one process per GPU) on an
+    8-GPU host, whose reason says what is unmeasured."""
     from ops.preflight import model_experts
 
     host = host_from_table("box", {"host": "box", "model_dir": "/models/m/"}, "f")

@@ -217,6 +217,9 @@ def test_compile_auto_credits_an_moe_only_with_the_experts_a_token_meets(tiny_de
     assert dense_met == dense_every
     tokens = int(COMPILE_MIN_FLOPS / (2 * met)) - 1  # would compile if every parameter counted
     assert should_compile(None, True, every, tokens) and not should_compile(None, True, met, tokens)
+    # an MoE never compiles by default (its compiled loop measured 5x slower), only when asked
+    assert not should_compile(None, True, met, 100 * tokens, moe=True)
+    assert should_compile(True, True, met, 1, moe=True)
 
 
 def test_packing_is_left_to_models_whose_heads_flash_attention_takes(tiny_llama, tiny_deepseek):
