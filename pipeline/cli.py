@@ -34,6 +34,7 @@ COMMANDS = {
     "check-args": "pipeline.argcheck:command",
     "export-speculators": "pipeline.interop:export_command",
     "import-speculators": "pipeline.interop:import_command",
+    "regenerate": "pipeline.regenerate.cli:command",
 }
 
 # commands the pipeline starts itself, never listed: the data-parallel extract's workers
@@ -54,6 +55,8 @@ SUMMARIES = {
     "check-args": "Parse ARGS as `pipeline STAGE` would; invoke nothing.",
     "export-speculators": "Write what `speculators train` reads (Arrow dataset + "
     "hidden_states/hs_{i}.safetensors) from our set.",
+    "regenerate": "Rewrite the assistant turns of conversations with the target's own answers, through its "
+    "chat server.",
     "import-speculators": "Write our prepared + hidden-states dirs (what `pipeline train` reads) from a "
     "speculators data dir.",
 }

@@ -188,6 +188,20 @@ def _message(j: int, role: str, turn: dict, text_key: str) -> dict:
     return message
 
 
+def parse_line(raw: bytes) -> object:
+    """One line of a conversations file as JSON, or ValueError saying why it is not."""
+    if len(raw) > MAX_ROW_BYTES:
+        raise ValueError(f"row is {len(raw)} bytes, over the {MAX_ROW_BYTES}-byte limit")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"invalid UTF-8 at byte {exc.start}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg})") from None
+
+
 def read_rows(path: Path, *, skip_invalid: bool) -> Iterator[tuple[int, list[dict] | None]]:
     """Yield (line number, messages); messages is None for a skipped invalid row."""
     if not path.is_file():
@@ -197,17 +211,7 @@ def read_rows(path: Path, *, skip_invalid: bool) -> Iterator[tuple[int, list[dic
             if not raw.strip():
                 continue
             try:
-                if len(raw) > MAX_ROW_BYTES:
-                    raise ValueError(f"row is {len(raw)} bytes, over the {MAX_ROW_BYTES}-byte limit")
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise ValueError(f"invalid UTF-8 at byte {exc.start}") from None
-                try:
-                    row = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"not valid JSON ({exc.msg})") from None
-                yield lineno, normalize_row(row)
+                yield lineno, normalize_row(parse_line(raw))
             except ValueError as exc:
                 if not skip_invalid:
                     raise StageError(f"{path}:{lineno}: {exc} (fix the row or pass --skip-invalid)") from None
