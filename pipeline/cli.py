@@ -35,6 +35,7 @@ COMMANDS = {
     "export-speculators": "pipeline.interop:export_command",
     "import-speculators": "pipeline.interop:import_command",
     "regenerate": "pipeline.regenerate.cli:command",
+    "evaluate": "pipeline.evaluate:command",
 }
 
 # commands the pipeline starts itself, never listed: the data-parallel extract's workers
@@ -57,6 +58,8 @@ SUMMARIES = {
     "hidden_states/hs_{i}.safetensors) from our set.",
     "regenerate": "Rewrite the assistant turns of conversations with the target's own answers, through its "
     "chat server.",
+    "evaluate": "Measure a draft in vLLM: acceptance, decode speed, greedy equality vs. none and n-gram "
+    "lookup.",
     "import-speculators": "Write our prepared + hidden-states dirs (what `pipeline train` reads) from a "
     "speculators data dir.",
 }

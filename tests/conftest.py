@@ -58,10 +58,11 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
 
 
 def run_pipeline(
-    *args: str, check: bool = False, timeout: float = 600, **kwargs
+    *args: str, check: bool = False, timeout: float = 600, env: dict | None = None, **kwargs
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m pipeline ARGS`` as an operator would; return the completed process."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    """Run ``python -m pipeline ARGS`` as an operator would (this environment, ``env`` over it); return the
+    completed process."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     proc = subprocess.run(
         [PYTHON, "-m", "pipeline", *map(str, args)],
         capture_output=True,

@@ -77,6 +77,57 @@ def test_closing_table_prints_online_next_to_offline(served, capsys):
     assert "equals the target alone" in text
 
 
+def test_evaluate_measures_the_draft_against_no_speculation_and_ngram(
+    served, tiny_llama, conversations, tmp_path
+):
+    """`pipeline evaluate` on the trained draft, through its real command line: one engine per method (none,
+    n-gram k=2, EAGLE-3 k=2), both phases; the draft's rows carry vLLM's counters, greedy output equals the
+    target's alone (fp32 on the CPU), and the table, the plot and the verdict are written. The CPU build's
+    speeds are recorded, not judged."""
+    from tests.conftest import run_pipeline
+
+    cfg, _ = served
+    out = tmp_path / "eval"
+    proc = run_pipeline(
+        "evaluate",
+        "--model",
+        tiny_llama,
+        "--draft",
+        cfg.out,
+        "--prompts",
+        conversations,
+        "--out",
+        out,
+        "--k",
+        "2",
+        "--num-prompts",
+        "3",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--dtype",
+        "float32",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "evaluate.json").read_text())
+    rows = {(r["label"], r["phase"]): r for r in result["rows"]}
+    assert set(rows) == {(m, p) for m in ("none", "ngram k=2", "eagle3 k=2") for p in ("batch1", "batched")}
+    for phase in ("batch1", "batched"):
+        eagle, none = rows[("eagle3 k=2", phase)], rows[("none", phase)]
+        assert eagle["drafts"] > 0 and eagle["draft_tokens"] == 2 * eagle["drafts"], eagle
+        assert eagle["acceptance_length"] == pytest.approx(1 + eagle["accepted_tokens"] / eagle["drafts"])
+        assert len(eagle["per_position"]) == 2 and none["drafts"] == 0 and none["acceptance_length"] is None
+        assert eagle["greedy_equal"] and eagle["prompts"] == 3, eagle
+        assert eagle["output_tokens"] == none["output_tokens"] == 3 * 12
+    assert rows[("none", "batch1")]["tpot_ms"] > 0 and rows[("none", "batched")]["batch"] == 3
+    assert (out / "evaluate.png").stat().st_size > 1000
+    assert "| batch 1 | eagle3 k=2 |" in (out / "evaluate.md").read_text()
+    assert result["verdict"] in proc.stdout and "best draft eagle3 k=2" in result["verdict"]
+    assert "greedy output equal" in result["verdict"]
+
+
 def test_served_config_is_in_vllms_convention(served, tiny_llama):
     """vLLM reads the draft as Eagle3LlamaForCausalLM with aux ids [3, 5, 6] = captured outputs of 2, 4, 5 +
     1."""
