@@ -67,7 +67,7 @@ def default_tensor_parallel_size() -> int:
 def check_patched() -> None:
     """Raise a one-line StageError unless the installed vLLM is one we have a patch set for, patched and
     with the APIs extraction uses (cheap: no model load)."""
-    from pipeline.preflight import installed_vllm_checks
+    from pipeline.runtime.vllm_checks import installed_vllm_checks
 
     failed = [c for c in installed_vllm_checks() if c.failed]
     if failed:
@@ -77,9 +77,9 @@ def check_patched() -> None:
 
 def check_routing(options: BackendOptions) -> None:
     """Refuse a DeepSeek-style MoE config whose routing keys vLLM reads with other defaults than the
-    checkpoint was trained with (vLLM would compute every MoE layer differently, silently): preflight's
-    check, here too."""
-    from pipeline.preflight import check_moe_routing, checkpoint_tensor_names
+    checkpoint was trained with (vLLM would compute every MoE layer differently, silently): the check
+    preflight makes too (pipeline/model/checkpoint.py)."""
+    from pipeline.model.checkpoint import check_moe_routing, checkpoint_tensor_names
 
     raw = options.model.raw
     names, _ = checkpoint_tensor_names(options.model.path)
