@@ -1,6 +1,6 @@
 """Which extraction backend ``auto`` means: one rule for ``pipeline extract --backend auto`` and ops' layout.
 
-The rule, from what was measured side by side on one H200 (docs/benchmarks.md, "2026-12-04 12:00-12:55
+The rule, from what was measured side by side on one H200 (docs/benchmarks-history.md, "2026-12-04 12:00-12:55
 UTC"): on a model whose weights fit one GPU vLLM's loop runs level with hf's from cold caches (llama-1b 1,024
 conversations: 204k against 205k tok/s; llama-8b 256: 34.6k against 34.2k) and ahead from warm ones (237k,
 37.1k: 1.16x, 1.08x, one run each), but hf reaches its first batch 7-13 s sooner (1b: 11 s against 18-21 s),
@@ -11,12 +11,12 @@ do not (tensor parallel over the GPUs: the reference Kimi-K2.5 target, ~595 GB o
 card).
 Those figures are dense Llamas'. An MoE target (routed experts in config.json, as contract/experts.py reads
 them) that fits one GPU goes to vLLM where the stage sees one GPU: on a DeepSeek-V3 layout of 9.3B parameters
-(1.3B met per token; bench/gpu_models.py's dsv3-9b) on one H100 (docs/benchmarks.md, "2026-12-05 14:46-14:57
-UTC"), vLLM's fused-MoE loop ran 1.2-1.5x hf's from cold caches (91k and 94k against 61k and 78k tok/s; its
-Triton kernels compile inside the first batches) and 1.7-2.0x from warm ones (122k, 134k), while hf reached
-its first batch 22-27 s sooner (28-32 s against 52-58 s). The warm loop repays that start from ~5M tokens
-(~2,500 conversations of 2,048 tokens), less than any set a draft is trained on; hf's whole process is the
-shorter one only for smaller runs (1.2M tokens: 44-48 s against 66-71 s). With several GPUs such a model
+(1.3B met per token; bench/gpu_models.py's dsv3-9b) on one H100 (docs/benchmarks-history.md, "2026-12-05
+14:46-14:57 UTC"), vLLM's fused-MoE loop ran 1.2-1.5x hf's from cold caches (91k and 94k against 61k and 78k
+tok/s; its Triton kernels compile inside the first batches) and 1.7-2.0x from warm ones (122k, 134k), while hf
+reached its first batch 22-27 s sooner (28-32 s against 52-58 s). The warm loop repays that start from ~5M
+tokens (~2,500 conversations of 2,048 tokens), less than any set a draft is trained on; hf's whole process is
+the shorter one only for smaller runs (1.2M tokens: 44-48 s against 66-71 s). With several GPUs such a model
 keeps hf, one process per GPU: vLLM would run it tensor parallel over all of them (ops' layout and
 ``pipeline extract``'s default), and that against hf's data parallelism is unmeasured (it needs two GPUs).
 Where vLLM is not installed the answer is hf; where the sizes are unknown (a dry run before the preflight)

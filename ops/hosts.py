@@ -125,7 +125,7 @@ class HostConfig:
     stage_ipc: str = "private"  #: "private" (own IPC namespace, /dev/shm of stage_shm_size) or "host"
     stage_shm_size: str = "16g"  #: /dev/shm size when stage_ipc is private (NCCL, vLLM message queues)
     lock_file: str = "/run/lock/eagle-ops.lock"  #: the host lock (flock) every changing ops command holds
-    backend: str = AUTO  #: extract's backend: "auto" (vllm when the image has it, else hf), "vllm" or "hf"
+    backend: str = AUTO  #: extract's backend: "auto" (contract/backends.py's rule), "vllm" or "hf"
     tensor_parallel_size: int = 0  #: vllm backend: GPUs per model replica; 0 = all GPUs of the host
     data_parallel: int = 0  #: hf backend: processes, one GPU each; 0 = one per GPU (vllm: 1)
     timeouts: Timeouts = field(default_factory=Timeouts)

@@ -154,7 +154,7 @@ def container_env(run_id: str) -> tuple[tuple[str, str], ...]:
     """The stage container's environment (besides secrets): run id, HF cache, a writable home for caches
     (triton, flashinfer, vLLM) on the read-only root file system, torch inductor's cache beside them (its
     default is under /tmp, a tmpfs per run: the hf backend's compile took ~8 s cold and ~3.5 s from a warm
-    cache on the H200, docs/benchmarks.md), and a user name for a uid the image's passwd does not know
+    cache on the H200, docs/benchmarks-history.md), and a user name for a uid the image's passwd does not know
     (getpass.getuser())."""
     return (
         ("EAGLE_RUN_ID", run_id),

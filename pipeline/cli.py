@@ -8,7 +8,9 @@ the commands from their summaries here), so that ``pipeline verify`` never pays 
 
 from __future__ import annotations
 
+import copy
 import errno
+import functools
 import importlib
 import os
 import signal
@@ -79,7 +81,40 @@ class LazyGroup(click.Group):
         if target is None:
             return None
         module, attr = target.split(":")
-        return getattr(importlib.import_module(module), attr)
+        command = getattr(importlib.import_module(module), attr)
+        return closed_by(command, closing_verify) if name == "extract" else command
+
+
+def closed_by(command: click.Command, closing) -> click.Command:
+    """A copy of ``command`` whose run ends with ``closing``, handed what the command's callback returned
+    (the callback's attributes kept: check-args reads its config from them)."""
+    inner = command.callback
+
+    @functools.wraps(inner)
+    def callback(**kwargs):
+        return closing(inner(**kwargs))
+
+    composed = copy.copy(command)
+    composed.callback = callback
+    return composed
+
+
+def closing_verify(written) -> None:
+    """extract's closing check: the verify stage on the set the run just wrote (``written``: the ExtractConfig
+    extract returns; None, or --no-verify, for none). Composed here so that the extract package, a library
+    under the stages, never imports the verify stage."""
+    if written is None or not written.verify:
+        return
+    from pipeline import verify
+
+    verify.report(
+        verify.VerifyConfig(
+            path=written.out,
+            world_size=written.world_size,
+            rank=written.rank,
+            closing_check=written.closing_check,
+        )
+    )
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

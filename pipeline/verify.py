@@ -474,12 +474,10 @@ def _model_checks(
 def _alignment_checks(
     cfg: VerifyConfig, dc: formats.DataConfig, good: list[int], s: Summary, target
 ) -> list[CheckResult]:
-    from pipeline.weights import load_verifier
-
     if not good:
         return [fail("alignment", "no intact files to check")]
     if cfg.verifier:
-        verifier = load_verifier(cfg.verifier)
+        verifier = formats.load_verifier(cfg.verifier)
     else:  # no verifier dir: take the final norm and lm_head from the model itself
         from pipeline.model.modeldir import read_model_dir, resolve_names
         from pipeline.weights import read_tensors, weight_map
@@ -526,23 +524,21 @@ def _alignment_checks(
 def verify_verifier(path: Path) -> Summary:
     import torch
 
-    from pipeline.weights import KEYS, VERIFIER_META, load_verifier
-
     s = Summary("verifier", str(path))
     try:
-        tensors = load_verifier(path)
+        tensors = formats.load_verifier(path)
     except Exception as exc:  # noqa: BLE001
         s.checks.append(fail("loadable", f"{type(exc).__name__}: {exc}"))
         return s
     s.checks.append(
         check(
             "keys",
-            set(tensors) == set(KEYS),
+            set(tensors) == set(formats.VERIFIER_KEYS),
             ", ".join(sorted(tensors)),
-            f"keys {sorted(tensors)}, expected {list(KEYS)}",
+            f"keys {sorted(tensors)}, expected {list(formats.VERIFIER_KEYS)}",
         )
     )
-    if set(tensors) != set(KEYS):
+    if set(tensors) != set(formats.VERIFIER_KEYS):
         return s
     e, n, h = tensors["embed_tokens.weight"], tensors["norm.weight"], tensors["lm_head.weight"]
     shapes_ok = e.ndim == 2 and h.shape == e.shape and tuple(n.shape) == (e.shape[1],)
@@ -556,7 +552,7 @@ def verify_verifier(path: Path) -> Summary:
     )
     bad = {k: int((~torch.isfinite(t)).sum()) for k, t in tensors.items()}
     s.checks.append(check("nan_inf", not any(bad.values()), "all finite", f"non-finite values: {bad}"))
-    meta_path = path / VERIFIER_META
+    meta_path = path / formats.VERIFIER_META
     if meta_path.is_file():
         meta = readers.read_json(meta_path, "run `pipeline weights --overwrite`")
         same = all(list(tensors[k].shape) == v for k, v in meta.get("shapes", {}).items())

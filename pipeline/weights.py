@@ -18,11 +18,8 @@ from pipeline.errors import StageError
 from pipeline.model.modeldir import check_checkpoint, read_model_dir, resolve_names
 from pipeline.options import opt, options, validate
 from pipeline.ondisk.outdir import refuse_overlap, staged_dir
-from pipeline.ondisk.readers import read_safetensors, read_shard_tensors, read_weight_map
-
-VERIFIER_FILE = "verifier.safetensors"
-VERIFIER_META = "verifier.json"
-KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+from pipeline.ondisk.formats import VERIFIER_FILE, VERIFIER_META
+from pipeline.ondisk.readers import read_shard_tensors, read_weight_map
 
 
 @dataclass(frozen=True)
@@ -87,10 +84,6 @@ def run(model_dir: Path, out: Path, overwrite: bool = False) -> dict:
         save_file(tensors, str(staging / VERIFIER_FILE), metadata={"source": meta["source"]})
         write_json(staging / VERIFIER_META, meta)
     return meta
-
-
-def load_verifier(directory: Path) -> dict:
-    return read_safetensors(directory / VERIFIER_FILE, "run `pipeline weights --overwrite`")
 
 
 @click.command("weights")

@@ -129,6 +129,44 @@ def test_no_import_circles(package):
     assert cycles(module_imports(package)) == []
 
 
+# pipeline/'s two floors: the stages on top (each a module of pipeline/, its command with it) and the
+# libraries below them, which any stage may use and which use no stage (docs/architecture.md)
+STAGES = {"prepare", "weights", "verify", "preflight", "interop"}
+LIBRARIES = {"ondisk", "model", "runtime", "backends", "extract", "train"}
+
+
+def stage_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``library module -> stage module`` for each import of a top-floor stage by a library of pipeline/."""
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module.split(".")[1:2] and module.split(".")[1] in LIBRARIES
+        for target in targets
+        if target.split(".")[1:] and target.split(".")[1] in STAGES
+    )
+
+
+def test_pipeline_libraries_import_no_stage():
+    """No library of pipeline/ (ondisk, model, runtime, backends, extract, train) imports a stage module
+    (prepare, weights, verify, preflight, interop), lazily neither: what a library shares with a stage lives
+    in a library, and a command that ends with another stage's check is composed in pipeline/cli.py."""
+    graph = module_imports("pipeline")
+    assert {name.split(".")[1] for name in graph if name.count(".") == 1} >= STAGES  # the stages still exist
+    assert {name.split(".")[1] for name in graph if name.count(".") >= 2} >= LIBRARIES
+    assert stage_imports(graph) == []
+
+
+def test_the_floor_check_sees_an_upward_import():
+    """The check above can fail: a library module importing a stage, directly or from the package, is
+    named."""
+    graph = {"pipeline.backends.vllm": {"pipeline.preflight"}, "pipeline.extract.cli": {"pipeline.verify"}}
+    graph["pipeline.verify"] = {"pipeline.ondisk.formats"}  # a stage using a library is the rule
+    assert stage_imports(graph) == [
+        "pipeline.backends.vllm -> pipeline.preflight",
+        "pipeline.extract.cli -> pipeline.verify",
+    ]
+
+
 def test_the_circle_finder_finds_circles():
     """A two-module and a three-module circle are found; a diamond is not a circle."""
     assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]

@@ -67,7 +67,7 @@ def default_tensor_parallel_size() -> int:
 def check_patched() -> None:
     """Raise a one-line StageError unless the installed vLLM is one we have a patch set for, patched and
     with the APIs extraction uses (cheap: no model load)."""
-    from pipeline.preflight import installed_vllm_checks
+    from pipeline.runtime.vllm_checks import installed_vllm_checks
 
     failed = [c for c in installed_vllm_checks() if c.failed]
     if failed:
@@ -77,9 +77,9 @@ def check_patched() -> None:
 
 def check_routing(options: BackendOptions) -> None:
     """Refuse a DeepSeek-style MoE config whose routing keys vLLM reads with other defaults than the
-    checkpoint was trained with (vLLM would compute every MoE layer differently, silently): preflight's
-    check, here too."""
-    from pipeline.preflight import check_moe_routing, checkpoint_tensor_names
+    checkpoint was trained with (vLLM would compute every MoE layer differently, silently): the check
+    preflight makes too (pipeline/model/checkpoint.py)."""
+    from pipeline.model.checkpoint import check_moe_routing, checkpoint_tensor_names
 
     raw = options.model.raw
     names, _ = checkpoint_tensor_names(options.model.path)
@@ -122,9 +122,9 @@ def _vllm_dtype(dtype: str) -> str:
 
 
 # Planned tokens from which --compile auto compiles the model (vLLM's torch.compile, no CUDA graphs). On the
-# H200 (docs/benchmarks.md, "2026-12-03 evening", llama-1b): a cold compile put the first batch 118 s later
-# than eager (185 s against 67 s) and saved 1.3 us per token in the loop (139k against 118k tok/s), so it
-# pays from ~90M tokens; from a warm cache (32 s to the first batch) it costs nothing at start.
+# H200 (docs/benchmarks-history.md, "2026-12-03 evening", llama-1b): a cold compile put the first batch 118 s
+# later than eager (185 s against 67 s) and saved 1.3 us per token in the loop (139k against 118k tok/s), so
+# it pays from ~90M tokens; from a warm cache (32 s to the first batch) it costs nothing at start.
 COMPILE_MIN_TOKENS = 90_000_000
 
 
@@ -222,8 +222,8 @@ def model_inspection_here():
     spawns one per class on a cold ``VLLM_CACHE_ROOT/modelinfos`` (the target and the extract_hidden_states
     drafter) so that importing a model's module cannot initialize CUDA in a parent that forks workers later;
     each one imports torch, transformers and vLLM again: 46 of the 77 s before the first batch on the H200
-    (docs/benchmarks.md, 2026-12-04). An in-process core imports the same modules and initializes CUDA here
-    anyway, so nothing is lost; vLLM still writes the result to its cache. vLLM's own behaviour when the
+    (docs/benchmarks-history.md, 2026-12-04). An in-process core imports the same modules and initializes CUDA
+    here anyway, so nothing is lost; vLLM still writes the result to its cache. vLLM's own behaviour when the
     pinned version lacks the hook (a test of the pinned wheel says so)."""
     from vllm.model_executor.models import registry
 

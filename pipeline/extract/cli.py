@@ -1,5 +1,6 @@
-"""The command lines of the extract stage: ``pipeline extract`` (and its closing ``verify``, a stage of its
-own) and the hidden ``pipeline extract-worker`` that workers.py starts."""
+"""The command lines of the extract stage: ``pipeline extract`` and the hidden ``pipeline extract-worker``
+that workers.py starts. ``extract`` returns its config for the closing check, which pipeline/cli.py
+composes with the verify stage (this package imports no stage)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import sys
 
 import click
 
-from pipeline import verify
 from pipeline.errors import StageError
 from pipeline.options import from_json, options
 from pipeline.ondisk.outdir import output_lock
@@ -21,7 +21,7 @@ from pipeline.extract.stage import run
 @click.option(
     "--json-stats", is_flag=True, hidden=True, help="Print the run's figures as one JSON line (benchmarks)."
 )
-def command(json_stats: bool, **kwargs) -> None:
+def command(json_stats: bool, **kwargs) -> ExtractConfig | None:
     """Capture the outputs of 4 decoder layers for every prepared sample."""
     cfg = ExtractConfig(**kwargs)
     shard = f"rank-{cfg.rank}" if cfg.world_size > 1 else ""
@@ -29,7 +29,7 @@ def command(json_stats: bool, **kwargs) -> None:
         stats = run(cfg)
     if json_stats:
         echo_stats(stats)
-        return
+        return None  # the benchmarks' run: no closing check
     started = first_batch_after(stats)
     click.echo(
         f"extracted {stats['samples']} samples into {cfg.out} ({stats['batches_run']} batches run, "
@@ -44,12 +44,7 @@ def command(json_stats: bool, **kwargs) -> None:
     choice = (stats.get("startup") or {}).get("backend_choice")
     if choice:
         click.echo(f"extract: --backend auto chose {choice}")
-    if cfg.verify:
-        verify.report(
-            verify.VerifyConfig(
-                path=cfg.out, world_size=cfg.world_size, rank=cfg.rank, closing_check=cfg.closing_check
-            )
-        )
+    return cfg  # the set written, for the closing check (pipeline/cli.py closing_verify; --no-verify: none)
 
 
 @click.command("extract-worker", hidden=True)

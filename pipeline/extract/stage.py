@@ -106,7 +106,7 @@ def run(cfg: ExtractConfig) -> dict:
     elif batches:
         if "OMP_NUM_THREADS" not in os.environ and visible_device_count() > 0:
             # the host side of a GPU run is copies; an OpenMP pool of every core slowed the hf backend 2x on
-            # a 32-core H200 host (docs/benchmarks.md), half the cores (at most 16) did not. The vllm
+            # a 32-core H200 host (docs/benchmarks-history.md), half the cores (at most 16) did not. The vllm
             # backend's host side is the same kind of work (each writer thread writes a sample's states),
             # so it gets the same cap; at tensor parallel 1 its engine runs in this process, on the GPU
             torch.set_num_threads(max(1, min(16, (os.cpu_count() or 2) // 2)))

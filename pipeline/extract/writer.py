@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # Writer threads per process: on the H200 host (16 cores, tmpfs), 4 left the loop waiting on them (123-144k
 # tok/s, 0.1-1.2 s of writer wait per 0.8M tokens) where 8 and 16 kept up (154-164k, no wait; device busy 90%
-# of the loop): docs/benchmarks.md, 2026-12-03. Each thread mostly waits in write(2) and sha256, which
+# of the loop): docs/benchmarks-history.md, 2026-12-03. Each thread mostly waits in write(2) and sha256, which
 # release the GIL, so more threads than cores cost little.
 WRITER_THREADS = 8
 

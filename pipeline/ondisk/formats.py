@@ -23,6 +23,11 @@ hidden-states dir (``extract``)::
     checksums.HOST.PID.journal  one {"file", "sha256", "bytes", "mtime_ns", "facts"} JSON line per file a
                           running extract wrote
 
+verifier dir (``weights``)::
+
+    verifier.safetensors  embed_tokens.weight, norm.weight, lm_head.weight of the target
+    verifier.json         their source names, shapes and dtype, the source dir
+
 Why ``data_{i}.pt`` and not vLLM's ``hs_{i}.safetensors`` (what speculators 0.9's own ``speculators train``
 reads, next to an Arrow dataset holding the loss masks): each data file carries its own ids and loss mask,
 which ``extract --resume``, ``verify`` (``prepared_match``) and our train rely on without a second source;
@@ -90,10 +95,18 @@ CHECKSUM_INDEX_GLOB = "checksums*.json"
 CHECKSUM_JOURNAL_GLOB = "checksums.*.journal"
 DATA_FILE_RE = re.compile(r"^data_(\d+)\.pt$")
 DATA_KEYS = ("input_ids", "hidden_states", "loss_mask")
+VERIFIER_FILE = "verifier.safetensors"
+VERIFIER_META = "verifier.json"
+VERIFIER_KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 
 
 def data_file(directory: Path, index: int) -> Path:
     return directory / f"data_{index}.pt"
+
+
+def load_verifier(directory: Path) -> dict:
+    """The verifier's three tensors (``pipeline weights``' output), by their VERIFIER_KEYS names."""
+    return readers.read_safetensors(directory / VERIFIER_FILE, "run `pipeline weights --overwrite`")
 
 
 # ---------------------------------------------------------------- prepared samples

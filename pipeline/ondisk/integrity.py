@@ -494,8 +494,8 @@ def _nonfinite(h: torch.Tensor) -> int:
 def default_workers(file_bytes: int = 0, available_bytes: int | None = None) -> int:
     """Parallel file readers: 8 (fewer on smaller machines), each with its share of the cores for torch's
     threads. On a 32-core H200 host the buffer path read 14.6 / 21.0 GB/s from tmpfs with 4 / 8 readers;
-    mapped files stopped gaining past 2-4 (docs/benchmarks.md). Each reader keeps a buffer as large as the
-    largest file it read (``file_bytes`` at most), so the readers' buffers are held to a quarter of the
+    mapped files stopped gaining past 2-4 (docs/benchmarks-history.md). Each reader keeps a buffer as large as
+    the largest file it read (``file_bytes`` at most), so the readers' buffers are held to a quarter of the
     ``available_bytes`` of memory: a host short of memory reads with fewer threads rather than swapping
     or meeting the OOM killer (470 MB files, seq 8192 x hidden 7168, hold ~3.8 GB with 8 readers)."""
     readers = max(1, min(8, os.cpu_count() or 1))

@@ -7,8 +7,8 @@ which nothing observes. `run_then_exit` does the first part as Python does, then
 ``os._exit``; the kernel frees its memory and the driver its GPU context either way.
 
 Why: on the H200 that teardown took 1.6-1.8 s after `pipeline extract`'s last line, and ~1 s on a 2-core
-CPU with a tiny model (docs/benchmarks.md, "The seconds after the closing line"). It is safe here because
-nothing this project writes waits for teardown: every output is closed, and renamed into place, by the
+CPU with a tiny model (docs/benchmarks-history.md, "The seconds after the closing line"). It is safe here
+because nothing this project writes waits for teardown: every output is closed, and renamed into place, by the
 code that wrote it before the command returns; logging's handlers and ``weakref.finalize`` callbacks
 (vLLM's engine shutdown) run as atexit handlers.
 

@@ -69,15 +69,13 @@ def _resolve_model(cfg: TrainConfig, meta: dict, dc: formats.DataConfig) -> Path
 
 
 def _read_verifier(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    from pipeline.weights import KEYS, VERIFIER_META, load_verifier
-
-    tensors = load_verifier(Path(directory))
-    missing = [k for k in KEYS if k not in tensors]
+    tensors = formats.load_verifier(Path(directory))
+    missing = [k for k in formats.VERIFIER_KEYS if k not in tensors]
     if missing:
         raise StageError(
             f"{directory}/verifier.safetensors lacks {', '.join(missing)}: re-run `pipeline weights`"
         )
-    meta_path = Path(directory) / VERIFIER_META
+    meta_path = Path(directory) / formats.VERIFIER_META
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     return tensors, meta
 

@@ -50,7 +50,7 @@ def engine_placement(cfg: TrainConfig, backend: str, world_size: int):
     one line when too few are left. One process's: the GPUs the thread's engine would take (the first
     --states-tensor-parallel-size visible, all without it), shared when the trainer's --device is one of
     them. A process is the default: beside the trainer on the H200 it trained 1.39x faster than the thread
-    (docs/benchmarks.md, 2026-12-05)."""
+    (docs/benchmarks-history.md, 2026-12-05)."""
     from pipeline.backends.base import resolve_device, visible_device_count
     from pipeline.train import producer_process
 

@@ -53,10 +53,10 @@ def loss_implementation(device: torch.device) -> str:
     """Always speculators' eager loss (the same values as its fused one). On CUDA speculators compiles the
     draft's whole forward, loss included (``conditional_torch_compile``), and dynamo then has to trace the
     fused loss's autotuned Triton kernels: on the H200 with torch 2.11 that failed in the first step
-    ("ListVariable ... is already tracked for mutation", speculators/losses/fused.py; docs/benchmarks.md,
-    learned target), while the eager loss is plain torch that the compiler fuses itself. On the CPU
-    nothing is compiled and Triton does not run. Not yet re-measured on a GPU (the session's device time
-    ran out): see docs/train.md."""
+    ("ListVariable ... is already tracked for mutation", speculators/losses/fused.py;
+    docs/benchmarks-history.md, learned target), while the eager loss is plain torch that the compiler fuses
+    itself. On the CPU nothing is compiled and Triton does not run. Not yet re-measured on a GPU (the
+    session's device time ran out): see docs/train.md."""
     del device
     return "eager"
 

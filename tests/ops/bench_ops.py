@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]
 
-from ops_helpers import REPO, ssh_table, write_hosts  # noqa: E402
+from ops_helpers import REPO, loopback_hosts  # noqa: E402
 from ops_docker import client, remove_test_containers, server_on_one_gpu, stage_image  # noqa: E402
 from ops_sshd import start_sshd  # noqa: E402
 
@@ -63,23 +63,17 @@ def bench_scene(tmp: Path, dk, label: str = "bench") -> dict:
         cwd=REPO,
     )
     server, devdir, table = server_on_one_gpu(dk, tmp, "ops-bench-server", used_mib=1)
-    hosts = write_hosts(
+    hosts = loopback_hosts(
         tmp / "hosts.toml",
         label,
-        **ssh_table(
-            sshd,
-            sshd.write_known_hosts(tmp / "known_hosts"),
-            server=f"container:{server.name}",
-            device_glob=f"{devdir}/nvidia*",
-            gpu_source=f"table:{table}",
-            image=img,
-            docker_gpus="",
-            mounts=mounts,
-            data_root=str(data),
-            model_dir=str(assets / "model"),
-            cache_dir=str(data / "cache"),
-            timeouts={"grace": 2, "kill_wait": 2, "stop": 10, "clean": 10},
-        ),
+        sshd,
+        server.name,
+        devdir,
+        table,
+        (img, mounts),
+        data,
+        assets / "model",
+        {"grace": 2, "kill_wait": 2, "stop": 10, "clean": 10},
     )
     return dict(sshd=sshd, server=server, hosts=hosts, data=data)
 

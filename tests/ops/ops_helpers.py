@@ -57,6 +57,42 @@ def ssh_table(sshd: Sshd, known_hosts: Path, **extra) -> dict:
     )
 
 
+def loopback_hosts(
+    path: Path,
+    name: str,
+    sshd: Sshd,
+    server: str,
+    devdir: Path,
+    table: Path,
+    image: tuple[str, list[str]],
+    data: Path,
+    model: Path,
+    timeouts: dict,
+) -> Path:
+    """The hosts file of a loopback 'GPU host': reached through the test sshd, its server the container
+    `server` holding devdir's GPU (listed in the GPU table `table`), the stage image and its mounts, data
+    root `data` (cache inside it), the target `model`."""
+    tag, mounts = image
+    return write_hosts(
+        path,
+        name,
+        **ssh_table(
+            sshd,
+            sshd.write_known_hosts(path.parent / "known_hosts"),
+            server=f"container:{server}",
+            device_glob=f"{devdir}/nvidia*",
+            gpu_source=f"table:{table}",
+            image=tag,
+            docker_gpus="",
+            mounts=mounts,
+            data_root=str(data),
+            model_dir=str(model),
+            cache_dir=str(data / "cache"),
+            timeouts=timeouts,
+        ),
+    )
+
+
 def run_ops(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `python -m ops ARGS` as the operator would, from the repo root."""
     full_env = dict(os.environ, COLUMNS="200", **(env or {}))
