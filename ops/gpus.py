@@ -68,10 +68,13 @@ class ServerFacts:
     pgid: int | None = None
     members: tuple[int, ...] = ()
     error: str | None = None
+    # members that are ops' own processes (itself, a helper it started, the shell that runs it): the pid
+    # file points at the operator, not at a server, and nothing of the group counts as the server's
+    ours: tuple[int, ...] = ()
 
     @property
     def running(self) -> bool:
-        return bool(self.running_container_ids or self.members)
+        return bool(self.running_container_ids or self.members) and not self.ours
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ def classify(proc: Proc, host: HostConfig, server: ServerFacts, ancestry: set[in
         return PROTECTED, "our own ancestry"
     if proc.container_id and proc.container_id in server.container_ids:
         return SERVER, f"in server container {proc.container or proc.container_id[:12]}"
+    if server.ours:  # the pid file points at ops' own group: nothing of it is the server's
+        return ORPHAN, "not protected, not the server"
     if server.pgid is not None and proc.pgid == server.pgid:
         return SERVER, f"in server process group {server.pgid}"
     if proc.pid in server.members:
@@ -151,6 +156,7 @@ def parse_probe(reply: dict, host: HostConfig) -> GpuState:
         pgid=s.get("pgid"),
         members=tuple(s.get("members", [])),
         error=s.get("error"),
+        ours=tuple(s.get("ours", [])),
     )
     gpu = reply["gpu"]
     gpus = tuple(

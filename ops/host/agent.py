@@ -390,6 +390,9 @@ def probe(req: dict) -> dict:
         ]
     elif server["kind"] == "pidfile":
         server.update(pidfile_group(target))
+        # a pid file that points at ops itself, a helper it started or the operator's shell: named as such,
+        # never as the server's
+        server["ours"] = sorted(set(server["members"]) & own_processes(req)) if server["members"] else []
         pids |= set(server["members"])
     elif server["kind"] == "systemd":
         server["unit"] = target
@@ -426,6 +429,14 @@ def probe(req: dict) -> dict:
     return out
 
 
+def own_processes(req: dict) -> set[int]:
+    """ops' own processes as this machine shows them, never signalled nor taken for a server's: the agent's
+    ancestry, the ops process that sent the request and every process under it (when it runs here), and,
+    when the request asks, every process started over this agent's SSH connection."""
+    ours = set(ancestry()) | client_tree(req.get("client"))
+    return ours | (same_connection() if req.get("spare_ssh_session") else set())
+
+
 def terminate(req: dict) -> dict:
     """SIGTERM the targets, wait up to `grace`, SIGKILL the rest, wait up to `kill_wait`, report.
 
@@ -434,8 +445,7 @@ def terminate(req: dict) -> dict:
     A process we may not signal (EPERM: another user's, and we are not root) is reported as denied at
     once and dropped from the targets: waiting for it or sending it SIGKILL cannot change anything."""
     started = time.monotonic()
-    ours = set(ancestry()) | client_tree(req.get("client"))
-    ours |= same_connection() if req.get("spare_ssh_session") else set()
+    ours = own_processes(req)
     grace, kill_wait = float(req.get("grace", 10)), float(req.get("kill_wait", 5))
     fixed = {int(t["pid"]): int(t["starttime"]) for t in req.get("targets", [])}
     groups = [int(g) for g in req.get("groups", [])]
