@@ -24,7 +24,7 @@ from rich.console import Console
 from ops import report, restore, secret_env
 from ops.clean import CLEAN, VERDICT_EXIT, CleanReport, gpu_clean
 from ops.errors import EXIT_PREFLIGHT, OpsError, RemoteCommandError
-from ops.gpus import GpuState, probe_with_paths
+from ops.gpus import GpuState, probe_with_paths, refuse_lasting
 from ops.hosts import HostConfig
 from ops.connection import Runner
 from ops.interrupts import Interrupts
@@ -219,6 +219,7 @@ class _Run:
         write_json(out.local_dir / "run.json", self.record)
         bad = failed(out.checks)
         if bad:
+            refuse_lasting(self.before, "; nothing was stopped or started")  # the GPUs' own exit code, 6
             raise OpsError(f"preflight failed: {bad[0].name}: {bad[0].detail}", exit_code=EXIT_PREFLIGHT)
         lock.ensure()
         step("stop-server")

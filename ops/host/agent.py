@@ -159,11 +159,11 @@ def nvml_facts() -> dict:
     try:
         import pynvml as N
     except ImportError as exc:
-        return {"ok": False, "error": f"nvidia-ml-py not available: {exc}", "gpus": []}
+        return {"ok": False, "error": f"nvidia-ml-py not available: {exc}", "gpus": [], "lasting": True}
     try:
         N.nvmlInit()
-    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return {"ok": False, "error": f"NVML init failed: {exc}", "gpus": []}
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...: no retry will load it
+        return {"ok": False, "error": f"NVML init failed: {exc}", "gpus": [], "lasting": True}
     try:
         driver = N.nvmlSystemGetDriverVersion()
         gpus = []
@@ -208,9 +208,13 @@ def table_facts(path: str) -> dict:
     """An NVML stand-in for hosts without GPUs: a JSON table of GPUs and their compute processes (real
     pids). Like NVML, a process that has exited is not listed and its memory is no longer used."""
     try:
-        with open(path) as fh:
+        fh = open(path)
+    except OSError as exc:  # missing or unreadable: a source that is not there, not GPUs that are busy
+        return {"ok": False, "error": f"GPU table {path}: {exc}", "gpus": [], "lasting": True}
+    try:
+        with fh:
             table = json.load(fh)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # a table being rewritten may read whole at the next probe
         return {"ok": False, "error": f"GPU table {path}: {exc}", "gpus": []}
     gpus = []
     for i, gpu in enumerate(table.get("gpus", [])):
