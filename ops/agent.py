@@ -60,6 +60,9 @@ def probe_request(host: HostConfig) -> dict:
         "device_glob": host.device_glob,
         "gpu_source": host.gpu_source,
         "server": {"kind": host.server.kind, "target": host.server.target},
+        # who is ops here, so that a pid file pointing at it is told as such (the same set terminate spares)
+        "client": client_identity(),
+        "spare_ssh_session": not host.is_local,
     }
 
 

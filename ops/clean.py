@@ -18,7 +18,17 @@ from ops import server
 from ops.agent import terminate_request
 from ops.connection import Runner
 from ops.errors import EXIT_CANNOT_SIGNAL, EXIT_NOT_CLEAN, EXIT_OK, EXIT_RESPAWNED, EXIT_UNKILLABLE
-from ops.gpus import ORPHAN, PROTECTED, SERVER, GpuCheck, GpuState, Holder, check_clean, probe
+from ops.gpus import (
+    ORPHAN,
+    PROTECTED,
+    SERVER,
+    GpuCheck,
+    GpuState,
+    Holder,
+    check_clean,
+    probe,
+    refuse_lasting,
+)
 from ops.hosts import HostConfig
 from ops.server import Step, StopPlan
 
@@ -88,10 +98,12 @@ def verify_clean(
     runner: Runner, host: HostConfig, *, timeout: float, first: GpuState | None = None
 ) -> tuple[GpuState, list[GpuCheck]]:
     """Probe until every GPU is clean or the timeout passes; the last state and checks. `first` is a
-    probe taken just now, used as the first attempt."""
+    probe taken just now, used as the first attempt. A GPU fact source that is not there at all is no busy
+    GPU: OpsError (exit 6) at the probe that finds it, not after the timeout."""
     deadline = time.monotonic() + timeout
     while True:
         state, first = first or probe(runner, host), None
+        refuse_lasting(state, after="")
         checks = check_clean(state, host.clean_threshold_mib)
         if all(c.ok for c in checks) or time.monotonic() >= deadline:
             return state, checks
@@ -172,9 +184,11 @@ def gpu_clean(
     on_step: Callable[[str], None] = lambda step: None,
 ) -> CleanReport:
     """`before`: a probe the caller took moments ago (remote-run's preflight), to save a round trip.
-    `on_step("clean")` is called once the server is down, before any GPU holder is signalled."""
+    `on_step("clean")` is called once the server is down, before any GPU holder is signalled. OpsError (exit
+    6) at once when the GPU fact source is not there at all (ops.gpus.refuse_lasting)."""
     started = time.monotonic()
     before = before or probe(runner, host)
+    refuse_lasting(before)  # no GPU facts to prove anything by: nothing is stopped or signalled
     plan = plan_clean(before, host)
     report = CleanReport(before, plan, dry_run=dry_run)
     if dry_run:

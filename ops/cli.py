@@ -140,7 +140,7 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def gpu_status(host: HostConfig, runner: Runner, as_json: bool) -> None:
     """Per GPU: memory, utilisation and every compute process, classified protected/server/orphan."""
-    from ops.gpus import probe
+    from ops.gpus import probe, unreadable
     from ops.report import dumps, print_status
 
     state = probe(runner, host)
@@ -149,11 +149,7 @@ def gpu_status(host: HostConfig, runner: Runner, as_json: bool) -> None:
     else:
         print_status(console, state)
     if state.gpu_error:  # a status without the GPUs is no status: what was read is shown, the exit says so
-        raise errors.OpsError(
-            f"cannot read the GPU facts of {host.name}: {state.gpu_error} (check the driver and `gpu_source` "
-            "in the hosts file)",
-            exit_code=errors.EXIT_NOT_CLEAN,
-        )
+        raise unreadable(state)
 
 
 @main.command("gpu-clean")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ops.agent import call, probe_request
 from ops.connection import Runner
+from ops.errors import EXIT_NOT_CLEAN, OpsError
 from ops.hosts import HostConfig
 
 PROTECTED, SERVER, ORPHAN = "protected", "server", "orphan"
@@ -68,10 +69,13 @@ class ServerFacts:
     pgid: int | None = None
     members: tuple[int, ...] = ()
     error: str | None = None
+    # members that are ops' own processes (itself, a helper it started, the shell that runs it): the pid
+    # file points at the operator, not at a server, and nothing of the group counts as the server's
+    ours: tuple[int, ...] = ()
 
     @property
     def running(self) -> bool:
-        return bool(self.running_container_ids or self.members)
+        return bool(self.running_container_ids or self.members) and not self.ours
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,9 @@ class GpuState:
     ancestry: tuple[int, ...]
     parents: tuple[Proc, ...] = ()  # the holders' parent processes (to name a supervisor), never targets
     driver: str | None = None  # NVIDIA driver version as NVML reports it ("580.65.06")
+    # the GPU fact source is not there at all (a `table:` file that does not exist, NVML that cannot load):
+    # no retry can change that within a run, unlike a table read half-written
+    gpu_error_lasting: bool = False
 
     def by_class(self, klass: str) -> list[Holder]:
         return [h for h in self.holders if h.klass == klass]
@@ -129,6 +136,8 @@ def classify(proc: Proc, host: HostConfig, server: ServerFacts, ancestry: set[in
         return PROTECTED, "our own ancestry"
     if proc.container_id and proc.container_id in server.container_ids:
         return SERVER, f"in server container {proc.container or proc.container_id[:12]}"
+    if server.ours:  # the pid file points at ops' own group: nothing of it is the server's
+        return ORPHAN, "not protected, not the server"
     if server.pgid is not None and proc.pgid == server.pgid:
         return SERVER, f"in server process group {server.pgid}"
     if proc.pid in server.members:
@@ -151,6 +160,7 @@ def parse_probe(reply: dict, host: HostConfig) -> GpuState:
         pgid=s.get("pgid"),
         members=tuple(s.get("members", [])),
         error=s.get("error"),
+        ours=tuple(s.get("ours", [])),
     )
     gpu = reply["gpu"]
     gpus = tuple(
@@ -197,6 +207,7 @@ def parse_probe(reply: dict, host: HostConfig) -> GpuState:
         ancestry=tuple(reply["ancestry"]),
         parents=tuple(_proc(d) for _, d in sorted(reply.get("parents", {}).items())),
         driver=gpu.get("driver"),
+        gpu_error_lasting=bool(gpu.get("error") and gpu.get("lasting")),
     )
 
 
@@ -208,6 +219,23 @@ def probe_with_paths(runner: Runner, host: HostConfig, paths: dict) -> tuple[Gpu
     """The GPU probe plus facts about host paths (see ops/host/agent.py paths), in one round trip."""
     reply = call(runner, host, {**probe_request(host), "paths": paths})
     return parse_probe(reply, host), reply["path_facts"]
+
+
+def unreadable(state: GpuState, after: str = "") -> OpsError:
+    """The one line for GPU facts that cannot be read, exit 6 (nothing can be proven clean); ``after``: what
+    was or was not done."""
+    return OpsError(
+        f"cannot read the GPU facts of {state.host}: {state.gpu_error} (check the driver and `gpu_source` in "
+        f"the hosts file){after}",
+        exit_code=EXIT_NOT_CLEAN,
+    )
+
+
+def refuse_lasting(state: GpuState, after: str = "; nothing was stopped or signalled") -> None:
+    """Refuse a GPU fact source that is not there at all, at the read that found it: waiting out a clean
+    timeout cannot bring it (a missing `table:` file, NVML that cannot load), unlike busy GPUs."""
+    if state.gpu_error_lasting:
+        raise unreadable(state, after)
 
 
 def check_clean(state: GpuState, threshold_mib: int) -> list[GpuCheck]:

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ops import report, restore, secret_env
+from ops import localfile, report, restore, secret_env
 from ops.clean import CLEAN, VERDICT_EXIT, CleanReport, gpu_clean
 from ops.errors import EXIT_PREFLIGHT, OpsError, RemoteCommandError
-from ops.gpus import GpuState, probe_with_paths
+from ops.gpus import GpuState, probe_with_paths, refuse_lasting
 from ops.hosts import HostConfig
 from ops.connection import Runner
 from ops.interrupts import Interrupts
@@ -108,12 +108,18 @@ def start(runner: Runner, plan: StagePlan, environ: Mapping[str, str] = os.envir
 def follow(runner: Runner, container: str, local_dir: Path, console: Console) -> None:
     """Stream the container's logs, live and into stage.log, until it exits. A lost connection (or
     Ctrl-C in attach) leaves it running."""
-    with (local_dir / "stage.log").open("w") as log:
-        out = RedactingWriter(console.file, log)
-        try:
-            runner.run(shlex.join(logs_argv(container)), stream=out)
-        finally:
-            out.close()
+    path = local_dir / "stage.log"
+    try:
+        with path.open("w") as log:
+            out = RedactingWriter(console.file, log)
+            try:
+                runner.run(shlex.join(logs_argv(container)), stream=out)
+            finally:
+                out.close()
+    except OSError as exc:  # the log's own file: a full local disk is told as such, naming it
+        if exc.errno in localfile.FULL:
+            raise localfile.write_error(exc, path) from None
+        raise
 
 
 def fetch(runner: Runner, container: str, host_output: str, local_dir: Path) -> tuple[int, dict | None]:
@@ -129,13 +135,10 @@ def fetch(runner: Runner, container: str, host_output: str, local_dir: Path) -> 
         local_dir / "container.json",
         {"container": container, "exit_code": code, "started_at": words[1], "finished_at": words[2]},
     )
-    summary = None
-    try:
-        runner.get(f"{host_output}/summary.json", local_dir / "summary.json")
-        summary = summary_of(local_dir / "summary.json")
-    except OSError:
-        pass
-    return code, summary
+    # no summary on the host (a stage that failed early) is None; a full local disk is an error saying so
+    if not localfile.fetch(runner, f"{host_output}/summary.json", local_dir / "summary.json"):
+        return code, None
+    return code, summary_of(local_dir / "summary.json")
 
 
 def summary_of(path: Path) -> dict | None:
@@ -219,6 +222,7 @@ class _Run:
         write_json(out.local_dir / "run.json", self.record)
         bad = failed(out.checks)
         if bad:
+            refuse_lasting(self.before, "; nothing was stopped or started")  # the GPUs' own exit code, 6
             raise OpsError(f"preflight failed: {bad[0].name}: {bad[0].detail}", exit_code=EXIT_PREFLIGHT)
         lock.ensure()
         step("stop-server")

@@ -87,6 +87,8 @@ def _server_line(state: GpuState) -> str:
     if s.kind == "none":
         return "strategy none"
     what = "running" if s.running else "not running"
+    if s.ours:
+        what = f"the pid file points at the operator's own processes ({', '.join(map(str, s.ours))})"
     if s.error:
         what += f" ({s.error})"
     return f"{s.kind}: {what}"

@@ -12,13 +12,13 @@ where a run's folder lies: always inside --runs-dir (run_dir).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
-from ops.errors import ConfigError, OpsError
+from ops.errors import ConfigError
 from ops.hosts import check_label
 from ops.interrupts import Interrupts, pause_point
+from ops.localfile import write_text
 from ops.secret_env import redact
 
 STEPS = ("connect", "lock", "preflight", "stop-server", "clean", "start", "follow", "fetch", "restore")
@@ -44,16 +44,8 @@ def run_dir(runs_root: Path, *labels: str) -> Path:
 def write_json(path: Path, data: dict) -> None:
     """Write a run file atomically (temp name, then rename); a failed write (a full disk) leaves neither
     the temp file nor half a file, and is one line naming the file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        # every run file passes the redactor: names of secrets may appear, values never (ops.secret_env)
-        tmp.write_text(redact(json.dumps(data, indent=2, sort_keys=True, default=str)))
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OpsError(
-            f"cannot write {path}: {exc.strerror or exc} (free space there, or choose another --runs-dir)"
-        ) from None
+    # every run file passes the redactor: names of secrets may appear, values never (ops.secret_env)
+    write_text(path, redact(json.dumps(data, indent=2, sort_keys=True, default=str)))
 
 
 def _now() -> str:

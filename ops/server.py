@@ -76,6 +76,19 @@ def _missing(host: HostConfig, facts: ServerFacts) -> str | None:
     return None
 
 
+def _refuse_ours(host: HostConfig, facts: ServerFacts, exit_code: int) -> None:
+    """A pid file that points at the operator's own processes (ops, a helper it started, the shell that runs
+    it) is refused in one line: nothing of that group is the server's, and nothing is signalled or started."""
+    if facts.ours:
+        raise OpsError(
+            f"the pid file of server {host.server} on {host.name} points at the operator's own processes "
+            f"(process group {facts.pgid} holds pid {', '.join(map(str, facts.ours))}: ops, a helper it "
+            "started or the shell that runs it); nothing was signalled; put the server's pid in that file, "
+            "or fix `server` in the hosts file",
+            exit_code=exit_code,
+        )
+
+
 def plan_stop(host: HostConfig, facts: ServerFacts) -> StopPlan:
     s, t = host.server, host.timeouts
     if s.kind == "none":
@@ -100,6 +113,7 @@ def plan_stop(host: HostConfig, facts: ServerFacts) -> StopPlan:
             return StopPlan(str(s), False, ())
         return StopPlan(str(s), True, (Step("stop server", ("systemctl", "stop", s.target)),))
     if s.kind == "pidfile":
+        _refuse_ours(host, facts, EXIT_SERVER_STOP)
         if facts.pgid is None or not facts.members:
             return StopPlan(str(s), False, ())
         req = terminate_request([], [facts.pgid], grace=t.stop, kill_wait=t.kill_wait)
@@ -127,6 +141,7 @@ def plan_restore(host: HostConfig, facts: ServerFacts) -> tuple[Step, ...]:
     if s.kind == "systemd":
         return (Step("start server", ("systemctl", "start", s.target)),)
     if s.kind == "pidfile":
+        _refuse_ours(host, facts, EXIT_SERVER_RESTORE)
         if not host.server_start:
             raise OpsError(
                 f"cannot restore {s}: no `server_start` command in the hosts file",

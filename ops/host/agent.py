@@ -159,11 +159,11 @@ def nvml_facts() -> dict:
     try:
         import pynvml as N
     except ImportError as exc:
-        return {"ok": False, "error": f"nvidia-ml-py not available: {exc}", "gpus": []}
+        return {"ok": False, "error": f"nvidia-ml-py not available: {exc}", "gpus": [], "lasting": True}
     try:
         N.nvmlInit()
-    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return {"ok": False, "error": f"NVML init failed: {exc}", "gpus": []}
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...: no retry will load it
+        return {"ok": False, "error": f"NVML init failed: {exc}", "gpus": [], "lasting": True}
     try:
         driver = N.nvmlSystemGetDriverVersion()
         gpus = []
@@ -208,9 +208,13 @@ def table_facts(path: str) -> dict:
     """An NVML stand-in for hosts without GPUs: a JSON table of GPUs and their compute processes (real
     pids). Like NVML, a process that has exited is not listed and its memory is no longer used."""
     try:
-        with open(path) as fh:
+        fh = open(path)
+    except OSError as exc:  # missing or unreadable: a source that is not there, not GPUs that are busy
+        return {"ok": False, "error": f"GPU table {path}: {exc}", "gpus": [], "lasting": True}
+    try:
+        with fh:
             table = json.load(fh)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # a table being rewritten may read whole at the next probe
         return {"ok": False, "error": f"GPU table {path}: {exc}", "gpus": []}
     gpus = []
     for i, gpu in enumerate(table.get("gpus", [])):
@@ -390,6 +394,9 @@ def probe(req: dict) -> dict:
         ]
     elif server["kind"] == "pidfile":
         server.update(pidfile_group(target))
+        # a pid file that points at ops itself, a helper it started or the operator's shell: named as such,
+        # never as the server's
+        server["ours"] = sorted(set(server["members"]) & own_processes(req)) if server["members"] else []
         pids |= set(server["members"])
     elif server["kind"] == "systemd":
         server["unit"] = target
@@ -426,6 +433,14 @@ def probe(req: dict) -> dict:
     return out
 
 
+def own_processes(req: dict) -> set[int]:
+    """ops' own processes as this machine shows them, never signalled nor taken for a server's: the agent's
+    ancestry, the ops process that sent the request and every process under it (when it runs here), and,
+    when the request asks, every process started over this agent's SSH connection."""
+    ours = set(ancestry()) | client_tree(req.get("client"))
+    return ours | (same_connection() if req.get("spare_ssh_session") else set())
+
+
 def terminate(req: dict) -> dict:
     """SIGTERM the targets, wait up to `grace`, SIGKILL the rest, wait up to `kill_wait`, report.
 
@@ -434,8 +449,7 @@ def terminate(req: dict) -> dict:
     A process we may not signal (EPERM: another user's, and we are not root) is reported as denied at
     once and dropped from the targets: waiting for it or sending it SIGKILL cannot change anything."""
     started = time.monotonic()
-    ours = set(ancestry()) | client_tree(req.get("client"))
-    ours |= same_connection() if req.get("spare_ssh_session") else set()
+    ours = own_processes(req)
     grace, kill_wait = float(req.get("grace", 10)), float(req.get("kill_wait", 5))
     fixed = {int(t["pid"]): int(t["starttime"]) for t in req.get("targets", [])}
     groups = [int(g) for g in req.get("groups", [])]

@@ -142,7 +142,7 @@ class Writer:
             err = self.error
             if isinstance(err, OSError):
                 raise StageError(
-                    f"writing to {self.out} failed: {err.strerror or err} "
+                    f"writing {err.filename or self.out} failed: {err.strerror or err} "
                     "(free space, then re-run with --resume)"
                 ) from err
             raise err

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.errors import StageError
-from pipeline.ondisk.atomic import write_error
+from pipeline.ondisk.atomic import DiskFull, write_error
 from pipeline.ondisk.paths import resolved
 
 
@@ -176,12 +176,17 @@ def staged_dir(target: Path, *, overwrite: bool, inputs: dict[str, Path] | None 
         try:
             yield staging
         except BaseException as exc:
+            # a full disk as such, naming the output, whoever wrote; told before the staging dir goes (its
+            # blocks are what a short write's free-space check reads)
+            named = write_error(exc, target)
             shutil.rmtree(staging, ignore_errors=True)
-            named = write_error(exc, target)  # a full disk as such, naming the output, whoever wrote
-            if isinstance(exc, OSError) and isinstance(exc.filename, str) and exc.errno is not None:
-                inner = Path(exc.filename)  # a file of the removed staging dir: named as it would have been
+            told = named if named is not None else exc
+            if isinstance(told, OSError) and isinstance(told.filename, str) and told.errno is not None:
+                inner = Path(told.filename)  # a file of the removed staging dir: named as it would have been
                 if staging in inner.parents:
-                    named = OSError(exc.errno, exc.strerror, str(target / inner.relative_to(staging)))
+                    name = str(target / inner.relative_to(staging))
+                    full = isinstance(told, DiskFull)
+                    named = DiskFull(told.errno, name) if full else OSError(told.errno, told.strerror, name)
             if named is not None:
                 raise named from exc
             raise

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.ondisk.atomic import replace_dir, write_json
+from pipeline.ondisk.atomic import replace_dir, write_json, writing
 from pipeline.train.config import TrainConfig
 from pipeline.train.files import CHECKPOINTS
 from pipeline.train.runtime import Runtime, barrier
@@ -180,13 +180,14 @@ def trainer_class():
             staging_root = final_root / ".staging"
             self.checkpointer.path = staging_root
             try:
-                # full precision: a resumed run must continue from exactly the weights and moments it
-                # stopped at
-                self.checkpointer.save_checkpoint(
-                    self.model, self.optimizers, epoch, float_dtype=torch.float32
-                )
-                if self.schedulers:
-                    self.checkpointer.save_scheduler_state_dict(self.schedulers, epoch)
+                with writing(final_root / str(epoch)):  # a full disk told as such, naming the checkpoint
+                    # full precision: a resumed run must continue from exactly the weights and moments it
+                    # stopped at
+                    self.checkpointer.save_checkpoint(
+                        self.model, self.optimizers, epoch, float_dtype=torch.float32
+                    )
+                    if self.schedulers:
+                        self.checkpointer.save_scheduler_state_dict(self.schedulers, epoch)
                 if self.runtime.is_main:
                     # local_step 0: the epoch's end (resume continues with the next one); else the steps done
                     self._save_training_state(epoch, local_step)

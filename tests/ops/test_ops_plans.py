@@ -196,6 +196,8 @@ def test_agent_requests():
         "device_glob": "/dev/nvidia*",
         "gpu_source": "nvml",
         "server": {"kind": "none", "target": ""},
+        "client": client_identity(),  # a pid file pointing at this ops process is told as such
+        "spare_ssh_session": not h.is_local,
     }
     assert terminate_request([(5, 77)], [9], grace=1, kill_wait=2) == {
         "op": "terminate",

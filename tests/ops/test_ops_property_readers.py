@@ -377,3 +377,36 @@ def test_found_runs_dir_on_a_symlink_loop(tmp_path):
     with pytest.raises(OpsError) as info:
         run_dir(tmp_path / "loop-a", "box", "r1")
     assert "--runs-dir" in one_line(info.value) and info.value.exit_code == 2
+
+
+PIDS = st.lists(st.integers(min_value=2, max_value=60), max_size=6, unique=True)
+
+
+@given(members=PIDS, ours=PIDS, pgid=st.none() | st.integers(min_value=2, max_value=60), start=st.booleans())
+def test_a_pidfile_group_holding_ops_own_processes(members, ours, pgid, start):
+    """Issue #50 item 1: the probe's pid-file facts of any shape (members, the ones that are ops' own, the
+    group): the stop and restore plans either go ahead without a pid of ops' own among the server's, or
+    refuse in one line that the pid file points at the operator's own processes (exit 7 stop, 8 restore);
+    a holder of that group is never classified as the server's."""
+    from ops.gpus import SERVER, Proc, ServerFacts, classify
+    from ops.hosts import HostConfig, Timeouts, parse_strategy
+    from ops.server import plan_restore, plan_stop
+
+    ours = [p for p in ours if p in members]
+    host = HostConfig(
+        name="h", host="h", server=parse_strategy("pidfile:/run/v.pid"), timeouts=Timeouts(stop=3),
+        server_start=("/bin/true",) if start else (),
+    )  # fmt: skip
+    facts = ServerFacts("pidfile", pgid=pgid, members=tuple(members), ours=tuple(ours))
+    for plan, code in ((plan_stop, 7), (plan_restore, 8)):
+        try:
+            plan(host, facts)
+        except OpsError as exc:
+            text = one_line(exc)
+            assert exc.exit_code == code or (code == 8 and not start), text
+            assert bool(ours) == ("points at the operator's own processes" in text), text
+        else:
+            assert not ours
+    for pid in members:
+        proc = Proc(pid, "x", "x", "u", "S", 1, pgid or pid, 0, None, None)
+        assert not (ours and classify(proc, host, facts, set())[0] == SERVER)

@@ -21,11 +21,16 @@ from ops_procs import alive, wait_for, write_gpu_table
 REPO_ROOT = Path(REPO)
 
 
-def _ops_in_own_group(pidfile: Path, *args: str) -> subprocess.Popen:
-    """`python -m ops ARGS` as the leader of a new process group, its pid written to ``pidfile`` at once (the
-    pid file then names ops' own process, and its group holds every helper ops starts)."""
+def _ops_in_own_group(pidfile: Path, who: str, *args: str) -> subprocess.Popen:
+    """`python -m ops ARGS` in a new process group whose pid ``pidfile`` names at once: with who="ops" ops is
+    the group's leader and the pid its own; with who="shell" an operator's shell leads the group, wrote its
+    own pid (`echo $$`) and runs ops as its child. Either way the group holds ops and every helper it
+    starts."""
+    cmd = [sys.executable, "-m", "ops", *args]
+    if who == "shell":  # not the last command of `bash -c`, so bash forks it rather than exec it
+        cmd = ["bash", "-c", 'echo $$ > "$0"; "$@"; rc=$?; exit $rc', str(pidfile), *cmd]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ops", *args],
+        cmd,
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -33,7 +38,8 @@ def _ops_in_own_group(pidfile: Path, *args: str) -> subprocess.Popen:
         env=dict(os.environ, COLUMNS="200"),
         start_new_session=True,
     )
-    pidfile.write_text(f"{proc.pid}\n")  # newer than the process: not taken for a reused pid
+    if who == "ops":
+        pidfile.write_text(f"{proc.pid}\n")  # newer than the process: not taken for a reused pid
     return proc
 
 
@@ -46,11 +52,25 @@ def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+def _refused_as_ours(rc: int, out: str, err: str, pidfile: Path) -> None:
+    """The one-line refusal of a pid file that points at the operator's own processes: exit 7 (ops was not
+    signalled: a signal would end it with -15 or -9), nothing reported as stopped, nothing of ops named as
+    the server's."""
+    assert rc == 7, (rc, out, err)
+    line = err.strip()
+    assert line.startswith(f"error: the pid file of server pidfile:{pidfile} on ") and "\n" not in line, err
+    assert "points at the operator's own processes" in line and "nothing was signalled" in line, err
+    assert "stopped server" not in out and "still has processes" not in err, (out, err)
+    assert "TERM" not in out and "KILL" not in out, out
+
+
 @pytest.mark.sshd
-def test_pidfile_naming_ops_itself_over_ssh_signals_nothing_of_ops(tmp_path, sshd, devdir):
-    """stop-server by a pid file that names the ops process itself (the host is this machine, over SSH):
-    ops and its group live, stop-server reports the server still running in one line (exit 7); before,
-    the agent sent ops its own SIGTERM (exit -15)."""
+@pytest.mark.parametrize("who", ["ops", "shell"])
+def test_pidfile_pointing_at_the_operator_over_ssh_is_refused(tmp_path, sshd, devdir, who):
+    """stop-server by a pid file that names the ops process itself, or the operator's shell that runs it (the
+    host is this machine, over SSH): nothing of that group is signalled, and stop-server refuses in one line
+    that the pid file points at the operator's own processes, exit 7 (before: "stopped server ..." and then
+    "still has processes after stop" naming ops' own pids)."""
     pidfile = tmp_path / "server.pid"
     known = sshd.write_known_hosts(tmp_path / "known_hosts")
     table = write_gpu_table(tmp_path / "gpus.json", [{"processes": []}])
@@ -67,17 +87,16 @@ def test_pidfile_naming_ops_itself_over_ssh_signals_nothing_of_ops(tmp_path, ssh
         ),
     )
     rc, out, err = _finish(
-        _ops_in_own_group(pidfile, "stop-server", "--host", "box", "--hosts-file", str(hosts))
+        _ops_in_own_group(pidfile, who, "stop-server", "--host", "box", "--hosts-file", str(hosts))
     )
-    assert rc == 7, (rc, out, err)
-    assert err.strip().startswith("error: server pidfile:") and "\n" not in err.strip(), err
-    assert "still has processes after stop" in err
+    _refused_as_ours(rc, out, err, pidfile)
 
 
-def test_pidfile_naming_ops_itself_on_a_local_host_spares_its_helpers(tmp_path, devdir):
-    """The same on host `local`, where ops is the agent's ancestor: its whole group (ops, the lock keeper,
-    the agent) is spared, nothing of it is stopped, exit 7 in one line. (This held before the fix too, by
-    the agent's ancestry; kept as the local half of the SSH case above.)"""
+@pytest.mark.parametrize("who", ["ops", "shell"])
+def test_pidfile_pointing_at_the_operator_on_a_local_host_is_refused(tmp_path, devdir, who):
+    """The same on host `local`, where ops is the agent's ancestor: stop-server, gpu-clean and restore-server
+    each refuse in that one line (restore-server's exit 8: it would start nothing beside ops' own group),
+    nothing of the group is signalled or reported as the server's."""
     pidfile = tmp_path / "server.pid"
     table = write_gpu_table(tmp_path / "gpus.json", [{"processes": []}])
     hosts = write_hosts(
@@ -86,17 +105,21 @@ def test_pidfile_naming_ops_itself_on_a_local_host_spares_its_helpers(tmp_path, 
         host="local",
         python="/usr/bin/python3",
         server=f"pidfile:{pidfile}",
+        server_start=["/bin/true"],
         device_glob=f"{devdir}/nvidia*",
         gpu_source=f"table:{table}",
         timeouts={"grace": 1, "kill_wait": 2, "stop": 3, "clean": 3},
         lock_file=str(tmp_path / "eagle-ops.lock"),
     )
-    rc, out, err = _finish(
-        _ops_in_own_group(pidfile, "stop-server", "--host", "here", "--hosts-file", str(hosts))
+    where = ("--host", "here", "--hosts-file", str(hosts))
+    for command in ("stop-server", "gpu-clean"):
+        _refused_as_ours(*_finish(_ops_in_own_group(pidfile, who, command, *where)), pidfile)
+    rc, out, err = _finish(_ops_in_own_group(pidfile, who, "restore-server", *where))
+    assert rc == 8 and "points at the operator's own processes" in err and err.strip().count("\n") == 0, (
+        rc,
+        out,
+        err,
     )
-    assert rc == 7, (rc, out, err)
-    assert "still has processes after stop" in err and err.strip().count("\n") == 0, err
-    assert "TERM" not in out and "KILL" not in out, out
 
 
 def test_a_server_group_beside_ops_is_still_stopped(tmp_path, devdir, procs):

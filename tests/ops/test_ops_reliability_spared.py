@@ -12,6 +12,7 @@ import pytest
 
 from ops import server
 from ops.connection import RemoteRunner
+from ops.errors import OpsError
 from ops.gpus import probe
 from ops.hosts import load_hosts_file
 from ops_procs import alive, wait_for
@@ -27,7 +28,8 @@ def _pid_of(marker: str) -> int | None:
 
 def test_pidfile_naming_an_ops_helper_signals_nothing(tmp_path, sshd, devdir):
     """A pid file that names a helper ops started over this connection (a lock keeper, a log follower): the
-    stop signals nothing of it, and the helper lives on."""
+    probe tells that group as ops' own, the stop refuses in one line (exit 7) and signals nothing of it, and
+    the helper lives on."""
     pidfile = tmp_path / "server.pid"
     host = load_hosts_file(hosts_for(tmp_path, sshd, devdir, f"pidfile:{pidfile}"))["box"]
     runner = RemoteRunner(host)
@@ -39,10 +41,11 @@ def test_pidfile_naming_an_ops_helper_signals_nothing(tmp_path, sshd, devdir):
         time.sleep(0.05)
         pidfile.write_text(str(pid))  # newer than the process: not a stale pid file
         facts = probe(runner, host).server
-        assert facts.pgid is not None and pid in facts.members
-        record = server.stop(runner, host, facts)
+        assert facts.pgid is not None and pid in facts.members and pid in facts.ours and not facts.running
+        with pytest.raises(OpsError, match="points at the operator's own processes") as info:
+            server.stop(runner, host, facts)
+        assert info.value.exit_code == 7 and "\n" not in str(info.value)
         assert alive(pid), "ops' own helper was signalled"
-        assert not [s for s in record.stopped if f"pid {pid} " in s] and not record.survivors
     finally:
         helper.close()
         if (pid := _pid_of(marker)) is not None:

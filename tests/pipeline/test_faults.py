@@ -38,7 +38,8 @@ def test_disk_full_leaves_no_partial_file_and_resume_completes(small_tmpfs, tiny
     ]
     proc = run_pipeline(*args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "No space left on device" in proc.stderr and "--resume" in proc.stderr
+    assert "disk full: No space left on device" in proc.stderr and "--resume" in proc.stderr
+    assert f"writing {out}/data_" in proc.stderr, proc.stderr  # the file it could not write
     assert proc.stderr.strip().count("\n") == 0
     written = formats.existing_data_indices(out)
     assert 0 < len(written) < 16

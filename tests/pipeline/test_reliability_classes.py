@@ -126,7 +126,7 @@ def test_full_disk_in_weights_is_one_line_naming_the_output(small_disk, tiny_lla
     err = proc.stderr.strip()
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    assert str(out) in err and "No space left on device" in err and "free space" in err, err
+    assert str(out) in err and "disk full: No space left on device" in err and "free space" in err, err
     assert list(small_disk.iterdir()) == []
 
 
@@ -139,7 +139,7 @@ def test_full_disk_in_prepare_names_the_file(tmp_path, monkeypatch, capsys, tiny
             monkeypatch, capsys, "prepare", "--data", conversations, "--model", tiny_llama, "--out", out,
             "--seq-length", "128", "--draft-vocab-size", "64",
         )  # fmt: skip
-        refused((rc, err), f"{out}/", "No space left on device")
+        refused((rc, err), f"{out}/", "disk full: No space left on device")
         assert ".staging" not in err
         assert list(mnt.iterdir()) == []
 
@@ -160,15 +160,15 @@ def test_full_disk_in_train_is_one_line_and_leaves_no_output(
     )  # fmt: skip
     err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert err.startswith(f"error: file operation failed {out}/") and "No space left on device" in err, err
+    assert err.startswith(f"error: file operation failed {out}/") and "disk full: No space left" in err, err
     assert "Traceback" not in proc.stderr, proc.stderr
     assert list(small_disk.iterdir()) == []
 
 
 def test_how_a_failed_write_is_named():
-    """A library's full-disk error becomes ENOSPC naming the file; an OSError without a file gets it; a
-    stage's own one line (extract's "... re-run with --resume", whatever its text) and Ctrl-C pass
-    unchanged."""
+    """A library's full-disk error becomes ENOSPC naming the file, and any full disk reads "disk full"; an
+    OSError without a file gets it; a stage's own one line (extract's "... re-run with --resume", whatever its
+    text) and Ctrl-C pass unchanged."""
     from pipeline.errors import StageError
     from pipeline.ondisk.atomic import write_error
 
@@ -176,7 +176,9 @@ def test_how_a_failed_write_is_named():
     assert isinstance(wrapped, OSError) and wrapped.errno == 28 and wrapped.filename == "/o/f"
     bare = write_error(OSError(13, "Permission denied"), "/o/f")
     assert bare.errno == 13 and bare.filename == "/o/f"
-    assert write_error(OSError(28, "No space left on device", "/o/g"), "/o/f") is None  # names its file
+    full = write_error(OSError(28, "No space left on device", "/o/g"), "/o/f")  # names its file: kept
+    assert full.filename == "/o/g" and full.strerror == "disk full: No space left on device"
+    assert write_error(full, "/o/f") is None  # told once
     assert write_error(StageError("No space left on device; re-run with --resume"), "/o/f") is None
     assert write_error(KeyboardInterrupt(), "/o/f") is None
     assert write_error(ValueError("bad value"), "/o/f") is None
