@@ -139,6 +139,70 @@ class ConversationSampler:
                 }
 
 
+QA_SYSTEM = "You are a helpful assistant who explains Python code in plain English."
+QA_MIN_CHARS, QA_MAX_CHARS = 80, 1500
+
+
+def docstring_rows(texts: list[tuple[str, str]]) -> list[dict]:
+    """Question-and-answer conversations from the corpus's docstrings (prose, not code): the user asks what a
+    module, class or function does, naming its signature; the assistant answers with its docstring. In corpus
+    order; files that do not parse are skipped."""
+    import ast
+    import inspect
+
+    rows = []
+    for name, text in texts:
+        if not name.endswith(".py"):
+            continue
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError, RecursionError):
+            continue
+        module = name[:-3].replace("/", ".").removesuffix(".__init__")
+        for node in [tree, *ast.walk(tree)]:
+            if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            doc = ast.get_docstring(node, clean=False)
+            if not doc:
+                continue
+            doc = inspect.cleandoc(doc).strip()
+            if not QA_MIN_CHARS <= len(doc) <= QA_MAX_CHARS or doc.count(">>>") or doc.count("    ") > 4:
+                continue
+            if isinstance(node, ast.Module):
+                question = f"What is the Python module `{module}` for?"
+            elif isinstance(node, ast.ClassDef):
+                question = f"What does the class `{node.name}` in `{module}` do?"
+            else:
+                try:
+                    args = ast.unparse(node.args)
+                except Exception:  # noqa: BLE001 - an odd signature: ask without it
+                    args = "..."
+                question = f"What does `{node.name}({args})` in `{module}` do?"
+            rows.append(
+                {
+                    "messages": [
+                        {"role": "system", "content": QA_SYSTEM},
+                        {"role": "user", "content": question},
+                        {"role": "assistant", "content": doc},
+                    ]
+                }
+            )
+    return rows
+
+
+class RowSampler:
+    """Draws conversations from a fixed list, uniformly (the docstring Q&A rows' sampler for packed
+    training)."""
+
+    def __init__(self, rows: list[dict], seed: int = 0):
+        if not rows:
+            raise ValueError("no rows to draw from")
+        self.rows, self.rng = rows, random.Random(seed)
+
+    def draw(self) -> dict:
+        return self.rows[self.rng.randrange(len(self.rows))]
+
+
 def make_conversations(
     texts: list[tuple[str, str]],
     n: int,
@@ -270,6 +334,7 @@ def build_learned_model(
     prompt_lines: int = 6,
     answer_lines: int = 10,
     texts: list[tuple[str, str]] | None = None,
+    sampler=None,
     log=None,
     **overrides,
 ) -> Path:
@@ -279,6 +344,7 @@ def build_learned_model(
     ``packed=True`` (the benchmark) draws conversations without end (ConversationSampler), packs them into
     [batch, seq_length] rows, and follows a warm-up + cosine schedule over the ``seconds`` budget; on a GPU
     it runs in bf16 autocast with fused AdamW. ``texts``: the corpus already read (else ``corpus_texts``).
+    ``sampler`` (packed only): what draws the conversations instead (e.g. RowSampler of docstring_rows).
     ``overrides`` go to the LlamaConfig (pipeline/demo/tiny.py's defaults).
     """
     import torch
@@ -313,9 +379,8 @@ def build_learned_model(
     params = sum(p.numel() for p in model.parameters())
     say(f"model: {params / 1e6:.1f} M parameters on {dev}")
     if packed:
-        data = _packed_batches(
-            tokenizer, ConversationSampler(texts, seed, prompt_lines, answer_lines), seq_length, batch
-        )
+        sampler = sampler or ConversationSampler(texts, seed, prompt_lines, answer_lines)
+        data = _packed_batches(tokenizer, sampler, seq_length, batch)
         opt = torch.optim.AdamW(
             model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), fused=dev.type == "cuda"
         )
