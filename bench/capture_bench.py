@@ -47,7 +47,7 @@ from pathlib import Path
 import click
 import torch
 
-from bench.e2e_bench import GpuMemory, run_ours, timed_process
+from bench.e2e_bench import GpuMemory, cache_environment, run_ours, timed_process
 from bench.extract_bench import make_prepared
 from bench.gpu_models import build_model, save_model
 
@@ -88,15 +88,7 @@ def row_plan(row: str, step_tokens: int) -> tuple[str, str, dict[str, str]]:
 
 def run_engine(kind: str, prepared: Path, model: Path, cache: Path, env: dict[str, str]) -> dict:
     """The ``plain`` or ``capture`` row: this module's ``engine`` command as a fresh process."""
-    env = dict(
-        os.environ,
-        **env,
-        HOME=str(cache / "home"),
-        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-        TRITON_CACHE_DIR=str(cache / "triton"),
-        VLLM_CACHE_ROOT=str(cache / "vllm"),
-    )
-    (cache / "home").mkdir(parents=True, exist_ok=True)
+    env = cache_environment(cache, env)
     argv = [sys.executable, "-m", "bench.capture_bench", "engine", kind, str(prepared), str(model)]
     with GpuMemory() as mem:
         wall, lines = timed_process(argv, env)
@@ -143,7 +135,9 @@ def where_it_goes(row: dict) -> dict:
             pool_allocated=connector["pool_allocated"],
             pool_misses=connector["pool_misses"],
         )
-    if backend:
+    if "inputs_seconds" in backend:  # the hf backend's host side: main-thread seconds queuing each part
+        out.update(hf_host={k: v for k, v in backend.items() if k.endswith("_seconds")})
+    elif backend:
         out.update(
             max_num_batched_tokens=backend.get("max_num_batched_tokens"),
             engine_wait_thread_seconds=backend.get("engine_wait_seconds"),

@@ -163,6 +163,22 @@ ENGINE_TIMING = re.compile(
 )
 
 
+def cache_environment(cache: Path, row_env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with ``row_env`` and every compile cache under ``cache``. Compiled kernels
+    are cached on disk between runs: a fresh folder is a fresh machine's caches, another row's folder its warm
+    ones. HOME too, as the stage container's (compose.yaml: HOME=/cache/home): libraries that cache under
+    ~/.cache start cold."""
+    (cache / "home").mkdir(parents=True, exist_ok=True)
+    return dict(
+        os.environ,
+        **(row_env or {}),
+        HOME=str(cache / "home"),
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+        TRITON_CACHE_DIR=str(cache / "triton"),
+        VLLM_CACHE_ROOT=str(cache / "vllm"),
+    )
+
+
 def run_ours(
     prepared: Path,
     model: Path,
@@ -180,17 +196,7 @@ def run_ours(
     both closing checks again on its set afterwards. With ``--json-stats`` among ``extra`` the run prints
     its figures instead of the closing line (and runs no closing check): they are returned as ``stats``, and
     the GPU's busy share over its loop as ``gpu_busy_share``."""
-    # compiled kernels are cached on disk between runs: a fresh cache, as on a fresh machine. HOME too, as
-    # the stage container's (compose.yaml: HOME=/cache/home): libraries that cache under ~/.cache start cold
-    env = dict(
-        os.environ,
-        **(row_env or {}),
-        HOME=str(cache / "home"),
-        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-        TRITON_CACHE_DIR=str(cache / "triton"),
-        VLLM_CACHE_ROOT=str(cache / "vllm"),
-    )
-    (cache / "home").mkdir(parents=True, exist_ok=True)
+    env = cache_environment(cache, row_env)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
     sampled = [] if stacks is None else ["-m", "bench.stacks", "record", "--out", str(stacks), "--"]

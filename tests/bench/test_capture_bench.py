@@ -42,5 +42,7 @@ def test_capture_bench_tiny_runs_every_kind_of_row(tmp_path):
     assert rows["cold"]["where"]["gb_copied"] == rows["thread"]["where"]["gb_copied"]
     # the same steps on the CPU: the levers' files are today's byte for byte
     assert rows["thread"]["same_files"] == {"as": "cold", "same": 12, "files": 12}
-    assert rows["hf"]["where"]["writer_write_thread_seconds"] > 0 and "connector" not in rows["hf"]["stats"]
+    hf = rows["hf"]["where"]
+    assert hf["writer_write_thread_seconds"] > 0 and "connector" not in rows["hf"]["stats"]["backend"]
+    assert hf["hf_host"]["forward_queue_seconds"] > 0 and hf["hf_host"]["device_busy_seconds"] > 0
     assert "| tiny | thread |" in proc.stdout
