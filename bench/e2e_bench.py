@@ -44,29 +44,43 @@ CLOSING = re.compile(
 
 
 class GpuMemory:
-    """The peak of nvidia-smi's memory.used (MiB) on GPU 0 while it runs; None without nvidia-smi."""
+    """The peak of nvidia-smi's memory.used (MiB) on GPU 0 while it runs; None without nvidia-smi. Also keeps
+    each sample's utilization.gpu (the share of nvidia-smi's last sample period in which a kernel ran) with
+    its second since the start (``utilization``): a run's GPU busy share over a window (``busy_share``)."""
 
     def __init__(self):
         self.peak_mib: int | None = None
+        self.utilization: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._t0 = time.perf_counter()
 
     def _sample(self) -> None:
+        query = "--query-gpu=memory.used,utilization.gpu"
         while not self._stop.is_set():
             try:
                 out = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                    ["nvidia-smi", query, "--format=csv,noheader,nounits", "-i", "0"],
                     capture_output=True,
                     text=True,
                     timeout=5,
                     check=False,
                 ).stdout
-                self.peak_mib = max(self.peak_mib or 0, int(out.split()[0]))
+                used, util = (int(x) for x in out.replace(",", " ").split()[:2])
+                self.peak_mib = max(self.peak_mib or 0, used)
+                self.utilization.append((time.perf_counter() - self._t0, util))
             except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
                 return
             self._stop.wait(0.1)
 
+    def busy_share(self, start: float, end: float) -> float | None:
+        """The mean utilization.gpu of the samples taken in [start, end] seconds since the start, as a
+        fraction; None without samples there."""
+        inside = [u for t, u in self.utilization if start <= t <= end]
+        return sum(inside) / len(inside) / 100 if inside else None
+
     def __enter__(self) -> GpuMemory:
+        self._t0 = time.perf_counter()
         self._thread.start()
         return self
 
@@ -149,6 +163,22 @@ ENGINE_TIMING = re.compile(
 )
 
 
+def cache_environment(cache: Path, row_env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with ``row_env`` and every compile cache under ``cache``. Compiled kernels
+    are cached on disk between runs: a fresh folder is a fresh machine's caches, another row's folder its warm
+    ones. HOME too, as the stage container's (compose.yaml: HOME=/cache/home): libraries that cache under
+    ~/.cache start cold."""
+    (cache / "home").mkdir(parents=True, exist_ok=True)
+    return dict(
+        os.environ,
+        **(row_env or {}),
+        HOME=str(cache / "home"),
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+        TRITON_CACHE_DIR=str(cache / "triton"),
+        VLLM_CACHE_ROOT=str(cache / "vllm"),
+    )
+
+
 def run_ours(
     prepared: Path,
     model: Path,
@@ -158,21 +188,15 @@ def run_ours(
     tree: Path | None = None,
     row_env: dict[str, str] | None = None,
     stacks: Path | None = None,
+    checks: bool = True,
 ) -> dict:
     """`pipeline extract` with its defaults (plus ``extra``, with ``row_env`` in its environment) as a fresh
     process, from this checkout or, with ``tree``, from another source tree (the baseline: its own pipeline/
-    and contract/ come first); with ``stacks``, sampled by bench/stacks.py into that file."""
-    # compiled kernels are cached on disk between runs: a fresh cache, as on a fresh machine. HOME too, as
-    # the stage container's (compose.yaml: HOME=/cache/home): libraries that cache under ~/.cache start cold
-    env = dict(
-        os.environ,
-        **(row_env or {}),
-        HOME=str(cache / "home"),
-        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-        TRITON_CACHE_DIR=str(cache / "triton"),
-        VLLM_CACHE_ROOT=str(cache / "vllm"),
-    )
-    (cache / "home").mkdir(parents=True, exist_ok=True)
+    and contract/ come first); with ``stacks``, sampled by bench/stacks.py into that file. ``checks``: time
+    both closing checks again on its set afterwards. With ``--json-stats`` among ``extra`` the run prints
+    its figures instead of the closing line (and runs no closing check): they are returned as ``stats``, and
+    the GPU's busy share over its loop as ``gpu_busy_share``."""
+    env = cache_environment(cache, row_env)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
     sampled = [] if stacks is None else ["-m", "bench.stacks", "record", "--out", str(stacks), "--"]
@@ -196,6 +220,9 @@ def run_ours(
             env,
             cwd=tree,
         )
+    stats = next((json.loads(line) for _, line in reversed(lines) if line.startswith('{"tokens"')), None)
+    if stats is not None:
+        return stats_row(stats, wall, lines, mem, out, cache)
     found = [(t, CLOSING.search(line)) for t, line in lines if CLOSING.search(line)]
     if not found:
         raise SystemExit(
@@ -226,7 +253,35 @@ def run_ours(
         "bytes": dir_bytes(out),
         # what the run left in its caches (a cold row's list is what a first run on a host compiles)
         "cache_mib": cache_sizes(cache),
-        **closing_checks(out),
+        **(closing_checks(out) if checks else {}),
+    }
+
+
+def stats_row(
+    stats: dict, wall: float, lines: list[tuple[float, str]], mem: GpuMemory, out: Path, cache: Path
+):
+    """``run_ours``' figures of a run that printed its stats (``--json-stats``): its loop from them, and the
+    GPU's busy share over the loop (its start is the process's age then; the timer started with it)."""
+    backend_lines = [line for _, line in lines if line.startswith(("vllm backend:", "hf backend:"))]
+    print(f"{out.name}: {wall:.1f} s; {stats['tokens_per_s']:,.0f} tok/s", flush=True)
+    for line in backend_lines:
+        print(f"{out.name}: {line}", flush=True)
+    startup = stats.get("startup") or {}
+    start = startup.get("loop_start_seconds")
+    return {
+        "wall_seconds": wall,
+        "loop_tokens_per_s": stats["tokens_per_s"],
+        "loop_seconds": stats["seconds"],
+        "device_idle": stats.get("device_idle_fraction"),
+        "first_batch_seconds": start,
+        "model_load_seconds": startup.get("model_load_seconds"),
+        "gpu_busy_share": None if start is None else mem.busy_share(start, start + stats["seconds"]),
+        "stats": stats,
+        "backend_lines": backend_lines,
+        "engine_lines": [f"{t:7.1f} s  {line}" for t, line in lines if ENGINE_TIMING.search(line)][:60],
+        "peak_gpu_mib": mem.peak_mib,
+        "bytes": dir_bytes(out),
+        "cache_mib": cache_sizes(cache),
     }
 
 

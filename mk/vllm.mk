@@ -31,9 +31,15 @@ patch-vllm: env-vllm ## apply patches/ to .venv-vllm (a no-op when already appli
 # gpu-marked tests (a CUDA GPU's own paths, e.g. vLLM's compiled graph, minutes to build on a CPU) run only in
 # test-vllm-gpu
 test-vllm: patch-vllm ## tests on a real vLLM 0.32.0 (CPU build) + speculators 0.9.0
-	$(VLLM_PY) -m pytest -m "vllm and not gpu" tests/vllm tests/train $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -m "vllm and not gpu" tests/vllm tests/train tests/bench $(PYTEST_ARGS)
 
 TEST_SUITES += test-vllm
+
+# issue #52: the vLLM extraction against the same engine's plain prefill, each row a fresh process (tiny, CPU
+# build); on a GPU host run the command in bench/capture_bench.py's docstring (--preset gpu)
+.PHONY: bench-capture
+bench-capture: patch-vllm ## vLLM extraction vs plain prefill, cold/warm, each capture lever, hf (tiny on the CPU build)
+	$(VLLM_PY) -m bench.capture_bench run --preset tiny --workdir /tmp/capture-bench --json-out runs/bench-capture.json $(BENCH_ARGS)
 
 .PHONY: bench-preflight
 bench-preflight: patch-vllm ## preflight's time to the first error vs. extract's time to its model load

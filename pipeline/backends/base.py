@@ -196,6 +196,11 @@ class Backend(ABC):
         batch on the device while this one is written. Backends that cannot overlap return ready states."""
         return Captured(self.capture(batch))
 
+    def figures(self) -> dict:
+        """Where the backend's side of the loop went (the extract loop's stats carry it as ``backend``); {}
+        where the backend measures nothing of its own."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model and devices."""
 

@@ -32,6 +32,7 @@ empty kernel cache, ~3.5 s with a warm one); against the fused eager loop it sav
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 
 import torch
@@ -245,6 +246,9 @@ class HFBackend(Backend):
         self.pad_id = 0
         self.clock = DeviceClock(self.device)
         self._copies = torch.cuda.Stream(self.device) if on_gpu else None
+        # the main thread's seconds in capture_async by part (``figures``): laying the batch out and queuing
+        # its upload, queuing the forward (hooks included), queuing the facts and the copies to the host
+        self._host = {"inputs_seconds": 0.0, "forward_queue_seconds": 0.0, "copies_queue_seconds": 0.0}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -293,10 +297,20 @@ class HFBackend(Backend):
         self, batch: Sequence[Sequence[int]]
     ) -> tuple[list[torch.Tensor], list[tuple[int, slice]]]:
         """Queue one batch; return the captured outputs (on the device) and where each sample's rows are."""
+        t0 = time.perf_counter()
         kwargs, rows = self.inputs(batch)
+        t1 = time.perf_counter()
         self._captured.clear()
         self.decoder(**kwargs)
+        self._host["inputs_seconds"] += t1 - t0
+        self._host["forward_queue_seconds"] += time.perf_counter() - t1
         return [self._captured.pop(k) for k in self.options.layer_ids], rows
+
+    def figures(self) -> dict:
+        """The loop's host side (issue #52): the main thread's seconds in each part of capture_async (on a
+        GPU each part only queues work; on the CPU the forward runs in ``forward_queue_seconds``), and the
+        device's busy seconds (its clock: the forward stream between each batch's start and stop)."""
+        return {**self._host, "device_busy_seconds": self.clock.seconds}
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
         captured = self.capture_async(batch)
@@ -316,6 +330,7 @@ class HFBackend(Backend):
             return Captured([[o[r].clone() for o in outs] for r in rows])
         # the closing check's per-token figures, on the device: one pass over each output there instead of two
         # per state on a writer thread (docs/vllm.md "The closing check"); padding rows are never looked at
+        t0 = time.perf_counter()
         scales = [token_scales(o) for o in outs]
         computed = torch.cuda.Event()
         computed.record()
@@ -326,6 +341,7 @@ class HFBackend(Backend):
                 t.record_stream(self._copies)  # not handed to the next forward before the copies ran
             copied = torch.cuda.Event()
             copied.record()
+        self._host["copies_queue_seconds"] += time.perf_counter() - t0
         return Captured(states, copied.synchronize, per_sample)
 
     def close(self) -> None:

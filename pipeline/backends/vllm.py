@@ -141,19 +141,39 @@ def should_compile(options: BackendOptions, on_gpu: bool) -> bool:
     return on_gpu and (options.planned_tokens is None or options.planned_tokens >= COMPILE_MIN_TOKENS)
 
 
+# The engine's step size in tokens (vLLM's max_num_batched_tokens) apart from the loop's --max-batch-tokens,
+# for bench/capture_bench.py's step-size lever (issue #52); unset: --max-batch-tokens, as before
+STEP_TOKENS_ENV = "EAGLE_VLLM_STEP_TOKENS"
+
+
+def step_tokens(environ) -> int | None:
+    """``EAGLE_VLLM_STEP_TOKENS`` as a positive int, None where unset; a bad value is a one-line error."""
+    raw = environ.get(STEP_TOKENS_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise StageError(f"{STEP_TOKENS_ENV}={raw!r}: expected a positive number of tokens")
+    return int(raw)
+
+
 def engine_arguments(
-    options: BackendOptions, tensor_parallel_size: int, storage: Path, compiled: bool | None = None
+    options: BackendOptions,
+    tensor_parallel_size: int,
+    storage: Path,
+    compiled: bool | None = None,
+    step_tokens: int | None = None,
 ) -> dict:
     """The keyword arguments of ``vllm.LLM`` for an extraction run (pure: tests assert them). ``compiled``:
     torch.compile without CUDA graphs (True) or eager (False); None keeps the engine's defaults unless
-    --enforce-eager."""
+    --enforce-eager. ``step_tokens``: the engine's step size (``EAGLE_VLLM_STEP_TOKENS``), else the loop's
+    batch size."""
     args = dict(
         model=str(options.model.path),
         tensor_parallel_size=tensor_parallel_size,
         dtype=_vllm_dtype(options.dtype),
         max_model_len=options.seq_length,
         # without chunked prefill every sample must fit one step
-        max_num_batched_tokens=max(options.max_batch_tokens, options.seq_length),
+        max_num_batched_tokens=max(step_tokens or options.max_batch_tokens, options.seq_length),
         trust_remote_code=options.trust_remote_code,
         speculative_config={
             "method": METHOD,
@@ -293,7 +313,9 @@ class VllmBackend(Backend):
 
         try:
             self.compiled = should_compile(options, on_gpu=devices > 0)
-            args = engine_arguments(options, self.tensor_parallel_size, self._storage, self.compiled)
+            args = engine_arguments(
+                options, self.tensor_parallel_size, self._storage, self.compiled, step_tokens(os.environ)
+            )
             if devices == 0:
                 args.update(vllm_cpu.engine_arguments(args["dtype"]))
             with contextlib.ExitStack() as stack:
@@ -457,13 +479,37 @@ class VllmBackend(Backend):
             scales_into[:] = facts if facts is not None else [token_scales(h) for h in states]
         return states
 
+    def figures(self) -> dict:
+        """The loop's figures on this side (the extract stats' ``backend``): the feed's engine steps, the
+        writer threads' waits (``Profile``), and where the engine runs in this process our connector's
+        ``STATS`` (its levers, the engine thread's seconds in it, the bytes and copy-stream seconds, the
+        steps' scheduled tokens)."""
+        feed = self._feed
+        out = {
+            "engine_steps_stepped": feed.steps if feed is not None else None,
+            "handoff": self.handoff,
+            "samples_read": self.profile.samples,
+            "engine_wait_seconds": self.profile.engine_wait,
+            "read_seconds": self.profile.read,
+            "max_num_batched_tokens": self.settings["max_num_batched_tokens"],
+        }
+        if self._handoff is not None:
+            from pipeline.backends.vllm_connector import STATS
+
+            out["connector"] = STATS.figures()
+        return out
+
     def close(self) -> None:
         feed = getattr(self, "_feed", None)
+        if feed is not None and self.profile.samples:
+            connector = self.figures().get("connector")
         self._feed = None
         if feed is not None:
             feed.close()
             if self.profile.samples:
                 print(f"vllm backend: {feed.steps} engine steps; {self.profile.line()}", file=sys.stderr)
+                if connector:
+                    print(f"vllm backend: {connector_line(connector)}", file=sys.stderr)
         llm = getattr(self, "_llm", None)
         self._llm = None
         if llm is not None:
@@ -565,6 +611,21 @@ def request_states(
     if per_layer and all(f"token_rms.{j}" in tensors and f"nonfinite.{j}" in tensors for j in range(layers)):
         facts = [(tensors[f"token_rms.{j}"], tensors[f"nonfinite.{j}"]) for j in range(layers)]
     return states, facts
+
+
+def connector_line(c: dict) -> str:
+    """The connector's ``STATS.figures()`` in one line (the run's stderr)."""
+    copy = c["copy_stream_seconds"]
+    return (
+        f"connector levers {c['levers'] or 'none'}: {c['save_steps']} step saves of "
+        f"{c['requests']} requests, "
+        f"{c['bytes_copied'] / 1e9:.2f} GB copied"
+        + (f" in {copy:.2f} s of copy stream" if copy is not None else "")
+        + f"; engine thread {c['engine_thread_seconds']:.2f} s in it"
+        + (f", its own thread {c['connector_thread_seconds']:.2f} s" if c["connector_thread_seconds"] else "")
+        + f"; {c['engine_steps']} engine steps of {c['step_tokens_mean']:,.0f} tokens on average "
+        f"(max {c['step_tokens_max']:,})"
+    )
 
 
 class Profile:

@@ -28,17 +28,40 @@ worker runs:
   on ``<file>.lock``): ``token_ids`` and, per layer j, ``hidden_states.{j}`` ``[T, H]``, ``token_rms.{j}``
   ``[T]`` float32 and ``nonfinite.{j}`` ``[T]`` int32.
 
+**Levers** (issue #52), each switched by an environment variable read at every step (``Levers.from_env``), so
+that bench/capture_bench.py measures each against the last on one GPU; all off is the path above, and every
+one keeps the states bit-identical to it (tests/vllm/test_capture_levers.py):
+
+* ``EAGLE_VLLM_BULK_COPY=1``: the step's states leave the device in one copy (and its facts in two) into one
+  host buffer, instead of one pinned allocation and copy per request and layer; each request's state per
+  layer is a tensor on a slice of that buffer's storage (``storage_slice``), so it owns exactly its bytes
+  (``torch.save`` writes those, not the buffer) and no writer copies it again;
+* ``EAGLE_VLLM_PINNED_POOL=N`` (with the bulk copy): up to N pinned step buffers of the largest step's size,
+  kept for the run and reused once every tensor on them is gone (their storage's use count) and their copy
+  is done, instead of one from torch's caching host allocator per step;
+* ``EAGLE_VLLM_CONNECTOR_THREAD=1``: the engine's thread only queues the step's device work (gather, facts,
+  copies) and records its event; the requests' tensors are cut and handed over (or their files written) on
+  a thread of the connector's own.
+
+``STATS`` (this process's connectors) counts what the connector did: steps saved and their requests and
+tokens, the engine thread's seconds in it, the bytes copied off the device, the copy stream's own seconds
+(CUDA events), and on the scheduler side the engine steps' scheduled tokens (sizes and count).
+
 The engine imports this module by name (``kv_connector_module_path``), so it imports vLLM at module level;
 nothing but the vllm backend, the engine and the tests imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,6 +117,174 @@ def step_tensors(cache: torch.Tensor, saves: list[tuple[list[int], torch.Tensor]
             tensors[f"nonfinite.{j}"] = bad
         out.append(tensors)
     return out
+
+
+@dataclass(frozen=True)
+class Levers:
+    """Which of the capture path's levers are on (module docstring); all off: the per-request copies."""
+
+    bulk: bool = False  # EAGLE_VLLM_BULK_COPY
+    pool: int = 0  # EAGLE_VLLM_PINNED_POOL: pinned step buffers kept (with bulk)
+    thread: bool = False  # EAGLE_VLLM_CONNECTOR_THREAD
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Levers:
+        def flag(name: str) -> bool:
+            return environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+        try:
+            pool = int(environ.get("EAGLE_VLLM_PINNED_POOL", "0") or 0)
+        except ValueError:
+            pool = 0
+        return cls(
+            bulk=flag("EAGLE_VLLM_BULK_COPY"), pool=max(0, pool), thread=flag("EAGLE_VLLM_CONNECTOR_THREAD")
+        )
+
+    def describe(self) -> str:
+        on = [
+            n
+            for n, v in (("bulk", self.bulk), (f"pool {self.pool}", self.pool), ("thread", self.thread))
+            if v
+        ]
+        return ", ".join(on) or "none (per-request copies)"
+
+
+def storage_slice(
+    storage: torch.UntypedStorage, offset: int, dtype: torch.dtype, shape: tuple
+) -> torch.Tensor:
+    """A tensor of ``shape`` on bytes ``[offset, offset + its size)`` of ``storage``, as a storage of its own
+    that keeps ``storage`` alive: ``torch.save`` writes exactly its bytes (a view would write the whole
+    buffer) and ``x.untyped_storage().nbytes() == x.nbytes``."""
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    return torch.empty(0, dtype=dtype).set_(storage[offset : offset + nbytes], 0, shape)
+
+
+def bulk_step_tensors(
+    cache: torch.Tensor, saves: list[tuple[list[int], torch.Tensor]], buffer: Callable[[int], torch.Tensor]
+) -> tuple[Callable[[], list[dict]], int]:
+    """``step_tensors``' tensors, copied off the device in bulk: the same gather and the same
+    ``token_scales`` per layer, then one copy of the step's ``[layers, N, H]`` states and two of its facts
+    into one host buffer (``buffer(nbytes)``: a uint8 tensor of at least ``nbytes``, pinned on a GPU); the
+    copies are queued on the current stream. Returns a function that cuts each request's tensors out of the
+    buffer (storage slices, ``storage_slice``: call it once the copies are queued; the values are valid once
+    they are done) and the bytes copied."""
+    block_size = cache.shape[2]
+    counts = [int(ids.shape[0]) for _, ids in saves]
+    slots = torch.cat([slot_mapping(blocks, block_size)[:n] for (blocks, _), n in zip(saves, counts)])
+    by_layer = gather_layers(cache, slots.to(cache.device, non_blocking=True))  # [L, N, H]
+    scales = [token_scales(o) for o in by_layer.unsqueeze(1)]  # as step_tensors: one [1, N, H] per layer
+    layers, total, hidden = by_layer.shape
+    state_bytes = by_layer.numel() * by_layer.element_size()
+    fact_bytes = layers * total * 4
+    host = buffer(state_bytes + 2 * fact_bytes)
+    host[:state_bytes].view(by_layer.dtype).view(layers, total, hidden).copy_(by_layer, non_blocking=True)
+    rms = host[state_bytes : state_bytes + fact_bytes].view(torch.float32).view(layers, total)
+    bad = host[state_bytes + fact_bytes : state_bytes + 2 * fact_bytes].view(torch.int32).view(layers, total)
+    rms.copy_(torch.cat([r for r, _ in scales]), non_blocking=True)
+    bad.copy_(torch.cat([b for _, b in scales]), non_blocking=True)
+    storage, dtype, itemsize = host.untyped_storage(), by_layer.dtype, by_layer.element_size()
+    ends = list(itertools.accumulate(counts))
+
+    def cut() -> list[dict]:
+        out = []
+        for (_, ids), end, n in zip(saves, ends, counts, strict=True):
+            start = end - n
+            tensors = {"token_ids": ids.clone()}
+            for j in range(layers):
+                offset = (j * total + start) * hidden * itemsize
+                tensors[f"hidden_states.{j}"] = storage_slice(storage, offset, dtype, (n, hidden))
+                tensors[f"token_rms.{j}"] = rms[j, start:end]
+                tensors[f"nonfinite.{j}"] = bad[j, start:end]
+            out.append(tensors)
+        return out
+
+    return cut, state_bytes + 2 * fact_bytes
+
+
+def use_count(buffer: torch.Tensor) -> int:
+    """The references to ``buffer``'s storage (its own tensor's, the storage slices cut from it)."""
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata)
+
+
+class PinnedPool:
+    """Host step buffers kept for the run (``EAGLE_VLLM_PINNED_POOL``): ``take(nbytes, done)`` hands back a
+    kept buffer that no tensor uses any more (its storage's use count is back to what the pool's own
+    reference makes it) and whose last copy finished (``done.query()``), else a new one of ``size`` bytes
+    while fewer than ``keep`` exist, else None (the caller allocates one for this step alone)."""
+
+    def __init__(self, keep: int, size: int, pinned: bool):
+        self.keep, self.size, self.pinned = keep, size, pinned
+        self._buffers: list[list] = []  # [buffer, its free use count, the event of its last copy]
+        self.allocated = self.misses = 0
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, list] | None:
+        for entry in self._buffers:
+            buf, free, last = entry
+            if buf.numel() >= nbytes and use_count(buf) == free and (last is None or last.query()):
+                return buf, entry
+        if len(self._buffers) < self.keep and nbytes <= self.size:
+            buf = torch.empty(self.size, dtype=torch.uint8, pin_memory=self.pinned)
+            entry = [buf, use_count(buf), None]
+            self._buffers.append(entry)
+            self.allocated += 1
+            return buf, entry
+        self.misses += 1
+        return None
+
+
+class Stats:
+    """What this process's connectors did (thread-safe sums; module docstring)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.save_steps = self.requests = self.tokens = self.bytes = 0
+        self.engine_thread_seconds = 0.0  # the engine's thread inside the connector's step saves
+        self.post_seconds = 0.0  # the connector thread's seconds cutting and handing over (lever "thread")
+        self.copy_events: list = []  # (start, end) CUDA timing events on the copy stream
+        self.scheduled: list[int] = []  # tokens scheduled per engine step (scheduler side)
+        self.levers = ""
+        self.pool_allocated = self.pool_misses = 0
+
+    def add(self, **figures) -> None:
+        with self._lock:
+            for k, v in figures.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def copy_seconds(self) -> float | None:
+        """The copy stream's own seconds over the saved steps (waits for the last copy); None on the CPU."""
+        with self._lock:
+            events = list(self.copy_events)
+        if not events:
+            return None
+        events[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in events) / 1000.0
+
+    def figures(self) -> dict:
+        steps = [n for n in self.scheduled if n > 0]
+        return {
+            "levers": self.levers,
+            "save_steps": self.save_steps,
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "bytes_copied": self.bytes,
+            "engine_thread_seconds": self.engine_thread_seconds,
+            "connector_thread_seconds": self.post_seconds,
+            "copy_stream_seconds": self.copy_seconds(),
+            "engine_steps": len(steps),
+            "step_tokens_mean": sum(steps) / len(steps) if steps else 0.0,
+            "step_tokens_max": max(steps, default=0),
+            "step_tokens_min": min(steps, default=0),
+            "pool_allocated": self.pool_allocated,
+            "pool_misses": self.pool_misses,
+        }
+
+
+STATS = Stats()
 
 
 class CopyDone:
@@ -181,6 +372,14 @@ class EagleStatesConnector(ExampleHiddenStatesConnector):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)
         self._in_memory = self._is_tp_rank_zero and HANDOFF.claim()
+        self._pool: PinnedPool | None = None
+        self._post: ThreadPoolExecutor | None = None
+        STATS.reset()  # this engine's figures from its first step
+
+    def build_connector_meta(self, scheduler_output):
+        """vLLM's (scheduler side), counting the step's scheduled tokens for ``STATS``."""
+        STATS.scheduled.append(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
+        return super().build_connector_meta(scheduler_output)
 
     def wait_for_save(self) -> None:
         if not getattr(self, "_in_memory", False):
@@ -204,34 +403,121 @@ class EagleStatesConnector(ExampleHiddenStatesConnector):
     def _save_step(self, pendings: list[PendingSave]) -> None:
         if not pendings:
             return
+        t0 = time.perf_counter()
+        levers = Levers.from_env()
         cache = self._kv_cache
         assert cache is not None
         saves = [(p.block_ids, p.token_ids) for p in pendings]
-        if cache.device.type != "cuda":
-            # the CPU build: no streams or events, the work is done when the calls return
-            per_request = step_tensors(cache, saves, torch.clone)
-            done: Any = CopyDone()
-        else:
+        on_gpu = cache.device.type == "cuda"
+        taken: list = [None]  # the pool's entry the bulk copy went to, if any
+        if on_gpu:
             stream = self._get_copy_stream()
             stream.wait_stream(torch.cuda.current_stream())  # the forward that filled the cache comes first
-            with torch.cuda.stream(stream), gpu_sync_allowed():  # the slots' upload from pageable memory
-                per_request = step_tensors(cache, saves, pinned_copy)
-            done = torch.cuda.Event()
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record(stream)
+            # the slots' upload from pageable memory is allowed to wait
+            context: Any = contextlib.ExitStack()
+            context.enter_context(torch.cuda.stream(stream))
+            context.enter_context(gpu_sync_allowed())
+        else:
+            context = contextlib.nullcontext()
+        with context:
+            if levers.bulk:
+                cut, nbytes = bulk_step_tensors(cache, saves, self._step_buffer(levers, on_gpu, taken))
+            else:
+                per_request = step_tensors(cache, saves, pinned_copy if on_gpu else torch.clone)
+                nbytes = sum(t.nbytes for r in per_request for k, t in r.items() if k != "token_ids")
+
+                def cut() -> list[dict]:
+                    return per_request
+
+        if on_gpu:
+            done: Any = torch.cuda.Event()
             done.record(stream)
-        for pending, tensors in zip(pendings, per_request, strict=True):
+            timing[1].record(stream)
+        else:
+            done = CopyDone()  # the CPU build: no streams or events, the work is done when the calls return
+        if taken[0] is not None:
+            taken[0][2] = done  # the pool hands the buffer out again only once this copy is done
+        locks = {}
+        for pending in pendings:
             self._req_copy_events[pending.req_id] = done  # get_finished reports the request sent after it
+            if not self._in_memory:  # the lock vLLM's reader waits on: taken here, on the engine's thread
+                locks[pending.req_id] = self._lock_fd(pending)
+        if levers.thread:
+            if self._post is None:
+                self._post = ThreadPoolExecutor(1, thread_name_prefix="eagle-connector")
+            self._post.submit(self._hand_over, pendings, cut, done, locks, True)
+        else:
+            self._hand_over(pendings, cut, done, locks, False)
+        STATS.add(
+            save_steps=1,
+            requests=len(pendings),
+            tokens=sum(int(p.token_ids.shape[0]) for p in pendings),
+            bytes=nbytes,
+            engine_thread_seconds=time.perf_counter() - t0,
+        )
+        if on_gpu:
+            with STATS._lock:
+                STATS.copy_events.append(timing)
+        STATS.levers = levers.describe()
+
+    def _step_buffer(self, levers: Levers, on_gpu: bool, taken: list) -> Callable[[int], torch.Tensor]:
+        """The bulk copy's host buffer as ``bulk_step_tensors`` asks for it: from the kept pool
+        (``EAGLE_VLLM_PINNED_POOL``; its entry goes to ``taken[0]``), else a new one (on a GPU from torch's
+        caching host allocator, pinned)."""
+
+        def buffer(nbytes: int) -> torch.Tensor:
+            if levers.pool:
+                if self._pool is None or self._pool.keep != levers.pool:
+                    self._pool = PinnedPool(levers.pool, self._largest_step_bytes(), pinned=on_gpu)
+                got = self._pool.take(nbytes)
+                STATS.pool_allocated, STATS.pool_misses = self._pool.allocated, self._pool.misses
+                if got is not None:
+                    taken[0] = got[1]
+                    return got[0]
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_gpu)
+
+        return buffer
+
+    def _largest_step_bytes(self) -> int:
+        """The host bytes of the largest step's bulk copy: every token of ``max_num_batched_tokens``."""
+        cache = self._kv_cache
+        tokens = self._vllm_config.scheduler_config.max_num_batched_tokens
+        layers, hidden = cache.shape[1], cache.shape[3]
+        return tokens * layers * (hidden * cache.element_size() + 8)
+
+    def _lock_fd(self, pending: PendingSave) -> int | None:
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is None and self.use_lock:
+            os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        return lock_fd
+
+    def _hand_over(self, pendings, cut, done, locks: dict, timed: bool = True) -> None:
+        """Each request's tensors to the in-memory hand-over, or to its file on the writer pool. On the
+        connector's thread (``timed``) a failure is handed to each request's reader instead (an entry without
+        states, which the backend refuses naming what it has), never lost in a future nobody reads."""
+        t0 = time.perf_counter()
+        try:
+            per_request = cut()
+        except Exception as exc:  # noqa: BLE001 - handed to the readers
+            if not timed:
+                raise
+            per_request = [{"connector_error": repr(exc)} for _ in pendings]
+        for pending, tensors in zip(pendings, per_request, strict=True):
             if self._in_memory:
                 HANDOFF.put(pending.filename, done, tensors)
             else:
-                self._write_async(pending, tensors, done)
+                self._write_async(pending, tensors, done, locks.get(pending.req_id))
+        if timed:
+            STATS.add(post_seconds=time.perf_counter() - t0)
 
-    def _write_async(self, pending: PendingSave, tensors: dict, done: Any) -> None:
-        """The request's file, written on the connector's writer pool under vLLM's lock protocol."""
+    def _write_async(self, pending: PendingSave, tensors: dict, done: Any, lock_fd: int | None) -> None:
+        """The request's file, written on the connector's writer pool under vLLM's lock protocol (``lock_fd``:
+        its lock, taken on the engine's thread)."""
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-        lock_fd = self._lock_fds.pop(pending.req_id, None)
-        if lock_fd is None and self.use_lock:
-            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
         future = self._executor.submit(_write_file, tensors, done, pending.filename, lock_fd)
         self._req_futures[pending.req_id] = future
         future.add_done_callback(lambda f, rid=pending.req_id: self._on_write_done(rid, f))

@@ -97,7 +97,14 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
         "non_capture_fraction": 1 - capture_s / elapsed if elapsed else 0.0,
         # main-thread seconds waiting for the writer: the share of the run that was write-bound
         "writer_wait_seconds": writer.wait_seconds,
+        # the writer threads' seconds, summed: waiting for a sample's states (its copies, or the vllm engine),
+        # and writing it (facts, torch.save, sha256)
+        "writer_ready_seconds": writer.ready_seconds,
+        "writer_write_seconds": writer.write_seconds,
     }
+    figures = backend.figures()
+    if figures:
+        stats["backend"] = figures
     if backend.clock is not None:
         stats.update(device_idle(backend.clock.seconds, elapsed))
     return stats

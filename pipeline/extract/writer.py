@@ -61,6 +61,8 @@ class Writer:
         self.written = 0  # samples whose file is complete on disk: what the progress bar counts
         self.max_pending_bytes = max_pending_bytes
         self.wait_seconds = 0.0  # main-thread time spent waiting for room: the run was write-bound then
+        # thread-seconds summed over the writer threads: in each sample's ``ready``, and writing it
+        self.ready_seconds = self.write_seconds = 0.0
         self._pending = 0
         self._room = threading.Condition()
         self.journal = formats.ChecksumJournal(out)  # each file's sha256, recorded once the file is complete
@@ -77,7 +79,9 @@ class Writer:
             try:
                 if self.error is None:
                     # the batch's device-to-host copies (hf), the sample's own file read (vllm), or nothing
+                    t0 = time.perf_counter()
                     item.ready()
+                    t1 = time.perf_counter()
                     target = formats.data_file(self.out, item.index)
                     # what the closing check judges, from the tensors in hand
                     facts = integrity.written_facts(item.ids, item.states, item.mask, item.scales)
@@ -89,6 +93,8 @@ class Writer:
                     with self._room:
                         self.bytes += size
                         self.written += 1
+                        self.ready_seconds += t1 - t0
+                        self.write_seconds += time.perf_counter() - t1
             except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
                 self.error = exc
             finally:

@@ -1,0 +1,48 @@
+"""bench/capture_bench.py's tiny preset on the vLLM CPU build (issue #52): every kind of row runs as a fresh
+process on one set and reports its figures; the extraction with the capture levers on writes the same bytes as
+today's path (the CPU runs the same steps with the same kernels); the JSON holds each row as it finished.
+
+Run with .venv-vllm's python (marked vllm: `make test-vllm` collects tests/bench; the light suite
+deselects it).
+No figure is asserted beyond its presence: speeds are the benchmark's, not a test's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_capture_bench_tiny_runs_every_kind_of_row(tmp_path):
+    out = tmp_path / "capture.json"
+    argv = [sys.executable, "-m", "bench.capture_bench", "run", "--preset", "tiny"]
+    argv += ["--workdir", str(tmp_path / "w"), "--json-out", str(out)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    tiny = json.loads(out.read_text())["shapes"]["tiny"]
+    rows = tiny["rows"]
+    assert list(rows) == ["cold", "plain", "capture", "thread", "hf"]
+    assert all(r["loop_tokens_per_s"] > 0 and r["vs_plain"] > 0 for r in rows.values())
+    assert rows["plain"]["vs_plain"] == 1.0 and rows["plain"]["stats"]["tokens"] == tiny["tokens"]
+    assert rows["capture"]["stats"]["connector"]["save_steps"] == 0  # the null connector copies nothing
+    for name in ("cold", "thread"):
+        where = rows[name]["where"]
+        assert where["gb_copied"] > 0 and where["engine_steps"] >= 1 and where["save_steps"] >= 1, where
+        assert where["connector_engine_thread_seconds"] > 0 and where["writer_write_thread_seconds"] > 0
+    assert rows["cold"]["where"]["levers"].startswith("none")
+    assert rows["thread"]["where"]["levers"] == "bulk, pool 4, thread"
+    assert rows["thread"]["where"]["connector_own_thread_seconds"] > 0
+    assert rows["cold"]["where"]["gb_copied"] == rows["thread"]["where"]["gb_copied"]
+    # the same steps on the CPU: the levers' files are today's byte for byte
+    assert rows["thread"]["same_files"] == {"as": "cold", "same": 12, "files": 12}
+    hf = rows["hf"]["where"]
+    assert hf["writer_write_thread_seconds"] > 0 and "connector" not in rows["hf"]["stats"]["backend"]
+    assert hf["hf_host"]["forward_queue_seconds"] > 0 and hf["hf_host"]["device_busy_seconds"] > 0
+    assert "| tiny | thread |" in proc.stdout
