@@ -92,9 +92,11 @@ def hf_refusal(quant: Quantization | None) -> str | None:
     """Why transformers here cannot load this checkpoint (a package it needs is not installed), or None."""
     if quant is None or quant.method not in HF_PACKAGES:
         return None
-    module = HF_PACKAGES[quant.method]
-    if importlib.util.find_spec(module) is not None:
-        return None
+    try:
+        if importlib.util.find_spec(HF_PACKAGES[quant.method]) is not None:
+            return None
+    except ImportError:  # a finder that refuses the name: as good as not installed
+        pass
     return (
         f"the checkpoint is {quant.method}-quantized and transformers loads it only with the "
         f"{quant.method} package, which this Python env lacks (the image has it): install "
