@@ -42,6 +42,7 @@ from contract.experts import experts_met
 from pipeline.checks import CheckResult, fail, ok, warn
 from pipeline.errors import CheckFailed, StageError
 from pipeline.model.experts import expert_parallel_refusal
+from pipeline.model import quantization
 from pipeline.model.layers import default_layer_ids, parse_layer_ids, validate_layer_ids
 from pipeline.model import modeldir
 from pipeline.model.modeldir import ModelDir, read_model_dir
@@ -116,6 +117,8 @@ def check_model(cfg: PreflightConfig) -> Iterator[CheckResult]:
     if model.architecture.startswith("KimiK25") and not model.is_wrapper:
         yield fail("model config", f"{model.architecture} needs a text_config section in config.json")
     yield from check_checkpoint(cfg.model, model, text)
+    for status, detail in quantization.quantization_checks(cfg.backend, model.raw):
+        yield (ok if status == "ok" else fail)("quantization", detail)
     if cfg.expert_parallel:
         refusal = expert_parallel_refusal(cfg.backend, cfg.model, model.raw)
         k, experts = experts_met(model.raw)
@@ -444,6 +447,21 @@ def check_target(cfg: PreflightConfig, model: ModelDir, modules: dict) -> Iterat
             )
 
 
+def check_quantized_kernels(model: ModelDir) -> Iterator[CheckResult]:
+    """A quantized MoE target: whether this vLLM has a kernel for its experts here (pipeline/model/
+    quantization.py asks vLLM's own kernel classes)."""
+    quant = quantization.read_quantization(model.raw)
+    if quant is None:
+        return
+    refusal = quantization.vllm_refusal(model.raw, quant, experts_met(model.raw)[1])
+    if refusal:
+        yield fail("quantized kernels", refusal)
+    elif quant.weight_only_int and experts_met(model.raw)[1]:
+        yield ok(
+            "quantized kernels", "a WNA16 MoE: vLLM picks its kernel at engine start (GPU: not checked here)"
+        )
+
+
 def file_checks(cfg: PreflightConfig, stage_args: tuple[str, ...] = ()) -> Iterator[CheckResult]:
     """The checks that read files and package metadata only (no torch, transformers or vLLM import): the
     stage's command line (``pipeline check-args``) when given, the model's files, the prepared data, free
@@ -474,13 +492,14 @@ def import_checks(cfg: PreflightConfig) -> Iterator[CheckResult]:
         yield from check_apis(modules)
         if model is not None:
             yield from check_target(cfg, model, modules)
+            yield from check_quantized_kernels(model)
 
 
 def skipped_names(cfg: PreflightConfig) -> list[str]:
     """What import_checks would have checked, by name (for the line that says they were skipped)."""
     names = ["tokenizer", "chat template"]
     if cfg.backend == "vllm":
-        names += ["cuda", "tensor parallel", "vllm imports and APIs", "eagle-3 capture"]
+        names += ["cuda", "tensor parallel", "vllm imports and APIs", "eagle-3 capture", "quantized kernels"]
     return names
 
 

@@ -254,8 +254,12 @@ def _open_target(cfg: VerifyConfig, dc: formats.DataConfig):
     from pipeline.backends.hf import HFBackend
     from pipeline.model.modeldir import check_checkpoint, read_model_dir
 
+    from pipeline.model.quantization import hf_refusal, read_quantization
+
     model = read_model_dir(cfg.model)
     check_checkpoint(model)  # config vs checkpoint, as extract checks it: a model that is not what it claims
+    if refusal := hf_refusal(read_quantization(model.raw)):
+        raise StageError(refusal)
     dtype = dc.dtype if resolve_device("auto").type == "cuda" else "float32"
     return HFBackend(
         BackendOptions(

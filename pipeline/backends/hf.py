@@ -154,6 +154,10 @@ def load_causal_lm(
             raise StageError(
                 f"cannot load {options.model.path} with transformers: {str(exc).splitlines()[0]}"
             ) from None
+    if dtype == torch.float32 and any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
+        # transformers 5.19 dequantizes a compressed-tensors checkpoint's packed MoE experts to bf16 whatever
+        # dtype was asked (DecompressExperts): fp32 asked is fp32 computed (bf16 -> fp32 is exact)
+        model = torch.nn.Module.float(model)  # transformers refuses .float() on a quantized model
     with timed_part(figures, "model_to_device_seconds"):
         model = model.to(device)
         if device.type == "cuda":

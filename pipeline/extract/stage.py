@@ -11,12 +11,14 @@ import os
 import time
 from dataclasses import asdict, replace
 
+from contract.experts import experts_met
 from pipeline.ondisk import formats, provenance
 from pipeline.backends import BACKENDS, BackendOptions, get_backend
 from pipeline.backends.base import visible_device_count
 from pipeline.errors import StageError
 from pipeline.model.layers import validate_layer_ids
 from pipeline.model.experts import expert_parallel_refusal
+from pipeline.model import quantization
 from pipeline.model.modeldir import check_checkpoint, read_model_dir
 from pipeline.extract.config import ExtractConfig
 from pipeline.extract.plan import deal, plan_shard
@@ -57,6 +59,8 @@ def run(cfg: ExtractConfig) -> dict:
         raise StageError(refusal)
     if cfg.backend not in BACKENDS:
         raise StageError(f"unknown --backend {cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
+    if refusal := quantization.refusal(cfg.backend, model.raw, experts_met(model.raw)[1]):
+        raise StageError(refusal)
     n = len(prepared) if cfg.limit is None else min(cfg.limit, len(prepared))
     if n <= 0:
         raise StageError(f"--limit {cfg.limit} selects no samples")

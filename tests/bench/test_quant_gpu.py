@@ -1,0 +1,35 @@
+"""bench/quant_gpu.py's CPU preset: every phase runs on the tiny quantized target and the JSON says so."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.conftest import PYTHON, REPO
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("compressed_tensors") is None,
+    reason="compressed-tensors is not installed (requirements/dev.txt)",
+)
+
+
+def test_tiny_preset_runs_every_phase(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = ["--preset", "tiny", "--out", tmp_path, "--samples", 8, "--seq-length", 128, "--backends", "hf"]
+    proc = subprocess.run(
+        [PYTHON, "-m", "bench.quant_gpu", *map(str, argv)], capture_output=True, text=True, env=env, cwd=REPO,
+        timeout=900,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "quant_gpu.json").read_text())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    phases = ("build", "prepare", "preflight", "weights", "extract_hf", "compare", "verify")
+    assert all(result[p]["ok"] for p in phases), {p: result[p].get("error") for p in phases}
+    assert result["build"]["disk_bytes"] < result["build"]["dequantized_bytes"]
+    assert result["preflight"]["hf"]["rc"] == 0 and result["preflight"]["hf"]["quantization_lines"]
+    assert all(v is True for v in result["weights"]["bit_exact"].values()), result["weights"]["bit_exact"]
+    assert result["extract_hf"]["rc"] == 0 and result["verify"]["hf"]["rc"] == 0
+    assert max(result["compare"]["hf"]["worst_relative_error_per_layer"]) <= 1e-5, result["compare"]
