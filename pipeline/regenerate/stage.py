@@ -160,7 +160,7 @@ def run(cfg: RegenerateConfig) -> dict:
     refuse_overlap(cfg.out, inputs)
     rows, skipped = read_conversations(cfg.data, skip_invalid=cfg.skip_invalid)
     with output_lock(cfg.out), _served(cfg, cfg.out) as url:
-        served_model = cfg.served_model if cfg.endpoint is not None else (cfg.served_model or ep.SERVED_NAME)
+        served_model = cfg.served_model if cfg.endpoint is not None else ep.SERVED_NAME
         client = ep.Endpoint(
             url, served_model, timeout=cfg.request_timeout, retries=cfg.retries, concurrency=cfg.concurrency
         )

@@ -116,7 +116,8 @@ def test_evaluate_measures_the_draft_against_no_speculation_and_ngram(
     assert set(rows) == {(m, p) for m in ("none", "ngram k=2", "eagle3 k=2") for p in ("batch1", "batched")}
     for phase in ("batch1", "batched"):
         eagle, none = rows[("eagle3 k=2", phase)], rows[("none", phase)]
-        assert eagle["drafts"] > 0 and eagle["draft_tokens"] == 2 * eagle["drafts"], eagle
+        # k per step, fewer where a request's max_tokens leaves less room
+        assert eagle["drafts"] > 0 and eagle["drafts"] < eagle["draft_tokens"] <= 2 * eagle["drafts"], eagle
         assert eagle["acceptance_length"] == pytest.approx(1 + eagle["accepted_tokens"] / eagle["drafts"])
         assert len(eagle["per_position"]) == 2 and none["drafts"] == 0 and none["acceptance_length"] is None
         assert eagle["greedy_equal"] and eagle["prompts"] == 3, eagle
