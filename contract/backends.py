@@ -55,9 +55,12 @@ def choose(
     gpus: int,
     has_vllm: bool,
     experts: tuple[int, int] = (0, 0),
+    dequantized_extra: int = 0,
 ) -> Choice:
     """The backend ``auto`` resolves to, and why (pure). ``experts``: ``(k, E)`` of an MoE target
-    (contract/experts.py), ``(0, 0)`` for a dense one."""
+    (contract/experts.py), ``(0, 0)`` for a dense one. ``dequantized_extra``: what a quantized checkpoint's
+    experts gain on the GPU when hf dequantizes them (contract/experts.py ``dequantized_extra_bytes``): hf
+    must fit the weights as it holds them, vLLM as they are stored."""
     if gpus < 1:
         return Choice("hf", "no GPU visible (the vllm CPU build is for tests)")
     if not has_vllm:
@@ -68,7 +71,15 @@ def choose(
     sizes = (
         f"weights {weights_bytes / gib:.1f} GiB, {FIT_SHARE:.0%} of one GPU {gpu_memory_bytes / gib:.1f} GiB"
     )
-    if weights_bytes <= FIT_SHARE * gpu_memory_bytes:
+    fits = weights_bytes <= FIT_SHARE * gpu_memory_bytes
+    if fits and dequantized_extra and weights_bytes + dequantized_extra > FIT_SHARE * gpu_memory_bytes:
+        held = (weights_bytes + dequantized_extra) / gib
+        return Choice(
+            "vllm",
+            f"the quantized checkpoint fits one GPU as stored ({sizes}) but not as hf holds it, its experts "
+            f"dequantized to bf16 ({held:.1f} GiB): vLLM runs its quantized kernels on them as stored",
+        )
+    if fits:
         k, routed = experts
         if routed and gpus == 1:
             return Choice(

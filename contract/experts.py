@@ -37,3 +37,42 @@ def _count(value) -> int:
     if isinstance(value, list | tuple):
         value = value[0] if value else 0
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _int(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def dequantized_extra_bytes(config: Mapping | None) -> int:
+    """The bytes an MoE's routed experts gain when a loader dequantizes them to bf16 (transformers does, at
+    load; vLLM runs its W4A16 kernels on them as stored): routed-expert parameters x (2 - num_bits / 8 -
+    2 / group_size) for a ``compressed-tensors`` checkpoint whose weights are quantized to fewer than 16 bits
+    (Kimi-K2's INT4 pack-quantized, group 32: 1.4375 bytes each). 0 for an unquantized, a dense or an
+    unreadable config. Estimated from config.json alone (hidden_size, moe_intermediate_size, the MoE layers),
+    so that ops' layout weighs it as the container does."""
+    if not isinstance(config, Mapping):
+        return 0
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    quant = text.get("quantization_config") or config.get("quantization_config")
+    if not isinstance(quant, Mapping) or quant.get("quant_method") != "compressed-tensors":
+        return 0
+    groups = quant.get("config_groups")
+    weights = (
+        [g.get("weights") for g in groups.values() if isinstance(g, Mapping)]
+        if isinstance(groups, Mapping)
+        else []
+    )
+    weights = [
+        w for w in weights if isinstance(w, Mapping) and _int(w.get("num_bits")) and w["num_bits"] < 16
+    ]
+    if not weights:
+        return 0
+    _, experts = experts_met(config)
+    hidden = _int(text.get("hidden_size"))
+    inter = _int(text.get("moe_intermediate_size")) or _int(text.get("intermediate_size"))
+    layers = _int(text.get("num_hidden_layers"))
+    dense = text.get("first_k_dense_replace")
+    layers -= dense if isinstance(dense, int) and not isinstance(dense, bool) and 0 <= dense <= layers else 0
+    params = experts * layers * 3 * hidden * inter
+    bits, group = weights[0]["num_bits"], _int(weights[0].get("group_size")) or 128
+    return int(params * (2 - bits / 8 - 2 / group)) if params else 0

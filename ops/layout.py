@@ -62,6 +62,7 @@ def resolve(
     weights_bytes: int | None = None,
     gpu_memory_bytes: int | None = None,
     experts: tuple[int, int] = (0, 0),
+    dequantized_extra: int = 0,
 ) -> Layout:
     """The concrete layout for a host with `gpus` GPUs visible to the stage (each of `gpu_memory_bytes`,
     the checkpoint `weights_bytes`, `experts` its MoE's (k, E) routed experts: contract/experts.py).
@@ -69,7 +70,9 @@ def resolve(
     backend = args.backend or configured.backend
     reason = "as given after --" if args.backend else "as configured"
     if backend == AUTO:
-        choice = choose(weights_bytes, gpu_memory_bytes, max(gpus, 1), bool(image_has_vllm), experts)
+        choice = choose(
+            weights_bytes, gpu_memory_bytes, max(gpus, 1), bool(image_has_vllm), experts, dequantized_extra
+        )
         backend, reason = choice.backend, choice.reason
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")

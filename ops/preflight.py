@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass
 
 from contract import sizes
-from contract.experts import experts_met
+from contract.experts import dequantized_extra_bytes, experts_met
 from contract.stages import STAGES
 from ops.connection import Runner
 from ops.gpus import GpuState
@@ -158,6 +158,13 @@ def model_experts(host: HostConfig, facts: dict) -> tuple[int, int]:
     where the layout's backend rule weighs it); (0, 0) for a dense model or a config not read."""
     _, config = _meta_and_config(host)
     return experts_met((facts.get("json") or {}).get(config))
+
+
+def model_dequantized_extra(host: HostConfig, facts: dict) -> int:
+    """What a quantized target's experts gain on the GPU when hf dequantizes them (contract/experts.py), from
+    the same config.json; 0 for an unquantized one or a config not read."""
+    _, config = _meta_and_config(host)
+    return dequantized_extra_bytes((facts.get("json") or {}).get(config))
 
 
 def path_checks(host: HostConfig, plan: StagePlan, facts: dict) -> list[CheckResult]:

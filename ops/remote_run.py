@@ -36,6 +36,7 @@ from ops.preflight import (
     driver_check,
     failed,
     gpu_check,
+    model_dequantized_extra,
     model_experts,
     path_checks,
     paths_request,
@@ -82,7 +83,11 @@ def preflight(
     weights = (facts.get("weights") or {}).get(host.model_dir)
     if weights is not None:
         plan = dataclasses.replace(plan, model_weights_bytes=weights)
-    plan = dataclasses.replace(plan, model_experts=model_experts(host, facts))
+    plan = dataclasses.replace(
+        plan,
+        model_experts=model_experts(host, facts),
+        model_dequantized_extra=model_dequantized_extra(host, facts),
+    )
     root = facts["paths"][host.data_root]
     if root.get("exists"):
         plan = resolve_user(host, plan, root["uid"], root["gid"])

@@ -84,6 +84,8 @@ class StagePlan:
     model_weights_bytes: int | None = None
     # its MoE's (k, E) routed experts from the config.json the preflight read; (0, 0): dense or not read
     model_experts: tuple[int, int] = (0, 0)
+    # what a quantized checkpoint's experts gain when hf dequantizes them (contract/experts.py); 0: none
+    model_dequantized_extra: int = 0
     train: TrainPlan | None = (
         None  # train with states produced while it trains (the hosts file's train table)
     )

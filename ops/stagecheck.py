@@ -92,6 +92,7 @@ def resolve_layout(
             args=plan.args,
             weights_bytes=plan.model_weights_bytes,
             experts=plan.model_experts,
+            dequantized_extra=plan.model_dequantized_extra,
             gpu_memory_bytes=min(g.memory_total_mib for g in state.gpus) * 2**20 if state.gpus else None,
         )
     except ConfigError as exc:

@@ -97,3 +97,63 @@ def test_extract_says_what_auto_chose_on_stdout_and_keeps_stderr_clean(tmp_path,
     assert "extract: --backend auto chose backend hf: no GPU visible" in res.stdout
     assert res.stderr.strip() == ""
     assert formats.read_data_config(out).backend == "hf"
+
+
+KIMI_K2_TEXT = {  # Kimi-K2's text model as its config.json gives it, with its INT4 quantization_config
+    "hidden_size": 7168,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 8,
+    "quantization_config": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32, "type": "int"}}
+        },
+    },
+}
+
+
+def test_a_quantized_checkpoint_is_weighed_as_hf_would_hold_it():
+    """INT4 experts (group 32) gain 2 - 0.5 - 2/32 bytes per parameter when hf dequantizes them: Kimi-K2's
+    1.01T routed-expert parameters gain 1.46 TB. A checkpoint that fits one GPU as stored but not as hf holds
+    it goes to vLLM (its kernels run the experts as stored), with both sizes in the reason; unquantized,
+    the same bytes stay hf."""
+    from contract.experts import dequantized_extra_bytes
+
+    params = 384 * 60 * 3 * 7168 * 2048
+    assert dequantized_extra_bytes({"text_config": KIMI_K2_TEXT}) == int(params * (2 - 0.5 - 2 / 32))
+    plain = {k: v for k, v in KIMI_K2_TEXT.items() if k != "quantization_config"}
+    assert dequantized_extra_bytes(plain) == 0 and dequantized_extra_bytes(None) == 0
+    c = choose(60 * GIB, H200, 2, True, (8, 384), 80 * GIB)
+    assert c.backend == "vllm" and "as stored" in c.reason and "140.0 GiB" in c.reason, c.reason
+    assert choose(60 * GIB, H200, 2, True, (8, 384), 0).backend == "hf"
+    assert choose(60 * GIB, H200, 2, True, (8, 384), 40 * GIB).backend == "hf"  # 100 GiB still fits
+
+
+def test_the_estimate_matches_a_real_int4_checkpoint(tmp_path):
+    """On the tiny INT4 DeepSeek-V3 layout that compressed-tensors writes (pipeline/demo/quantized.py), the
+    estimate from config.json equals the bf16 bytes of its routed experts less what they take packed
+    (weight_packed + weight_scale), within 1% (weight_shape's few bytes)."""
+    import json
+
+    from safetensors import safe_open
+
+    from contract.experts import dequantized_extra_bytes
+    from pipeline.demo.quantized import build_quantized_model
+
+    model = build_quantized_model("deepseek_v3", tmp_path / "model")
+    bf16 = stored = 0
+    for shard in model.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():
+                if ".experts." not in name or "shared" in name:
+                    continue
+                t = f.get_tensor(name)
+                stored += t.numel() * t.element_size() if not name.endswith("weight_shape") else 0
+                if name.endswith("weight_shape"):
+                    bf16 += int(t.prod()) * 2
+    estimate = dequantized_extra_bytes(json.loads((model / "config.json").read_text()))
+    assert bf16 > 0 and abs(estimate - (bf16 - stored)) <= 0.01 * (bf16 - stored), (estimate, bf16, stored)

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from contract.backends import Choice, choose, weight_file
-from contract.experts import experts_met
+from contract.experts import dequantized_extra_bytes, experts_met
 from pipeline.backends.base import visible_device_count
 
 
@@ -27,13 +27,18 @@ def weights_bytes(model_dir: Path) -> int | None:
         return None
 
 
+def _config(model_dir: Path) -> dict | None:
+    """config.json, or None where it cannot be read (the stage's own checks name that)."""
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def model_experts(model_dir: Path) -> tuple[int, int]:
     """``(k, E)`` of the model's routed experts from its config.json; ``(0, 0)`` for a dense model, and for
-    a config that cannot be read (the stage's own checks name that)."""
-    try:
-        return experts_met(json.loads((model_dir / "config.json").read_text()))
-    except (OSError, ValueError):
-        return (0, 0)
+    a config that cannot be read."""
+    return experts_met(_config(model_dir))
 
 
 def gpu_memory_bytes() -> int | None:
@@ -77,4 +82,5 @@ def resolve(requested: str, model_dir: Path) -> Choice:
         gpus,
         importlib.util.find_spec("vllm") is not None,
         model_experts(model_dir),
+        dequantized_extra_bytes(_config(model_dir)),
     )

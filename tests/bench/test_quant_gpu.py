@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 
-import pytest
 
 from tests.conftest import PYTHON, REPO
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("compressed_tensors") is None,
-    reason="compressed-tensors is not installed (requirements/dev.txt)",
-)
-
 
 def test_tiny_preset_runs_every_phase(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -7,7 +7,6 @@ test_quantized_vllm.py's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,8 +18,6 @@ from safetensors import safe_open
 
 from tests.conftest import PYTHON, REPO, run_extract, run_pipeline
 
-HAS_CT = importlib.util.find_spec("compressed_tensors") is not None
-needs_ct = pytest.mark.skipif(not HAS_CT, reason="compressed-tensors is not installed (requirements/dev.txt)")
 ROUTED = ("gate_proj", "up_proj", "down_proj")
 
 # `python -m pipeline ...` in an env where compressed-tensors cannot be imported (a finder that refuses it),
@@ -55,8 +52,6 @@ def quant(tmp_path_factory) -> Path:
     from pipeline.demo.quantized import build_quantized_model
     from pipeline.demo.tiny import write_conversations
 
-    if not HAS_CT:
-        pytest.skip("the builder is compressed-tensors' own (requirements/dev.txt)")
     work = tmp_path_factory.mktemp("quant")
     build_quantized_model("deepseek_v3", work / "model")
     write_conversations(work / "convs.jsonl", n=24)
@@ -67,7 +62,6 @@ def quant(tmp_path_factory) -> Path:
     return work
 
 
-@needs_ct
 def test_builder_writes_kimis_format(quant):
     """Every routed expert projection and only those is a packed triple; the rest stays bf16; the config is
     Kimi-K2's, and compressed-tensors reads it back; unpacking gives the weight back within a step."""
@@ -112,7 +106,6 @@ def test_builder_writes_kimis_format(quant):
     assert err.max() <= 1.01 and err.mean() <= 0.3, (err.max(), err.mean())
 
 
-@needs_ct
 def test_kimi_wrapper_keeps_the_config_in_text_config(tmp_path):
     from pipeline.demo.quantized import build_quantized_model
 
@@ -128,7 +121,6 @@ def test_kimi_wrapper_keeps_the_config_in_text_config(tmp_path):
     assert " ok " in line and "text_config.quantization_config" in line, proc.stdout
 
 
-@needs_ct
 def test_preflight_says_what_it_found(quant):
     proc = run_pipeline(
         "preflight", "--model", quant / "model", "--prepared", quant / "prepared", "--backend", "hf"
@@ -139,7 +131,6 @@ def test_preflight_says_what_it_found(quant):
     assert "ok   layer count" in proc.stdout  # the index/header checks take weight_packed & co
 
 
-@needs_ct
 def test_hf_without_compressed_tensors_is_refused_in_one_line(quant, tmp_path):
     """preflight, extract (before any model load, nothing written) and verify's recompute each refuse."""
     pre = run_without_ct("preflight", "--model", quant / "model", "--backend", "hf")
@@ -161,7 +152,6 @@ def test_hf_without_compressed_tensors_is_refused_in_one_line(quant, tmp_path):
     assert not out.exists()
 
 
-@needs_ct
 def test_weights_are_bit_exact(quant):
     run_pipeline("weights", "--model", quant / "model", "--out", quant / "verifier", check=True)
     with (
@@ -176,7 +166,6 @@ def test_weights_are_bit_exact(quant):
             assert got.dtype == torch.bfloat16 and torch.equal(got, want), key
 
 
-@needs_ct
 def test_extract_hf_matches_the_dequantized_fp32_forward_then_verify_and_train(quant, tmp_path):
     """extract --backend hf (fp32, CPU) against an fp32 forward of the dequantized model: worst per-sample
     relative error per layer <= 1e-5 (seen 1.5e-7 to 2.6e-7; before hf cast the dequantized experts up, 6e-4
