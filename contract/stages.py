@@ -1,5 +1,6 @@
 """The stage table: for each pipeline stage, what it reads and writes under the host's data root, its
-container command, and how ops runs it (GPUs, parallel layout, preflight, verification after it).
+container command, and how ops runs it (GPUs, what it needs of the host's inference server: stopped or up,
+parallel layout, preflight, verification after it).
 
 The one source of ops' stage plans (ops/stage.py), of compose.yaml's stage services (ops/composefile.py
 renders them; tests/ops/test_ops_compose.py checks the committed file against it) and of the folder names
@@ -11,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DATA, MODEL, CACHE = "/data", "/model", "/cache"  # where the container sees the data root, model and cache
+# what a stage needs of the host's inference server (StageSpec.server)
+SERVER_STOPPED = "stopped"  # the GPUs free: ops stops the server and proves the GPUs clean first
+SERVER_UP = "up"  # the server answering: the stage is its client; ops never stops it
 
 
 @dataclass(frozen=True)
@@ -30,14 +34,34 @@ class StageSpec:
     # what runs inside the image before anything on the host is stopped (preflight_script):
     # "args": `pipeline check-args` of the exact argv; "model": `pipeline preflight` of the model (config,
     # checkpoint headers, tokenizer, chat template) that checks the argv first; "extract": the full
-    # extraction preflight that checks the argv first (one process either way)
+    # extraction preflight that checks the argv first (one process either way);
+    # "check": `pipeline STAGE ARGV --check`, the stage's own check of its inputs, output folder and what it
+    # reaches (regenerate: the server answers, serves the hosts file's model, renders a chat), writing nothing
     preflight: str = "args"
     # check names that refuse the run ("" = every failed check); others are reported as warnings
     fatal: tuple[str, ...] = ()
     compose_vars: tuple[tuple[str, str, str], ...] = ()  # (argv word, compose variable, its default)
+    # what the stage needs of the host's inference server: SERVER_STOPPED (ops stops it, frees and proves the
+    # GPUs clean, restores it on --restore-server), or SERVER_UP (never stopped, no gpu-clean, nothing to
+    # restore; the container reaches it on the host's network: --network host). prepare, weights and verify
+    # need no GPU, yet are SERVER_STOPPED as they always were: ops stops the server before them too.
+    server: str = SERVER_STOPPED
 
 
 STAGES: dict[str, StageSpec] = {
+    # the host's running server rewrites the conversations' answers: what prepare then reads
+    # (`-- --data /data/regenerated/conversations.jsonl`); the endpoint and model come from the hosts file
+    "regenerate": StageSpec(
+        ("conversations.jsonl",),
+        "regenerated",
+        ("--data", f"{DATA}/conversations.jsonl", "--out", f"{DATA}/regenerated"),
+        False,
+        uses_model=False,
+        gpus=False,
+        preflight="check",
+        compose_vars=((f"{DATA}/conversations.jsonl", "REGENERATE_DATA", f"{DATA}/conversations.jsonl"),),
+        server=SERVER_UP,
+    ),
     "prepare": StageSpec(
         ("conversations.jsonl",),
         "prepared",
@@ -83,6 +107,22 @@ STAGES: dict[str, StageSpec] = {
         ),
         True,
     ),
+    # the trained draft in vLLM against no speculation and n-gram lookup, on held-out prompts
+    "evaluate": StageSpec(
+        ("train", "prompts.jsonl"),
+        "evaluate",
+        (
+            "--model",
+            MODEL,
+            "--draft",
+            f"{DATA}/train",
+            "--prompts",
+            f"{DATA}/prompts.jsonl",
+            "--out",
+            f"{DATA}/evaluate",
+        ),
+        False,
+    ),
     "verify": StageSpec(
         ("hidden_states",),
         "hidden_states",
@@ -96,14 +136,15 @@ STAGES: dict[str, StageSpec] = {
 
 def markdown_table() -> str:
     """The table as docs/ops.md shows it (between its `stages:begin`/`stages:end` markers; a test holds the
-    two equal): inputs, output, GPUs, the container command and what ops runs after it."""
+    two equal): inputs, output, GPUs, the server, the container command and what ops runs after it."""
     rows = [
-        "| stage | inputs under data root | output | GPUs | container command | after it |",
-        "|---|---|---|---|---|---|",
+        "| stage | inputs under data root | output | GPUs | server | container command | after it |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, spec in STAGES.items():
         command = " ".join(("pipeline", name, *spec.args))
         after = f"`pipeline verify {DATA}/{spec.output}`" if spec.verify_after else "—"
         inputs, gpus = ", ".join(spec.inputs) or "—", "yes" if spec.gpus else "no"
-        rows.append(f"| {name} | {inputs} | {spec.output} | {gpus} | `{command}` | {after} |")
+        server = "up, never stopped" if spec.server == SERVER_UP else "stopped"
+        rows.append(f"| {name} | {inputs} | {spec.output} | {gpus} | {server} | `{command}` | {after} |")
     return "\n".join(rows) + "\n"

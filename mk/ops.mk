@@ -5,7 +5,7 @@ OPS := $(PY) -m ops
 HOSTS_FILE ?=
 OPS_HOST_ARGS = --host "$(HOST)" $(if $(HOSTS_FILE),--hosts-file "$(HOSTS_FILE)")
 
-.PHONY: gpu-status gpu-clean remote-extract remote-train remote-run stop-server restore-server test-ops bench-ops ops-test-images
+.PHONY: gpu-status gpu-clean remote-extract remote-train remote-regenerate remote-run stop-server restore-server test-ops bench-ops ops-test-images
 
 gpu-status: ## per-GPU memory/processes on HOST (protected/server/orphan)
 	$(OPS) gpu-status $(OPS_HOST_ARGS) $(OPS_ARGS)
@@ -19,7 +19,10 @@ remote-extract: ## preflight, gpu-clean, run `pipeline extract` in the image on 
 remote-train: ## train the draft on HOST with the hosts file's train table (states mode, budget, GPU split)
 	$(OPS) remote-train $(OPS_HOST_ARGS) $(OPS_ARGS)
 
-remote-run: ## like remote-extract for STAGE=prepare|weights|train|verify
+remote-regenerate: ## rewrite DATA_ROOT/conversations.jsonl's answers through HOST's running server (never stopped)
+	$(OPS) remote-regenerate $(OPS_HOST_ARGS) $(OPS_ARGS)
+
+remote-run: ## like remote-extract for STAGE=regenerate|prepare|weights|train|evaluate|verify
 	$(OPS) remote-run "$(STAGE)" $(OPS_HOST_ARGS) $(OPS_ARGS)
 
 stop-server: ## stop HOST's inference server by its strategy

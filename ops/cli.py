@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import click
 from rich.console import Console
 
+from contract.stages import STAGES
 from ops import errors
 from ops.connection import Runner, connect
 from ops.hosts import HostConfig, check_seconds, resolve_host
@@ -284,7 +285,7 @@ def _finish(out) -> None:
 
 
 @main.command("remote-run", context_settings={"ignore_unknown_options": True})
-@click.argument("stage", type=click.Choice(["prepare", "extract", "weights", "train", "verify"]))
+@click.argument("stage", type=click.Choice(list(STAGES)))
 @_host_choice
 @_stage_options
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
@@ -319,6 +320,16 @@ def remote_train(**options) -> None:
     """remote-run train: the draft trained on the host, with the states mode, budget and GPU split of the
     hosts file's train table (`--dry-run` shows them and why)."""
     _run_stage(RunRequest.from_options(stage="train", **options))
+
+
+@main.command("remote-regenerate", context_settings={"ignore_unknown_options": True})
+@_host_choice
+@_stage_options
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
+def remote_regenerate(**options) -> None:
+    """remote-run regenerate: the conversations' answers rewritten by the host's running server (the hosts
+    file's server_endpoint and served_model), which is never stopped; no GPU, no gpu-clean."""
+    _run_stage(RunRequest.from_options(stage="regenerate", **options))
 
 
 @main.command("attach")

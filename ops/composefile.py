@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ops.hosts import HostConfig
+from contract.stages import SERVER_UP
 from ops.stage import CACHE, CACHE_ENV, DATA, MODEL, STAGES, stage_mounts
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "compose.yaml"
@@ -25,6 +26,8 @@ HOST_DIRS = {
     MODEL: "${EAGLE_MODEL_DIR:-./models/target}",
 }
 EXTRACT_BACKEND = "${EXTRACT_BACKEND:-vllm}"
+# a server-up stage asks the server service on the host's network, at the port it publishes there
+SERVER_ENDPOINT = "http://127.0.0.1:${SERVE_PORT:-8000}/v1"
 
 HEADER = """\
 # GENERATED from ops/stage.py's stage table by `python -m ops.composefile --write` (make compose-file):
@@ -38,9 +41,9 @@ HEADER = """\
 #
 # ops finds the server as `compose:eagle-ops/vllm-server` through the labels compose adds
 # (com.docker.compose.project / com.docker.compose.service); `eagle-ops.role=server` marks it too.
-# Mounts and folders are ops' own (docs/ops.md): model -> /model (read-only), data -> /data (prepared/,
-# hidden_states/, verifier/, train/), cache -> /cache (HF_HOME=/cache/hf, HOME=/cache/home,
-# TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor, VLLM_CACHE_ROOT=/cache/vllm).
+# Mounts and folders are ops' own (docs/ops.md): model -> /model (read-only), data -> /data (regenerated/,
+# prepared/, hidden_states/, verifier/, train/, evaluate/), cache -> /cache (HF_HOME=/cache/hf,
+# HOME=/cache/home, TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor, VLLM_CACHE_ROOT=/cache/vllm).
 # Host paths and arguments come from the environment (or an .env file next to this one):
 #   EAGLE_OPS_IMAGE   image to run                    (default eagle-ops:latest)
 #   EAGLE_MODEL_DIR   target model on the host         -> /model (read-only)
@@ -51,6 +54,8 @@ HEADER = """\
 #   <STAGE>_ARGS      extra flags appended to a stage's command (`python -m pipeline <stage> --help`)
 #   SERVE_MODEL, SERVE_PORT, SERVE_TP, SERVE_ARGS    the server's model path, port, tensor parallel, flags
 # ops runs `pipeline verify` after weights and train; with compose, run the verify service.
+# regenerate asks the running vllm-server (never stopped for it) on the host's network, as ops runs it:
+#   docker compose --profile regenerate run --rm regenerate   # REGENERATE_ARGS="--served-model NAME ..."
 name: eagle-ops
 """
 
@@ -126,6 +131,8 @@ def stage_command(stage: str) -> list[str]:
     words = ["python", "-m", "pipeline", stage, *(subst.get(w, w) for w in spec.args)]
     if spec.layout:
         words += ["--backend", EXTRACT_BACKEND]
+    if spec.server == SERVER_UP:
+        words += ["--endpoint", SERVER_ENDPOINT]
     return [*words, f"${{{stage.upper()}_ARGS:-}}"]
 
 
@@ -148,12 +155,18 @@ def preflight_command() -> list[str]:
 
 
 def _service(
-    name: str, command: list[str], gpus: bool, mounts: list[tuple[str, str, bool]], stage: str
+    name: str,
+    command: list[str],
+    gpus: bool,
+    mounts: list[tuple[str, str, bool]],
+    stage: str,
+    host_network: bool = False,
 ) -> str:
     lines = [
         f"  {name}:",
         f"    <<: [*stage{', *gpus' if gpus else ''}]",
         f"    profiles: [{name}]",
+        *(["    network_mode: host   # asks the server on the host's loopback"] if host_network else []),
         "    command: >-",
         *_wrap(command),
         "    volumes:",
@@ -187,7 +200,8 @@ def render() -> str:
         "preflight", preflight_command(), extract.gpus, stage_mounts(host, extract), "preflight"
     )
     for stage, spec in STAGES.items():
-        text += "\n" + _service(stage, stage_command(stage), spec.gpus, stage_mounts(host, spec), stage)
+        up = spec.server == SERVER_UP
+        text += "\n" + _service(stage, stage_command(stage), spec.gpus, stage_mounts(host, spec), stage, up)
     return text
 
 

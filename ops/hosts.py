@@ -109,6 +109,11 @@ class HostConfig:
     image: str = "eagle-ops:latest"  #: image reference the stages run in
     server: Strategy = field(default_factory=lambda: Strategy("none"))  #: inference server stop strategy
     server_start: tuple[str, ...] = ()  #: argv that starts the server again (pidfile strategy only)
+    #: the server's OpenAI-compatible URL as the host itself reaches it (a server-up stage, regenerate, runs
+    #: on the host's network and asks it there: `--endpoint`)
+    server_endpoint: str = "http://127.0.0.1:8000/v1"
+    #: the name the server serves the target under (`--served-model`); None: the one model it lists
+    served_model: str | None = None
     protected: tuple[str, ...] = DEFAULT_PROTECTED  #: process names never killed
     clean_threshold_mib: int = 1024  #: a GPU counts as clean below this used memory (NVML v2, no process)
     device_glob: str = "/dev/nvidia*"  #: files whose holders are GPU users (fuser)
@@ -253,10 +258,13 @@ def host_from_table(name: str, table: dict, where: str) -> HostConfig:
 _USER = re.compile(r"^(auto|root|[0-9]+(:[0-9]+)?)$")
 _SIZE = re.compile(r"^[0-9]+[bkmg]?$")
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_URL = re.compile(r"^https?://[^\s/?#@]+(/[^\s?#]*)?$")
+_SERVED = re.compile(r"^[^\s\x00-\x1f]{1,200}$")
 
 
 def _stage_keys(table: dict, where: str) -> dict:
-    """The stage container's secrets and privileges (see HostConfig)."""
+    """The stage container's secrets and privileges, and the server a server-up stage asks (see
+    HostConfig)."""
     kw: dict = {}
     if "secrets" in table:
         names = table["secrets"]
@@ -271,6 +279,12 @@ def _stage_keys(table: dict, where: str) -> dict:
         ("stage_user", _USER, "auto, root or UID[:GID]"),
         ("stage_ipc", re.compile(r"^(private|host)$"), "private or host"),
         ("stage_shm_size", _SIZE, "a size like 16g"),
+        (
+            "server_endpoint",
+            _URL,
+            "an http(s) URL without credentials or query, like http://127.0.0.1:8000/v1",
+        ),
+        ("served_model", _SERVED, "the server's model name (1-200 characters, no spaces)"),
     )
     for key, rule, what in checks:
         if key in table:

@@ -1,7 +1,8 @@
 """Host preflight for a stage run: everything that can be checked in seconds before anything is stopped.
 
 Owns the checks (docker, image and its digest, GPU count, input folders, model, free disk against the
-expected output size, output folder empty unless --resume, no other stage container running). Each
+expected output size, output folder empty unless --resume, no other stage container running; for a stage
+that asks the running server instead of the GPUs, that the server runs). Each
 returns a CheckResult; nothing here stops, starts or writes anything, and only the CLI exits.
 """
 
@@ -102,6 +103,40 @@ def gpu_check(state: GpuState) -> CheckResult:
     return CheckResult("gpus", OK, f"{len(state.gpus)} x {state.gpus[0].name}")
 
 
+def server_checks(
+    host: HostConfig, plan: StagePlan, state: GpuState, min_driver: str | None
+) -> list[CheckResult]:
+    """The GPUs and the driver for a stage that stops the server. A server-up stage (regenerate) uses no GPU:
+    the server must run (it is never started or stopped for it), and GPU facts are only shown (a failing one
+    is a warning)."""
+    gpus = [gpu_check(state), driver_check(state, min_driver)]
+    if not plan.server_up:
+        return gpus
+    not_needed = f" (not needed: {plan.stage} uses no GPU)"
+    return [
+        server_running_check(host, plan, state),
+        *(CheckResult(c.name, WARN, c.detail + not_needed) if c.status == FAIL else c for c in gpus),
+    ]
+
+
+def server_running_check(host: HostConfig, plan: StagePlan, state: GpuState) -> CheckResult:
+    """The configured server runs (by its strategy's facts); whether it answers for the model is the check in
+    the image. Strategy none: nothing to look at here."""
+    facts, asked = state.server, f"asked at {host.server_endpoint}"
+    if host.server.kind == "none":
+        return CheckResult("server", OK, f"strategy none; {asked} (the check in the image)")
+    if facts.error:
+        return CheckResult("server", FAIL, f"server {host.server}: {facts.error}")
+    if not facts.running:
+        return CheckResult(
+            "server",
+            FAIL,
+            f"server {host.server} is not running on {host.name}: {plan.stage} asks it and never starts or "
+            "stops it; start it (restore-server), then re-run",
+        )
+    return CheckResult("server", OK, f"{host.server} running, kept up; {asked}")
+
+
 def split_check(plan: StagePlan, state: GpuState) -> CheckResult | None:
     """train with produced states: the hosts file's producer/trainer GPUs against the GPUs the probe found
     (None: no split to check, or no GPU facts: gpu_check reports those)."""
@@ -176,7 +211,7 @@ def path_checks(host: HostConfig, plan: StagePlan, facts: dict) -> list[CheckRes
     for p in (host.data_root, *plan.host_inputs):
         ok = paths[p].get("exists")
         out.append(CheckResult("input", OK if ok else FAIL, f"{p} {'present' if ok else 'missing'}"))
-    if plan.stage != "verify":
+    if STAGES[plan.stage].uses_model:
         ok = paths[host.model_dir].get("is_dir")
         out.append(
             CheckResult("model", OK if ok else FAIL, f"{host.model_dir} {'present' if ok else 'missing'}")
@@ -254,7 +289,7 @@ def user_check(host: HostConfig, plan: StagePlan, facts: dict) -> CheckResult:
     uid, gid = (int(x) for x in user.split(":"))
     paths = facts["paths"]
     need = [(host.data_root, 2), (host.cache_dir, 2), (plan.host_output, 2)]
-    if plan.stage != "verify":
+    if STAGES[plan.stage].uses_model:
         need.append((host.model_dir, 4))
     for path, bit in need:
         fact = paths.get(path, {})

@@ -1,7 +1,8 @@
 """remote-run / remote-extract / attach: the whole sequence on one connection.
 
-Owns the order of steps (host lock and stage-container check, preflight, stop the server, free the GPUs,
-start the stage container, follow it, fetch summary and logs into runs/<host>/<run-id>/, restore the
+Owns the order of steps (host lock and stage-container check, preflight, stop the server and free the GPUs
+unless the stage asks the running server (contract.stages.SERVER_UP: then neither, nor a restore), start
+the stage container, follow it, fetch summary and logs into runs/<host>/<run-id>/, restore the
 server when asked), what each step leaves behind when it fails or the operator presses Ctrl-C (the
 stage container is stopped and removed unless the operator detached; the server is brought back when
 asked and when this run stopped it), and the local run folder with run.json and state.json
@@ -33,14 +34,13 @@ from ops.request import RunRequest
 from ops.preflight import (
     CheckResult,
     docker_checks,
-    driver_check,
     failed,
-    gpu_check,
     model_dequantized_extra,
     model_experts,
     path_checks,
     paths_request,
     secrets_check,
+    server_checks,
     split_check,
     user_check,
 )
@@ -77,7 +77,7 @@ def preflight(
     the data root's owner)."""
     checks, image = docker_checks(runner, host, plan.run_id)
     state, facts = probe_with_paths(runner, host, paths_request(host, plan))
-    checks += [gpu_check(state), driver_check(state, image.min_driver)]
+    checks += server_checks(host, plan, state, image.min_driver)
     checks += [c for c in (split_check(plan, state),) if c is not None]
     checks += path_checks(host, plan, facts)
     weights = (facts.get("weights") or {}).get(host.model_dir)
@@ -218,6 +218,7 @@ class _Run:
             "image_digest": digest,
             "docker_run": list(p.docker_run),
             "host_output": p.host_output,
+            "server": "up" if p.server_up else "stopped",
             "layout": dataclasses.asdict(p.layout) if p.layout else None,
             "train": dataclasses.asdict(p.train.states) if p.train else None,
             "preflight_run": list(p.preflight_run),
@@ -227,19 +228,16 @@ class _Run:
         write_json(out.local_dir / "run.json", self.record)
         bad = failed(out.checks)
         if bad:
-            refuse_lasting(self.before, "; nothing was stopped or started")  # the GPUs' own exit code, 6
+            if not p.server_up:  # a stage that needs no GPU is not refused for its facts
+                refuse_lasting(self.before, "; nothing was stopped or started")  # the GPUs' exit code, 6
             raise OpsError(f"preflight failed: {bad[0].name}: {bad[0].detail}", exit_code=EXIT_PREFLIGHT)
         lock.ensure()
-        step("stop-server")
-        self.stop_began = True
-        out.clean = gpu_clean(r, h, before=self.before, on_step=step)
-        self.state.note(server_stopped=bool(out.clean.stopped and out.clean.stopped.was_running))
-        report.print_clean(self.console, out.clean)
-        if out.clean.verdict != CLEAN:
-            why = f"{out.clean.verdict}: {out.clean.detail}" if out.clean.detail else out.clean.verdict
-            raise OpsError(
-                f"GPUs not free ({why}); no stage started", exit_code=VERDICT_EXIT[out.clean.verdict]
+        if p.server_up:  # the stage asks the server: it is never stopped, the GPUs stay the server's
+            self.console.print(
+                f"server {h.server} kept running: {p.stage} asks it; no gpu-clean", markup=False
             )
+        else:
+            self.free_gpus(step)
         lock.ensure()
         step("start")
         self.container = p.container
@@ -258,10 +256,24 @@ class _Run:
         step("fetch")
         out.exit_code, out.summary = fetch(r, p.container, p.host_output, out.local_dir)
         self.container = None
-        if restore_server:
+        if restore_server and not p.server_up:
             step("restore")
             self.restore()
             self.interrupts.checkpoint()
+
+    def free_gpus(self, step) -> None:
+        """Stop the server and free the GPUs, proven clean (ops.clean); a host that is not clean is no run."""
+        out = self.out
+        step("stop-server")
+        self.stop_began = True
+        out.clean = gpu_clean(self.runner, self.host, before=self.before, on_step=step)
+        self.state.note(server_stopped=bool(out.clean.stopped and out.clean.stopped.was_running))
+        report.print_clean(self.console, out.clean)
+        if out.clean.verdict != CLEAN:
+            why = f"{out.clean.verdict}: {out.clean.detail}" if out.clean.detail else out.clean.verdict
+            raise OpsError(
+                f"GPUs not free ({why}); no stage started", exit_code=VERDICT_EXIT[out.clean.verdict]
+            )
 
     def restore(self) -> None:
         """Bring back what this run stopped (from the facts seen before the stop); nothing when the stop

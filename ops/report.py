@@ -237,6 +237,20 @@ def print_summary(console: Console, summary: dict | None, exit_code: int | None,
     console.print(f"[{colour}]stage exit code {exit_code}[/]")
 
 
+def server_line(host, plan) -> str:
+    """What the run does to the host's inference server (contract.stages: stopped or up)."""
+    if not plan.server_up:
+        return (
+            "stopped and the GPUs freed and proven clean (gpu-clean) before the stage; restored at the end "
+            "with --restore-server"
+        )
+    model = f", model {host.served_model}" if host.served_model else ""
+    return (
+        "stays up: never stopped, no gpu-clean, nothing to restore; the stage (no GPUs) asks it at "
+        f"{host.server_endpoint}{model} on the host's network (--network host)"
+    )
+
+
 def print_stage_plan(console: Console, host, plan) -> None:
     """remote-run --dry-run: the exact docker run argv and which secrets would travel (names only)."""
     import shlex
@@ -250,6 +264,7 @@ def print_stage_plan(console: Console, host, plan) -> None:
         console.print(f"  layout: {describe(host.layout, plan.layout)}", markup=False)
     for line in plan.train.why if plan.train is not None else ():
         console.print(f"  {line}", markup=False)
+    console.print(f"  server {host.server}: {server_line(host, plan)}", markup=False)
     console.print(f"  preflight in the image: {plan.preflight_run[-1]}", markup=False)
     if plan.secret_names:
         console.print(

@@ -1,9 +1,10 @@
 """Stage container plans: what runs in the image, with which mounts, under which name and labels.
 
 Owns, from the stage table (contract/stages.py: container command, input and output folders under the data
-root), the run id, the stage container's privileges, and the exact `docker run` / `docker logs` /
-`docker wait` argv. Pure: running them is ops.remote_run's job. Host paths are passed to docker as data
-(--mount fields, CSV-quoted), never interpolated into a shell string unquoted.
+root), the run id, the stage container's privileges (the host's network for a server-up stage alone, which
+asks the server on the host's loopback), and the exact `docker run` / `docker logs` / `docker wait` argv.
+Pure: running them is ops.remote_run's job. Host paths are passed to docker as data (--mount fields,
+CSV-quoted), never interpolated into a shell string unquoted.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from contract.env import IMAGE_DIGEST_ENV
-from contract.stages import CACHE, DATA, MODEL, STAGES, StageSpec
+from contract.stages import CACHE, DATA, MODEL, SERVER_UP, STAGES, StageSpec
 from ops import secret_env
 from ops.errors import ConfigError
 from ops.hosts import HostConfig, check_label
@@ -89,6 +90,12 @@ class StagePlan:
     train: TrainPlan | None = (
         None  # train with states produced while it trains (the hosts file's train table)
     )
+
+    @property
+    def server_up(self) -> bool:
+        """The stage asks the host's running server (contract.stages.SERVER_UP): never stopped, no gpu-clean,
+        nothing restored."""
+        return STAGES[self.stage].server == SERVER_UP
 
     @property
     def extra_args(self) -> tuple[str, ...]:
@@ -188,6 +195,8 @@ def _container_args(
     stage's own, e.g. the train split's CUDA_VISIBLE_DEVICES), mounts, GPUs (the stage alone also gets the
     secrets' env file)."""
     argv = privilege_args(host, user)
+    if spec.server == SERVER_UP:  # the server listens on the host's loopback (docs/ops.md, privileges)
+        argv += ["--network", "host"]
     mounts = stage_mounts(host, spec)
     for src, dst, ro in mounts[:2]:
         argv += ["--mount", _mount(src, dst, ro)]
@@ -208,6 +217,17 @@ def _container_args(
     return argv + tail
 
 
+def server_flags(host: HostConfig, args: StageArgs = StageArgs()) -> tuple[str, ...]:
+    """A server-up stage's flags for the host's server (hosts file: server_endpoint, served_model), leaving
+    out those the operator gave after `--` (their words stay in args.argv, which the stage gets as given)."""
+    out: list[str] = []
+    if args.endpoint is None:
+        out += ["--endpoint", host.server_endpoint]
+    if host.served_model is not None and args.served_model is None:
+        out += ["--served-model", host.served_model]
+    return tuple(out)
+
+
 def stage_arguments(stage_argv: tuple[str, ...]) -> tuple[str, ...]:
     """The words after `-m pipeline STAGE` of a stage's argv, whatever launches it (python, or the
     data-parallel launcher `python -m pipeline.runtime.torchrun ...`)."""
@@ -220,9 +240,13 @@ def preflight_script(stage: str, stage_argv: tuple[str, ...]) -> str:
     stage's own values, failing fast on the checks the stage refuses on (its StageSpec.fatal; every check
     for extract), then STAGE ARGS, the exact stage argv, which it checks first as `pipeline check-args`
     does; a refusal found by reading files (arguments, config, checkpoint headers, layer ids, data, disk)
-    then costs no torch, transformers or vLLM import. Other stages: `pipeline check-args` of the argv."""
+    then costs no torch, transformers or vLLM import. "check" (regenerate): the stage's own `--check` of the
+    exact argv (inputs, output folder, the server it asks), which writes nothing. Other stages: `pipeline
+    check-args` of the argv."""
     spec = STAGES[stage]
     args = stage_arguments(stage_argv)
+    if spec.preflight == "check":
+        return shlex.join(("python", "-m", "pipeline", stage, *args, "--check"))
     if spec.preflight not in ("model", "extract"):
         return shlex.join(("python", "-m", "pipeline", "check-args", stage, *args))
     pf = ["python", "-m", "pipeline", "preflight"]
@@ -263,7 +287,8 @@ def plan_stage(
     `layout`: the resolved parallel layout of a layout stage (ops.layout.resolve); without it the
     stage's argv carries no layout flags yet (a dry run shows what auto becomes). `user` (default: the
     hosts file's) and `image_digest` are fields the preflight fills in (replan); the argv is rendered
-    from the fields, never edited. The train stage also takes the hosts file's train table
+    from the fields, never edited. A server-up stage (regenerate) gets the hosts file's server endpoint and
+    model name (server_flags) and the host's network. The train stage also takes the hosts file's train table
     (ops.trainsplit.plan_train: states flags, the states dir as --data, the GPU split's environment)."""
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
@@ -272,6 +297,8 @@ def plan_stage(
     args = extra_args if isinstance(extra_args, StageArgs) else parse(extra_args)
     name = f"eagle-{run_id}"
     flags = stage_flags(layout, args) if spec.layout and layout is not None else ()
+    if spec.server == SERVER_UP:
+        flags = server_flags(host, args)
     train = (
         plan_train(host.train, args, docker_gpus=host.docker_gpus, container=name)
         if stage == "train"

@@ -3,9 +3,9 @@
 Owns the one reading of click's rule for the options ops needs to know the value of: the last of a
 repeated option wins, `--flag value` and `--flag=value` are the same, a missing value is an error, and a
 bare `--` ends the options. `parse` turns the words into typed fields (StageArgs) that the plan, the
-layout and the preflight use; the words themselves go on to the stage unchanged. Not the stage's own
-click command (pipeline/cli.py): ops never imports pipeline, and a word that only the stage knows
-(`--limit 3`) passes through unread. A value that is itself one of the flags below is not supported.
+layout, the server flags and the preflight use; the words themselves go on to the stage unchanged. Not the
+stage's own click command (pipeline/cli.py): ops never imports pipeline, and a word that only the stage
+knows (`--limit 3`) passes through unread. A value that is itself one of the flags below is not supported.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Iterable
 from ops.errors import ConfigError
 
 INT_FLAGS = ("--tensor-parallel-size", "--data-parallel", "--world-size", "--rank")
-STR_FLAGS = ("--backend", "--dtype")
+STR_FLAGS = ("--backend", "--dtype", "--endpoint", "--served-model")
 
 
 def last_values(argv: Iterable[str], flags: Iterable[str], *, where: str = "after `--`") -> dict[str, str]:
@@ -52,6 +52,8 @@ class StageArgs:
     dtype: str | None = None  # the stored states' dtype (auto: bf16 on a GPU); the disk estimate reads it
     world_size: int | None = None  # hosts sharing the stage (--world-size); multi-host runs set it per host
     rank: int | None = None
+    endpoint: str | None = None  # a server-up stage's server URL (regenerate), instead of the hosts file's
+    served_model: str | None = None  # ... and the model name it serves
 
 
 def parse(argv: Iterable[str] = ()) -> StageArgs:
@@ -73,4 +75,6 @@ def parse(argv: Iterable[str] = ()) -> StageArgs:
         dtype=found.get("--dtype"),
         world_size=ints.get("--world-size"),
         rank=ints.get("--rank"),
+        endpoint=found.get("--endpoint"),
+        served_model=found.get("--served-model"),
     )

@@ -33,7 +33,16 @@ def between(text: str, begin: str, end: str) -> str:
 # ------------------------------------------------------------------ hosts file (docs/ops.md vs ops/hosts.py)
 
 # keys the sample gives an example value for (a host, a model, an image, a strategy), not the default
-EXAMPLE_VALUES = {"address", "key", "known_hosts", "model_dir", "image", "server", "server_start"}
+EXAMPLE_VALUES = {
+    "address",
+    "key",
+    "known_hosts",
+    "model_dir",
+    "image",
+    "server",
+    "server_start",
+    "served_model",
+}
 
 
 def hosts_sample() -> dict:

@@ -72,6 +72,11 @@ class RegenerateConfig:
     )
     skip_invalid: bool = opt(False, help="Skip malformed input rows (counted) instead of stopping.")
     overwrite: bool = opt(False, help="Start over: remove this stage's files in --out first.")
+    check: bool = opt(
+        False,
+        help="Check only, then exit 0: read the input rows, judge --out (as the run would), ask the server "
+        "whether it answers for the model with a chat template; no row is asked, nothing is written.",
+    )
     tensor_parallel_size: int = opt(1, low=1, high=64, help="The local server's tensor parallel size.")
     dtype: str = opt("auto", help="The local server's --dtype.")
     max_model_len: int | None = opt(None, low=16, help="The local server's --max-model-len.")

@@ -24,6 +24,38 @@ CONVERSATIONS, REJECTED, SUMMARY = "conversations.jsonl", "rejected.jsonl", "sum
 OURS = (REQUEST, JOURNAL, CONVERSATIONS, REJECTED, SUMMARY, "server.log")
 
 
+def refuse(out: Path, request: dict, *, overwrite: bool) -> None:
+    """The output directory's policy, reading only (``--check`` runs it alone): refused in one line when it
+    is not a directory, holds files this stage did not write, or, without ``--overwrite``, holds a finished
+    run or a run asked with other settings than ``request``. A missing directory is a new run."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise StageError(f"--out {out} exists and is not a directory: choose another --out")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in OURS and not p.name.startswith("."))
+    if foreign:
+        raise StageError(
+            f"--out {out} holds files regenerate did not write ({', '.join(foreign[:3])}): "
+            "choose an empty or new directory"
+        )
+    if overwrite:
+        return
+    if (out / SUMMARY).exists():
+        raise StageError(f"--out {out} already holds a finished regenerate run: pass --overwrite to redo it")
+    path = out / REQUEST
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            old = None
+        differ = sorted(k for k in request if not isinstance(old, dict) or old.get(k) != request[k])
+        if differ:
+            raise StageError(
+                f"--out {out} holds a run asked with other settings ({', '.join(differ)}): pass the same "
+                "options to continue it, or --overwrite to start over"
+            )
+
+
 class Journal:
     """The finished rows of one output directory."""
 
@@ -31,34 +63,13 @@ class Journal:
         self.out = out
         self.done: dict[str, dict] = {}
         out.mkdir(parents=True, exist_ok=True)
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in OURS and not p.name.startswith("."))
-        if foreign:
-            raise StageError(
-                f"--out {out} holds files regenerate did not write ({', '.join(foreign[:3])}): "
-                "choose an empty or new directory"
-            )
+        refuse(out, request, overwrite=overwrite)
         if overwrite:
             for name in OURS:
                 with contextlib.suppress(FileNotFoundError):
                     (out / name).unlink()
-        elif (out / SUMMARY).exists():
-            raise StageError(
-                f"--out {out} already holds a finished regenerate run: pass --overwrite to redo it"
-            )
-        path = out / REQUEST
-        if path.exists():
-            try:
-                old = json.loads(path.read_text())
-            except ValueError:
-                old = None
-            differ = sorted(k for k in request if not isinstance(old, dict) or old.get(k) != request[k])
-            if differ:
-                raise StageError(
-                    f"--out {out} holds a run asked with other settings ({', '.join(differ)}): pass the same "
-                    "options to continue it, or --overwrite to start over"
-                )
-        else:
-            write_json(path, request)
+        if not (out / REQUEST).exists():
+            write_json(out / REQUEST, request)
         self._read()
         self._fd = os.open(out / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 

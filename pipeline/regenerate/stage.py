@@ -25,7 +25,7 @@ from pipeline.ondisk.outdir import output_lock, refuse_overlap
 from pipeline.regenerate import endpoint as ep
 from pipeline.regenerate.config import RegenerateConfig
 from pipeline.ondisk.formats import file_digest
-from pipeline.regenerate.journal import Journal
+from pipeline.regenerate.journal import REQUEST, Journal, refuse
 from pipeline.regenerate.replies import REASONS
 from pipeline.regenerate.rows import Row, read_conversations, regenerate_row
 
@@ -153,6 +153,43 @@ def _served(cfg: RegenerateConfig, out: Path):
     return ep.local_server(argv, port, out / "server.log", start_timeout=cfg.server_start_timeout)
 
 
+def check(cfg: RegenerateConfig, say=print) -> None:
+    """``--check``: what a run checks before its first row, in its order but writing nothing and asking no
+    row: the input rows, the server (``Endpoint.check``: it answers, serves our model, renders a chat; with
+    no --endpoint only the model folder, no local server is started), then the output directory's policy
+    against the request the run would record. One line per check (``ok NAME: ...``, or ``FAIL NAME: ...``
+    and the refusal raised, so the exit code is the run's own)."""
+    name = "input"
+    try:
+        refuse_overlap(cfg.out, {"--data": cfg.data} | ({"--model": cfg.model} if cfg.model else {}))
+        rows, skipped = read_conversations(cfg.data, skip_invalid=cfg.skip_invalid)
+        say(f"ok   input: {len(rows)} rows in {cfg.data}" + (f", {len(skipped)} skipped" if skipped else ""))
+        name = "server"
+        if cfg.endpoint is None:
+            from pipeline.model.modeldir import read_model_dir
+
+            read_model_dir(cfg.model)
+            model = cfg.served_model or ep.SERVED_NAME
+            say(f"ok   server: no --endpoint; the run starts a local vllm serve of {cfg.model} (not now)")
+        else:
+            client = ep.Endpoint(cfg.endpoint, cfg.served_model, timeout=cfg.request_timeout, retries=0)
+            try:
+                model = client.check(cfg.template_kwargs())
+            finally:
+                client.close()
+            say(f"ok   server: {client.url} serves {model!r} and renders its chat")
+        name = "output"
+        refuse(cfg.out, _request(cfg, model), overwrite=cfg.overwrite)
+        if (cfg.out / REQUEST).exists():
+            state = "replaced (--overwrite)" if cfg.overwrite else "a killed run's, continued"
+        else:
+            state = "new"
+        say(f"ok   output: {cfg.out} {state}")
+    except StageError as exc:
+        say(f"FAIL {name}: {exc}")
+        raise
+
+
 def run(cfg: RegenerateConfig) -> dict:
     """Regenerate ``cfg.data`` into ``cfg.out``; the summary."""
     started = time.monotonic()
@@ -220,4 +257,4 @@ def run(cfg: RegenerateConfig) -> dict:
     return summary
 
 
-__all__ = ["run", "row_seed", "StageError"]
+__all__ = ["check", "run", "row_seed", "StageError"]

@@ -66,31 +66,30 @@ def loopback_hosts(
     table: Path,
     image: tuple[str, list[str]],
     data: Path,
-    model: Path,
+    model: Path | None,
     timeouts: dict,
+    **extra,
 ) -> Path:
     """The hosts file of a loopback 'GPU host': reached through the test sshd, its server the container
-    `server` holding devdir's GPU (listed in the GPU table `table`), the stage image and its mounts, data
-    root `data` (cache inside it), the target `model`."""
+    `server` (or a whole strategy, `pidfile:/…`) holding devdir's GPU (listed in the GPU table `table`), the
+    stage image and its mounts, data root `data` (cache inside it), the target `model` (None: the default),
+    and `extra` keys over these."""
     tag, mounts = image
-    return write_hosts(
-        path,
-        name,
-        **ssh_table(
-            sshd,
-            sshd.write_known_hosts(path.parent / "known_hosts"),
-            server=f"container:{server}",
-            device_glob=f"{devdir}/nvidia*",
-            gpu_source=f"table:{table}",
-            image=tag,
-            docker_gpus="",
-            mounts=mounts,
-            data_root=str(data),
-            model_dir=str(model),
-            cache_dir=str(data / "cache"),
-            timeouts=timeouts,
-        ),
+    table_ = ssh_table(
+        sshd,
+        sshd.write_known_hosts(path.parent / "known_hosts"),
+        server=server if ":" in server else f"container:{server}",
+        device_glob=f"{devdir}/nvidia*",
+        gpu_source=f"table:{table}",
+        image=tag,
+        docker_gpus="",
+        mounts=mounts,
+        data_root=str(data),
+        cache_dir=str(data / "cache"),
+        timeouts=timeouts,
+        **({"model_dir": str(model)} if model is not None else {}),
     )
+    return write_hosts(path, name, **{**table_, **extra})
 
 
 def run_ops(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -74,6 +74,9 @@ def test_compose_stage_services_agree_with_ops_plans():
         caches = ("HF_HOME", "HOME", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT")
         assert {k: svc["environment"][k] for k in caches} == {k: env[k] for k in caches}
         assert ("deploy" in svc) == ("--gpus" in plan.docker_run), stage
+        # the host's network for the server-up stage alone (it asks the server on the host's loopback)
+        assert (svc.get("network_mode") == "host") == ("--network" in plan.docker_run), stage
+        assert ("--network" in plan.docker_run) == (spec.server == "up"), stage
         assert svc["cap_drop"] == ["ALL"] and svc["read_only"] is True and svc["ipc"] == "private"
         assert (
             str(svc["shm_size"]) == str(16 * 2**30)

@@ -393,3 +393,44 @@ def test_any_server_reply_is_an_answer_or_a_named_rejection_never_a_traceback(st
         )
     else:
         assert result.reason in REASONS
+
+
+def test_check_alone_asks_no_row_writes_nothing_and_refuses_what_a_run_would(tmp_path, server):
+    """`--check` (ops' preflight of regenerate): one `ok` line per check and exit 0, the server asked its
+    model list and the one-token chat alone, no --out made; a down server, another model, a server without
+    a chat template, a bad input and a finished --out each end with one `FAIL NAME:` line on stdout, the
+    one-line error and the run's own exit code, with nothing written."""
+    data = write_rows(tmp_path / "in.jsonl", 3)
+    out = tmp_path / "out"
+    proc = run_pipeline("regenerate", "--data", data, "--out", out, "--endpoint", server.url, "--check")
+    assert proc.returncode == 0, proc.stderr
+    names = [ln.split(":")[0] for ln in proc.stdout.splitlines()]
+    assert names == ["ok   input", "ok   server", "ok   output"]
+    assert "3 rows" in proc.stdout and "serves 'fake' and renders its chat" in proc.stdout
+    assert not out.exists() and server.chats() == [] and len(server.requests) == 1
+    closed = FakeServer()
+    url = closed.url
+    closed.close()
+    no_template = FakeServer(
+        lambda b: (400, b'{"error": {"message": "the tokenizer does not define a chat template"}}')
+    )
+    finished = tmp_path / "finished"
+    run(config(data, finished, server))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in finished.iterdir())
+    cases = [
+        (["--endpoint", url], 4, "server", "no server answers at"),
+        (["--endpoint", server.url, "--served-model", "other"], 2, "server", "serves ['fake'], not 'other'"),
+        (["--endpoint", no_template.url], 2, "server", "cannot render a chat for 'fake'"),
+        (["--endpoint", server.url, "--data", tmp_path / "none.jsonl"], 2, "input", "not found"),
+        (["--endpoint", server.url, "--out", finished], 2, "output", "already holds a finished"),
+    ]
+    try:
+        for args, code, name, text in cases:
+            proc = run_pipeline("regenerate", "--data", data, "--out", out, *args, "--check")
+            assert proc.returncode == code, (args, proc.stdout, proc.stderr)
+            assert proc.stdout.splitlines()[-1].startswith(f"FAIL {name}: ") and text in proc.stdout, args
+            _one_line_refusal(proc, code, text, out)
+            assert not out.exists()
+    finally:
+        no_template.close()
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in finished.iterdir()) == before
