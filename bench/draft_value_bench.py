@@ -98,7 +98,7 @@ PRESETS = {
         ("--temperature", "1.0"),
     ),
     "gpu": Preset(
-        60_000_000,
+        30_000_000,
         {
             "hidden_size": 1024,
             "intermediate_size": 2816,
@@ -108,12 +108,12 @@ PRESETS = {
             "head_dim": 64,
         },
         16384,
-        120.0,
+        75.0,
         1024,
         64,
         1e-3,
-        2000,
-        32,
+        1500,
+        24,
         192,
         256,
         1024,
@@ -122,7 +122,7 @@ PRESETS = {
         5e-4,
         "2,3,4",
         "cuda",
-        ("--gpu-memory-utilization", "0.5"),
+        ("--gpu-memory-utilization", "0.5", "--enforce-eager"),
         ("--gpu-memory-utilization", "0.6"),
     ),
 }
