@@ -108,13 +108,13 @@ PRESETS = {
             "head_dim": 64,
         },
         16384,
-        75.0,
+        60.0,
         1024,
         64,
         1e-3,
-        1500,
-        24,
-        192,
+        1200,
+        16,
+        160,
         256,
         1024,
         8192,
@@ -316,12 +316,14 @@ def evaluate(work: Path, p: Preset, res: dict, name: str) -> None:
         p.eval_prompts,
         "--max-tokens",
         p.max_tokens,
-        "--ngram-k",
-        "3",
         "--overwrite",
         *p.eval_args,
     )
-    more = ("--k", p.k) if name == "regen" else ("--k", "3", "--phases", "batch1")
+    more = (
+        ("--k", p.k, "--ngram-k", "3")
+        if name == "regen"
+        else ("--k", "3", "--ngram-k", "0", "--phases", "batch1")
+    )
     seconds = pipeline(
         "evaluate",
         *common,

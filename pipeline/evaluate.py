@@ -41,7 +41,9 @@ class EvaluateConfig:
     k: tuple[int, ...] = opt(
         (1, 2, 3, 4, 5), help="Speculative tokens per step for the draft, one engine each."
     )
-    ngram_k: tuple[int, ...] | None = opt(None, help="k values for n-gram prompt lookup (default: --k).")
+    ngram_k: tuple[int, ...] | None = opt(
+        None, help="k values for n-gram prompt lookup (default: --k; 0: no n-gram engine)."
+    )
     ngram_min: int = opt(2, low=1, high=64, help="n-gram lookup's prompt_lookup_min.")
     ngram_max: int = opt(5, low=1, high=64, help="n-gram lookup's prompt_lookup_max.")
     num_prompts: int = opt(64, low=1, high=100_000, help="Prompts used (the first N rows).")
@@ -73,7 +75,7 @@ class EvaluateConfig:
             raise StageError(f"--phases {self.phases!r}: choose from {', '.join(PHASES)} (comma-separated)")
         if self.ngram_min > self.ngram_max:
             raise StageError(f"--ngram-min {self.ngram_min} is above --ngram-max {self.ngram_max}")
-        for flag, ks in (("--k", self.k), ("--ngram-k", self.ngram_k or ())):
+        for flag, ks in (("--k", self.k), ("--ngram-k", () if self.ngram_k == (0,) else self.ngram_k or ())):
             if any(k < 1 or k > 32 for k in ks):
                 raise StageError(f"{flag} {','.join(map(str, ks))}: each k must be 1..32")
 
@@ -140,9 +142,8 @@ def read_prompts(cfg: EvaluateConfig) -> list[list[int]]:
 
 
 def methods(cfg: EvaluateConfig, draft: Path) -> list[Method]:
-    ngram = [
-        Method("ngram", k, ngram_min=cfg.ngram_min, ngram_max=cfg.ngram_max) for k in cfg.ngram_k or cfg.k
-    ]
+    ks = () if cfg.ngram_k == (0,) else cfg.ngram_k or cfg.k
+    ngram = [Method("ngram", k, ngram_min=cfg.ngram_min, ngram_max=cfg.ngram_max) for k in ks]
     return [Method("none"), *ngram, *(Method("eagle3", k, draft=str(draft)) for k in cfg.k)]
 
 
