@@ -256,7 +256,9 @@ def test_without_an_endpoint_the_stage_serves_the_model_itself(
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["endpoint"] == "local vllm serve" and summary["rows"] == 3
-    left = subprocess.run(["pgrep", "-f", f"serve {model}"], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(
+        ["pgrep", "-f", f"serve {model} .*--served-model-name target"], capture_output=True, text=True
+    ).stdout.split()
     assert not left, f"the local server's processes outlived the stage: {left}"
     # a model folder without a chat template: refused at the server check, before any row
     bare = tmp_path / "bare"
