@@ -170,6 +170,7 @@ def build_target(work: Path, p: Preset, res: dict) -> None:
         batch=p.target_batch,
         lr=p.target_lr,
         texts=texts,
+        corpus="installed",
         vocab_size=p.vocab_size,
         device=p.device,
         packed=True,
