@@ -9,6 +9,7 @@ import subprocess
 
 from tests.conftest import PYTHON, REPO
 
+
 def test_tiny_preset_runs_every_phase(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     argv = ["--preset", "tiny", "--out", tmp_path, "--samples", 8, "--seq-length", 128, "--backends", "hf"]

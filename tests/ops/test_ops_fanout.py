@@ -254,6 +254,11 @@ def test_a_host_that_cannot_connect_becomes_a_failed_row(tmp_path):
             raise ConnectError("connection to u@a:22 refused; check host and port")
         return LocalRunner(h.name)
 
+    from ops_procs import write_gpu_table
+
+    # a readable GPU table with no GPU: the preflight reads it and fails on the missing image and data root
+    # (a table that is not there at all is refused earlier, exit 6: test_ops_gpu_facts_lasting.py)
+    table = write_gpu_table(tmp_path / "gpus.json", [])
     hosts = [
         host("a"),
         HostConfig(
@@ -262,7 +267,7 @@ def test_a_host_that_cannot_connect_becomes_a_failed_row(tmp_path):
             data_root=str(tmp_path / "nothing"),
             image="no-such:0",
             python="/usr/bin/python3",
-            gpu_source=f"table:{tmp_path / 'none.json'}",
+            gpu_source=f"table:{table}",
             device_glob=str(tmp_path / "dev*"),
         ),
     ]

@@ -80,7 +80,9 @@ def test_the_quickstart_commands_run_on_the_rehearsal_host(rehearsal_host):
     host = rehearsal_host
     bindir = host["work"] / "bin"
     bindir.mkdir()
-    (bindir / "python").symlink_to(sys.executable)  # the page says `python`: the light environment's
+    # the page says `python`: the light environment's (a script, not a link: a link elsewhere loses the venv)
+    (bindir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bindir / "python").chmod(0o755)
     env = dict(
         os.environ,
         HOST="box",

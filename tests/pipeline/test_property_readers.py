@@ -560,6 +560,8 @@ REQUIRED = {
     "weights": ["--model", "m", "--out", "o"],
     "verify": ["states"],
     "train": ["--data", "s", "--verifier", "v", "--out", "o"],
+    "regenerate": ["--data", "d.jsonl", "--out", "o", "--endpoint", "http://127.0.0.1:8000/v1"],
+    "evaluate": ["--model", "m", "--draft", "t", "--prompts", "p.jsonl", "--out", "o"],
 }
 NUMBER_TEXT = st.one_of(
     st.integers(-(2**70), 2**70).map(str),

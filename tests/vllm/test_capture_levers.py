@@ -124,6 +124,7 @@ def test_the_pool_hands_a_buffer_out_again_only_once_its_tensors_are_gone(
     assert STATS.pool_misses == misses and STATS.figures()["pool_allocated"] == 1
 
 
+@pytest.mark.vllm  # the connector module imports vLLM's KV-connector API
 def test_levers_and_step_tokens_from_the_environment():
     from pipeline.backends.vllm import step_tokens
     from pipeline.backends.vllm_connector import Levers
