@@ -434,3 +434,51 @@ def test_check_alone_asks_no_row_writes_nothing_and_refuses_what_a_run_would(tmp
     finally:
         no_template.close()
     assert sorted((p.name, p.stat().st_mtime_ns) for p in finished.iterdir()) == before
+
+
+ROW = st.fixed_dictionaries(
+    {},
+    optional={
+        "id": JSONISH,
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "role": st.sampled_from(["user", "assistant", "system", "tool", "x", 3]),
+                    "content": JSONISH,
+                },
+            )
+            | JSONISH,
+            max_size=4,
+        )
+        | JSONISH,
+        "conversations": JSONISH,
+    },
+)
+
+
+@given(lines=st.lists(ROW.map(json.dumps) | st.text(max_size=20), min_size=0, max_size=4))
+def test_any_input_file_of_regenerate_and_evaluate_is_read_or_refused_in_one_line(lines, tiny_llama):
+    """The files the two newest stages read first, generated: regenerate's conversations and evaluate's
+    prompts (rendered by the target's template). Each is read whole or refused with a StageError naming the
+    file; never another exception."""
+    import tempfile
+
+    from pipeline.evaluate import EvaluateConfig, read_prompts
+    from pipeline.regenerate.rows import read_conversations
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rows.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        for read in (
+            lambda: read_conversations(path)[0],
+            lambda: read_prompts(
+                EvaluateConfig(model=tiny_llama, draft=path, prompts=path, out=Path(tmp) / "o", num_prompts=8)
+            ),
+        ):
+            try:
+                got = read()
+            except StageError as exc:
+                assert "\n" not in str(exc) and str(path) in str(exc), str(exc)
+            else:
+                assert got and isinstance(got, list)
