@@ -24,7 +24,8 @@ from pipeline.ondisk import provenance
 from pipeline.ondisk.atomic import write_json
 from pipeline.ondisk.outdir import staged_dir
 from pipeline.options import opt, options, validate
-from pipeline.specdec import report
+from pipeline.specdec import cache, report
+from pipeline.specdec.cache import ResultCache
 from pipeline.specdec.measure import PHASES, Engine, Method, require_vllm, run_child
 
 
@@ -67,6 +68,11 @@ class EvaluateConfig:
     trust_remote_code: bool = opt(False, help="Allow the tokenizer's own Python code (e.g. Kimi-K2.5).")
     timeout: float = opt(1800.0, low=10.0, help="Seconds one engine may take, start to exit.")
     overwrite: bool = opt(False, help="Replace an existing output directory.")
+    fresh: bool = opt(
+        False,
+        help="Start every engine again (default: reuse each engine's result an earlier run of the same "
+        "target, draft, prompts and settings left, e.g. one that was killed).",
+    )
 
     def __post_init__(self) -> None:
         validate(self)
@@ -170,6 +176,29 @@ def verdict(table: list[dict]) -> str:
     )
 
 
+def measured(cfg: EvaluateConfig, engine: Engine, method: Method, prompts, engines: Path, log) -> dict:
+    """One method's result: the one an earlier run left under the same key (unless --fresh), else its
+    engine's, kept for the next run as soon as the engine exited cleanly."""
+    keep = ResultCache(cfg.out.with_name(f".{cfg.out.name}.engines"))
+    digest = cache.key(engine, method, prompts)
+    name = method.label.replace(" ", "_").replace("=", "")
+    result = None if cfg.fresh else keep.get(method, digest)
+    if result is not None:
+        result = {**result, "reused": True}
+        write_json(engines / f"{name}.json", result)
+        log(
+            f"evaluate: {method.label}: reused the result measured at {result.get('finished_at')} "
+            "(--fresh measures it again)"
+        )
+    else:
+        log(f"evaluate: {method.label} on {len(prompts)} prompts ...")
+        result = run_child(engine, method, prompts, engines / f"{name}.json")
+        keep.put(method, digest, result)
+    for phase, r in result["phases"].items():
+        log(f"  {phase}: {r['output_tokens_per_s']:,.1f} output tok/s")
+    return result
+
+
 def run(cfg: EvaluateConfig, log=print) -> dict:
     require_vllm("run `pipeline evaluate` in the image (or .venv-vllm)")
     draft = draft_dir(cfg.draft)
@@ -200,13 +229,9 @@ def run(cfg: EvaluateConfig, log=print) -> dict:
         inputs={"--model": cfg.model, "--draft": cfg.draft, "--prompts": cfg.prompts},
     ) as staging:
         (staging / "engines").mkdir()
-        results = []
-        for method in methods(cfg, draft):
-            log(f"evaluate: {method.label} on {len(prompts)} prompts ...")
-            name = method.label.replace(" ", "_").replace("=", "")
-            results.append(run_child(engine, method, prompts, staging / "engines" / f"{name}.json"))
-            for phase, r in results[-1]["phases"].items():
-                log(f"  {phase}: {r['output_tokens_per_s']:,.1f} output tok/s")
+        results = [
+            measured(cfg, engine, method, prompts, staging / "engines", log) for method in methods(cfg, draft)
+        ]
         table = report.rows(results)
         line = verdict(table)
         summary = provenance.stamp(

@@ -68,8 +68,8 @@ def thread_binding(tensor_parallel_size: int, cpus: Sequence[int]) -> str:
 
 
 def extraction_environment(tensor_parallel_size: int) -> dict[str, str]:
-    """Environment defaults for an extraction engine on the CPU build; an operator's own settings always
-    win."""
+    """Environment defaults for an engine on the CPU build (extraction's, evaluate's); an operator's own
+    settings always win."""
     env = {}
     if "VLLM_MLA_DISABLE" not in os.environ:  # the CPU build refuses MLA for most head sizes (DeepSeek/Kimi)
         env["VLLM_MLA_DISABLE"] = "1"

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from pipeline.errors import StageError
 from pipeline.ondisk.atomic import write_json
+from pipeline.runtime.vllm_log import root_cause
 
 SPEC_METRICS = (
     "vllm:spec_decode_num_drafts",
@@ -164,6 +164,12 @@ def run_engine(engine: Engine, method: Method, prompts: list[list[int]]) -> dict
     """In this process (the child): the method's engine over ``prompts``, phase by phase."""
     from vllm import LLM
 
+    from pipeline.backends.base import visible_device_count
+
+    if visible_device_count() == 0:  # the CPU build's defaults (a KV space, not 92% of RAM free at start)
+        from pipeline.runtime import vllm_cpu
+
+        os.environ.update(vllm_cpu.extraction_environment(engine.tensor_parallel_size))
     started = time.perf_counter()
     llm = LLM(**engine_kwargs(engine, method))
     result: dict = {"method": asdict(method), "engine_start_s": time.perf_counter() - started, "phases": {}}
@@ -201,23 +207,8 @@ def run_engine(engine: Engine, method: Method, prompts: list[list[int]]) -> dict
                 "output_tokens_per_s": n_out / wall,
                 "batch": len(prompts),
             }
+    result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return result
-
-
-_ERROR_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
-_WRAPPERS = ("root cause", "stack trace", "EngineDeadError", "Engine core initialization failed")
-
-
-def root_cause(output: str) -> str:
-    """The line of a failed vLLM run that says why: the first ``SomeError: message`` that is not one of
-    vLLM's wrappers pointing back at it ("see root cause above", EngineDeadError), without the log
-    prefix; else the last line naming an error; else the last line."""
-    lines = output.strip().splitlines() or ["no output"]
-    found = [m for ln in lines if (m := _ERROR_LINE.search(ln))]
-    cause = next((m for m in found if not any(w in m.group(0) for w in _WRAPPERS)), None)
-    if cause is not None:
-        return cause.group(0)
-    return found[-1].group(0) if found else lines[-1]
 
 
 def require_vllm(remedy: str) -> None:

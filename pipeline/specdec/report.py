@@ -35,6 +35,8 @@ def rows(results: list[dict]) -> list[dict]:
                 "prompts": len(same),
                 **{k: r[k] for k in ("ttft_ms", "tpot_ms", "batch") if k in r},
                 **acceptance_from_counters(r["counters"]),
+                "measured_at": result.get("finished_at"),
+                "reused": bool(result.get("reused")),
             }
             out.append(row)
     return out
@@ -61,6 +63,9 @@ def markdown(table: list[dict]) -> str:
                 f"{r['output_tokens_per_s']:,.1f} | {r['speedup']:.2f}x | {_num(r.get('tpot_ms'), '.2f')} | "
                 f"{equal} |"
             )
+    reused = sorted({f"{r['label']} ({r['measured_at']})" for r in table if r.get("reused")})
+    if reused:  # speeds measured in another run: the reader weighs them knowing so
+        lines += ["", f"Reused from an earlier run of the same engine settings: {', '.join(reused)}."]
     return "\n".join(lines) + "\n"
 
 

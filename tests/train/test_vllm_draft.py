@@ -127,6 +127,26 @@ def test_evaluate_measures_the_draft_against_no_speculation_and_ngram(
     assert "| batch 1 | eagle3 k=2 |" in (out / "evaluate.md").read_text()
     assert result["verdict"] in proc.stdout and "best draft eagle3 k=2" in result["verdict"]
     assert "greedy output equal" in result["verdict"]
+    assert not any(r["reused"] for r in result["rows"])
+
+    # Asked again with one more k: the three engines measured above are reused from their kept results (same
+    # target, draft, prompts and settings), only EAGLE-3 k=1 starts an engine.
+    again = run_pipeline(
+        "evaluate", "--model", tiny_llama, "--draft", cfg.out, "--prompts", conversations, "--out", out,
+        "--k", "2,1", "--ngram-k", "2", "--num-prompts", "3", "--max-tokens", "12", "--ignore-eos",
+        "--dtype", "float32", "--overwrite",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=1200,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("reused the result measured at") == 3, again.stderr[-3000:]
+    assert "evaluate: eagle3 k=1 on 3 prompts" in again.stderr
+    second = json.loads((out / "evaluate.json").read_text())
+    by_label = {(r["label"], r["phase"]): r for r in second["rows"]}
+    assert {label for label, _ in by_label} == {"none", "ngram k=2", "eagle3 k=2", "eagle3 k=1"}
+    for (label, phase), row in rows.items():
+        assert by_label[(label, phase)]["reused"] and {**by_label[(label, phase)], "reused": False} == row
+    assert not by_label[("eagle3 k=1", "batch1")]["reused"]
+    assert "Reused from an earlier run" in (out / "evaluate.md").read_text()
 
 
 def test_served_config_is_in_vllms_convention(served, tiny_llama):
