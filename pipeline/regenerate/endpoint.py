@@ -28,6 +28,7 @@ from pathlib import Path
 
 from pipeline.errors import StageError
 from pipeline.regenerate.replies import Answer, Rejected, judge
+from pipeline.runtime.vllm_log import root_cause
 
 SERVED_NAME = "target"  # the name a local server serves the model under
 
@@ -214,8 +215,8 @@ def local_server(argv: list[str], port: int, log: Path, *, start_timeout: float)
         while True:
             if proc.poll() is not None:
                 raise StageError(
-                    f"the local vllm serve exited ({proc.returncode}) before it answered: {_tail(log)} "
-                    f"(whole log: {log})"
+                    f"the local vllm serve exited ({proc.returncode}) before it answered: "
+                    f"{root_cause(log.read_text(errors='replace'))[:400]} (whole log: {log})"
                 )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/models", timeout=5).status_code == 200:

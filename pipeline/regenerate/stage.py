@@ -77,7 +77,7 @@ def _ask_rows(
     cfg: RegenerateConfig, client: ep.Endpoint, pending: list[Row], journal: Journal, progress: Progress
 ) -> tuple[int, int]:
     """Ask every pending row, ``concurrency`` at once; every result into the journal as it lands. Returns
-    (completion tokens, prompt tokens) spent in this run."""
+    (completion tokens, prompt tokens) spent in this run, summed here on the calling thread."""
     spent = [0, 0]
 
     def one(row: Row):
@@ -90,12 +90,14 @@ def _ask_rows(
             **cfg.extra_sampling(),
         }
 
+        prompt_tokens = [0]  # this row's own: one thread asks a row's turns, one after another
+
         def ask(messages):
             reply = client.chat(messages, **sampling)
-            spent[1] += getattr(reply, "prompt_tokens", 0)
+            prompt_tokens[0] += getattr(reply, "prompt_tokens", 0)
             return reply
 
-        return regenerate_row(row, cfg.turns, ask)
+        return *regenerate_row(row, cfg.turns, ask), prompt_tokens[0]
 
     rows = iter(pending)
     with ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="regenerate") as pool:
@@ -109,8 +111,9 @@ def _ask_rows(
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for fut in finished:
                     row = running.pop(fut)
-                    answered, rejected, tokens = fut.result()  # EndpointDown ends the run here
+                    answered, rejected, tokens, prompt_tokens = fut.result()  # EndpointDown ends the run
                     spent[0] += tokens
+                    spent[1] += prompt_tokens
                     if answered is not None:
                         journal.add(row.id, row=answered)
                     else:
@@ -257,4 +260,4 @@ def run(cfg: RegenerateConfig) -> dict:
     return summary
 
 
-__all__ = ["check", "run", "row_seed", "StageError"]
+__all__ = ["check", "run", "row_seed"]

@@ -482,3 +482,26 @@ def test_any_input_file_of_regenerate_and_evaluate_is_read_or_refused_in_one_lin
                 assert "\n" not in str(exc) and str(path) in str(exc), str(exc)
             else:
                 assert got and isinstance(got, list)
+
+
+def test_a_local_server_that_dies_at_start_is_told_by_its_root_cause(tmp_path):
+    """A real process standing in for `vllm serve` prints what vLLM prints when the GPU's memory is taken (the
+    root cause, then the wrapper that points back at it) and exits: the error names the root cause, not the
+    wrapper, and the log."""
+    from pipeline.regenerate.endpoint import free_port, local_server
+
+    script = (
+        "import sys;"
+        "print('(EngineCore pid=1) ERROR [core.py:1510] ValueError: Free memory on device cuda:0 "
+        "(16.67/79.18 GiB) on startup is less than desired GPU memory utilization (0.5, 39.59 GiB).');"
+        "print('RuntimeError: Engine core initialization failed. See root cause above. "
+        "Failed core proc(s): {}');"
+        "sys.exit(1)"
+    )
+    log = tmp_path / "serve.log"
+    with pytest.raises(StageError) as err, local_server([sys.executable, "-c", script], free_port(), log,
+                                                         start_timeout=60):  # fmt: skip
+        pass
+    message = str(err.value)
+    assert "exited (1) before it answered: ValueError: Free memory on device cuda:0" in message, message
+    assert "Engine core initialization failed" not in message and str(log) in message
