@@ -68,6 +68,12 @@ class EvaluateConfig:
     trust_remote_code: bool = opt(False, help="Allow the tokenizer's own Python code (e.g. Kimi-K2.5).")
     timeout: float = opt(1800.0, low=10.0, help="Seconds one engine may take, start to exit.")
     overwrite: bool = opt(False, help="Replace an existing output directory.")
+    bracket: bool = opt(
+        True,
+        help="Run the no-speculation engine again after the others: speed-ups are taken against the mean of "
+        "its two runs, and their drift says what engines of the same settings differ by (one more engine "
+        "start; --no-bracket spares it).",
+    )
     fresh: bool = opt(
         False,
         help="Start every engine again (default: reuse each engine's result an earlier run of the same "
@@ -150,11 +156,13 @@ def read_prompts(cfg: EvaluateConfig) -> list[list[int]]:
 def methods(cfg: EvaluateConfig, draft: Path) -> list[Method]:
     ks = () if cfg.ngram_k == (0,) else cfg.ngram_k or cfg.k
     ngram = [Method("ngram", k, ngram_min=cfg.ngram_min, ngram_max=cfg.ngram_max) for k in ks]
-    return [Method("none"), *ngram, *(Method("eagle3", k, draft=str(draft)) for k in cfg.k)]
+    again = [Method("none", again=True)] if cfg.bracket else []
+    return [Method("none"), *ngram, *(Method("eagle3", k, draft=str(draft)) for k in cfg.k), *again]
 
 
-def verdict(table: list[dict]) -> str:
-    """One line: the best draft k at batch 1 (or batched) against no speculation and the best n-gram."""
+def verdict(table: list[dict], drift: dict[str, float]) -> str:
+    """One line: the best draft k at batch 1 (or batched) against no speculation and the best n-gram, and
+    how far the no-speculation engine moved between its two runs (``drift``, where it ran twice)."""
     phase = "batch1" if any(r["phase"] == "batch1" for r in table) else "batched"
     rows = [r for r in table if r["phase"] == phase]
     eagle = max((r for r in rows if r["method"] == "eagle3"), key=lambda r: r["output_tokens_per_s"])
@@ -169,6 +177,11 @@ def verdict(table: list[dict]) -> str:
         text += (
             f", {eagle['output_tokens_per_s'] / ngram['output_tokens_per_s']:.2f}x {ngram['label']} "
             f"(acceptance {ngram['acceptance_length'] or 1:.2f})"
+        )
+    if phase in drift:
+        text += (
+            f"; no speculation moved {100 * drift[phase]:.0f}% between its runs before and after "
+            f"(speed-ups within that are noise)"
         )
     unequal = [r["label"] for r in table if not r["greedy_equal"]]
     return text + (
@@ -233,7 +246,8 @@ def run(cfg: EvaluateConfig, log=print) -> dict:
             measured(cfg, engine, method, prompts, staging / "engines", log) for method in methods(cfg, draft)
         ]
         table = report.rows(results)
-        line = verdict(table)
+        moved = report.drift(results)
+        line = verdict(table, moved)
         summary = provenance.stamp(
             {
                 "stage": "evaluate",
@@ -243,6 +257,7 @@ def run(cfg: EvaluateConfig, log=print) -> dict:
                 "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
                 "engine": {k: v for k, v in engine.__dict__.items() if k != "env"},
                 "rows": table,
+                "none_drift": moved,
                 "verdict": line,
                 "wall_s": round(time.monotonic() - started, 1),
             },

@@ -612,6 +612,12 @@ def report(cfg: VerifyConfig) -> Summary:
     render(summary)
     if not summary.ok:
         raise CheckFailed(summary.first_failure_line())
+    if summary.kind == "checkpoint":  # whole is not the same as worth serving: the gate that says so
+        click.echo(
+            f"whether it is worth serving: pipeline evaluate --model TARGET --draft {cfg.path} "
+            "--prompts HELD_OUT.jsonl --out EVAL (acceptance and decode speed in vLLM; docs/evaluate.md)",
+            err=True,
+        )
     return summary
 
 

@@ -56,10 +56,13 @@ class Method:
     draft: str | None = None
     ngram_min: int = 2
     ngram_max: int = 5
+    again: bool = False  # a second engine of the same method, after the others (evaluate's bracket)
 
     @property
     def label(self) -> str:
-        return "none" if self.name == "none" else f"{self.name} k={self.k}"
+        return ("none" if self.name == "none" else f"{self.name} k={self.k}") + (
+            " again" if self.again else ""
+        )
 
     def speculative_config(self) -> dict | None:
         if self.name == "none":

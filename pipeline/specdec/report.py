@@ -13,13 +13,41 @@ from pipeline.ondisk.atomic import atomic_path
 from pipeline.specdec.measure import acceptance_from_counters
 
 
+def baseline_speed(results: list[dict]) -> dict[str, float]:
+    """Per phase, the output tok/s speed-ups are taken against: the mean of every ``none`` engine's (the
+    first, and the one run again after the others where evaluate brackets them)."""
+    nones = [r for r in results if r["method"]["name"] == "none"]
+    return {
+        phase: sum(n["phases"][phase]["output_tokens_per_s"] for n in nones) / len(nones)
+        for phase in nones[0]["phases"]
+    }
+
+
+def drift(results: list[dict]) -> dict[str, float]:
+    """Per phase, how far the last ``none`` engine's output tok/s moved from the first's (a fraction of the
+    first): what engines of the same settings differ by, so speed-ups within it are noise. Empty with one
+    ``none`` engine."""
+    nones = [r for r in results if r["method"]["name"] == "none"]
+    if len(nones) < 2:
+        return {}
+    first, last = nones[0]["phases"], nones[-1]["phases"]
+    return {
+        phase: abs(last[phase]["output_tokens_per_s"] - first[phase]["output_tokens_per_s"])
+        / first[phase]["output_tokens_per_s"]
+        for phase in first
+    }
+
+
 def rows(results: list[dict]) -> list[dict]:
-    """One row per (method, phase); ``results`` are measure.run_engine's, the ``none`` method's first."""
+    """One row per (method, phase); ``results`` are measure.run_engine's, the ``none`` method's first.
+    Greedy equality is against that first ``none``; speed-ups against baseline_speed."""
     base = {phase: r for phase, r in results[0]["phases"].items()}
+    speed = baseline_speed(results)
     out = []
     for result in results:
         method = result["method"]
         label = "none" if method["name"] == "none" else f"{method['name']} k={method['k']}"
+        label += " again" if method.get("again") else ""
         for phase, r in result["phases"].items():
             same = [a == b for a, b in zip(r["tokens"], base[phase]["tokens"], strict=True)]
             row = {
@@ -29,7 +57,7 @@ def rows(results: list[dict]) -> list[dict]:
                 "phase": phase,
                 "output_tokens": r["output_tokens"],
                 "output_tokens_per_s": r["output_tokens_per_s"],
-                "speedup": r["output_tokens_per_s"] / base[phase]["output_tokens_per_s"],
+                "speedup": r["output_tokens_per_s"] / speed[phase],
                 "greedy_equal": all(same),
                 "greedy_equal_prompts": sum(same),
                 "prompts": len(same),

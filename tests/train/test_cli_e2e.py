@@ -48,3 +48,4 @@ def test_train_then_verify_on_real_stage_outputs(tiny_run, tiny_llama, tmp_path)
     verify = run_pipeline("verify", out / "draft")
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-2000:]
     assert "acceptance" in verify.stdout
+    assert f"pipeline evaluate --model TARGET --draft {out / 'draft'}" in verify.stderr  # the gate

@@ -81,9 +81,10 @@ def test_evaluate_measures_the_draft_against_no_speculation_and_ngram(
     served, tiny_llama, conversations, tmp_path
 ):
     """`pipeline evaluate` on the trained draft, through its real command line: one engine per method (none,
-    n-gram k=2, EAGLE-3 k=2), both phases; the draft's rows carry vLLM's counters, greedy output equals the
-    target's alone (fp32 on the CPU), and the table, the plot and the verdict are written. The CPU build's
-    speeds are recorded, not judged."""
+    n-gram k=2, EAGLE-3 k=2, none again after them), both phases; the draft's rows carry vLLM's counters,
+    greedy output equals the target's alone (fp32 on the CPU), and the table, the plot and the verdict are
+    written. The CPU build's speeds are recorded, not judged; their drift between the two no-speculation runs
+    is told."""
     from tests.conftest import run_pipeline
 
     cfg, _ = served
@@ -113,7 +114,10 @@ def test_evaluate_measures_the_draft_against_no_speculation_and_ngram(
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "evaluate.json").read_text())
     rows = {(r["label"], r["phase"]): r for r in result["rows"]}
-    assert set(rows) == {(m, p) for m in ("none", "ngram k=2", "eagle3 k=2") for p in ("batch1", "batched")}
+    methods = ("none", "ngram k=2", "eagle3 k=2", "none again")
+    assert set(rows) == {(m, p) for m in methods for p in ("batch1", "batched")}
+    assert set(result["none_drift"]) == {"batch1", "batched"} and "between its runs" in result["verdict"]
+    assert rows[("none again", "batch1")]["greedy_equal"] and rows[("none again", "batched")]["greedy_equal"]
     for phase in ("batch1", "batched"):
         eagle, none = rows[("eagle3 k=2", phase)], rows[("none", phase)]
         # k per step, fewer where a request's max_tokens leaves less room
@@ -129,7 +133,7 @@ def test_evaluate_measures_the_draft_against_no_speculation_and_ngram(
     assert "greedy output equal" in result["verdict"]
     assert not any(r["reused"] for r in result["rows"])
 
-    # Asked again with one more k: the three engines measured above are reused from their kept results (same
+    # Asked again with one more k: the four engines measured above are reused from their kept results (same
     # target, draft, prompts and settings), only EAGLE-3 k=1 starts an engine.
     again = run_pipeline(
         "evaluate", "--model", tiny_llama, "--draft", cfg.out, "--prompts", conversations, "--out", out,
@@ -138,11 +142,11 @@ def test_evaluate_measures_the_draft_against_no_speculation_and_ngram(
         env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=1200,
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count("reused the result measured at") == 3, again.stderr[-3000:]
+    assert again.stderr.count("reused the result measured at") == 4, again.stderr[-3000:]
     assert "evaluate: eagle3 k=1 on 3 prompts" in again.stderr
     second = json.loads((out / "evaluate.json").read_text())
     by_label = {(r["label"], r["phase"]): r for r in second["rows"]}
-    assert {label for label, _ in by_label} == {"none", "ngram k=2", "eagle3 k=2", "eagle3 k=1"}
+    assert {label for label, _ in by_label} == {*methods, "eagle3 k=1"}
     for (label, phase), row in rows.items():
         assert by_label[(label, phase)]["reused"] and {**by_label[(label, phase)], "reused": False} == row
     assert not by_label[("eagle3 k=1", "batch1")]["reused"]
