@@ -15,7 +15,10 @@ recorded and the run goes on where it can; the JSON is rewritten after every pha
 6. each set's states on ``--compare-samples`` samples against an fp32 forward of the dequantized model
    (pipeline/backends/hf.py over the copy of phase 1): per layer the relative error
    ||stored - ref|| / ||ref|| of the whole sample, and the mean |stored - ref| over the layer's RMS;
-7. ``pipeline verify DIR --model MODEL`` of each set (the spot recompute on the quantized target).
+7. ``pipeline verify DIR --model MODEL`` of each set (the spot recompute on the quantized target);
+8. ``pipeline train`` (one epoch) on the first set, and 9. the draft served by vLLM beside the quantized
+   target (``pipeline evaluate``, EAGLE-3 k=2, batch 1): greedy output equal to the target's alone, and vLLM's
+   acceptance (``--no-draft`` skips both; the CPU build's refusal to serve the target is its result there).
 
     python -m bench.quant_gpu --preset dsv3-9b --out /dev/shm/quant   # an H100/H200 with vLLM (the image)
     python -m bench.quant_gpu --preset tiny --out /tmp/quant          # the CPU smoke test
@@ -265,6 +268,38 @@ def compare(work: Path, backends: list[str], samples: int) -> dict:
     return out
 
 
+def train(work: Path, backends: list[str]) -> dict:
+    """``pipeline train`` (one epoch) on the first extracted set: a draft for the quantized target."""
+    sets = [b for b in backends if (work / f"states-{b}" / "checksums.json").is_file()]
+    if not sets:
+        return {"skipped": "no extracted set to train on"}
+    return pipeline(
+        "train", "--data", str(work / f"states-{sets[0]}"), "--prepared", str(work / "prepared"),
+        "--verifier", str(work / "verifier"), "--model", str(work / "model"), "--out", str(work / "train"),
+        "--epochs", "1", "--max-len", "1024", "--no-plots", "--overwrite",
+    )  # fmt: skip
+
+
+def serve(work: Path, prompts: int) -> dict:
+    """The draft served by vLLM beside the quantized target (``pipeline evaluate``, EAGLE-3 k=2, batch 1):
+    whether greedy output equals the target's alone, and vLLM's acceptance. Where vLLM cannot serve the
+    target (the CPU build, or no vLLM) the run's one-line refusal is the result."""
+    if not (work / "train" / "draft" / "config.json").is_file():
+        return {"skipped": "no trained draft"}
+    run = pipeline(
+        "evaluate", "--model", str(work / "model"), "--draft", str(work / "train"),
+        "--prompts", str(work / "convs.jsonl"), "--out", str(work / "evaluate"), "--k", "2",
+        "--ngram-k", "0", "--num-prompts", str(prompts), "--max-tokens", "64", "--phases", "batch1",
+        "--no-bracket", "--overwrite",
+    )  # fmt: skip
+    if run["rc"]:
+        return {"run": run}
+    rows = json.loads((work / "evaluate" / "evaluate.json").read_text())["rows"]
+    eagle = next(r for r in rows if r["method"] == "eagle3")
+    keys = ("greedy_equal", "greedy_equal_prompts", "prompts", "acceptance_length", "speedup")
+    return {"run": run, **{k: eagle[k] for k in keys}}
+
+
 def verify(work: Path, backends: list[str]) -> dict:
     return {
         b: pipeline("verify", str(work / f"states-{b}"), "--model", str(work / "model"))
@@ -282,7 +317,15 @@ def verify(work: Path, backends: list[str]) -> dict:
 @click.option("--seq-length", default=1024, show_default=True)
 @click.option("--compare-samples", default=4, show_default=True)
 @click.option("--backends", default="vllm,hf", show_default=True)
-def main(preset: str, out: Path, samples: int, seq_length: int, compare_samples: int, backends: str) -> None:
+@click.option(
+    "--draft/--no-draft",
+    default=True,
+    show_default=True,
+    help="Then train a draft on the first set and serve it beside the target (pipeline evaluate).",
+)
+def main(
+    preset: str, out: Path, samples: int, seq_length: int, compare_samples: int, backends: str, draft: bool
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
     wanted = [b for b in backends.split(",") if b]
@@ -296,6 +339,9 @@ def main(preset: str, out: Path, samples: int, seq_length: int, compare_samples:
         run.phase(f"extract_{backend}", extract, out, backend)
     run.phase("compare", compare, out, wanted, compare_samples)
     run.phase("verify", verify, out, wanted)
+    if draft:
+        run.phase("train", train, out, wanted)
+        run.phase("serve", serve, out, min(samples, 8))
     run.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     run.write()
     print(f"results: {run.path}")

@@ -70,9 +70,9 @@ class EvaluateConfig:
     overwrite: bool = opt(False, help="Replace an existing output directory.")
     bracket: bool = opt(
         True,
-        help="Run the no-speculation engine again after the others: speed-ups are taken against the mean of "
-        "its two runs, and their drift says what engines of the same settings differ by (one more engine "
-        "start; --no-bracket spares it).",
+        decls="--no-bracket",
+        help="Leave out the second no-speculation engine (by default it runs after the others: speed-ups are "
+        "against the mean of both runs, and their drift says what engines of the same settings differ by).",
     )
     fresh: bool = opt(
         False,
@@ -212,8 +212,22 @@ def measured(cfg: EvaluateConfig, engine: Engine, method: Method, prompts, engin
     return result
 
 
+def refuse_unservable(model: Path) -> None:
+    """A target this vLLM cannot start an engine for here (an INT4-expert MoE on the CPU build), refused in
+    one line before the first engine's start, as extract refuses it (pipeline/model/quantization.py)."""
+    from pipeline.model import quantization
+    from contract.experts import experts_met
+
+    if not (model / "config.json").is_file():
+        raise StageError(f"--model {model}: no config.json in it: pass the target model's folder")
+    raw = json.loads((model / "config.json").read_text())
+    if refusal := quantization.refusal("vllm", raw, experts_met(raw)[1]):
+        raise StageError(refusal.replace("run --backend vllm on a GPU, or --backend hf", "evaluate on a GPU"))
+
+
 def run(cfg: EvaluateConfig, log=print) -> dict:
     require_vllm("run `pipeline evaluate` in the image (or .venv-vllm)")
+    refuse_unservable(cfg.model)
     draft = draft_dir(cfg.draft)
     prompts = read_prompts(cfg)
     longest = max(len(p) for p in prompts)

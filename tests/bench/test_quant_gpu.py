@@ -19,10 +19,14 @@ def test_tiny_preset_runs_every_phase(tmp_path):
     )  # fmt: skip
     result = json.loads((tmp_path / "quant_gpu.json").read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    phases = ("build", "prepare", "preflight", "weights", "extract_hf", "compare", "verify")
+    phases = ("build", "prepare", "preflight", "weights", "extract_hf", "compare", "verify", "train", "serve")
     assert all(result[p]["ok"] for p in phases), {p: result[p].get("error") for p in phases}
     assert result["build"]["disk_bytes"] < result["build"]["dequantized_bytes"]
     assert result["preflight"]["hf"]["rc"] == 0 and result["preflight"]["hf"]["quantization_lines"]
     assert all(v is True for v in result["weights"]["bit_exact"].values()), result["weights"]["bit_exact"]
     assert result["extract_hf"]["rc"] == 0 and result["verify"]["hf"]["rc"] == 0
     assert max(result["compare"]["hf"]["worst_relative_error_per_layer"]) <= 1e-5, result["compare"]
+    assert result["train"]["rc"] == 0  # a draft for the quantized target, on the hf set
+    # serving it beside the target needs vLLM with a WNA16 MoE kernel: here the one-line refusal is the result
+    serve = result["serve"]["run"]
+    assert serve["rc"] != 0 and serve["error"].startswith("error:") and "vLLM" in serve["error"], serve

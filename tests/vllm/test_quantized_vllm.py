@@ -44,3 +44,17 @@ def test_extract_refuses_it_before_the_engine_starts(quantized):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the vLLM CPU build has no WNA16 MoE kernel"), last
     assert "No WNA16 MoE backend supports" in last and not out.exists()
+
+
+def test_evaluate_refuses_it_before_the_first_engine_starts(quantized):
+    """`pipeline evaluate` of a draft for it says the same in one line, before any engine's start (which
+    would take the engine's whole start-up to die the same way)."""
+    out = quantized / "evaluate"
+    proc = run_pipeline(
+        "evaluate", "--model", quantized / "model", "--draft", quantized,
+        "--prompts", quantized / "convs.jsonl", "--out", out, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the vLLM CPU build has no WNA16 MoE kernel"), last
+    assert last.endswith("evaluate on a GPU") and "evaluate: none" not in proc.stderr and not out.exists()
