@@ -15,6 +15,7 @@ DATA, MODEL, CACHE = "/data", "/model", "/cache"  # where the container sees the
 # what a stage needs of the host's inference server (StageSpec.server)
 SERVER_STOPPED = "stopped"  # the GPUs free: ops stops the server and proves the GPUs clean first
 SERVER_UP = "up"  # the server answering: the stage is its client; ops never stops it
+SERVER_KEPT = "kept"  # neither: the stage needs no GPU and no server; ops leaves the server as it is
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,11 @@ class StageSpec:
     fatal: tuple[str, ...] = ()
     compose_vars: tuple[tuple[str, str, str], ...] = ()  # (argv word, compose variable, its default)
     # what the stage needs of the host's inference server: SERVER_STOPPED (ops stops it, frees and proves the
-    # GPUs clean, restores it on --restore-server), or SERVER_UP (never stopped, no gpu-clean, nothing to
-    # restore; the container reaches it on the host's network: --network host). prepare, weights and verify
-    # need no GPU, yet are SERVER_STOPPED as they always were: ops stops the server before them too.
+    # GPUs clean, restores it on --restore-server), SERVER_UP (never stopped, no gpu-clean, nothing to
+    # restore; the container reaches it on the host's network: --network host), or SERVER_KEPT (prepare and
+    # weights: no GPU, no server; never stopped, no gpu-clean, nothing to restore, the container's own
+    # network; on Kimi-K2.5 each stop costs an 18-minute load when the server comes back). verify stays
+    # SERVER_STOPPED: its `--model` recompute runs the target on the GPUs.
     server: str = SERVER_STOPPED
 
 
@@ -72,6 +75,7 @@ STAGES: dict[str, StageSpec] = {
         # prepare reads config, tokenizer and chat template, never the checkpoint
         fatal=("arguments", "model config", "tokenizer", "chat template", "stage preflight"),
         compose_vars=((f"{DATA}/conversations.jsonl", "PREPARE_DATA", f"{DATA}/conversations.jsonl"),),
+        server=SERVER_KEPT,
     ),
     "extract": StageSpec(
         ("prepared",),
@@ -89,7 +93,9 @@ STAGES: dict[str, StageSpec] = {
         layout=True,
         preflight="extract",
     ),
-    "weights": StageSpec((), "verifier", ("--model", MODEL, "--out", f"{DATA}/verifier"), True, gpus=False),
+    "weights": StageSpec(
+        (), "verifier", ("--model", MODEL, "--out", f"{DATA}/verifier"), True, gpus=False, server=SERVER_KEPT
+    ),
     "train": StageSpec(
         ("hidden_states", "verifier", "prepared"),
         "train",
@@ -134,6 +140,9 @@ STAGES: dict[str, StageSpec] = {
 }
 
 
+SERVER_WORDS = {SERVER_STOPPED: "stopped", SERVER_UP: "up, never stopped", SERVER_KEPT: "left as it is"}
+
+
 def markdown_table() -> str:
     """The table as docs/ops.md shows it (between its `stages:begin`/`stages:end` markers; a test holds the
     two equal): inputs, output, GPUs, the server, the container command and what ops runs after it."""
@@ -145,6 +154,6 @@ def markdown_table() -> str:
         command = " ".join(("pipeline", name, *spec.args))
         after = f"`pipeline verify {DATA}/{spec.output}`" if spec.verify_after else "—"
         inputs, gpus = ", ".join(spec.inputs) or "—", "yes" if spec.gpus else "no"
-        server = "up, never stopped" if spec.server == SERVER_UP else "stopped"
+        server = SERVER_WORDS[spec.server]
         rows.append(f"| {name} | {inputs} | {spec.output} | {gpus} | {server} | `{command}` | {after} |")
     return "\n".join(rows) + "\n"

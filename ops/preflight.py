@@ -108,15 +108,13 @@ def server_checks(
 ) -> list[CheckResult]:
     """The GPUs and the driver for a stage that stops the server. A server-up stage (regenerate) uses no GPU:
     the server must run (it is never started or stopped for it), and GPU facts are only shown (a failing one
-    is a warning)."""
+    is a warning); a server-kept stage (prepare, weights) needs neither GPU nor server: GPU facts shown."""
     gpus = [gpu_check(state), driver_check(state, min_driver)]
-    if not plan.server_up:
+    if plan.stops_server:
         return gpus
     not_needed = f" (not needed: {plan.stage} uses no GPU)"
-    return [
-        server_running_check(host, plan, state),
-        *(CheckResult(c.name, WARN, c.detail + not_needed) if c.status == FAIL else c for c in gpus),
-    ]
+    shown = [CheckResult(c.name, WARN, c.detail + not_needed) if c.status == FAIL else c for c in gpus]
+    return [server_running_check(host, plan, state), *shown] if plan.server_up else shown
 
 
 def server_running_check(host: HostConfig, plan: StagePlan, state: GpuState) -> CheckResult:

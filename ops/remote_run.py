@@ -1,7 +1,8 @@
 """remote-run / remote-extract / attach: the whole sequence on one connection.
 
 Owns the order of steps (host lock and stage-container check, preflight, stop the server and free the GPUs
-unless the stage asks the running server (contract.stages.SERVER_UP: then neither, nor a restore), start
+unless the stage asks the running server or needs no GPU (contract.stages: SERVER_UP, SERVER_KEPT; then
+neither, nor a restore), start
 the stage container, follow it, fetch summary and logs into runs/<host>/<run-id>/, restore the
 server when asked), what each step leaves behind when it fails or the operator presses Ctrl-C (the
 stage container is stopped and removed unless the operator detached; the server is brought back when
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from contract.stages import STAGES
 from ops import localfile, report, restore, secret_env
 from ops.clean import CLEAN, VERDICT_EXIT, CleanReport, gpu_clean
 from ops.errors import EXIT_PREFLIGHT, OpsError, RemoteCommandError
@@ -218,7 +220,7 @@ class _Run:
             "image_digest": digest,
             "docker_run": list(p.docker_run),
             "host_output": p.host_output,
-            "server": "up" if p.server_up else "stopped",
+            "server": STAGES[p.stage].server,
             "layout": dataclasses.asdict(p.layout) if p.layout else None,
             "train": dataclasses.asdict(p.train.states) if p.train else None,
             "preflight_run": list(p.preflight_run),
@@ -228,14 +230,13 @@ class _Run:
         write_json(out.local_dir / "run.json", self.record)
         bad = failed(out.checks)
         if bad:
-            if not p.server_up:  # a stage that needs no GPU is not refused for its facts
+            if p.stops_server:  # a stage that needs no GPU is not refused for its facts
                 refuse_lasting(self.before, "; nothing was stopped or started")  # the GPUs' exit code, 6
             raise OpsError(f"preflight failed: {bad[0].name}: {bad[0].detail}", exit_code=EXIT_PREFLIGHT)
         lock.ensure()
-        if p.server_up:  # the stage asks the server: it is never stopped, the GPUs stay the server's
-            self.console.print(
-                f"server {h.server} kept running: {p.stage} asks it; no gpu-clean", markup=False
-            )
+        if not p.stops_server:  # the stage asks the server or needs no GPU: the GPUs stay the server's
+            why = "asks it" if p.server_up else "needs no GPU"
+            self.console.print(f"server {h.server} kept running: {p.stage} {why}; no gpu-clean", markup=False)
         else:
             self.free_gpus(step)
         lock.ensure()
@@ -256,7 +257,7 @@ class _Run:
         step("fetch")
         out.exit_code, out.summary = fetch(r, p.container, p.host_output, out.local_dir)
         self.container = None
-        if restore_server and not p.server_up:
+        if restore_server and p.stops_server:
             step("restore")
             self.restore()
             self.interrupts.checkpoint()

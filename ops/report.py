@@ -238,11 +238,16 @@ def print_summary(console: Console, summary: dict | None, exit_code: int | None,
 
 
 def server_line(host, plan) -> str:
-    """What the run does to the host's inference server (contract.stages: stopped or up)."""
-    if not plan.server_up:
+    """What the run does to the host's inference server (contract.stages: stopped, up or kept)."""
+    if plan.stops_server:
         return (
             "stopped and the GPUs freed and proven clean (gpu-clean) before the stage; restored at the end "
             "with --restore-server"
+        )
+    if not plan.server_up:
+        return (
+            f"left as it is: never stopped, no gpu-clean, nothing to restore ({plan.stage} uses no GPU and "
+            "no server)"
         )
     model = f", model {host.served_model}" if host.served_model else ""
     return (

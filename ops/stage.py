@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from contract.env import IMAGE_DIGEST_ENV
-from contract.stages import CACHE, DATA, MODEL, SERVER_UP, STAGES, StageSpec
+from contract.stages import CACHE, DATA, MODEL, SERVER_STOPPED, SERVER_UP, STAGES, StageSpec
 from ops import secret_env
 from ops.errors import ConfigError
 from ops.hosts import HostConfig, check_label
@@ -96,6 +96,13 @@ class StagePlan:
         """The stage asks the host's running server (contract.stages.SERVER_UP): never stopped, no gpu-clean,
         nothing restored."""
         return STAGES[self.stage].server == SERVER_UP
+
+    @property
+    def stops_server(self) -> bool:
+        """The stage needs the GPUs free (contract.stages.SERVER_STOPPED): ops stops the server, proves the
+        GPUs clean, and restores it on --restore-server. regenerate (server up), prepare and weights (server
+        kept: no GPU, no server) leave it running."""
+        return STAGES[self.stage].server == SERVER_STOPPED
 
     @property
     def extra_args(self) -> tuple[str, ...]:

@@ -103,6 +103,9 @@ def test_regenerate_plan_asks_the_running_server_and_evaluate_frees_the_gpus():
         other = plan_stage(host, stage, run_id="o1")
         assert not other.server_up and "--network" not in other.docker_run
         assert "--endpoint" not in other.stage_argv
+        # prepare and weights need no GPU and no server: left as it is; the others free the GPUs
+        assert other.stops_server == (stage not in ("prepare", "weights")), stage
+    assert not plan.stops_server and ev.stops_server
 
 
 def test_dry_runs_say_what_happens_to_the_server(tmp_path):
@@ -130,6 +133,11 @@ def test_dry_runs_say_what_happens_to_the_server(tmp_path):
     assert "restored at the end with --restore-server" in res.stdout
     run_line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith("docker run"))
     assert "--gpus all" in run_line and "--network" not in run_line
+    res = run_ops("remote-run", "prepare", "--host", "box", "--hosts-file", str(hosts), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert (
+        "server container:vllm: left as it is: never stopped, no gpu-clean, nothing to restore" in res.stdout
+    )
 
 
 @pytest.mark.parametrize(
@@ -223,11 +231,11 @@ def regen_host(tmp_path, sshd):
     ]
     (data / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    def hosts(name: str = "hosts.toml", **over) -> Path:
+    def hosts(name: str = "hosts.toml", model: Path | None = None, **over) -> Path:
         strategy = over.pop("server", f"pidfile:{server.pidfile}")
         over = {"server_endpoint": server.url, "served_model": "fake", **over}
         return loopback_hosts(
-            tmp_path / name, "box", sshd, strategy, devdir, table, (image, mounts), data, None, FAST, **over
+            tmp_path / name, "box", sshd, strategy, devdir, table, (image, mounts), data, model, FAST, **over
         )
 
     yield dict(dk=dk, server=server, data=data, hosts=hosts, runs=tmp_path / "runs", devdir=devdir)
@@ -298,6 +306,36 @@ def test_remote_regenerate_asks_the_running_server_and_never_stops_it(regen_host
     assert {"input", "output"} <= {c["name"] for c in run["checks"]}
     assert server.proc.poll() is None and alive(server.proc.pid)
     assert Path(f"/proc/{server.proc.pid}/stat").read_text().split()[21] == started
+    assert server.models() == ["fake"]  # still answering
+
+
+@pytest.mark.slow
+@pytest.mark.sshd
+@pytest.mark.docker
+def test_prepare_and_weights_leave_the_live_server_alone(regen_host, tiny_llama):
+    """prepare and weights need no GPU and no server: the host's server (same pid, same start) serves through
+    both runs, neither has a stop-server, clean or restore step (--restore-server given: nothing to do), and
+    both outputs land."""
+    host = regen_host
+    server = host["server"]
+    started = Path(f"/proc/{server.proc.pid}/stat").read_text().split()[21]
+    hosts = host["hosts"]("hosts-model.toml", model=tiny_llama)
+    for stage, run_id in (("prepare", "p1"), ("weights", "w1")):
+        res = run_ops(
+            "remote-run", stage, "--host", "box", "--hosts-file", str(hosts), "--run-id", run_id,
+            "--runs-dir", str(host["runs"]), "--restore-server", timeout=300,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+        assert f"kept running: {stage} needs no GPU; no gpu-clean" in res.stdout
+        assert not {"stop-server", "clean", "restore"} & set(_steps(host, run_id)), _steps(host, run_id)
+        run = json.loads((host["runs"] / "box" / run_id / "run.json").read_text())
+        assert run["server"] == "kept" and run["exit_code"] == 0 and "--gpus" not in run["docker_run"]
+    assert (host["data"] / "prepared" / "metadata.json").is_file()
+    assert (host["data"] / "verifier" / "verifier.safetensors").is_file()
+    assert (
+        server.proc.poll() is None
+        and Path(f"/proc/{server.proc.pid}/stat").read_text().split()[21] == started
+    )
     assert server.models() == ["fake"]  # still answering
 
 
