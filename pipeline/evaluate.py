@@ -49,6 +49,13 @@ class EvaluateConfig:
     ngram_max: int = opt(5, low=1, high=64, help="n-gram lookup's prompt_lookup_max.")
     num_prompts: int = opt(64, low=1, high=100_000, help="Prompts used (the first N rows).")
     max_tokens: int = opt(256, low=2, high=1 << 20, help="Greedy tokens per answer at most.")
+    batch: int = opt(
+        0,
+        low=0,
+        high=1 << 20,
+        help="Requests in the batched phase: the prompts repeated in order up to it, for a batch that fills "
+        "the GPU (vLLM runs up to its max_num_seqs at once); 0: each prompt once.",
+    )
     ignore_eos: bool = opt(False, help="Generate max_tokens for every prompt (the same work per method).")
     phases: str = opt(
         "batch1,batched",
@@ -245,6 +252,7 @@ def run(cfg: EvaluateConfig, log=print) -> dict:
         phases=cfg.phase_list(),
         enforce_eager=cfg.enforce_eager,
         ignore_eos=cfg.ignore_eos,
+        batch=cfg.batch,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=cfg.tensor_parallel_size,
         timeout=cfg.timeout,

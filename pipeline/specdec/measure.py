@@ -10,7 +10,8 @@ or not, no prefix caching, the same max_model_len and dtype), in up to two phase
   (tokens - 1), the decode time a user of an idle server sees. The first prompt is asked once before the
   clock (CUDA graphs, caches), not counted.
 - ``batched``: all prompts in one ``generate`` (vLLM batches up to its ``max_num_seqs``): output tokens/s
-  of a loaded server.
+  of a loaded server; with ``batch`` set, the prompts repeated in order to that many requests (a batch that
+  fills the GPU from fewer held-out prompts).
 
 vLLM's counters (``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens``,
 ``..._num_accepted_tokens_per_pos``) are read before and after each phase, so each phase has its own
@@ -90,6 +91,7 @@ class Engine:
     gpu_memory_utilization: float | None = None
     tensor_parallel_size: int = 1
     ignore_eos: bool = False  # True: every answer is max_tokens long (the same work for every method)
+    batch: int = 0  # requests in the batched phase: the prompts repeated in order; 0: each prompt once
     timeout: float = 1800.0  # seconds per engine process
     env: dict = field(default_factory=dict)
 
@@ -199,8 +201,9 @@ def run_engine(engine: Engine, method: Method, prompts: list[list[int]]) -> dict
                 "tpot_ms": 1000 * decode_s / max(1, n_out - len(tokens)),
             }
         else:
+            asked = [prompts[i % len(prompts)] for i in range(engine.batch)] if engine.batch else prompts
             before = _counters(llm)
-            tokens, wall = _generate(llm, prompts, engine.max_tokens, engine.ignore_eos)
+            tokens, wall = _generate(llm, asked, engine.max_tokens, engine.ignore_eos)
             n_out = sum(len(t) for t in tokens)
             result["phases"][phase] = {
                 "tokens": tokens,
@@ -208,7 +211,7 @@ def run_engine(engine: Engine, method: Method, prompts: list[list[int]]) -> dict
                 "output_tokens": n_out,
                 "wall_s": wall,
                 "output_tokens_per_s": n_out / wall,
-                "batch": len(prompts),
+                "batch": len(asked),
             }
     result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return result

@@ -106,6 +106,8 @@ def test_evaluate_measures_the_draft_against_no_speculation_and_ngram(
         "--max-tokens",
         "12",
         "--ignore-eos",
+        "--batch",
+        "4",
         "--dtype",
         "float32",
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
@@ -124,9 +126,10 @@ def test_evaluate_measures_the_draft_against_no_speculation_and_ngram(
         assert eagle["drafts"] > 0 and eagle["drafts"] < eagle["draft_tokens"] <= 2 * eagle["drafts"], eagle
         assert eagle["acceptance_length"] == pytest.approx(1 + eagle["accepted_tokens"] / eagle["drafts"])
         assert len(eagle["per_position"]) == 2 and none["drafts"] == 0 and none["acceptance_length"] is None
-        assert eagle["greedy_equal"] and eagle["prompts"] == 3, eagle
-        assert eagle["output_tokens"] == none["output_tokens"] == 3 * 12
-    assert rows[("none", "batch1")]["tpot_ms"] > 0 and rows[("none", "batched")]["batch"] == 3
+        n = 3 if phase == "batch1" else 4  # --batch 4: the 3 prompts, then the first again
+        assert eagle["greedy_equal"] and eagle["prompts"] == n, eagle
+        assert eagle["output_tokens"] == none["output_tokens"] == n * 12
+    assert rows[("none", "batch1")]["tpot_ms"] > 0 and rows[("none", "batched")]["batch"] == 4
     assert (out / "evaluate.png").stat().st_size > 1000
     assert "| batch 1 | eagle3 k=2 |" in (out / "evaluate.md").read_text()
     assert result["verdict"] in proc.stdout and "best draft eagle3 k=2" in result["verdict"]
@@ -138,7 +141,7 @@ def test_evaluate_measures_the_draft_against_no_speculation_and_ngram(
     again = run_pipeline(
         "evaluate", "--model", tiny_llama, "--draft", cfg.out, "--prompts", conversations, "--out", out,
         "--k", "2,1", "--ngram-k", "2", "--num-prompts", "3", "--max-tokens", "12", "--ignore-eos",
-        "--dtype", "float32", "--overwrite",
+        "--batch", "4", "--dtype", "float32", "--overwrite",
         env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=1200,
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
