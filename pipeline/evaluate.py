@@ -264,9 +264,12 @@ def run(cfg: EvaluateConfig, log=print) -> dict:
         inputs={"--model": cfg.model, "--draft": cfg.draft, "--prompts": cfg.prompts},
     ) as staging:
         (staging / "engines").mkdir()
-        results = [
-            measured(cfg, engine, method, prompts, staging / "engines", log) for method in methods(cfg, draft)
-        ]
+        plan = methods(cfg, draft)
+        log(
+            f"evaluate: {len(plan)} engines, each its own load of the target "
+            f"({', '.join(m.label for m in plan)}); a result kept from an earlier run skips its load"
+        )
+        results = [measured(cfg, engine, method, prompts, staging / "engines", log) for method in plan]
         table = report.rows(results)
         moved = report.drift(results)
         line = verdict(table, moved)
