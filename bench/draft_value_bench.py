@@ -22,6 +22,9 @@ after each phase. On one H100 (the two calls, each under 10 minutes):
     python -m bench.draft_value_bench --preset gpu --phases evaluate --work /tmp/dv --json $OUT/dv.json
 
 `--preset tiny` runs the same chain on the CPU build in minutes (its figures mean nothing; the smoke test).
+`--preset gpu-padded` (and `tiny-padded`) pads the learned target after its training with parameters that
+add nothing (bench/padded_target.py) so that a decoding step costs what a 5.1B model's does: the batch-1
+speed-up then measures the draft, not vLLM's host work; its layers captured are the learned ones.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -64,6 +68,9 @@ class Preset:
     eval_args: tuple[str, ...] = ()
     regen_max_tokens: int = 512  # regenerate's --max-tokens: a docstring answer runs to ~400 tokens
     regen_args: tuple[str, ...] = ()  # more regenerate flags (the tiny target samples: greedy never stops)
+    # (intermediate_size, extra layers): the learned target padded with parameters that add nothing
+    # (bench/padded_target.py), so that its decoding step costs what a larger model's does
+    pad: tuple[int, int] | None = None
 
 
 PRESETS = {
@@ -126,6 +133,11 @@ PRESETS = {
         ("--gpu-memory-utilization", "0.6"),
     ),
 }
+# the gpu preset's learned target padded to 36 layers of MLP width 45,056 (5.1B parameters, 10 GB in bf16:
+# ~3 ms of an H100's bandwidth a step, above vLLM's 1.7-2.6 ms of host work): the decode-speed question
+PRESETS["gpu-padded"] = dataclasses.replace(PRESETS["gpu"], pad=(45056, 24))
+# the same chain on the CPU with a padded tiny target (its smoke test)
+PRESETS["tiny-padded"] = dataclasses.replace(PRESETS["tiny"], pad=(512, 4))
 
 
 def say(message: str) -> None:
@@ -190,6 +202,15 @@ def build_target(work: Path, p: Preset, res: dict) -> None:
         **p.model,
     )
     release_gpu_memory()  # regenerate's server asks for half the GPU next (H100: 16 of 79 GiB were free)
+    if p.pad is not None:  # every later step sees the padded one as the target
+        from bench.padded_target import pad_target
+
+        learned = work / "target-learned"
+        shutil.rmtree(learned, ignore_errors=True)
+        (work / "target").rename(learned)
+        res["padded"] = pad_target(
+            learned, work / "target", intermediate_size=p.pad[0], extra_layers=p.pad[1]
+        )
     res["target"] = {
         **json.loads((work / "target" / "learned.json").read_text()),
         "rows": {"target_train": len(train), "draft": len(drafts), "eval_prompts": len(evals)},
@@ -247,6 +268,17 @@ def regenerate(work: Path, p: Preset, res: dict) -> None:
     }
 
 
+def learned_layer_ids(p: Preset) -> tuple[str, ...]:
+    """A padded target's captured layers: the three intermediate ones of its learned layers' default ids,
+    then its last layer (whose output is the last learned layer's: the padded ones add zero)."""
+    if p.pad is None:
+        return ()
+    from pipeline.model.layers import default_layer_ids
+
+    ids = [*default_layer_ids(p.model["num_hidden_layers"])[:3], p.model["num_hidden_layers"] + p.pad[1] - 1]
+    return ("--layer-ids", ",".join(map(str, ids)))
+
+
 def draft(work: Path, p: Preset, name: str, data: Path, res: dict) -> None:
     d = work / name
     times = {
@@ -278,6 +310,7 @@ def draft(work: Path, p: Preset, name: str, data: Path, res: dict) -> None:
             p.device,
             "--overwrite",
             "--no-progress",
+            *learned_layer_ids(p),
         ),
     }
     if not (work / "verifier" / "verifier.json").exists():
