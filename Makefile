@@ -30,14 +30,29 @@ demo: env ## tiny model end to end: prepare -> extract -> weights -> train -> ve
 test-fast: env ## tests that need only the light environment
 	$(PY) -m pytest -m "not vllm and not gpu" $(PYTEST_ARGS)
 
-# `make test` runs the suites in TEST_SUITES side by side, each one's output printed whole when it ends: each
-# keeps about one of CI's 2 cores busy (the light suite mostly waits on sshd, Docker and subprocesses; the
-# vLLM CPU suite's load average is ~1.1). Then TEST_AFTER, one at a time: those share the Docker engine and
-# test containers with the light suite's ops tests. The mk/ files add their suites.
-TEST_SUITES := test-fast
+# `make test` runs the suites in TEST_SUITES two at a time (CI has 2 cores), in their order, each one's output
+# printed whole when it ends; then TEST_AFTER, one at a time. The light suite runs there as the chunks below,
+# one pytest run each (together exactly what test-fast runs), so that beside the vLLM CPU suite (mk/vllm.mk
+# puts it first: the longest) and after it both cores keep taking the next suite until none is left: longest
+# first (docs/ci.md has the figures). Each chunk builds the session fixtures it uses again (tiny models, the
+# warm CLI): seconds. The mk/ files add their suites.
+LIGHT_CHUNKS := ops pipeline bench image train
+TEST_SUITES := $(addprefix test-light-,$(LIGHT_CHUNKS)) test-light-rest
 TEST_AFTER :=
-test: ## every test: the light suite and the vLLM CPU suite side by side, then the ones that need them alone
-	$(MAKE) --no-print-directory -j2 --keep-going --output-sync=target $(TEST_SUITES)
+# the suites' environments (the mk/ files add theirs as prerequisites of `test` too): made before the suites
+# start and not looked at again by them (-o), so that they start in TEST_SUITES' order (a suite waiting on a
+# prerequisite gives its turn to the next one)
+TEST_PREPARE := env
+.PHONY: $(addprefix test-light-,$(LIGHT_CHUNKS)) test-light-rest
+$(addprefix test-light-,$(LIGHT_CHUNKS)): test-light-%: env
+	$(PY) -m pytest -m "not vllm and not gpu" tests/$* $(PYTEST_ARGS)
+
+test-light-rest: env
+	$(PY) -m pytest -m "not vllm and not gpu" $(addprefix --ignore=tests/,$(LIGHT_CHUNKS)) $(PYTEST_ARGS)
+
+test: env ## every test: the vLLM CPU suite and the light suite's chunks two at a time, then the ones that need them alone
+	$(MAKE) --no-print-directory -j2 --keep-going --output-sync=target MAKE_TEST=1 \
+	  $(addprefix -o ,$(TEST_PREPARE)) $(TEST_SUITES)
 	$(if $(strip $(TEST_AFTER)),$(MAKE) --no-print-directory $(TEST_AFTER))
 
 # the folders tests/test_lint.py checks (its PATHS)

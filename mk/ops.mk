@@ -44,7 +44,12 @@ bench-ops: env ## remote-extract overhead and SSH connection count against a loo
 test-ops-vllm: env patch-vllm ## ops against a real `vllm serve` (.venv-vllm with patches/ applied: 0003 lets `vllm` start)
 	$(PY) -m pytest -m vllm tests/ops $(PYTEST_ARGS)
 
-TEST_AFTER += test-ops-vllm
+# `make test` runs it with the other suites (the Makefile's TEST_SUITES), once the light ops tests are done: it
+# shares the Docker engine and test containers with them. MAKE_TEST is set by `make test` alone.
+TEST_SUITES += test-ops-vllm
+ifeq ($(MAKE_TEST),1)
+test-ops-vllm: | test-light-ops
+endif
 
 .PHONY: bench-remote-preflight
 bench-remote-preflight: env ## remote-extract on a misconfigured run: seconds from the laptop command to the error line

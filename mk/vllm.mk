@@ -33,7 +33,10 @@ patch-vllm: env-vllm ## apply patches/ to .venv-vllm (a no-op when already appli
 test-vllm: patch-vllm ## tests on a real vLLM 0.32.0 (CPU build) + speculators 0.9.0
 	$(VLLM_PY) -m pytest -m "vllm and not gpu" tests/vllm tests/train tests/bench $(PYTEST_ARGS)
 
-TEST_SUITES += test-vllm
+# first: the longest suite (the Makefile's `test`); its environment is made before the suites start
+TEST_SUITES := test-vllm $(TEST_SUITES)
+TEST_PREPARE += patch-vllm
+test: patch-vllm
 
 # issue #52: the vLLM extraction against the same engine's plain prefill, each row a fresh process (tiny, CPU
 # build); on a GPU host run the command in bench/capture_bench.py's docstring (--preset gpu)

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -120,14 +121,24 @@ class WarmPipeline:
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
         self._n = 0
+        self._pending = b""  # read from the server, not answered yet
 
     def _answer(self, timeout: float | None) -> dict:
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError
-        line = self._proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the warm pipeline server exited ({self._proc.wait()})")
+        """The server's next line. Read from the pipe's fd with our own buffer: select() on a file object
+        misses a line that its buffer already holds (a fast command's two lines read at once), and would
+        then wait out the whole timeout."""
+        fd = self._proc.stdout.fileno()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"the warm pipeline server exited ({self._proc.wait()})")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
         return json.loads(line)
 
     def run(

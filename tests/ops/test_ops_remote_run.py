@@ -423,7 +423,7 @@ def test_remote_train_with_produced_states(scene, train_host, dk):
 
     hosts.write_text(hosts.read_text() + "trainer_gpus = [1]\n")
     cpu = ("--device", "cpu", "--states-device", "cpu", "--prepared", "/data/prepared-draft")
-    extra = (*cpu, "--epochs", "40", "--max-len", "64", "--no-plots", "--no-eval")
+    extra = (*cpu, "--epochs", "2", "--max-len", "64", "--no-plots", "--no-eval")
     res = _train_ops(
         train_host, "remote-train", "--run-id", "tr1", "--runs-dir", runs, "--detach", extra=extra
     )
@@ -449,6 +449,10 @@ def test_remote_train_with_produced_states(scene, train_host, dk):
         assert ctr.id in Path(f"/proc/{pid}/cgroup").read_text(), pid
     # `sh -c` is the container's first process, `python -m pipeline train` its child
     (trainer,) = [p for p in pids if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"python\0")]
+    # Held stopped while gpu-clean looks at it: it stays the GPU holder however short its run (2 epochs, not
+    # 40 to outlast gpu-clean). A SIGTERM from gpu-clean would wait for SIGCONT and then end the run, which
+    # the attach below would report; a SIGKILL would end it at once, which alive() below sees.
+    os.kill(trainer, signal.SIGSTOP)
     write_gpu_table(
         train_host["table"],
         [{"processes": [train_host["server"]]}, {"processes": [{"pid": trainer, "used_mib": 5000}]}],
@@ -458,13 +462,14 @@ def test_remote_train_with_produced_states(scene, train_host, dk):
     assert "stage run tr1 (container eagle-tr1) holds GPUs on box" in clean.stderr
     ctr.reload()
     assert ctr.status == "running" and alive(trainer)  # nothing was signalled
+    os.kill(trainer, signal.SIGCONT)
 
     res = _train_ops(train_host, "attach", "tr1", "--runs-dir", runs, "--restore-server", timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr
     local = Path(runs) / "box" / "tr1"
     summary = json.loads((local / "summary.json").read_text())
     states = summary["train"]["states"]
-    assert summary["complete"] and summary["epochs"] == 40 and states["mode"] == "hybrid"
+    assert summary["complete"] and summary["epochs"] == 2 and states["mode"] == "hybrid"
     assert states["budget_bytes"] == 50_000_000 and 0 < states["peak_bytes"] <= 50_000_000
     assert "OK (0 failed checks)" in (local / "stage.log").read_text()  # `pipeline verify` of the draft
     config = json.loads((scene["data"] / "train_states" / "data_config.json").read_text())

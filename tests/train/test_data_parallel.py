@@ -15,6 +15,7 @@ import torch
 
 from pipeline.ondisk import formats
 from pipeline.train import stage, states
+from pipeline.train.config import TrainConfig
 from tests.conftest import REPO
 from tests.train.states_helpers import (
     RANKS,
@@ -108,8 +109,18 @@ def dp_inputs(tmp_path_factory, tiny_llama, conversations) -> dict:
     return {**inputs, "states": root / "states"}
 
 
+@pytest.fixture(scope="module")
+def offline_ddp(dp_inputs, tmp_path_factory) -> TrainConfig:
+    """The 2-rank offline run on extract's states (speculators' DDP, the tests' default config): the
+    reference of the online and the FSDP tests, trained once for both."""
+    cfg = states_config(dp_inputs, dp_inputs["states"], tmp_path_factory.mktemp("dp-offline") / "offline")
+    done = torchrun(cli_args(cfg))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return cfg
+
+
 @pytest.mark.slow
-def test_two_ranks_online_give_the_two_rank_offline_draft_bit_for_bit(dp_inputs, tmp_path):
+def test_two_ranks_online_give_the_two_rank_offline_draft_bit_for_bit(dp_inputs, offline_ddp, tmp_path):
     """2 CPU ranks (gloo, speculators' DDP), once offline on extract's states and once online under a budget
     well under the set: rank 0 produces for both ranks in their reading order, each rank reads and deletes
     its own transient files. The same data order gives the same checkpoint weights bit for bit and the same
@@ -117,9 +128,7 @@ def test_two_ranks_online_give_the_two_rank_offline_draft_bit_for_bit(dp_inputs,
     only the kept files remain and `pipeline verify` passes them."""
     from pipeline import verify
 
-    ref = states_config(dp_inputs, dp_inputs["states"], tmp_path / "offline")
-    done = torchrun(cli_args(ref))
-    assert done.returncode == 0, done.stderr[-4000:]
+    ref = offline_ddp
     off = json.loads((ref.out / "summary.json").read_text())["train"]
     assert off["world_size"] == RANKS and off["device"] == "cpu" and off["complete"]
 
@@ -233,16 +242,15 @@ def test_two_ranks_killed_mid_epoch_resume_to_the_offline_draft(dp_inputs, tmp_p
 
 
 @pytest.mark.slow
-def test_fsdp_shards_the_draft_and_trains_what_ddp_trains(dp_inputs, tmp_path):
+def test_fsdp_shards_the_draft_and_trains_what_ddp_trains(dp_inputs, offline_ddp, tmp_path):
     """`--fsdp` under torchrun (2 CPU ranks, speculators' FSDP on gloo): each rank holds a shard of the draft
     and its optimizer state, the checkpoints are full state dicts gathered by rank 0, and the weights after
     each epoch are the DDP run's up to the reductions' summation order; the exported draft is there. One
     process with --fsdp is refused in one line before anything is written."""
-    ddp = states_config(dp_inputs, dp_inputs["states"], tmp_path / "ddp")
+    ddp = offline_ddp
     fsdp = states_config(dp_inputs, dp_inputs["states"], tmp_path / "fsdp")
-    for cfg, extra in ((ddp, []), (fsdp, ["--fsdp"])):
-        done = torchrun([*cli_args(cfg), *extra])
-        assert done.returncode == 0, done.stderr[-4000:]
+    done = torchrun([*cli_args(fsdp), "--fsdp"])
+    assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((fsdp.out / "summary.json").read_text())
     assert summary["complete"] and summary["train"]["world_size"] == RANKS
     assert summary["train"]["data_parallel"] == "fsdp"  # the trainer's model is an FSDP module
