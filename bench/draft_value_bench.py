@@ -22,9 +22,12 @@ after each phase. On one H100 (the two calls, each under 10 minutes):
     python -m bench.draft_value_bench --preset gpu --phases evaluate --work /tmp/dv --json $OUT/dv.json
 
 `--preset tiny` runs the same chain on the CPU build in minutes (its figures mean nothing; the smoke test).
-`--preset gpu-padded` (and `tiny-padded`) pads the learned target after its training with parameters that
-add nothing (bench/padded_target.py) so that a decoding step costs what a 5.1B model's does: the batch-1
-speed-up then measures the draft, not vLLM's host work; its layers captured are the learned ones.
+`--preset gpu-padded` (and `tiny-padded`) pads the learned target with parameters that add nothing
+(bench/padded_target.py) before the drafts are evaluated (the `pad` step, first of `evaluate`), so that a
+decoding step costs what a 5.1B model's does: the batch-1 speed-up then measures the draft, not vLLM's host
+work. Regenerate and the drafts run on the learned target, whose function the padded one computes:
+    python -m bench.draft_value_bench --preset gpu-padded --phases target,regenerate,regen-draft ...
+    python -m bench.draft_value_bench --preset gpu-padded --phases pad,eval-regen ...
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ PRESETS = {
 }
 # the gpu preset's learned target padded to 36 layers of MLP width 45,056 (5.1B parameters, 10 GB in bf16:
 # ~3 ms of an H100's bandwidth a step, above vLLM's 1.7-2.6 ms of host work): the decode-speed question
-PRESETS["gpu-padded"] = dataclasses.replace(PRESETS["gpu"], pad=(45056, 24))
+PRESETS["gpu-padded"] = dataclasses.replace(PRESETS["gpu"], pad=(45056, 24), k="3,4")
 # the same chain on the CPU with a padded tiny target (its smoke test)
 PRESETS["tiny-padded"] = dataclasses.replace(PRESETS["tiny"], pad=(512, 4))
 
@@ -202,20 +205,25 @@ def build_target(work: Path, p: Preset, res: dict) -> None:
         **p.model,
     )
     release_gpu_memory()  # regenerate's server asks for half the GPU next (H100: 16 of 79 GiB were free)
-    if p.pad is not None:  # every later step sees the padded one as the target
-        from bench.padded_target import pad_target
-
-        learned = work / "target-learned"
-        shutil.rmtree(learned, ignore_errors=True)
-        (work / "target").rename(learned)
-        res["padded"] = pad_target(
-            learned, work / "target", intermediate_size=p.pad[0], extra_layers=p.pad[1]
-        )
     res["target"] = {
         **json.loads((work / "target" / "learned.json").read_text()),
         "rows": {"target_train": len(train), "draft": len(drafts), "eval_prompts": len(evals)},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+
+
+def pad(work: Path, p: Preset, res: dict) -> None:
+    """Pad the learned target in place (it moves to ``target-learned``) before the drafts are evaluated: the
+    padded one computes the same function (bench/padded_target.py; its test), so the drafts learned on the
+    learned target's states are drafts of it, and only the step's cost changes. A no-op without ``pad``
+    or when already padded (a resumed run)."""
+    learned = work / "target-learned"
+    if p.pad is None or learned.exists():
+        return
+    from bench.padded_target import pad_target
+
+    (work / "target").rename(learned)
+    res["padded"] = pad_target(learned, work / "target", intermediate_size=p.pad[0], extra_layers=p.pad[1])
 
 
 def regenerate(work: Path, p: Preset, res: dict) -> None:
@@ -268,10 +276,11 @@ def regenerate(work: Path, p: Preset, res: dict) -> None:
     }
 
 
-def learned_layer_ids(p: Preset) -> tuple[str, ...]:
-    """A padded target's captured layers: the three intermediate ones of its learned layers' default ids,
-    then its last layer (whose output is the last learned layer's: the padded ones add zero)."""
-    if p.pad is None:
+def learned_layer_ids(work: Path, p: Preset) -> tuple[str, ...]:
+    """The layers a draft built after padding captures: the learned layers' default ids (the three
+    intermediate ones), then the padded target's last layer (whose output is the last learned layer's:
+    the padded ones add zero), so that every draft of one run learns the same states."""
+    if p.pad is None or not (work / "target-learned").exists():
         return ()
     from pipeline.model.layers import default_layer_ids
 
@@ -310,7 +319,7 @@ def draft(work: Path, p: Preset, name: str, data: Path, res: dict) -> None:
             p.device,
             "--overwrite",
             "--no-progress",
-            *learned_layer_ids(p),
+            *learned_layer_ids(work, p),
         ),
     }
     if not (work / "verifier" / "verifier.json").exists():
@@ -418,7 +427,7 @@ def judge(rows: list[dict], original: list[dict]) -> dict:
     default="build,evaluate",
     show_default=True,
     help="build, evaluate, or both; or steps by name (target, regenerate, regen-draft, original-draft, "
-    "eval-regen, eval-original).",
+    "pad, eval-regen, eval-original).",
 )
 @click.option("--json", "json_out", type=click.Path(path_type=Path), required=True)
 def main(preset: str, work: Path, phases: str, json_out: Path) -> None:
@@ -441,6 +450,7 @@ def main(preset: str, work: Path, phases: str, json_out: Path) -> None:
             ("original-draft", lambda: draft(work, p, "original-draft", work / "original.jsonl", res)),
         ],
         "evaluate": [
+            ("pad", lambda: pad(work, p, res)),
             ("eval-regen", lambda: evaluate(work, p, res, "regen")),
             ("eval-original", lambda: evaluate(work, p, res, "original")),
         ],

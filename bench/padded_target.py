@@ -13,9 +13,9 @@ learned one instead, with parameters that add exactly nothing to its residual st
   ``o_proj`` and ``down_proj`` zero: attention and MLP computed in full, their outputs 0 on the residual.
 
 The learned layers keep their weights, the final norm, embeddings and lm_head are unchanged, so the padded
-target computes the same function (up to the rounding of its wider matmuls); every stage then treats it as
-the target: regenerate asks it, extract captures its layers, the draft learns its states, evaluate decodes
-it. What it is not: a larger model's *answers* (the text is the small target's).
+target computes the same function (up to the rounding of its wider matmuls), and a draft of the learned
+target is a draft of it: the draft-value bench pads after the drafts are trained, and evaluate decodes the
+padded one. What it is not: a larger model's *answers* (the text is the small target's).
 """
 
 from __future__ import annotations

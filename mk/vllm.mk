@@ -44,6 +44,13 @@ test: patch-vllm
 bench-capture: patch-vllm ## vLLM extraction vs plain prefill, cold/warm, each capture lever, hf (tiny on the CPU build)
 	$(VLLM_PY) -m bench.capture_bench run --preset tiny --workdir /tmp/capture-bench --json-out runs/bench-capture.json $(BENCH_ARGS)
 
+# issue #48: is the draft worth serving? A learned target, its answers regenerated through its `vllm serve`, two
+# drafts, `pipeline evaluate` (tiny on the CPU build: the path, not the figures); on a GPU host run the
+# commands in docs/benchmarks.md, "Draft quality and decode speed" (--preset gpu-padded)
+.PHONY: bench-draft-value
+bench-draft-value: patch-vllm ## draft acceptance and decode speed in vLLM vs none and n-gram, regenerated vs original answers (tiny on the CPU build)
+	$(VLLM_PY) -m bench.draft_value_bench --preset tiny-padded --work /tmp/draft-value-bench --json runs/bench-draft-value.json $(BENCH_ARGS)
+
 .PHONY: bench-preflight
 bench-preflight: patch-vllm ## preflight's time to the first error vs. extract's time to its model load
 	$(VLLM_PY) bench/preflight_bench.py --workdir /tmp/preflight-bench --json-out runs/preflight_bench.json
