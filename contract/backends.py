@@ -9,6 +9,12 @@ would repay its start from ~6M (8b) to ~11M (1b) tokens; one sample per row is n
 for that. So hf where the weights fit one GPU (data parallel over the GPUs: one process each), vLLM where they
 do not (tensor parallel over the GPUs: the reference Kimi-K2.5 target, ~595 GB on 96 GB cards, fits no single
 card).
+Re-measured side by side on one H100 (docs/benchmarks.md, "Extraction against plain prefill", 2026-12-06):
+vLLM's loop ran 1.08x hf's cold and 1.15x warm on llama-1b (1.59M tokens), 1.04x and 1.09x on llama-8b, and
+hf reached its first batch 15-17 s sooner (1b: 11.6 s against 26.6-27.0 s), so vLLM's whole process is the
+shorter one from ~25M (1b warm) to ~44M (1b cold) tokens, ~8-18M on 8b: a large set on one GPU would gain up
+to ~8% with vLLM, while on several GPUs hf runs one process per GPU against vLLM's tensor parallelism, which
+is unmeasured (it needs two GPUs). The rule stands until that run.
 Those figures are dense Llamas'. An MoE target (routed experts in config.json, as contract/experts.py reads
 them) that fits one GPU goes to vLLM where the stage sees one GPU: on a DeepSeek-V3 layout of 9.3B parameters
 (1.3B met per token; bench/gpu_models.py's dsv3-9b) on one H100 (docs/benchmarks-history.md, "2026-12-05
@@ -36,7 +42,10 @@ BACKENDS = ("hf", "vllm")
 # The weights must fit in this share of one GPU's memory for the hf backend: the rest holds a batch's
 # activations (32,768 tokens by default) and the CUDA context.
 FIT_SHARE = 0.8
-MEASURED = "vLLM's loop is level with hf's there; hf starts 7-13 s sooner (H200, docs/benchmarks.md)"
+MEASURED = (
+    "vLLM's loop ran 1.04-1.15x hf's there, hf starts 15-17 s sooner: vLLM pays from ~8-44M tokens on "
+    "one GPU (H100, docs/benchmarks.md)"
+)
 MEASURED_MOE = (
     "vLLM's fused-MoE loop ran 1.7-2.0x hf's from warm caches (1.2-1.5x cold), hf starts 22-27 s sooner: "
     "vLLM pays from ~5M tokens (H100, docs/benchmarks.md)"

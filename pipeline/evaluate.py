@@ -24,7 +24,7 @@ from pipeline.ondisk import provenance
 from pipeline.ondisk.atomic import write_json
 from pipeline.ondisk.outdir import staged_dir
 from pipeline.options import opt, options, validate
-from pipeline.specdec import cache, report
+from pipeline.specdec import report
 from pipeline.specdec.cache import ResultCache
 from pipeline.specdec.measure import PHASES, Engine, Method, require_vllm, run_child
 
@@ -180,6 +180,8 @@ def verdict(table: list[dict], drift: dict[str, float]) -> str:
         f"best draft {eagle['label']} ({phase}): acceptance length {eagle['acceptance_length'] or 1:.2f}, "
         f"{eagle['speedup']:.2f}x no speculation"
     )
+    if eagle.get("decode_speedup"):
+        text += f" ({eagle['decode_speedup']:.2f}x per output token after the first)"
     if ngram is not None:
         text += (
             f", {eagle['output_tokens_per_s'] / ngram['output_tokens_per_s']:.2f}x {ngram['label']} "
@@ -196,24 +198,23 @@ def verdict(table: list[dict], drift: dict[str, float]) -> str:
     )
 
 
-def measured(cfg: EvaluateConfig, engine: Engine, method: Method, prompts, engines: Path, log) -> dict:
-    """One method's result: the one an earlier run left under the same key (unless --fresh), else its
+def measured(
+    keep: ResultCache, fresh: bool, engine: Engine, method: Method, prompts, engines: Path, log
+) -> dict:
+    """One method's result: the one an earlier run left under the same key (unless ``fresh``), else its
     engine's, kept for the next run as soon as the engine exited cleanly."""
-    keep = ResultCache(cfg.out.with_name(f".{cfg.out.name}.engines"))
-    digest = cache.key(engine, method, prompts)
-    name = method.label.replace(" ", "_").replace("=", "")
-    result = None if cfg.fresh else keep.get(method, digest)
+    result = None if fresh else keep.get(method)
     if result is not None:
         result = {**result, "reused": True}
-        write_json(engines / f"{name}.json", result)
+        write_json(engines / f"{method.slug}.json", result)
         log(
             f"evaluate: {method.label}: reused the result measured at {result.get('finished_at')} "
             "(--fresh measures it again)"
         )
     else:
         log(f"evaluate: {method.label} on {len(prompts)} prompts ...")
-        result = run_child(engine, method, prompts, engines / f"{name}.json")
-        keep.put(method, digest, result)
+        result = run_child(engine, method, prompts, engines / f"{method.slug}.json")
+        keep.put(method, result)
     for phase, r in result["phases"].items():
         log(f"  {phase}: {r['output_tokens_per_s']:,.1f} output tok/s")
     return result
@@ -222,14 +223,15 @@ def measured(cfg: EvaluateConfig, engine: Engine, method: Method, prompts, engin
 def refuse_unservable(model: Path) -> None:
     """A target this vLLM cannot start an engine for here (an INT4-expert MoE on the CPU build), refused in
     one line before the first engine's start, as extract refuses it (pipeline/model/quantization.py)."""
-    from pipeline.model import quantization
     from contract.experts import experts_met
+    from pipeline.model.quantization import read_quantization, vllm_refusal
 
     if not (model / "config.json").is_file():
         raise StageError(f"--model {model}: no config.json in it: pass the target model's folder")
     raw = json.loads((model / "config.json").read_text())
-    if refusal := quantization.refusal("vllm", raw, experts_met(raw)[1]):
-        raise StageError(refusal.replace("run --backend vllm on a GPU, or --backend hf", "evaluate on a GPU"))
+    refusal = vllm_refusal(raw, read_quantization(raw), experts_met(raw)[1], remedy="evaluate on a GPU")
+    if refusal:
+        raise StageError(refusal)
 
 
 def run(cfg: EvaluateConfig, log=print) -> dict:
@@ -269,7 +271,10 @@ def run(cfg: EvaluateConfig, log=print) -> dict:
             f"evaluate: {len(plan)} engines, each its own load of the target "
             f"({', '.join(m.label for m in plan)}); a result kept from an earlier run skips its load"
         )
-        results = [measured(cfg, engine, method, prompts, staging / "engines", log) for method in plan]
+        keep = ResultCache(cfg.out.with_name(f".{cfg.out.name}.engines"), engine, prompts)
+        results = [
+            measured(keep, cfg.fresh, engine, method, prompts, staging / "engines", log) for method in plan
+        ]
         table = report.rows(results)
         moved = report.drift(results)
         line = verdict(table, moved)

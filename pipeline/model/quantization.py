@@ -131,9 +131,15 @@ def cpu_wna16_moe_kernels() -> list[type]:
     return kernels
 
 
-def vllm_refusal(raw: Mapping, quant: Quantization | None, experts: int) -> str | None:
-    """Why the installed vLLM cannot start an engine for this checkpoint on this platform, or None. Asked
-    only of a WNA16 MoE on a CPU platform (see the module docstring); imports vLLM."""
+VLLM_REMEDY = "run --backend vllm on a GPU, or --backend hf"
+
+
+def vllm_refusal(
+    raw: Mapping, quant: Quantization | None, experts: int, remedy: str = VLLM_REMEDY
+) -> str | None:
+    """Why the installed vLLM cannot start an engine for this checkpoint on this platform, or None; the
+    line ends with ``remedy`` (what the asking stage's user does instead). Asked only of a WNA16 MoE on a CPU
+    platform (see the module docstring); imports vLLM."""
     if quant is None or not quant.weight_only_int or not experts:
         return None
     from vllm.model_executor.layers.quantization.utils.quant_utils import kInt4Static
@@ -154,7 +160,7 @@ def vllm_refusal(raw: Mapping, quant: Quantization | None, experts: int) -> str 
     return (
         f"the vLLM CPU build has no WNA16 MoE kernel for this INT4-expert target ({'; '.join(reasons)}); "
         "the engine would die at start ('No WNA16 MoE backend supports the deployment configuration'): "
-        "run --backend vllm on a GPU, or --backend hf"
+        + remedy
     )
 
 

@@ -28,37 +28,38 @@ def folder_fingerprint(path: str | Path | None) -> list:
     )
 
 
-def key(engine: Engine, method: Method, prompts: list[list[int]]) -> str:
-    import vllm
-
-    blob = {
-        "engine": asdict(engine),
-        "method": asdict(method),
-        "prompts": prompts,
-        "vllm": vllm.__version__,
-        "target_files": folder_fingerprint(engine.target),
-        "draft_files": folder_fingerprint(method.draft),
-    }
-    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
-
-
 class ResultCache:
-    """Results by key in one folder (beside the stage's output)."""
+    """Results by key in one folder (beside the stage's output), for one engine's settings and prompts: what
+    every method's key shares (the settings, the prompts, vLLM's version, the target's files) is read once."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, engine: Engine, prompts: list[list[int]]):
+        import vllm
+
         self.folder = folder
+        self._shared = {
+            "engine": asdict(engine),
+            "prompts": prompts,
+            "vllm": vllm.__version__,
+            "target_files": folder_fingerprint(engine.target),
+        }
+
+    def key(self, method: Method) -> str:
+        blob = {**self._shared, "method": asdict(method), "draft_files": folder_fingerprint(method.draft)}
+        return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
     def _path(self, method: Method, digest: str) -> Path:
-        return self.folder / f"{method.label.replace(' ', '_').replace('=', '')}-{digest[:20]}.json"
+        return self.folder / f"{method.slug}-{digest[:20]}.json"
 
-    def get(self, method: Method, digest: str) -> dict | None:
-        path = self._path(method, digest)
+    def get(self, method: Method) -> dict | None:
+        """The result kept under ``method``'s key, or None (none kept, or torn, or another key's)."""
+        digest = self.key(method)
         try:
-            result = json.loads(path.read_text())
+            result = json.loads(self._path(method, digest).read_text())
         except (OSError, ValueError):
             return None
         return result if isinstance(result, dict) and result.get("key") == digest else None
 
-    def put(self, method: Method, digest: str, result: dict) -> None:
+    def put(self, method: Method, result: dict) -> None:
+        digest = self.key(method)
         self.folder.mkdir(parents=True, exist_ok=True)
         write_json(self._path(method, digest), {**result, "key": digest})

@@ -65,6 +65,11 @@ class Method:
             " again" if self.again else ""
         )
 
+    @property
+    def slug(self) -> str:
+        """The label as a file name: ``eagle3_k3``, ``none_again``."""
+        return self.label.replace(" ", "_").replace("=", "")
+
     def speculative_config(self) -> dict | None:
         if self.name == "none":
             return None

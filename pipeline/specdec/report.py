@@ -1,7 +1,8 @@
 """What ``pipeline evaluate`` shows: one row per decoding method and phase, a markdown table, one plot.
 
 Owns the comparison, pure: each method's phase against the ``none`` engine's same phase (speed-up of output
-tokens/s, greedy equality prompt by prompt), and the acceptance from the phase's own counters
+tokens/s over whole requests, decode speed-up of the time per output token after the first at batch 1,
+greedy equality prompt by prompt), and the acceptance from the phase's own counters
 (measure.acceptance_from_counters). The plot (matplotlib, Agg) draws what the rows hold, nothing more.
 """
 
@@ -10,17 +11,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.ondisk.atomic import atomic_path
-from pipeline.specdec.measure import acceptance_from_counters
+from pipeline.specdec.measure import Method, acceptance_from_counters
+
+
+def _none_mean(results: list[dict], key: str) -> dict[str, float]:
+    """Per phase, the mean of ``key`` over every ``none`` engine's run of it (the first, and the one run
+    again after the others where evaluate brackets them); phases without ``key`` are left out."""
+    nones = [r for r in results if r["method"]["name"] == "none"]
+    values = {phase: [n["phases"][phase].get(key) for n in nones] for phase in nones[0]["phases"]}
+    return {phase: sum(v) / len(v) for phase, v in values.items() if None not in v}
 
 
 def baseline_speed(results: list[dict]) -> dict[str, float]:
-    """Per phase, the output tok/s speed-ups are taken against: the mean of every ``none`` engine's (the
-    first, and the one run again after the others where evaluate brackets them)."""
-    nones = [r for r in results if r["method"]["name"] == "none"]
-    return {
-        phase: sum(n["phases"][phase]["output_tokens_per_s"] for n in nones) / len(nones)
-        for phase in nones[0]["phases"]
-    }
+    """Per phase, the output tok/s the speed-ups are taken against: the mean of every ``none`` engine's."""
+    return _none_mean(results, "output_tokens_per_s")
 
 
 def drift(results: list[dict]) -> dict[str, float]:
@@ -43,11 +47,11 @@ def rows(results: list[dict]) -> list[dict]:
     Greedy equality is against that first ``none``; speed-ups against baseline_speed."""
     base = {phase: r for phase, r in results[0]["phases"].items()}
     speed = baseline_speed(results)
+    tpot = _none_mean(results, "tpot_ms")  # batch 1: the decode rate, without each request's first token
     out = []
     for result in results:
         method = result["method"]
-        label = "none" if method["name"] == "none" else f"{method['name']} k={method['k']}"
-        label += " again" if method.get("again") else ""
+        label = Method(**method).label
         for phase, r in result["phases"].items():
             same = [a == b for a, b in zip(r["tokens"], base[phase]["tokens"], strict=True)]
             row = {
@@ -58,6 +62,7 @@ def rows(results: list[dict]) -> list[dict]:
                 "output_tokens": r["output_tokens"],
                 "output_tokens_per_s": r["output_tokens_per_s"],
                 "speedup": r["output_tokens_per_s"] / speed[phase],
+                "decode_speedup": tpot[phase] / r["tpot_ms"] if r.get("tpot_ms") and phase in tpot else None,
                 "greedy_equal": all(same),
                 "greedy_equal_prompts": sum(same),
                 "prompts": len(same),
@@ -78,8 +83,8 @@ def markdown(table: list[dict]) -> str:
     """The rows as one markdown table, batch 1 first."""
     lines = [
         "| phase | method | acceptance length | per position | output tok/s | speed-up | TPOT ms "
-        "| greedy equal |",
-        "|---|---|---:|---|---:|---:|---:|---|",
+        "| decode speed-up | greedy equal |",
+        "|---|---|---:|---|---:|---:|---:|---:|---|",
     ]
     for phase in ("batch1", "batched"):
         for r in (r for r in table if r["phase"] == phase):
@@ -89,7 +94,7 @@ def markdown(table: list[dict]) -> str:
             lines.append(
                 f"| {where} | {r['label']} | {_num(r['acceptance_length'], '.3f')} | {per} | "
                 f"{r['output_tokens_per_s']:,.1f} | {r['speedup']:.2f}x | {_num(r.get('tpot_ms'), '.2f')} | "
-                f"{equal} |"
+                f"{_num(r.get('decode_speedup'), '.2f')}{'x' if r.get('decode_speedup') else ''} | {equal} |"
             )
     reused = sorted({f"{r['label']} ({r['measured_at']})" for r in table if r.get("reused")})
     if reused:  # speeds measured in another run: the reader weighs them knowing so

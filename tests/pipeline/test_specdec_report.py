@@ -48,3 +48,28 @@ def test_one_no_speculation_run_has_no_drift_and_an_unequal_answer_is_named():
     line = verdict(table, {})
     assert "1.50x no speculation" in line and "moved" not in line
     assert line.endswith("greedy output differs for eagle3 k=2")
+
+
+def test_decode_speedup_is_the_time_per_output_token_against_the_no_speculation_engines_mean():
+    """Batch 1 holds two figures: output tok/s over whole requests (prefill and the first token in it) and the
+    decode rate after the first token (TPOT); each against the mean of the bracketing none engines."""
+    results = [
+        result("none", 100.0, [[1, 2, 3]]),
+        result("eagle3", 180.0, [[1, 2, 3]], k=4, accepted=13),
+        result("none", 100.0, [[1, 2, 3]], again=True),
+    ]
+    for r, tpot in zip(results, (5.0, 2.4, 4.6), strict=True):
+        r["phases"]["batch1"]["tpot_ms"] = tpot
+    table = {r["label"]: r for r in report.rows(results)}
+    assert table["eagle3 k=4"]["decode_speedup"] == pytest.approx(4.8 / 2.4)
+    assert table["eagle3 k=4"]["speedup"] == pytest.approx(1.8)
+    line = verdict(list(table.values()), report.drift(results))
+    assert "1.80x no speculation (2.00x per output token after the first)" in line
+    md = report.markdown(list(table.values()))
+    assert "| decode speed-up |" in md and "| 2.00x |" in md
+
+
+def test_without_tpot_there_is_no_decode_speedup():
+    table = report.rows([result("none", 100.0, [[1]]), result("ngram", 120.0, [[1]], k=3, accepted=1)])
+    assert [r["decode_speedup"] for r in table] == [None, None]
+    assert "| - |" in report.markdown(table)
