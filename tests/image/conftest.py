@@ -18,7 +18,9 @@ def docker_client():
     import docker
 
     try:
-        client = docker.from_env()
+        # removing the CI images and pruning ~20 GB of build cache (below) took over the SDK's default 60 s
+        # on a loaded 2-core machine
+        client = docker.from_env(timeout=600)
         client.ping()
     except docker.errors.DockerException as exc:
         pytest.fail(f"no Docker engine ({exc}): start dockerd (.ci/setup.d/10-docker.sh)")

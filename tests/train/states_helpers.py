@@ -202,29 +202,42 @@ def signal_after_steps(
     sig: int = signal.SIGKILL,
     timeout: float = 300,
     module: str = "pipeline",
+    hold: bool = False,
 ) -> tuple[subprocess.Popen, int, list[int]]:
     """Start ``argv`` (a ``python -m MODULE train`` run writing to ``out``), send ``sig`` to that process
-    alone once metrics.jsonl holds ``steps`` training rows, and wait for it to end. Returns the process
-    (its stderr read into ``proc.stderr_text``), the rows seen at the signal, and the pids of the process's
-    descendants just before it (an engine's processes)."""
+    alone once metrics.jsonl holds ``steps`` training rows, and wait for it to end. With ``hold`` (a MODULE
+    that reads tests/train/held_train.py's HOLD) the process stops itself at that row, is
+    signalled stopped, then continued, so that the signal lands at that step however loaded the machine.
+    Returns the process (its stderr read into ``proc.stderr_text``), the rows seen at the signal, and the
+    pids of the process's descendants just before it (an engine's processes)."""
     import psutil
+
+    from tests.train.held_train import HOLD
 
     err = tempfile.TemporaryFile("w+")  # not a pipe: a child that outlives the process would hold it open
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *argv],
         cwd=REPO,
-        env=pipeline_env(),
+        env={**pipeline_env(), **({HOLD: str(steps)} if hold else {})},
         stdout=subprocess.DEVNULL,
         stderr=err,
         text=True,
         start_new_session=True,  # a Ctrl-C of the test's terminal does not reach it; only `sig` does
     )
     rows = rows_seen(proc, out, steps, timeout)
+    if hold:  # the row is written just before the process stops itself: wait for the stop
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, f"the process did not stop itself at {steps} rows"
+            time.sleep(0.01)
+        rows = len(train_rows(out))
     try:
         children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         children = []
     proc.send_signal(sig)
+    if hold:
+        proc.send_signal(signal.SIGCONT)  # a caught signal (SIGINT) is handled once the process runs again
     proc.wait(timeout=timeout)
     err.seek(0)
     proc.stderr_text = err.read()
@@ -272,7 +285,11 @@ def committed_step(out: Path) -> tuple[int, int]:
 
 
 def interrupt_then_resume(
-    cfg: TrainConfig, stops: list[tuple[int, int]], timeout: float = 600, module: str = "pipeline"
+    cfg: TrainConfig,
+    stops: list[tuple[int, int]],
+    timeout: float = 600,
+    module: str = "pipeline",
+    hold: bool = False,
 ) -> dict:
     """Run ``cfg`` as a `python -m MODULE train` process (MODULE: pipeline, or a wrapper of it), signalled
     at each ``(signal, training rows seen)`` of ``stops`` in turn (each run after the first with
@@ -285,7 +302,7 @@ def interrupt_then_resume(
     with BytesWatch(cfg.data) as watch:
         for n, (sig, rows_at) in enumerate(stops):
             proc, rows, children = signal_after_steps(
-                [*argv, *(["--resume"] if n else [])], cfg.out, rows_at, sig, timeout, module
+                [*argv, *(["--resume"] if n else [])], cfg.out, rows_at, sig, timeout, module, hold
             )
             when = time.time()
             for i in formats.existing_data_indices(cfg.data):

@@ -396,7 +396,9 @@ def test_sigkill_mid_epoch_then_resume(stage_inputs, offline, tmp_path):
         num_workers=2,
     )
     steps = offline["summary"]["train"]["steps_per_epoch"]
-    result = interrupt_then_resume(cfg, [(signal.SIGKILL, steps + 2)], timeout=300)
+    result = interrupt_then_resume(
+        cfg, [(signal.SIGKILL, steps + 2)], timeout=300, module="tests.train.held_train", hold=True
+    )
     (killed,) = result["stops"]
     assert len(killed["children"]) >= 2  # the loader's workers (and their resource tracker) were running
     assert not still_alive(killed["children"], within=30), "a loader worker outlived the killed trainer"

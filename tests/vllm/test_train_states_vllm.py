@@ -302,7 +302,7 @@ def test_sigint_then_sigkill_then_resume(stage_inputs, offline, tmp_path):
         states_producer="thread",  # the process's own engine (the producer process: the torchrun tests)
     )
     result = interrupt_then_resume(
-        cfg, [(signal.SIGINT, 2), (signal.SIGKILL, steps + 2)], timeout=600, module=WRAPPER
+        cfg, [(signal.SIGINT, 2), (signal.SIGKILL, steps + 2)], timeout=600, module=WRAPPER, hold=True
     )
     interrupted, killed = result["stops"]
     assert interrupted["proc"].returncode == 130, interrupted["proc"].stderr_text[-2000:]
