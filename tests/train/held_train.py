@@ -14,15 +14,22 @@ HOLD = "EAGLE_TEST_HOLD_AT_ROWS"
 
 
 def hold_at(rows: int) -> None:
-    """Stop this process (SIGSTOP) right after the metrics row that makes ``rows`` training rows."""
+    """Stop this process (SIGSTOP) once, right after the metrics row that makes ``rows`` training rows
+    (counting the rows an earlier run of the same output left). Once: a process continued after a caught
+    signal (SIGINT) may write another row on its way out and must not stop again."""
     from pipeline.train import trainer
 
     emit = trainer.MetricsFile.emit
+    held = False
 
     def emit_then_hold(self, record) -> None:
+        nonlocal held
         emit(self, record)
+        if held or not isinstance(record.msg, dict):
+            return
         lines = self.path.read_text().splitlines()
-        if isinstance(record.msg, dict) and sum("train" in json.loads(x) for x in lines if x) >= rows:
+        if sum("train" in json.loads(x) for x in lines if x) >= rows:
+            held = True
             os.kill(os.getpid(), signal.SIGSTOP)
 
     trainer.MetricsFile.emit = emit_then_hold
