@@ -22,6 +22,8 @@ recorded and the run goes on where it can; the JSON is rewritten after every pha
 
     python -m bench.quant_gpu --preset dsv3-9b --out /dev/shm/quant   # an H100/H200 with vLLM (the image)
     python -m bench.quant_gpu --preset tiny --out /tmp/quant          # the CPU smoke test
+    python -m bench.quant_gpu --preset dsv3-9b --out DIR --phases build,prepare,preflight,weights
+    python -m bench.quant_gpu --preset dsv3-9b --out DIR --phases extract,compare,verify  # resumes its JSON
 
 Exits 0 when every phase ran (a refusal the phase expects, e.g. the CPU build refusing the vllm backend,
 counts as ran); the JSON says what each found.
@@ -41,14 +43,24 @@ from pathlib import Path
 import click
 
 PRESETS = ("tiny", "kimi-tiny", "dsv3-9b")
+PHASES = ("build", "prepare", "preflight", "weights", "extract", "compare", "verify", "train", "serve")
 
 
 class Run:
     """The results JSON, written whole (temp name, rename) after each phase."""
 
-    def __init__(self, out: Path, preset: str):
+    def __init__(self, out: Path, preset: str, resume: bool = False):
         self.path = out / "quant_gpu.json"
-        self.data: dict = {"preset": preset, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.data: dict = {}
+        if resume and self.path.is_file():
+            self.data = json.loads(self.path.read_text())
+            if self.data.get("preset") != preset:
+                raise click.UsageError(
+                    f"{self.path} holds a --preset {self.data.get('preset')} run, not {preset}: "
+                    "run every phase again (a fresh --out) or pass that preset"
+                )
+        else:
+            self.data = {"preset": preset, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.data["env"] = _env()
         self.write()
 
@@ -133,7 +145,7 @@ def build(preset: str, work: Path) -> dict:
     else:
         counts = _build_gpu(preset, model)
         counts.update(quantize_routed_experts(model, device="cuda"))
-    write_dequantized(model, work / "dequantized")
+    write_dequantized(model, work / "dequantized", device=counts["device"])
     disk = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     ref = sum(p.stat().st_size for p in (work / "dequantized").glob("*.safetensors"))
     return {**counts, "disk_bytes": disk, "dequantized_bytes": ref, "model": str(model)}
@@ -318,30 +330,56 @@ def verify(work: Path, backends: list[str]) -> dict:
 @click.option("--compare-samples", default=4, show_default=True)
 @click.option("--backends", default="vllm,hf", show_default=True)
 @click.option(
+    "--phases",
+    default=",".join(PHASES),
+    show_default=True,
+    help="Which phases to run, in their fixed order. A subset resumes the JSON already in --out, so a long "
+    "run splits into calls that each fit a time limit (build first; each later phase reads what the earlier "
+    "ones wrote).",
+)
+@click.option(
     "--draft/--no-draft",
     default=True,
     show_default=True,
     help="Then train a draft on the first set and serve it beside the target (pipeline evaluate).",
 )
 def main(
-    preset: str, out: Path, samples: int, seq_length: int, compare_samples: int, backends: str, draft: bool
+    preset: str,
+    out: Path,
+    samples: int,
+    seq_length: int,
+    compare_samples: int,
+    backends: str,
+    phases: str,
+    draft: bool,
 ) -> None:
+    chosen = [p for p in phases.split(",") if p]
+    unknown = sorted(set(chosen) - set(PHASES))
+    if unknown:
+        raise click.BadParameter(f"unknown {unknown}; choose from {','.join(PHASES)}", param_hint="--phases")
+    if not draft:
+        chosen = [p for p in chosen if p not in ("train", "serve")]
+    if "build" not in chosen and not (out / "model" / "config.json").is_file():
+        raise click.UsageError(f"{out / 'model'} holds no built target: run the build phase first")
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
     wanted = [b for b in backends.split(",") if b]
-    run = Run(out, preset)
-    if run.phase("build", build, preset, out) is None:
-        sys.exit(1)
-    run.phase("prepare", prepare, out, samples, seq_length)
-    run.phase("preflight", preflight, out)
-    run.phase("weights", weights, out)
-    for backend in wanted:
-        run.phase(f"extract_{backend}", extract, out, backend)
-    run.phase("compare", compare, out, wanted, compare_samples)
-    run.phase("verify", verify, out, wanted)
-    if draft:
-        run.phase("train", train, out, wanted)
-        run.phase("serve", serve, out, min(samples, 8))
+    run = Run(out, preset, resume="build" not in chosen)
+    steps = {
+        "build": [("build", build, (preset, out))],
+        "prepare": [("prepare", prepare, (out, samples, seq_length))],
+        "preflight": [("preflight", preflight, (out,))],
+        "weights": [("weights", weights, (out,))],
+        "extract": [(f"extract_{b}", extract, (out, b)) for b in wanted],
+        "compare": [("compare", compare, (out, wanted, compare_samples))],
+        "verify": [("verify", verify, (out, wanted))],
+        "train": [("train", train, (out, wanted))],
+        "serve": [("serve", serve, (out, min(samples, 8)))],
+    }
+    for phase in PHASES:
+        for name, func, args in steps[phase] if phase in chosen else ():
+            if run.phase(name, func, *args) is None and name == "build":
+                sys.exit(1)
     run.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     run.write()
     print(f"results: {run.path}")

@@ -184,10 +184,10 @@ def build_quantized_model(kind: str, out_dir: Path, *, seed: int = 0, **override
     return out_dir
 
 
-def write_dequantized(model_dir: Path, out_dir: Path) -> Path:
+def write_dequantized(model_dir: Path, out_dir: Path, *, device: str = "cpu") -> Path:
     """A copy of a quantized ``model_dir`` with every packed triple turned back into the ``weight`` it
-    stands for (compressed-tensors' own decompress) and no ``quantization_config``: the reference an
-    fp32 forward of "the dequantized model" loads without compressed-tensors."""
+    stands for (compressed-tensors' own decompress, on ``device``) and no ``quantization_config``: the
+    reference an fp32 forward of "the dequantized model" loads without compressed-tensors."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -197,7 +197,7 @@ def write_dequantized(model_dir: Path, out_dir: Path) -> Path:
     shutil.copytree(model_dir, staging, ignore=shutil.ignore_patterns("*.safetensors"))
     for shard in _shards(model_dir):
         out = {}
-        with safe_open(shard, "pt") as fh:
+        with safe_open(shard, "pt", device=device) as fh:
             names = list(fh.keys())
             for name in names:
                 if name.endswith("weight_packed"):
@@ -205,12 +205,12 @@ def write_dequantized(model_dir: Path, out_dir: Path) -> Path:
                     triple = {
                         k: fh.get_tensor(base + k) for k in ("weight_packed", "weight_scale", "weight_shape")
                     }
-                    out[base + "weight"] = dequantize_weight(triple).contiguous()
+                    out[base + "weight"] = dequantize_weight(triple).contiguous().cpu()
                 elif (
                     not name.endswith(("weight_scale", "weight_shape"))
                     or base_of(name) + "weight_packed" not in names
                 ):
-                    out[name] = fh.get_tensor(name)
+                    out[name] = fh.get_tensor(name).cpu()
         save_file(out, staging / shard.name, metadata={"format": "pt"})
     index = staging / "model.safetensors.index.json"
     if index.exists():

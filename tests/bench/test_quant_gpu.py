@@ -1,4 +1,6 @@
-"""bench/quant_gpu.py's CPU preset: every phase runs on the tiny quantized target and the JSON says so."""
+"""bench/quant_gpu.py's CPU preset: every phase runs on the tiny quantized target and the JSON says so, in
+two calls (``--phases``: the second resumes the first's JSON, as a GPU run split across time-limited calls
+does)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,22 @@ import subprocess
 from tests.conftest import PYTHON, REPO
 
 
-def test_tiny_preset_runs_every_phase(tmp_path):
+def quant_gpu(*argv) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    argv = ["--preset", "tiny", "--out", tmp_path, "--samples", 8, "--seq-length", 128, "--backends", "hf"]
-    proc = subprocess.run(
+    return subprocess.run(
         [PYTHON, "-m", "bench.quant_gpu", *map(str, argv)], capture_output=True, text=True, env=env, cwd=REPO,
         timeout=900,
     )  # fmt: skip
+
+
+def test_tiny_preset_runs_every_phase(tmp_path):
+    argv = ["--preset", "tiny", "--out", tmp_path, "--samples", 8, "--seq-length", 128, "--backends", "hf"]
+    refused = quant_gpu(*argv, "--phases", "extract")  # nothing built yet
+    assert refused.returncode == 2 and "run the build phase first" in refused.stderr, refused.stderr
+    first = quant_gpu(*argv, "--phases", "build,prepare,preflight,weights")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "extract_hf" not in json.loads((tmp_path / "quant_gpu.json").read_text())
+    proc = quant_gpu(*argv, "--phases", "extract,compare,verify,train,serve")
     result = json.loads((tmp_path / "quant_gpu.json").read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     phases = ("build", "prepare", "preflight", "weights", "extract_hf", "compare", "verify", "train", "serve")
