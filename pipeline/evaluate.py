@@ -67,6 +67,12 @@ class EvaluateConfig:
     )
     dtype: str = opt("auto", help="vLLM's dtype.")
     enforce_eager: bool = opt(False, help="No CUDA graphs (slower; what extraction uses).")
+    batch_invariant: bool = opt(
+        False,
+        help="vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1, a CUDA GPU): greedy output no longer "
+        "depends on how many tokens a step carries, so 'greedy equal' judges the draft, not kernel rounding "
+        "(a MoE target's near-tie routing differs otherwise). Slower: its speeds are not a server's.",
+    )
     gpu_memory_utilization: float | None = opt(None, low=0.01, high=1.0, help="vLLM's share of GPU memory.")
     tensor_parallel_size: int = opt(1, low=1, high=64, help="GPUs per engine (tensor parallel).")
     chat_template_kwargs: str | None = opt(
@@ -167,9 +173,10 @@ def methods(cfg: EvaluateConfig, draft: Path) -> list[Method]:
     return [Method("none"), *ngram, *(Method("eagle3", k, draft=str(draft)) for k in cfg.k), *again]
 
 
-def verdict(table: list[dict], drift: dict[str, float]) -> str:
-    """One line: the best draft k at batch 1 (or batched) against no speculation and the best n-gram, and
-    how far the no-speculation engine moved between its two runs (``drift``, where it ran twice)."""
+def verdict(table: list[dict], drift: dict[str, float], batch_invariant: bool = False) -> str:
+    """One line: the best draft k at batch 1 (or batched) against no speculation and the best n-gram, how
+    far the no-speculation engine moved between its two runs (``drift``, where it ran twice), and greedy
+    equality (where it failed without batch-invariant kernels, how to tell the draft from rounding)."""
     phase = "batch1" if any(r["phase"] == "batch1" for r in table) else "batched"
     rows = [r for r in table if r["phase"] == phase]
     eagle = max((r for r in rows if r["method"] == "eagle3"), key=lambda r: r["output_tokens_per_s"])
@@ -193,8 +200,14 @@ def verdict(table: list[dict], drift: dict[str, float]) -> str:
             f"(speed-ups within that are noise)"
         )
     unequal = [r["label"] for r in table if not r["greedy_equal"]]
+    if not unequal:
+        return text + "; greedy output equal"
+    text += f"; greedy output differs for {', '.join(unequal)}"
     return text + (
-        f"; greedy output differs for {', '.join(unequal)}" if unequal else "; greedy output equal"
+        ""
+        if batch_invariant
+        else " (vLLM's kernels are not batch-invariant: --batch-invariant tells a "
+        "draft's fault from rounding)"
     )
 
 
@@ -237,6 +250,14 @@ def refuse_unservable(model: Path) -> None:
 def run(cfg: EvaluateConfig, log=print) -> dict:
     require_vllm("run `pipeline evaluate` in the image (or .venv-vllm)")
     refuse_unservable(cfg.model)
+    if cfg.batch_invariant:
+        from pipeline.backends.base import visible_device_count
+
+        if visible_device_count() == 0:
+            raise StageError(
+                "--batch-invariant: vLLM's batch-invariant kernels need a CUDA GPU and none is visible "
+                "(the CPU build's engine dies in them): leave it off here, or evaluate on a GPU"
+            )
     draft = draft_dir(cfg.draft)
     prompts = read_prompts(cfg)
     longest = max(len(p) for p in prompts)
@@ -258,6 +279,7 @@ def run(cfg: EvaluateConfig, log=print) -> dict:
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=cfg.tensor_parallel_size,
         timeout=cfg.timeout,
+        batch_invariant=cfg.batch_invariant,
     )
     started = time.monotonic()
     with staged_dir(
@@ -277,7 +299,7 @@ def run(cfg: EvaluateConfig, log=print) -> dict:
         ]
         table = report.rows(results)
         moved = report.drift(results)
-        line = verdict(table, moved)
+        line = verdict(table, moved, cfg.batch_invariant)
         summary = provenance.stamp(
             {
                 "stage": "evaluate",

@@ -19,6 +19,12 @@ acceptance; the mean acceptance length is 1 + accepted / drafts, vLLM's definiti
 judged per phase against the ``none`` engine's tokens of the same phase (a batch of different size may
 legitimately round differently). Where no GPU is visible the engine gets the CPU build's arguments
 (pipeline/runtime/vllm_cpu.py); its speed figures then mean nothing, its acceptance and equality do.
+
+vLLM's GPU kernels are not batch-invariant: a step that carries more tokens (a batch, or a speculative
+step's k+1 positions) may round differently, and where logits are near ties (a MoE's routing, a random
+model) greedy output then differs without any fault of the draft. Measured on an H100 on a random 9B
+DeepSeek-V3 layout: the target alone gave 0/8 equal answers at batch 1 against batch 8, 8/8 with
+``batch_invariant`` (vLLM's ``VLLM_BATCH_INVARIANT=1``, CUDA only; docs/benchmarks-raw/2026-12-06-quant/).
 """
 
 from __future__ import annotations
@@ -98,7 +104,13 @@ class Engine:
     ignore_eos: bool = False  # True: every answer is max_tokens long (the same work for every method)
     batch: int = 0  # requests in the batched phase: the prompts repeated in order; 0: each prompt once
     timeout: float = 1800.0  # seconds per engine process
+    batch_invariant: bool = False  # vLLM's batch-invariant kernels (CUDA): greedy equality judges the draft
     env: dict = field(default_factory=dict)
+
+    def child_env(self) -> dict:
+        """The environment of this engine's process: ours, ``env`` over it, and vLLM's switch for its
+        batch-invariant kernels where asked."""
+        return {**os.environ, **self.env, **({"VLLM_BATCH_INVARIANT": "1"} if self.batch_invariant else {})}
 
 
 def acceptance_from_counters(counters: dict) -> dict:
@@ -244,7 +256,7 @@ def run_child(engine: Engine, method: Method, prompts: list[list[int]], out: Pat
             argv,
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **engine.env},
+            env=engine.child_env(),
             start_new_session=True,
         )
     try:

@@ -47,7 +47,24 @@ def test_one_no_speculation_run_has_no_drift_and_an_unequal_answer_is_named():
     assert [r["greedy_equal"] for r in table] == [True, False]
     line = verdict(table, {})
     assert "1.50x no speculation" in line and "moved" not in line
-    assert line.endswith("greedy output differs for eagle3 k=2")
+    # without batch-invariant kernels the line says rounding may be the cause, and how to tell
+    assert "greedy output differs for eagle3 k=2 (vLLM's kernels are not batch-invariant" in line
+    assert "--batch-invariant" in line
+    assert verdict(table, {}, batch_invariant=True).endswith("greedy output differs for eagle3 k=2")
+
+
+def test_batch_invariant_engines_get_vllms_switch_in_their_environment(monkeypatch):
+    from pipeline.specdec.measure import Engine
+
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    plain = Engine(target="m", max_tokens=8, max_model_len=64, env={"A": "1"})
+    assert "VLLM_BATCH_INVARIANT" not in plain.child_env() and plain.child_env()["A"] == "1"
+    assert (
+        Engine(target="m", max_tokens=8, max_model_len=64, batch_invariant=True).child_env()[
+            "VLLM_BATCH_INVARIANT"
+        ]
+        == "1"
+    )
 
 
 def test_decode_speedup_is_the_time_per_output_token_against_the_no_speculation_engines_mean():

@@ -58,3 +58,22 @@ def test_evaluate_refuses_it_before_the_first_engine_starts(quantized):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the vLLM CPU build has no WNA16 MoE kernel"), last
     assert last.endswith("evaluate on a GPU") and "evaluate: none" not in proc.stderr and not out.exists()
+
+
+def test_evaluate_refuses_batch_invariant_kernels_without_a_gpu(tmp_path):
+    """`--batch-invariant` asks vLLM for Triton kernels the CPU build's engine dies in (seen: "'function'
+    object is not subscriptable" at the first step): refused in one line before any engine starts."""
+    from pipeline.demo.tiny import llama_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    llama_config(vocab_size=320).save_pretrained(model)
+    out = tmp_path / "evaluate"
+    proc = run_pipeline(
+        "evaluate", "--model", model, "--draft", tmp_path, "--prompts", tmp_path / "none.jsonl",
+        "--out", out, "--batch-invariant", timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --batch-invariant:") and "need a CUDA GPU" in last, last
+    assert not out.exists()
