@@ -41,3 +41,19 @@ def test_tiny_preset_runs_every_phase(tmp_path):
     # serving it beside the target needs vLLM with a WNA16 MoE kernel: here the one-line refusal is the result
     serve = result["serve"]["run"]
     assert serve["rc"] != 0 and serve["error"].startswith("error:") and "vLLM" in serve["error"], serve
+
+
+def test_vllm_is_held_within_a_tenth_of_hfs_error_per_layer():
+    """The bound compare asserts, on the figures the H100 run measured (docs/benchmarks-raw/2026-12-06-quant/)
+    and on a vLLM set 20% further off in one layer."""
+    from bench.quant_gpu import vllm_within_hf
+
+    raw = REPO / "docs/benchmarks-raw/2026-12-06-quant/quant_gpu.json"
+    measured = json.loads(raw.read_text())["compare"]
+    assert vllm_within_hf(measured)["within"] is True
+    off = {
+        "vllm": {"dtype": "bfloat16", "worst_relative_error_per_layer": [0.08, 0.30]},
+        "hf": {"dtype": "bfloat16", "worst_relative_error_per_layer": [0.08, 0.25]},
+    }
+    assert vllm_within_hf(off)["within"] is False
+    assert vllm_within_hf({"hf": off["hf"]}) is None  # one set: nothing to hold it against
