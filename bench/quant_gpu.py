@@ -344,11 +344,21 @@ def serve(work: Path, prompts: int) -> dict:
 
 
 def verify(work: Path, backends: list[str]) -> dict:
-    return {
-        b: pipeline("verify", str(work / f"states-{b}"), "--model", str(work / "model"))
-        for b in backends
-        if (work / f"states-{b}" / "checksums.json").is_file()
-    }
+    """``pipeline verify SET --model MODEL`` of each set, and each check's worst status from the summary
+    verify writes into the set (``recompute`` among them)."""
+    out = {}
+    for b in backends:
+        states = work / f"states-{b}"
+        if not (states / "checksums.json").is_file():
+            continue
+        out[b] = pipeline("verify", str(states), "--model", str(work / "model"))
+        checks: dict[str, str] = {}
+        summary = states / "summary.json"
+        for check in json.loads(summary.read_text()).get("checks", []) if summary.is_file() else []:
+            if checks.get(check["name"]) in (None, "ok"):
+                checks[check["name"]] = check["status"]
+        out[b]["checks"] = checks
+    return out
 
 
 @click.command()
