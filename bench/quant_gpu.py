@@ -51,7 +51,6 @@ class Run:
 
     def __init__(self, out: Path, preset: str, resume: bool = False):
         self.path = out / "quant_gpu.json"
-        self.data: dict = {}
         if resume and self.path.is_file():
             self.data = json.loads(self.path.read_text())
             if self.data.get("preset") != preset:
@@ -345,7 +344,8 @@ def serve(work: Path, prompts: int) -> dict:
 
 def verify(work: Path, backends: list[str]) -> dict:
     """``pipeline verify SET --model MODEL`` of each set, and each check's worst status from the summary
-    verify writes into the set (``recompute`` among them)."""
+    verify writes into the set (``recompute`` among them). Only where verify got to its checks (exit 0 or 3):
+    otherwise the set's summary.json is still extract's closing check's."""
     out = {}
     for b in backends:
         states = work / f"states-{b}"
@@ -353,8 +353,8 @@ def verify(work: Path, backends: list[str]) -> dict:
             continue
         out[b] = pipeline("verify", str(states), "--model", str(work / "model"))
         checks: dict[str, str] = {}
-        summary = states / "summary.json"
-        for check in json.loads(summary.read_text()).get("checks", []) if summary.is_file() else []:
+        judged = out[b]["rc"] in (0, 3)
+        for check in json.loads((states / "summary.json").read_text())["checks"] if judged else []:
             if checks.get(check["name"]) in (None, "ok"):
                 checks[check["name"]] = check["status"]
         out[b]["checks"] = checks

@@ -203,12 +203,11 @@ def verdict(table: list[dict], drift: dict[str, float], batch_invariant: bool = 
     if not unequal:
         return text + "; greedy output equal"
     text += f"; greedy output differs for {', '.join(unequal)}"
-    return text + (
-        ""
-        if batch_invariant
-        else " (vLLM's kernels are not batch-invariant: --batch-invariant tells a "
-        "draft's fault from rounding)"
-    )
+    if not batch_invariant:
+        text += (
+            " (vLLM's kernels are not batch-invariant: --batch-invariant tells a draft's fault from rounding)"
+        )
+    return text
 
 
 def measured(
