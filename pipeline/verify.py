@@ -226,9 +226,13 @@ def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight.to(h.dtype) * x.to(h.dtype)
 
 
-def alignment(directory: Path, indices: list[int], verifier: dict, target, eps: float) -> dict[int, dict]:
+def alignment(
+    directory: Path, indices: list[int], verifier: dict, target, eps: float, min_agreement: float = 0.0
+) -> dict[int, dict]:
     """Per file: argmax of lm_head(norm(last captured)) vs the target's own argmax (``target``: the loaded
-    causal LM, or None), and vs input_ids[t+1]."""
+    causal LM, or None), and vs input_ids[t+1]. Where the agreement is under ``min_agreement``, also the
+    target's agreement with itself when the sample is computed beside another (``self_agreement``): near-tied
+    logits (a random target's) flip with the batch, and no stored set can agree better than that."""
     import torch
 
     norm_w, head = verifier["norm.weight"], verifier["lm_head.weight"]
@@ -243,8 +247,24 @@ def alignment(directory: Path, indices: list[int], verifier: dict, target, eps: 
         if target is not None:
             own = _target_argmax(target, ids)
             row["agreement"] = float((pred == own).float().mean())
+            if row["agreement"] < min_agreement:
+                row["self_agreement"] = float(
+                    (_target_argmax(target, ids, beside=True) == own).float().mean()
+                )
         result[i] = row
     return result
+
+
+def _agreement_cause(self_agreement: float | None, needed: float) -> str:
+    """Why a file's argmax agreement is low: the states (the target agrees with itself), or the target's own
+    near-tied logits (it does not, computed beside another sample)."""
+    if self_agreement is None or self_agreement >= needed:
+        return "states are not the last layer's pre-norm output"
+    return (
+        f"the target itself agrees with its own argmax on only {self_agreement:.3f} of tokens when computed "
+        "beside another sample (near-tied logits): this target's alignment cannot be confirmed "
+        "(docs/reliability.md)"
+    )
 
 
 def _open_target(cfg: VerifyConfig, dc: formats.DataConfig):
@@ -284,12 +304,20 @@ def recompute_kernels(path: dict | None) -> dict:
     return {"compile": False, "fused_norms": None}
 
 
-def _target_argmax(model, ids: torch.Tensor) -> torch.Tensor:
+def _target_argmax(model, ids: torch.Tensor, beside: bool = False) -> torch.Tensor:
+    """The target's argmax per position of ``ids``, computed alone or ``beside`` its own first half (a batch
+    of two, right-padded: under causal attention the full row never sees the padding)."""
     import torch
 
     device = next(model.parameters()).device
+    batch = ids[None]
+    if beside:
+        half = torch.zeros_like(ids)
+        n = len(recompute.partner(ids.tolist()))
+        half[:n] = ids[:n]
+        batch = torch.stack([ids, half])
     with torch.inference_mode():
-        return model(input_ids=ids[None].to(device), use_cache=False).logits[0].argmax(-1).cpu()
+        return model(input_ids=batch.to(device), use_cache=False).logits[0].argmax(-1).cpu()
 
 
 def verify_hidden_states(cfg: VerifyConfig) -> Summary:
@@ -457,7 +485,7 @@ def _model_checks(
                 )
                 picked = recompute.pick(readable, cfg.recompute_samples, seed)
                 load = reader_loads()
-                checks, errors = recompute.spot_recompute(
+                checks, errors, moved = recompute.spot_recompute(
                     lambda p: load(p)[0],
                     cfg.path,
                     picked,
@@ -467,7 +495,13 @@ def _model_checks(
                     cfg.recompute_tolerance,
                 )
                 out.extend(checks)
-                s.stats["recompute"] = {"samples": len(picked), "seed": seed, "relative_errors": errors}
+                s.stats["recompute"] = {
+                    "samples": len(picked),
+                    "seed": seed,
+                    "relative_errors": errors,
+                    # failed files only: the target against itself, beside another sample
+                    "self_difference": moved,
+                }
         out.extend(_alignment_checks(cfg, dc, readable, s, target.model if target is not None else None))
     finally:
         if target is not None:
@@ -496,7 +530,7 @@ def _alignment_checks(
     eps = float((raw.get("text_config") or raw).get("rms_norm_eps", 1e-6))
     step = max(1, len(good) // max(1, cfg.alignment_samples))
     picked = good[::step][: cfg.alignment_samples]
-    rows = alignment(cfg.path, picked, verifier, target, eps)
+    rows = alignment(cfg.path, picked, verifier, target, eps, cfg.min_agreement)
     s.stats["alignment"] = {f"data_{i}.pt": r for i, r in rows.items()}
     out = []
     for i, r in rows.items():
@@ -507,7 +541,7 @@ def _alignment_checks(
                     r["agreement"] >= cfg.min_agreement,
                     f"argmax agreement {r['agreement']:.3f}, next-token {r['next_token_rate']:.3f}",
                     f"argmax agreement {r['agreement']:.3f} < {cfg.min_agreement}: "
-                    "states are not the last layer's pre-norm output",
+                    + _agreement_cause(r.get("self_agreement"), cfg.min_agreement),
                     f"data_{i}.pt",
                 )
             )

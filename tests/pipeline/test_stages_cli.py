@@ -382,6 +382,12 @@ def test_alignment_passes_on_pre_norm_states_and_fails_on_wrong_ones(
     ).unlink()  # as a set written wrong from the start: no checksum names the files first
     bad = warm_pipeline("verify", d, "--model", tiny_llama, "--recompute-samples", 0)
     assert bad.returncode == 3 and "alignment" in bad.stderr
+    # the target, computed again beside another sample, agrees with itself: the states are named as the fault
+    summary = json.loads((d / "summary.json").read_text())
+    failed = [c for c in summary["checks"] if c["name"] == "alignment" and c["status"] == "fail"]
+    assert failed and all("states are not the last layer's pre-norm output" in c["detail"] for c in failed)
+    rows = summary["stats"]["alignment"]
+    assert all(rows[c["file"]]["self_agreement"] >= 0.99 for c in failed)
 
 
 def test_verify_prepared_catches_a_broken_vocab_file(tmp_path, prepared_llama, warm_pipeline):
