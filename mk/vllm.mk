@@ -33,8 +33,15 @@ patch-vllm: env-vllm ## apply patches/ to .venv-vllm (a no-op when already appli
 test-vllm: patch-vllm ## tests on a real vLLM 0.32.0 (CPU build) + speculators 0.9.0
 	$(VLLM_PY) -m pytest -m "vllm and not gpu" tests/vllm tests/train tests/bench $(PYTEST_ARGS)
 
-# first: the longest suite (the Makefile's `test`); its environment is made before the suites start
-TEST_SUITES := test-vllm $(TEST_SUITES)
+# `make test` runs the same tests as two suites, so that both cores stay busy to the end (docs/ci.md): the
+# engine tests of tests/vllm, and the stages' (tests/train, tests/bench); their environment is made before the
+# suites start
+.PHONY: test-vllm-engine test-vllm-stages
+test-vllm-engine: patch-vllm
+	$(VLLM_PY) -m pytest -m "vllm and not gpu" tests/vllm $(PYTEST_ARGS)
+test-vllm-stages: patch-vllm
+	$(VLLM_PY) -m pytest -m "vllm and not gpu" tests/train tests/bench $(PYTEST_ARGS)
+TEST_SUITES += test-vllm-engine test-vllm-stages
 TEST_PREPARE += patch-vllm
 test: patch-vllm
 
