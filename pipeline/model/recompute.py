@@ -4,7 +4,9 @@ Owns choosing the K files (at random, the seed reported so that a run can be rep
 (per layer, the relative error ||stored - fresh|| / ||fresh|| against a tolerance set by the stored
 dtype) and, for a file that fails it, the diagnosis: a stored tensor that matches another layer's fresh
 states (swapped layers), or states that match the fresh ones shifted by a few tokens (an off-by-one
-between input_ids and states). The model is loaded once by the caller (verify) and handed in.
+between input_ids and states), and how far the target moves from itself when that file is computed beside
+another sample (a random MoE at bf16 moves as much as the tolerance: then its states cannot be confirmed, and
+the message says so). The model is loaded once by the caller (verify) and handed in.
 """
 
 from __future__ import annotations
