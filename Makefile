@@ -69,7 +69,7 @@ lint-fix: env ## ruff format, then ruff's safe fixes
 -include mk/*.mk
 
 # The order `make test` starts its suites in: two lanes, each taking the next suite when one ends, ordered so
-# that both end together (the suites' seconds in docs/ci.md: engine 880 | ops 650, stages 360 | pipeline 568,
+# that both end together (the suites' seconds in docs/ci.md: engine 962 | ops 702, stages 433 | pipeline 468,
 # then the small ones). A suite of an mk/ file not named here runs last.
 TEST_ORDER := test-vllm-engine test-light-ops test-vllm-stages test-light-pipeline test-light-image \
   test-light-train test-light-bench test-ops-vllm test-light-rest

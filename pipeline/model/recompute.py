@@ -11,6 +11,7 @@ the message says so). The model is loaded once by the caller (verify) and handed
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -160,6 +161,13 @@ def self_difference_note(own: list[float], errors: list[float], layer_ids: list[
     difference is the stored states'), or it moves by as much as the tolerance (its states cannot be
     confirmed to it: the stored error is then shown against the target's own)."""
     failing = [k for k, e in enumerate(errors) if e > tol]
+    # a stored tensor of another shape (error inf) is the states' fault however much the target moves
+    shaped = [k for k in failing if math.isinf(errors[k])]
+    if shaped:
+        at = ", ".join(str(layer_ids[k]) for k in shaped)
+        return (
+            f"the stored shape differs from the recomputation's at layer {at}: the states are at fault there"
+        )
     steady = [k for k in failing if own[k] < tol / 2]
     if steady:
         at = ", ".join(str(layer_ids[k]) for k in steady)

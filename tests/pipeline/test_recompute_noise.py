@@ -28,6 +28,11 @@ def test_the_h100_sets_fail_and_the_message_names_the_targets_own_movement(backe
         assert f"up to {max(own):.3g}" in note
 
 
+def test_a_stored_tensor_of_another_shape_is_the_states_fault_on_a_moving_target():
+    note = recompute.self_difference_note([0.0, 0.2, 0.2, 0.3], [0.05, 0.4, float("inf"), 0.4], LAYERS, 0.1)
+    assert note.endswith("at layer 13: the states are at fault there"), note
+
+
 def test_a_steady_target_names_the_states_and_the_layer():
     note = recompute.self_difference_note([0.0, 0.01, 0.2, 0.3], [0.05, 0.4, 0.35, 0.4], LAYERS, 0.1)
     assert note.startswith("the target reproduces itself to 0.01 at layer 8 beside another sample")
