@@ -10,7 +10,15 @@ the decoder roofline fraction (bench/roofline.py), the device's busy time, its f
 CUDA graphs are measured at one recurring shape: the first batch's forward, eager or compiled, launched
 as it is and replayed from a captured graph.
 
+On an MoE shape, ``--experts`` runs each variant once per transformers experts implementation (``eager``:
+one matmul per expert hit; ``grouped_mm``, transformers' default; ``batched_mm``), named ``variant@impl``.
+``--profile`` records the timed loop's kernels with torch's profiler: each row gets its device time by kind
+of kernel (``kernel_ms``: matmul, grouped matmul, attention, norm, routing, copies, the rest) and its 12
+costliest kernels.
+
     python -m bench.hf_levers --shapes llama-1b,llama-8b --json-out levers.json
+    python -m bench.hf_levers --shapes dsv3-9b --samples 384 --variants packed-32k,plain-32k \
+        --experts grouped_mm,batched_mm,eager --profile --json-out moe-levers.json
 """
 
 from __future__ import annotations
@@ -144,13 +152,72 @@ def graph_gain(backend, batch: list[list[int]], repeats: int = 5) -> dict:
     return {"launched_ms": launched, "graph_ms": replayed, "graph_gain": launched / replayed}
 
 
-def measure(model, name: str, seqs, probe, reference, fp32, roof: DecoderShape, gpu: bool) -> dict:
+# a kernel's kind, by the first pattern its name contains (lower case); the rest is "other"
+KERNEL_KINDS = (
+    ("grouped matmul", ("grouped", "group_gemm", "moe")),
+    ("attention", ("flash", "fmha", "attention", "softmax")),
+    ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "matmul", "aten::mm", "aten::bmm", "addmm")),
+    ("norm", ("norm", "rsqrt", "pow_")),
+    ("routing", ("topk", "sort", "histc", "histogram", "cumsum", "scatter", "gather", "index", "radix")),
+    ("copies", ("memcpy", "memset", "copy", "cat")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in lower for k in keys)), "other")
+
+
+def kernel_profile(events, top: int = 12) -> dict:
+    """Device time by kind of kernel, and the ``top`` costliest kernels, from a profiler's
+    ``key_averages()`` (CUDA kernels only; on the CPU, the ops' own CPU time)."""
+    rows = []
+    for e in events:
+        ms = getattr(e, "self_device_time_total", 0) / 1e3
+        if ms <= 0 and not torch.cuda.is_available():
+            ms = e.self_cpu_time_total / 1e3
+        if ms > 0:
+            rows.append((e.key, ms, e.count))
+    by_kind: dict[str, float] = {}
+    for key, ms, _ in rows:
+        by_kind[kernel_kind(key)] = by_kind.get(kernel_kind(key), 0.0) + ms
+    rows.sort(key=lambda r: -r[1])
+    return {
+        "kernel_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [{"name": k[:120], "ms": round(ms, 2), "calls": n} for k, ms, n in rows[:top]],
+    }
+
+
+def profiled_loop(backend, seqs, batches, gpu: bool) -> dict:
+    """``run_loop`` under torch's profiler: its kernels by kind (``kernel_profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        run_loop(backend, seqs, batches)
+    return kernel_profile(prof.key_averages())
+
+
+def split_name(name: str) -> tuple[str, str | None]:
+    """``variant@experts`` into the variant and the experts implementation (None: the model's own)."""
+    variant, _, experts = name.partition("@")
+    if variant not in VARIANTS:
+        raise click.BadParameter(f"unknown variant {variant!r}: choose from {', '.join(VARIANTS)}")
+    return variant, experts or None
+
+
+def measure(
+    model, name: str, seqs, probe, reference, fp32, roof: DecoderShape, gpu: bool, profiled: bool = False
+) -> dict:
     """One variant's figures (see the module docstring)."""
     from torch._dynamo.utils import counters
 
     from pipeline.extract.plan import plan_batches
 
-    packed, compiled, mbt, fused = VARIANTS[name]
+    variant, experts = split_name(name)
+    packed, compiled, mbt, fused = VARIANTS[variant]
+    if experts is not None:
+        model.set_experts_implementation(experts)
     lengths = [len(s) for s in seqs]
     backend = backend_for(model, packed, compiled, mbt, fused)
     try:
@@ -181,7 +248,10 @@ def measure(model, name: str, seqs, probe, reference, fp32, roof: DecoderShape, 
             "rel_err_vs_fp32_per_layer": fp32_err,
             "peak_gpu_gib": peak,
             "graphs_compiled": counters["stats"]["unique_graphs"] - graphs0,
+            "experts_implementation": getattr(model.config, "_experts_implementation", None),
         }
+        if profiled:
+            row.update(profiled_loop(backend, seqs, batches, gpu))
         if gpu and name in ("plain-32k", "packed-compiled-32k"):
             try:
                 row.update(graph_gain(backend, [seqs[i] for i in batches[0].indices]))
@@ -207,10 +277,29 @@ def measure(model, name: str, seqs, probe, reference, fp32, roof: DecoderShape, 
     show_default=True,
     help="Also hold every variant (and plain bf16) to an fp32 copy of the model, one sample at a time.",
 )
+@click.option(
+    "--experts",
+    default=None,
+    help="An MoE's experts implementations (transformers': eager, grouped_mm, batched_mm), each variant "
+    "run once per one (default: the model's own).",
+)
+@click.option("--profile", "profiled", is_flag=True, help="Each row's kernels by kind (torch's profiler).")
 @click.option("--json-out", type=click.Path(), default=None)
 def main(
-    shapes: str, variants: str, counts: str, seq_length: int, fp32_reference: bool, json_out: str | None
+    shapes: str,
+    variants: str,
+    counts: str,
+    seq_length: int,
+    fp32_reference: bool,
+    experts: str | None,
+    profiled: bool,
+    json_out: str | None,
 ) -> None:
+    names = variants.split(",")
+    if experts:
+        names = [f"{v}@{e}" for v in names for e in experts.split(",")]
+    for name in names:
+        split_name(name)  # an unknown variant stops here, before a model is built
     gpu = torch.cuda.is_available()
     results = {
         "torch": torch.__version__,
@@ -244,11 +333,14 @@ def main(
             "variants": {},
             "plain_bf16_vs_fp32_per_layer": layer_errors(reference, fp32) if fp32 else None,
         }
-        for name in variants.split(","):
+        own = getattr(model.config, "_experts_implementation", None)
+        for name in names:
             try:
-                row = measure(model, name, seqs, probe, reference, fp32, roof, gpu)
+                row = measure(model, name, seqs, probe, reference, fp32, roof, gpu, profiled)
             except Exception as exc:  # noqa: BLE001 - one broken lever is reported, the others still run
                 row = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+            if own is not None:
+                model.set_experts_implementation(own)
             out["variants"][name] = row
             print(
                 json.dumps(
@@ -278,6 +370,15 @@ def main(
                 f"{r['busy_roofline']:.1%} | {r['device_idle']:.1%} | {r['first_two_batches_seconds']:.1f} | "
                 f"{r['worst_rel_err_vs_one_by_one']:.2g} |"
             )
+    if profiled:
+        kinds = [k for k, _ in KERNEL_KINDS] + ["other"]
+        print("\n| shape | variant | " + " | ".join(f"{k} ms" for k in kinds) + " |")
+        print("|---|---|" + "---:|" * len(kinds))
+        for shape, out in results["shapes"].items():
+            for name, r in out["variants"].items():
+                if "kernel_ms" in r:
+                    cells = " | ".join(f"{r['kernel_ms'].get(k, 0.0):,.0f}" for k in kinds)
+                    print(f"| {shape} | {name} | {cells} |")
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         with open(json_out, "w") as fh:

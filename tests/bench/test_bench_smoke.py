@@ -77,6 +77,35 @@ def test_hf_levers_runs_each_variant_and_holds_it_to_the_one_by_one_reference(tm
         assert len(row["rel_err_vs_fp32_per_layer"]) == 4
 
 
+def test_hf_levers_runs_an_moe_once_per_experts_implementation_with_its_kernels(tmp_path):
+    """On an MoE, each variant runs once per experts implementation asked for, the model's own restored
+    after each, and --profile gives every row its kernel time by kind."""
+    r = _run(
+        tmp_path,
+        "-m",
+        "bench.hf_levers",
+        "--shapes",
+        "dsv3-tiny",
+        "--variants",
+        "packed-32k",
+        "--experts",
+        "eager,grouped_mm",
+        "--samples",
+        "4",
+        "--seq-length",
+        "64",
+        "--profile",
+    )
+    rows = r["shapes"]["dsv3-tiny"]["variants"]
+    assert set(rows) == {"packed-32k@eager", "packed-32k@grouped_mm"}
+    for name, row in rows.items():
+        assert "error" not in row, row
+        assert row["experts_implementation"] == name.split("@")[1]
+        assert row["worst_rel_err_vs_one_by_one"] < 1e-4
+        assert sum(row["kernel_ms"].values()) > 0 and row["kernel_ms"].get("matmul", 0) > 0
+        assert row["top_kernels"] and all(k["calls"] >= 1 for k in row["top_kernels"])
+
+
 @pytest.mark.slow
 def test_e2e_bench_runs_both_processes_and_checks_them_against_fp32(tmp_path):
     """The whole-process benchmark runs the real CLI, a baseline tree's CLI and the naive script on one set
