@@ -11,14 +11,16 @@ CUDA graphs are measured at one recurring shape: the first batch's forward, eage
 as it is and replayed from a captured graph.
 
 On an MoE shape, ``--experts`` runs each variant once per transformers experts implementation (``eager``:
-one matmul per expert hit; ``grouped_mm``, transformers' default; ``batched_mm``), named ``variant@impl``.
+one matmul per expert hit; ``grouped_mm``, transformers' default; ``batched_mm``, which gathers each token's
+expert weights: for decode-sized batches only), named ``variant@impl``; ``--variants`` may name such pairs
+itself.
 ``--profile`` records the timed loop's kernels with torch's profiler: each row gets its device time by kind
 of kernel (``kernel_ms``: matmul, grouped matmul, attention, norm, routing, copies, the rest) and its 12
 costliest kernels.
 
     python -m bench.hf_levers --shapes llama-1b,llama-8b --json-out levers.json
-    python -m bench.hf_levers --shapes dsv3-9b --samples 384 --variants packed-32k,plain-32k \
-        --experts grouped_mm,batched_mm,eager --profile --json-out moe-levers.json
+    python -m bench.hf_levers --shapes dsv3-9b --samples 384 --profile --json-out moe-levers.json \
+        --variants packed-32k@grouped_mm,packed-32k@eager,plain-32k@grouped_mm,packed-compiled-32k@grouped_mm
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def graph_gain(backend, batch: list[list[int]], repeats: int = 5) -> dict:
 
 # a kernel's kind, by the first pattern its name contains (lower case); the rest is "other"
 KERNEL_KINDS = (
-    ("grouped matmul", ("grouped", "group_gemm", "moe")),
+    ("grouped matmul", ("grouped", "groupproblem", "group_gemm", "moe")),  # torch's CUTLASS grouped GEMM
     ("attention", ("flash", "fmha", "attention", "softmax")),
     ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "matmul", "aten::mm", "aten::bmm", "addmm")),
     ("norm", ("norm", "rsqrt", "pow_")),
@@ -171,11 +173,16 @@ def kernel_kind(name: str) -> str:
 def kernel_profile(events, top: int = 12) -> dict:
     """Device time by kind of kernel, and the ``top`` costliest kernels, from a profiler's
     ``key_averages()`` (CUDA kernels only; on the CPU, the ops' own CPU time)."""
+    from torch.autograd import DeviceType
+
+    gpu = any(e.device_type == DeviceType.CUDA for e in events)
     rows = []
     for e in events:
-        ms = getattr(e, "self_device_time_total", 0) / 1e3
-        if ms <= 0 and not torch.cuda.is_available():
-            ms = e.self_cpu_time_total / 1e3
+        # on a GPU the kernels alone (an aten op's device time is its kernels': counted once, as kernels);
+        # on the CPU each op's own time
+        if gpu and e.device_type != DeviceType.CUDA:
+            continue
+        ms = (e.self_device_time_total if gpu else e.self_cpu_time_total) / 1e3
         if ms > 0:
             rows.append((e.key, ms, e.count))
     by_kind: dict[str, float] = {}
