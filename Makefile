@@ -41,9 +41,9 @@ TEST_SUITES := $(addprefix test-light-,$(LIGHT_CHUNKS)) test-light-rest
 TEST_AFTER :=
 # suites at once: one per core of CI's 2
 TEST_JOBS ?= 2
-# the suites' environments (the mk/ files add theirs as prerequisites of `test` too): made before the suites
-# start and not looked at again by them (-o), so that they start in TEST_SUITES' order (a suite waiting on a
-# prerequisite gives its turn to the next one)
+# the light environment: made before the suites start and not looked at again by them (-o), so that they
+# start in TEST_SUITES' order (a suite waiting on a prerequisite gives its turn to the next one); the vLLM
+# suites make theirs ready in their own recipes (mk/vllm.mk VLLM_READY), holding their lane meanwhile
 TEST_PREPARE := env
 .PHONY: $(addprefix test-light-,$(LIGHT_CHUNKS)) test-light-rest
 $(addprefix test-light-,$(LIGHT_CHUNKS)): test-light-%: env

@@ -41,7 +41,8 @@ bench-ops: env ## remote-extract overhead and SSH connection count against a loo
 	$(PY) tests/ops/bench_ops.py
 
 .PHONY: test-ops-vllm
-test-ops-vllm: env patch-vllm ## ops against a real `vllm serve` (.venv-vllm with patches/ applied: 0003 lets `vllm` start)
+test-ops-vllm: env ## ops against a real `vllm serve` (.venv-vllm with patches/ applied: 0003 lets `vllm` start)
+	$(VLLM_READY)
 	$(PY) -m pytest -m vllm tests/ops $(PYTEST_ARGS)
 
 # `make test` runs it with the other suites (the Makefile's TEST_SUITES), once the light ops tests are done: it

@@ -26,7 +26,12 @@ endif
 env-vllm: $(VLLM_VENV)/.ready ## build (or reuse) the vLLM CPU environment in .venv-vllm
 
 patch-vllm: env-vllm ## apply patches/ to .venv-vllm (a no-op when already applied)
-	$(VLLM_PY) patches/apply.py
+	flock $(VLLM_VENV).patch.lock $(VLLM_PY) patches/apply.py
+
+# The vLLM environment, made ready (built, or waited for, then patched) by a suite's own recipe: under `make
+# test` the suite holds its lane from the start and the other lane runs the light suites meanwhile; as a
+# prerequisite it would leave the lane free for the next light suite, and the longest suite would start last
+VLLM_READY := $(MAKE) --no-print-directory patch-vllm
 
 # gpu-marked tests (a CUDA GPU's own paths, e.g. vLLM's compiled graph, minutes to build on a CPU) run only in
 # test-vllm-gpu
@@ -34,16 +39,17 @@ test-vllm: patch-vllm ## tests on a real vLLM 0.32.0 (CPU build) + speculators 0
 	$(VLLM_PY) -m pytest -m "vllm and not gpu" tests/vllm tests/train tests/bench $(PYTEST_ARGS)
 
 # `make test` runs the same tests as two suites, so that both cores stay busy to the end (docs/ci.md): the
-# engine tests of tests/vllm, and the stages' (tests/train, tests/bench); their environment is made before the
-# suites start
+# engine tests of tests/vllm, and the stages' (tests/train, tests/bench). Each makes its environment ready
+# itself (VLLM_READY): while it builds, or .ci/run's background build holds its lock, the other lane runs the
+# light suites.
 .PHONY: test-vllm-engine test-vllm-stages
-test-vllm-engine: patch-vllm
+test-vllm-engine:
+	$(VLLM_READY)
 	$(VLLM_PY) -m pytest -m "vllm and not gpu" tests/vllm $(PYTEST_ARGS)
-test-vllm-stages: patch-vllm
+test-vllm-stages:
+	$(VLLM_READY)
 	$(VLLM_PY) -m pytest -m "vllm and not gpu" tests/train tests/bench $(PYTEST_ARGS)
 TEST_SUITES += test-vllm-engine test-vllm-stages
-TEST_PREPARE += patch-vllm
-test: patch-vllm
 
 # issue #52: the vLLM extraction against the same engine's plain prefill, each row a fresh process (tiny, CPU
 # build); on a GPU host run the command in bench/capture_bench.py's docstring (--preset gpu)

@@ -58,10 +58,27 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
 
 
 def run_pipeline(
-    *args: str, check: bool = False, timeout: float = 600, env: dict | None = None, **kwargs
+    *args: str,
+    check: bool = False,
+    timeout: float = 600,
+    env: dict | None = None,
+    cold: bool = False,
+    **kwargs,
 ) -> subprocess.CompletedProcess:
     """Run ``python -m pipeline ARGS`` as an operator would (this environment, ``env`` over it); return the
-    completed process."""
+    completed process. The command is a child forked from the session's warm server (tests/warm_cli.py:
+    the same exit code, stdout and stderr, without ~3-4 s of torch's and transformers' imports). The server
+    holds torch and transformers but never vLLM (no command's module imports it at import time), so a
+    vLLM command's child imports vLLM and starts its engine as a cold run does. ``cold`` (a test of the
+    interpreter itself: its import log), or any ``subprocess.run`` keyword (``input``), starts a new
+    interpreter instead."""
+    if not cold and not kwargs:
+        warm = _warm_server()
+        if warm.lock.acquire(blocking=False):  # one command at a time: a second one at once starts cold
+            try:
+                return warm.run(*args, check=check, timeout=timeout, env=env)
+            finally:
+                warm.lock.release()
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     proc = subprocess.run(
         [PYTHON, "-m", "pipeline", *map(str, args)],
@@ -77,6 +94,23 @@ def run_pipeline(
     return proc
 
 
+_WARM = []
+
+
+def _warm_server():
+    """The session's warm server (tests/warm_cli.py), started on first use, closed at the session's end."""
+    if not _WARM:
+        from tests.warm_cli import WarmPipeline
+
+        _WARM.append(WarmPipeline(PYTHON))
+    return _WARM[0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    while _WARM:
+        _WARM.pop().close()
+
+
 def run_extract(prepared, model, out, *more, **kwargs) -> subprocess.CompletedProcess:
     """``pipeline extract --prepared PREPARED --model MODEL --out OUT MORE...`` through run_pipeline."""
     return run_pipeline("extract", "--prepared", prepared, "--model", model, "--out", out, *more, **kwargs)
@@ -84,12 +118,8 @@ def run_extract(prepared, model, out, *more, **kwargs) -> subprocess.CompletedPr
 
 @pytest.fixture(scope="session")
 def warm_pipeline():
-    """`run_pipeline` without the ~4 s import per command (tests/warm_cli.py): for tests of many refusals."""
-    from tests.warm_cli import WarmPipeline
-
-    warm = WarmPipeline(PYTHON)
-    yield warm.run
-    warm.close()
+    """`run_pipeline` answered by the session's warm server (tests/warm_cli.py) in either environment."""
+    return _warm_server().run
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,14 @@ child is the real CLI (`python -m pipeline`'s own `__main__`, through runpy): it
 argv, stdin from /dev/null, stdout and stderr to files, its exit code as the process's. What a command's
 import writes (once, in the server) is prepended to every child's output, as a cold run would show it.
 
+The server also imports what every working command imports (``PRELOAD``: torch, transformers' model base,
+safetensors), so that a command that does real work (prepare, extract, verify, train) does not pay ~4 s of
+imports either: `tests.conftest.run_pipeline` sends every command here in the light environment.
+
 Differences from a cold run, and why they do not touch what the tests assert: modules are imported before
 the child's environment is set (a variable read at import time is read from the server's environment, the
-test run's own), and the server never runs a command itself, so no thread pool exists when it forks.
+test run's own; no test sets one that torch or transformers reads at import), and the server never runs a
+command itself, so no thread pool (torch's OpenMP pool included) exists when it forks.
 
 Run as `python -m tests.warm_cli` (one JSON request per stdin line, one JSON answer per stdout line);
 `WarmPipeline` is the test side."""
@@ -26,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -80,11 +86,18 @@ def _child(req: dict, preamble: tuple[bytes, bytes]) -> None:
         finish(code)
 
 
-def serve() -> None:
+# What every command's run imports sooner or later (the stages' modules import them lazily, so a cold run pays
+# them once it starts working): imported once by the server, so that no child pays them again
+PRELOAD = ("torch", "numpy", "safetensors.torch", "transformers", "transformers.modeling_utils")
+
+
+def serve(preload: tuple[str, ...] = PRELOAD) -> None:
     """Answer requests on stdin until it closes: {argv, cwd, env, stdout, stderr} -> {pid}, then
     {returncode}."""
     from pipeline.cli import COMMANDS  # imported first, as in a real run: it sets its environment defaults
 
+    # what the preloaded imports print, a cold run prints when a command first imports them
+    _, *first = _capture_fds(lambda: [importlib.import_module(m) for m in preload])
     proto_in, proto_out = sys.stdin, sys.stdout
     preambles: dict[str, tuple[bytes, bytes]] = {}
     for line in proto_in:
@@ -93,7 +106,7 @@ def serve() -> None:
         if command in COMMANDS and command not in preambles:
             module = COMMANDS[command].split(":")[0]
             _, out, err = _capture_fds(lambda module=module: importlib.import_module(module))
-            preambles[command] = (out, err)
+            preambles[command] = (first[0] + out, first[1] + err)
         preamble = preambles.get(command, (b"", b""))
         proto_out.flush()
         sys.stderr.flush()
@@ -121,6 +134,7 @@ class WarmPipeline:
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
         self._n = 0
+        self.lock = threading.Lock()  # held by run_pipeline while a command is in flight
         self._pending = b""  # read from the server, not answered yet
 
     def _answer(self, timeout: float | None) -> dict:

@@ -417,10 +417,11 @@ def test_an_hf_extraction_imports_no_vllm(tmp_path, prepared_llama, tiny_llama, 
     every hf extraction ~0.7-1.7 s of imports (vLLM pulls in torch's inductor; docs/benchmarks.md)."""
     monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")  # each import on stderr, `| vllm` when vLLM's is
     out = tmp_path / "states"
-    proc = run_pipeline(
+    args = (
         "extract", "--backend", "hf", "--prepared", prepared_llama, "--model", tiny_llama, "--out", out,
         "--limit", LIMIT, "--no-progress",
     )  # fmt: skip
+    proc = run_pipeline(*args, cold=True)  # a new interpreter: the import log is this run's own
     assert proc.returncode == 0, proc.stderr[-2000:]
     imported = {
         ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time")
