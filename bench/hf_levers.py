@@ -187,7 +187,8 @@ def kernel_profile(events, top: int = 12) -> dict:
             rows.append((e.key, ms, e.count))
     by_kind: dict[str, float] = {}
     for key, ms, _ in rows:
-        by_kind[kernel_kind(key)] = by_kind.get(kernel_kind(key), 0.0) + ms
+        kind = kernel_kind(key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
     rows.sort(key=lambda r: -r[1])
     return {
         "kernel_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
@@ -259,7 +260,7 @@ def measure(
         }
         if profiled:
             row.update(profiled_loop(backend, seqs, batches, gpu))
-        if gpu and name in ("plain-32k", "packed-compiled-32k"):
+        if gpu and variant in ("plain-32k", "packed-compiled-32k"):
             try:
                 row.update(graph_gain(backend, [seqs[i] for i in batches[0].indices]))
             except Exception as exc:  # noqa: BLE001 - a lever that cannot be measured is reported, not fatal

@@ -10,7 +10,8 @@ import writes (once, in the server) is prepended to every child's output, as a c
 
 The server also imports what every working command imports (``PRELOAD``: torch, transformers' model base,
 safetensors), so that a command that does real work (prepare, extract, verify, train) does not pay ~4 s of
-imports either: `tests.conftest.run_pipeline` sends every command here in the light environment.
+imports either: `tests.conftest.run_pipeline` sends every command here, in .venv and .venv-vllm alike (the
+server never imports vLLM).
 
 Differences from a cold run, and why they do not touch what the tests assert: modules are imported before
 the child's environment is set (a variable read at import time is read from the server's environment, the
