@@ -12,7 +12,13 @@ PYTEST_ARGS ?= --durations=25
 help:
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
 
-# The light environment: CPU torch, transformers, speculators (no deps), ops deps, test tools.
+# The light environment: CPU torch, transformers, speculators (no deps), ops deps, test tools. One build at a
+# time: .ci/run starts one in the background beside its other setup steps, and `make test` reaches this
+# target later; the second make waits on the lock, then finds .ready up to date.
+ifneq ($(ENV_LOCKED),1)
+$(VENV)/.ready: requirements/dev.txt pyproject.toml
+	flock $(VENV).lock $(MAKE) --no-print-directory ENV_LOCKED=1 $@
+else
 $(VENV)/.ready: requirements/dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -21,6 +27,7 @@ $(VENV)/.ready: requirements/dev.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps speculators==0.9.0
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
+endif
 
 env: $(VENV)/.ready ## build (or reuse) the light environment in .venv
 

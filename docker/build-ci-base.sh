@@ -10,11 +10,15 @@ set -euo pipefail
 IMAGE="${1:-eagle-ops-image-ci-base:bookworm-4}"
 CACHE="${IMAGE_CI_CACHE:-/var/cache/eagle-ops-image}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+mkdir -p "$CACHE"
+# One build at a time (CI builds it in the background while the image tests may start their own): a second
+# one waits here, then finds the image present.
+exec 9>"$CACHE/.build.lock"
+flock 9
 if docker image inspect "$IMAGE" >/dev/null 2>&1; then
   echo "$IMAGE: present"
   exit 0
 fi
-mkdir -p "$CACHE"
 PACKAGES=python3,python3-venv,python3-dev,ca-certificates,libnuma1,g++
 TAR="$CACHE/bookworm-${PACKAGES//,/-}.tar"
 if [ ! -s "$TAR" ]; then

@@ -21,6 +21,10 @@ for minor in $(seq 5 "$GLIBC_MINOR"); do
   platforms+=(--platform "manylinux_2_${minor}_x86_64")
 done
 mkdir -p "$DEST"
+# One fill of a wheelhouse at a time (CI fills it in the background while the image tests may start their
+# own, idempotent fill): a second one waits here, then finds every wheel present.
+exec 9>"$DEST/.fill.lock"
+flock 9
 # shellcheck disable=SC2086  # PIP may be a command with arguments
 if ! $PIP download --quiet --no-deps --require-hashes --only-binary=:all: --python-version "$PYVER" \
   --implementation cp "${platforms[@]}" -d "$DEST" -r "$LOCK"; then
