@@ -21,12 +21,15 @@ Owns:
   producer (``states.mark_failed``) in one line;
 * the child's entry point (``python -m pipeline.train.producer_process FD``).
 
-The protocol: rank 0 writes two JSON lines to the child's stdin (the backend and its options; later the
-schedule) and closes it to ask the child to stop; the child writes JSON lines to the pipe ``FD`` (``ready``
+The protocol: rank 0 writes JSON lines to the child's stdin (the backend and its options; later the
+schedule; at the end ``stop``) and then closes it; the child writes JSON lines to the pipe ``FD`` (``ready``
 with the engine's dtype, then ``finished`` with the producer's figures, or ``failed`` with its one-line
 error). The child stops producing when its stdin closes, so a rank 0 that dies (SIGKILL, OOM) ends it: it
-closes its engine and exits; if the child itself is killed, the reaper it starts (pipeline/train/reaper.py)
-ends the engine's processes. Its own output (vLLM's log) goes to rank 0's stdout and stderr.
+closes its engine and exits. A stdin closed without ``stop`` is a rank 0 gone: the child first marks the
+states dir failed (``states.mark_failed``), so that the other ranks' readers, which may be waiting for a file
+it will now never write, end in one line instead of waiting forever. If the child itself is killed, the
+reaper it starts (pipeline/train/reaper.py) ends the engine's processes. Its own output (vLLM's log) goes to
+rank 0's stdout and stderr.
 """
 
 from __future__ import annotations
@@ -259,6 +262,7 @@ class ProducerProcess:
         if self._proc is None:
             return
         self._stopping = True
+        self._send({"stop": True})  # without it, the closed stdin would say rank 0 is gone
         with contextlib.suppress(OSError, ValueError):
             self._proc.stdin.close()
         try:
@@ -295,14 +299,15 @@ def _serve(send) -> int:
         backend = open_backend(stack, spec["backend"], _options_from(spec["options"]))
         send({"ready": {"dtype": str(backend.dtype).removeprefix("torch.")}})
         line = sys.stdin.readline()
-        if not line:  # rank 0 stopped before training (a failure of its own, reported there)
+        s = json.loads(line) if line else {"stop": True}
+        if s.get("stop"):  # rank 0 stopped before training (a failure of its own, reported there)
             return 0
-        s = json.loads(line)
         prepared, _ = formats.read_prepared(Path(s["prepared"]))
         schedule = states.Schedule.from_record(s["schedule"])
         producer = states.Producer(backend, Path(s["directory"]), prepared, schedule)
         asked = threading.Event()  # rank 0 closed stdin: it asks to stop, or it is gone
-        threading.Thread(target=lambda: (sys.stdin.read(), asked.set()), daemon=True).start()
+        directory = Path(s["directory"])
+        threading.Thread(target=_await_stop, args=(asked, directory), daemon=True).start()
         producer.start()
         while producer.running and not asked.wait(0.1):
             pass
@@ -311,13 +316,30 @@ def _serve(send) -> int:
     return 0
 
 
+RANK0_GONE = (
+    "rank 0's process ended without stopping the producer (killed?): the producer stopped, and so does "
+    "this rank"
+)
+
+
+def _await_stop(asked: threading.Event, directory: Path) -> None:
+    """Set ``asked`` once rank 0 closes stdin; a stdin closed without its ``stop`` line (rank 0 killed) first
+    marks ``directory`` failed, for the readers of the other ranks."""
+    from pipeline.train import states
+
+    told = any(json.loads(line).get("stop") for line in sys.stdin if line.strip())
+    if not told:
+        states.mark_failed(directory, RANK0_GONE)
+    asked.set()
+
+
 def main(argv: list[str]) -> int:
     fd = int(argv[0])
     os.set_inheritable(fd, False)  # not the engine's processes': rank 0 sees EOF when this one exits
-    report = os.fdopen(fd, "w", buffering=1)
 
     def send(message: dict) -> None:
-        report.write(json.dumps(message) + "\n")
+        with contextlib.suppress(BrokenPipeError):  # rank 0 is gone: nobody is left to tell
+            os.write(fd, (json.dumps(message) + "\n").encode())
 
     try:
         return _serve(send)

@@ -1,6 +1,6 @@
-"""pipeline/train/producer_process.py's pure parts: which GPUs a torchrun job's vllm engine gets, and the
-environment its process starts with. (The process itself runs in tests/vllm/test_train_states_vllm.py, under
-a real torchrun job on vLLM's CPU build.)"""
+"""pipeline/train/producer_process.py: which GPUs a torchrun job's vllm engine gets and the environment its
+process starts with (pure), and the process with rank 0 a real process that is killed or stops it (the hf
+backend). Under a real torchrun job on vLLM's CPU build: tests/vllm/test_train_states_vllm.py."""
 
 from __future__ import annotations
 
@@ -104,3 +104,75 @@ def test_a_thread_engine_under_torchrun_is_refused_in_one_line(monkeypatch):
     with pytest.raises(StageError, match="--states-producer thread under torchrun.*hangs") as err:
         vllm_placement(monkeypatch, 8, "thread", world=2)
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- the process, with rank 0 a real process
+
+RANK0 = """
+import json, os, sys, time
+from pathlib import Path
+from pipeline.backends.base import BackendOptions
+from pipeline.model.modeldir import read_model_dir
+from pipeline.ondisk import formats
+from pipeline.train import states
+from pipeline.train.producer_process import ProducerProcess
+
+model, prepared, directory, then = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+config = json.loads((model / "config.json").read_text())
+layers = (0, 1, config["num_hidden_layers"] - 1)
+options = BackendOptions(model=read_model_dir(model), layer_ids=layers, device="cpu", dtype="float32")
+samples, _ = formats.read_prepared(prepared)
+lengths = [int(n) for n in samples.lengths()]
+sizes = tuple(states.sample_bytes(n, config["hidden_size"], len(layers), 4) for n in lengths)
+room = sizes[0] + sizes[1]  # two files, then the producer waits for a reader that never comes
+plan = states.StatesPlan("online", room, frozenset(), 0, room)
+order = tuple(range(len(lengths)))
+schedule = states.Schedule(order, plan, sizes, frozenset(), 0, config["hidden_size"], len(layers), 10**6, 1)
+producer = ProducerProcess("hf", options, os.environ).start()
+producer.produce(directory, prepared, schedule)
+states.wait_for(formats.data_file(directory, 1), directory, timeout=120)
+print(producer._proc.pid, flush=True)
+if then == "stop":
+    producer.stop()
+else:
+    time.sleep(600)  # killed here
+"""
+
+
+@pytest.mark.parametrize("then", ["killed", "stop"])
+def test_rank0_killed_marks_the_states_dir_failed_for_the_other_ranks_readers(stage_inputs, tmp_path, then):
+    """Rank 0 (a real process here, the hf backend in its producer's process) SIGKILLed while the producer
+    waits for room: the producer's process marks the states dir failed before it closes, so that another
+    rank's reader waiting for a file that will never come ends in one line, and it exits. Rank 0 that asks
+    it to stop leaves no such mark. (Under torchrun, a vllm engine: tests/vllm/test_train_states_vllm.py.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from pipeline.ondisk import formats
+    from pipeline.train import states
+
+    directory = tmp_path / "states"
+    directory.mkdir()
+    args = [stage_inputs["model"], stage_inputs["prepared"], directory, then]
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", RANK0, *map(str, args)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = psutil.Process(int(rank0.stdout.readline()))
+        if then == "killed":
+            os.kill(rank0.pid, signal.SIGKILL)
+        assert rank0.wait(timeout=120) == (-signal.SIGKILL if then == "killed" else 0)
+        child.wait(timeout=60)  # it closes its engine and exits either way
+    finally:
+        rank0.kill()
+    last = formats.data_file(directory, 15)  # past the two files the budget let it write
+    assert not last.exists()
+    if then == "killed":
+        with pytest.raises(StageError, match="the states producer failed: rank 0's process ended"):
+            states.wait_for(last, directory, timeout=30)
+    else:
+        assert not (directory / states.FAILED).exists()

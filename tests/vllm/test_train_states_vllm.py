@@ -392,9 +392,11 @@ def test_a_torchrun_job_produces_with_an_engine_in_a_process_of_its_own(
     """2 trainer ranks, online, the vllm producer tensor parallel 2: rank 0 runs the engine in a process that
     does not see torchrun's environment (in a rank, vLLM took the job's process group and hung). torchrun's
     agent and rank 0 SIGKILLed in epoch 1 (the agent would otherwise end rank 0's session, the producer's
-    process with it): the producer's process sees rank 0 gone, closes its engine and exits, and no process of
-    the job is left. Resumed: no step trained twice, the budget held throughout, the kept files
-    pass verify, and the draft is the 2-rank offline one within the stated tolerance."""
+    process with it): the producer's process sees rank 0 gone, marks the states dir failed (rank 1 may be
+    waiting for a file it will never write: CI saw it wait forever before that mark), closes its engine and
+    exits; rank 1 ends on the mark, and no process of the job is left. Resumed: no step trained twice, the
+    budget held throughout, the kept files pass verify, and the draft is the 2-rank offline one within the
+    stated tolerance."""
     ref, steps = offline_two_ranks["cfg"], offline_two_ranks["steps"]
     cfg = vllm_config(
         stage_inputs,
@@ -432,7 +434,9 @@ def test_a_torchrun_job_produces_with_an_engine_in_a_process_of_its_own(
                 proc = psutil.Process(pid)
                 left.append((pid, proc.status(), " ".join(proc.cmdline())[:160]))
                 proc.kill()
-        assert not orphans, f"a process of the job (the producer's, its engine's) outlived rank 0: {left}"
+        assert not orphans, (
+            f"a process of the job (the producer's, its engine's, rank 1) outlived rank 0: {left}"
+        )
         committed, _ = committed_step(cfg.out)
         resumed = torchrun([*cli_args(cfg), "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-4000:]
