@@ -295,6 +295,14 @@ class VllmBackend(Backend):
         check_patched()
         check_routing(options)
         check_attention_dtype(options, on_gpu=devices > 0, environ=os.environ)
+        from pipeline.backends.vllm_connector import HANDOFF
+
+        if HANDOFF.connected:
+            raise StageError(
+                "a vLLM engine whose core runs in this process is still open: close it before building "
+                "another (vLLM's close of an in-process engine destroys the model-parallel groups that every "
+                "engine of the process shares, and the in-memory hand-over of states is one per process)"
+            )
         self.layer_ids = [int(k) for k in options.layer_ids]
         # the connector's files live here only until a writer thread has read them (vllm_scratch.py)
         need = vllm_scratch.in_flight_bytes(
@@ -308,8 +316,6 @@ class VllmBackend(Backend):
         self._scratch = vllm_scratch.Scratch(where.root)
         self._storage = self._scratch.path
         from vllm import LLM, SamplingParams
-
-        from pipeline.backends.vllm_connector import HANDOFF
 
         try:
             self.compiled = should_compile(options, on_gpu=devices > 0)

@@ -66,30 +66,61 @@ def gpu_present(request) -> None:
         pytest.fail("gpu-marked tests need a CUDA GPU (make test-vllm-gpu on a GPU host)")
 
 
-@pytest.fixture(scope="session")
-def llama_backend_small_steps(tiny_llama, tmp_path_factory):
-    """A TP-1 fp32 eager VllmBackend on the tiny Llama whose scheduler steps hold at most 128 tokens."""
-    from pipeline.backends.base import BackendOptions
-    from pipeline.backends.vllm import VllmBackend
-    from pipeline.model.modeldir import read_model_dir
+class SharedEngine:
+    """The session's TP-1 engine on the tiny Llama, its core in the pytest process: built when a test first
+    asks for it, kept for the next, closed by ``no_shared_engine`` before a test builds an in-process engine
+    of its own. One per process: vLLM's close of an in-process engine destroys the model-parallel groups
+    every engine of the process shares, and VllmBackend refuses a second one while one is open."""
 
-    model = read_model_dir(tiny_llama)
-    scratch = tmp_path_factory.mktemp("vllm-scratch")
-    backend = VllmBackend(
-        BackendOptions(
-            model=model,
-            layer_ids=(2, 4, 5, 7),
-            dtype="float32",
-            seq_length=128,
-            tensor_parallel_size=1,
-            max_batch_tokens=128,
-            enforce_eager=True,
-            scratch_dir=scratch,
-            memory_share=held_engine_share(),
-        )
-    )
-    yield backend
-    backend.close()
+    def __init__(self, tiny_llama: Path, scratch: Path):
+        self.tiny_llama, self.scratch, self.backend = tiny_llama, scratch, None
+
+    def get(self):
+        from pipeline.backends.base import BackendOptions
+        from pipeline.backends.vllm import VllmBackend
+        from pipeline.model.modeldir import read_model_dir
+
+        if self.backend is None:
+            self.backend = VllmBackend(
+                BackendOptions(
+                    model=read_model_dir(self.tiny_llama),
+                    layer_ids=(2, 4, 5, 7),
+                    dtype="float32",
+                    seq_length=128,
+                    tensor_parallel_size=1,
+                    max_batch_tokens=128,
+                    enforce_eager=True,
+                    scratch_dir=self.scratch,
+                    memory_share=held_engine_share(),
+                )
+            )
+        return self.backend
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend, backend = None, self.backend
+            backend.close()
+
+
+@pytest.fixture(scope="session")
+def shared_engine(tiny_llama, tmp_path_factory):
+    shared = SharedEngine(tiny_llama, tmp_path_factory.mktemp("vllm-scratch"))
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def llama_backend_small_steps(shared_engine):
+    """A TP-1 fp32 eager VllmBackend on the tiny Llama whose scheduler steps hold at most 128 tokens, shared
+    by the tests that ask for it (``SharedEngine``)."""
+    return shared_engine.get()
+
+
+@pytest.fixture
+def no_shared_engine(shared_engine) -> None:
+    """For a test that builds an engine in the pytest process (its own backend, an in-process train run with
+    the vllm producer): the shared engine closed first, whatever ran before."""
+    shared_engine.close()
 
 
 def per_token_rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -261,6 +261,22 @@ def test_forced_settings_are_in_effect(llama_backend_small_steps):
     )
 
 
+def test_a_second_engine_beside_an_in_process_one_is_refused_and_the_first_keeps_working(
+    llama_backend_small_steps, tiny_llama, tmp_path
+):
+    """While an engine whose core runs in this process is open, another VllmBackend is refused in one line
+    before anything is built: vLLM's close of either would destroy the model-parallel groups both use (seen:
+    "pipeline model parallel group is not initialized" in the open one's next step), and the in-memory
+    hand-over is one per process. The open engine still captures afterwards."""
+    from pipeline.errors import StageError
+
+    with pytest.raises(StageError, match="still open: close it before building another") as err:
+        tp1_backend(tiny_llama, tmp_path)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "scratch").exists()
+    assert llama_backend_small_steps.capture([[1, 2, 3, 4, 5]])[0][0].shape == (5, 256)
+
+
 def test_vllm_extracts_from_a_model_folder_without_tokenizer_files(tmp_path, prepared_llama, tiny_llama):
     """A model folder with only config and weights (bench/gpu_models.py writes such folders) extracts with the
     vllm backend: the engine starts without a tokenizer (it is handed token ids), where vLLM 0.32 loading one
@@ -323,6 +339,7 @@ def engine_model(backend) -> torch.nn.Module:
     return core.model_executor.driver_worker.worker.model_runner.model
 
 
+@pytest.mark.usefixtures("no_shared_engine")
 def test_close_lets_go_of_the_engines_model(tiny_llama, tmp_path):
     """After close() nothing holds the in-process engine's model (its weights, and on a GPU its KV cache,
     are what a later engine or `vllm serve` in this process needs back)."""
@@ -338,6 +355,7 @@ def test_close_lets_go_of_the_engines_model(tiny_llama, tmp_path):
     assert model() is None, gc.get_referrers(model())
 
 
+@pytest.mark.usefixtures("no_shared_engine")
 def test_the_requests_finished_in_one_step_are_saved_together(tiny_llama, tmp_path, monkeypatch):
     """Our connector saves the requests that finished in a step all at once (one gather, one token_scales
     per layer: the per-request way held the H200's engine thread ~4 s of a 9 s loop), each request once, and
@@ -370,6 +388,7 @@ def test_the_requests_finished_in_one_step_are_saved_together(tiny_llama, tmp_pa
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("no_shared_engine")
 def test_close_gives_the_gpu_memory_back(tiny_llama, tmp_path):
     """An engine takes vLLM's share of the GPU (0.92); after close() the device has it back, so a second
     engine or `vllm serve` can start in or beside this process (both found 10.7 of 139.8 GiB free on the
@@ -386,6 +405,7 @@ def test_close_gives_the_gpu_memory_back(tiny_llama, tmp_path):
     assert free_after >= free_before - 2 * 2**30, (free_before, free_after)
 
 
+@pytest.mark.usefixtures("no_shared_engine")
 def test_an_in_process_engine_inspects_its_model_classes_here(tiny_llama, tmp_path, monkeypatch):
     """vLLM inspects each model class in a fresh Python process when its modelinfo cache is cold (46 of the
     77 s before the H200's first batch). An engine whose core runs in this process does it here: with a cold

@@ -65,7 +65,9 @@ from tests.train.states_helpers import (
 from tests.vllm.conftest import budget, compare_dirs, fp32_tolerance, vllm_config
 from tests.vllm.scratch_in_states_dir import choose_out
 
-pytestmark = pytest.mark.vllm
+# several tests build their engine in the pytest process (--states-producer thread): the session's shared
+# in-process engine is closed first (tests/vllm/conftest.py SharedEngine)
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("no_shared_engine")]
 
 TOL = fp32_tolerance()  # per token, kept file against extract's
 WEIGHTS_ATOL = 1e-3  # a third of one AdamW step at lr 3e-3 (module docstring)
