@@ -150,7 +150,15 @@ def finish(cfg: TrainConfig, produced: Produced, producer, train_loader) -> dict
     from pipeline.train import states
 
     directory = Path(cfg.data)
-    unmade = producer.finish()  # the producer's error, if any, is the run's
+    try:
+        unmade = producer.finish()  # the producer's error, if any, is the run's
+    except Exception:
+        # named as a reader names it: a producer that failed after the trainer's last read (its process
+        # killed once every state was made) ends the run in the same one line as one that failed before
+        failure = states.producer_failure(directory)
+        if failure is None:
+            raise
+        raise failure from None
     unread = [i for i in formats.existing_data_indices(directory) if i not in produced.plan.keep]
     for i in unread:
         formats.data_file(directory, i).unlink()

@@ -174,6 +174,32 @@ def test_a_reader_waiting_for_a_file_learns_why_it_will_not_come(tmp_path):
         states.wait_for(formats.data_file(tmp_path, 4), tmp_path, timeout=0.05)
 
 
+def test_a_producer_that_fails_after_the_last_read_ends_the_run_in_the_readers_words(tmp_path):
+    """A producer's error that surfaces only when the trainer is done (nothing was left to wait for: a
+    producer process killed once every state was made) ends the run in the same one line as a reader that
+    waited for it ("the states producer failed: ..."), not in the producer's bare words."""
+    from types import SimpleNamespace
+
+    from pipeline.train import produced
+
+    class Killed(_Backend):
+        def capture(self, seqs):
+            raise StageError("its process ended with exit code -9 and no report")
+
+    plan = states.StatesPlan("online", 10**9, frozenset(), 0, 10**9)
+    schedule = states.Schedule((0,), plan, (states.sample_bytes(8, 4, 1, 4),), frozenset(), 0, 4, 1, 1000, 64)
+    producer = states.Producer(Killed(), tmp_path, _Prepared([8]), schedule).start()
+    try:
+        deadline = time.monotonic() + 10
+        while producer.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(StageError) as err:
+            produced.finish(SimpleNamespace(data=tmp_path), None, producer, None)
+    finally:
+        states.clear_failure(tmp_path)
+    assert str(err.value) == "the states producer failed: its process ended with exit code -9 and no report"
+
+
 def test_loader_workers_wait_for_produced_files_read_and_delete_them(tmp_path):
     """The produced set's loader in workers forked by the fork server: a batch whose files come later is
     read once they come, the transient ones deleted by the worker that read them, the kept one left; the
