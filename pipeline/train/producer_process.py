@@ -304,9 +304,9 @@ def _serve(send) -> int:
             return 0
         prepared, _ = formats.read_prepared(Path(s["prepared"]))
         schedule = states.Schedule.from_record(s["schedule"])
-        producer = states.Producer(backend, Path(s["directory"]), prepared, schedule)
-        asked = threading.Event()  # rank 0 closed stdin: it asks to stop, or it is gone
         directory = Path(s["directory"])
+        producer = states.Producer(backend, directory, prepared, schedule)
+        asked = threading.Event()  # rank 0 closed stdin: it asks to stop, or it is gone
         threading.Thread(target=_await_stop, args=(asked, directory), daemon=True).start()
         producer.start()
         while producer.running and not asked.wait(0.1):

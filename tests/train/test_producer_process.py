@@ -154,6 +154,7 @@ def test_rank0_killed_marks_the_states_dir_failed_for_the_other_ranks_readers(st
 
     from pipeline.ondisk import formats
     from pipeline.train import states
+    from tests.train.states_helpers import SAMPLES
 
     directory = tmp_path / "states"
     directory.mkdir()
@@ -169,7 +170,7 @@ def test_rank0_killed_marks_the_states_dir_failed_for_the_other_ranks_readers(st
         child.wait(timeout=60)  # it closes its engine and exits either way
     finally:
         rank0.kill()
-    last = formats.data_file(directory, 15)  # past the two files the budget let it write
+    last = formats.data_file(directory, SAMPLES - 1)  # past the two files the budget let it write
     assert not last.exists()
     if then == "killed":
         with pytest.raises(StageError, match="the states producer failed: rank 0's process ended"):

@@ -97,8 +97,8 @@ class SharedEngine:
         return self.backend
 
     def close(self) -> None:
-        if self.backend is not None:
-            self.backend, backend = None, self.backend
+        backend, self.backend = self.backend, None
+        if backend is not None:
             backend.close()
 
 
