@@ -48,6 +48,12 @@ TEST_SUITES := $(addprefix test-light-,$(LIGHT_CHUNKS)) test-light-rest
 TEST_AFTER :=
 # suites at once: one per core of CI's 2
 TEST_JOBS ?= 2
+# PyTorch threads per suite: the cores shared among the TEST_JOBS suites that run at once (an OMP_NUM_THREADS
+# the caller set wins). Left at its default, each suite's OpenMP pool takes every core, and between two ops its
+# idle threads spin on the cores the other suite needs: tests/train and tests/bench side by side took 443 s
+# with 2 threads each and 326 s with 1 (docs/ci.md). Subprocesses (torchrun ranks, extraction workers, vLLM's
+# processes) inherit it; vLLM's CPU workers still bind their threads to cores as they would.
+TEST_THREADS ?= $(shell n=$$(( $$(nproc) / $(TEST_JOBS) )); echo $$(( n > 0 ? n : 1 )))
 # the light environment: made before the suites start and not looked at again by them (-o), so that they
 # start in TEST_SUITES' order (a suite waiting on a prerequisite gives its turn to the next one); the vLLM
 # suites make theirs ready in their own recipes (mk/vllm.mk VLLM_READY), holding their lane meanwhile
@@ -60,7 +66,7 @@ test-light-rest: env
 	$(PY) -m pytest -m "not vllm and not gpu" $(addprefix --ignore=tests/,$(LIGHT_CHUNKS)) $(PYTEST_ARGS)
 
 test: env ## every test: the vLLM CPU suite and the light suite's chunks two at a time, then the ones that need them alone
-	$(MAKE) --no-print-directory -j$(TEST_JOBS) --keep-going --output-sync=target MAKE_TEST=1 \
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(TEST_THREADS)} $(MAKE) --no-print-directory -j$(TEST_JOBS) --keep-going --output-sync=target MAKE_TEST=1 \
 	  $(addprefix -o ,$(TEST_PREPARE)) $(TEST_SUITES)
 	$(if $(strip $(TEST_AFTER)),$(MAKE) --no-print-directory $(TEST_AFTER))
 
