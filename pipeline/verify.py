@@ -305,19 +305,27 @@ def recompute_kernels(path: dict | None) -> dict:
 
 
 def _target_argmax(model, ids: torch.Tensor, beside: bool = False) -> torch.Tensor:
-    """The target's argmax per position of ``ids``, computed alone or ``beside`` its own first half (a batch
-    of two, right-padded: under causal attention the full row never sees the padding)."""
+    """The target's argmax per position of ``ids``, computed alone or ``beside`` other rows
+    (``recompute.probe_batch``, right-padded: under causal attention the full row never sees the padding).
+    Only the sample's own row reaches the output head, so the logits stay one row's size."""
     import torch
 
     device = next(model.parameters()).device
     batch = ids[None]
+    hook = None
     if beside:
-        half = torch.zeros_like(ids)
-        n = len(recompute.partner(ids.tolist()))
-        half[:n] = ids[:n]
-        batch = torch.stack([ids, half])
-    with torch.inference_mode():
-        return model(input_ids=batch.to(device), use_cache=False).logits[0].argmax(-1).cpu()
+        rows = recompute.probe_batch(ids.tolist())
+        batch = torch.zeros(len(rows), len(ids), dtype=ids.dtype)
+        for r, row in enumerate(rows):
+            batch[r, : len(row)] = torch.tensor(row, dtype=ids.dtype)
+        head = model.get_output_embeddings()
+        hook = head.register_forward_pre_hook(lambda _, args: (args[0][:1], *args[1:]))
+    try:
+        with torch.inference_mode():
+            return model(input_ids=batch.to(device), use_cache=False).logits[0].argmax(-1).cpu()
+    finally:
+        if hook is not None:
+            hook.remove()
 
 
 def verify_hidden_states(cfg: VerifyConfig) -> Summary:

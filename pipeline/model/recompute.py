@@ -141,18 +141,28 @@ def spot_recompute(
     return out, stats, moved
 
 
-def partner(ids: list[int]) -> list[int]:
-    """The sample's own first half: computed beside it, the batch's shape changes (and with it the kernels'
-    summation order) while the sample stays the longest row, so right padding never reaches it."""
-    return ids[: max(1, len(ids) // 2)]
+# Padded tokens of the batch that a failed file is computed in once more: a quarter of extract's default
+# forward (32,768). A batch of two was too small: on the H100 a 160-token sample beside its own first half
+# came out bit-identical to the sample alone (the same kernels at 240 rows as at 160), while extraction's
+# batch had moved it by 0.37, so verify blamed correct states (docs/reliability.md).
+PROBE_TOKENS = 8192
+
+
+def probe_batch(ids: list[int]) -> list[list[int]]:
+    """The sample first, then copies of its own first half until the padded batch holds about
+    ``PROBE_TOKENS`` tokens (at least one copy): the kernels' shapes (and with them their summation order and
+    a MoE's tokens per expert) change as in an extraction batch, while the sample stays the longest row, so
+    right padding never reaches it."""
+    half = ids[: max(1, len(ids) // 2)]
+    return [ids] + [half] * max(1, PROBE_TOKENS // max(1, len(ids)) - 1)
 
 
 def self_difference(backend, ids: list[int], fresh: list[torch.Tensor]) -> list[float]:
-    """Per layer, how far the target's own states for ``ids`` move when the sample is computed beside another
-    (a batch of two) instead of alone: the target's reproducibility, the floor under any stored set's error.
-    A trained model in fp32 or bf16 stays near 0; a random MoE at bf16 routes its near-ties differently
+    """Per layer, how far the target's own states for ``ids`` move when the sample is computed in a batch of
+    others (``probe_batch``) instead of alone: the target's reproducibility, the floor under any stored set's
+    error. A trained model in fp32 or bf16 stays near 0; a random MoE at bf16 routes its near-ties differently
     (0.15-0.30 at deep layers of dsv3-9b on an H100, docs/reliability.md)."""
-    again = backend.capture([ids, partner(ids)])[0]
+    again = backend.capture(probe_batch(ids))[0]
     return [rel_err(a, f) if a.shape == f.shape else float("inf") for a, f in zip(again, fresh, strict=True)]
 
 

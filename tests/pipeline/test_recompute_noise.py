@@ -58,8 +58,41 @@ class Batched:
         return out
 
 
+@pytest.mark.parametrize("length", [1, 2, 160, 4096, 5000, 20000])
+def test_the_probe_batch_is_extraction_sized_with_the_sample_first_and_longest(length):
+    """A failed file is computed again in a batch of about PROBE_TOKENS padded tokens (a 160-token sample
+    beside only its first half was bit-identical to itself alone on the H100), never less than two rows."""
+    ids = list(range(length))
+    rows = recompute.probe_batch(ids)
+    assert rows[0] == ids and len(rows) >= 2
+    assert all(row == ids[: max(1, length // 2)] for row in rows[1:])
+    padded = len(rows) * length
+    assert padded <= max(recompute.PROBE_TOKENS, 2 * length)
+    if length <= recompute.PROBE_TOKENS // 2:
+        assert padded > recompute.PROBE_TOKENS - 2 * length
+
+
+def test_the_alignment_probe_sends_one_row_to_the_head_and_leaves_the_model_as_it_was(tiny_llama):
+    """The target's argmax beside the probe batch: on a steady fp32 target it equals the argmax alone, only
+    the sample's own row reaches the output head (the logits stay one row's size), and the hook is gone."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.verify import _target_argmax
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (40,))
+    head, seen = model.get_output_embeddings(), []
+    probe = head.register_forward_hook(lambda _, args, out: seen.append((args[0].shape[0], out.shape[0])))
+    alone = _target_argmax(model, ids)
+    beside = _target_argmax(model, ids, beside=True)
+    probe.remove()
+    assert seen == [(1, 1), (1, 1)]
+    assert torch.equal(alone, beside)
+    assert not head._forward_pre_hooks
+
+
 @pytest.mark.parametrize("noise", [0.0, 0.3])
-def test_spot_recompute_computes_a_failed_file_again_beside_its_own_first_half(tmp_path, noise):
+def test_spot_recompute_computes_a_failed_file_again_in_the_probe_batch(tmp_path, noise):
     ids = list(range(10))
     stored = torch.arange(40, dtype=torch.float32).reshape(10, 4) + 1.5  # off by enough to fail 1e-3
     backend = Batched(noise)
@@ -71,7 +104,8 @@ def test_spot_recompute_computes_a_failed_file_again_beside_its_own_first_half(t
         "float32",
         backend,
     )
-    assert backend.batches == [[10], [10, 5]]  # alone, then beside its first half (the longest row first)
+    # alone, then first in the probe batch (copies of its first half after it)
+    assert backend.batches == [[10], [10] + [5] * (recompute.PROBE_TOKENS // 10 - 1)]
     assert checks[0].status == "fail"
     own = moved["data_0.pt"][0]
     if noise:
