@@ -318,8 +318,8 @@ def _target_argmax(model, ids: torch.Tensor, beside: bool = False) -> torch.Tens
         batch = torch.zeros(len(rows), len(ids), dtype=ids.dtype)
         for r, row in enumerate(rows):
             batch[r, : len(row)] = torch.tensor(row, dtype=ids.dtype)
-        head = model.get_output_embeddings()
-        hook = head.register_forward_pre_hook(lambda _, args: (args[0][:1], *args[1:]))
+        if (head := model.get_output_embeddings()) is not None:  # else every row's logits: more memory
+            hook = head.register_forward_pre_hook(lambda _, args: (args[0][:1], *args[1:]))
     try:
         with torch.inference_mode():
             return model(input_ids=batch.to(device), use_cache=False).logits[0].argmax(-1).cpu()

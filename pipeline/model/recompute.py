@@ -142,9 +142,9 @@ def spot_recompute(
 
 
 # Padded tokens of the batch that a failed file is computed in once more: a quarter of extract's default
-# forward (32,768). A batch of two was too small: on the H100 a 160-token sample beside its own first half
-# came out bit-identical to the sample alone (the same kernels at 240 rows as at 160), while extraction's
-# batch had moved it by 0.37, so verify blamed correct states (docs/reliability.md).
+# forward (32,768). A batch of two was too small: on the H100 one sample beside its own first half came out
+# bit-identical to itself alone, while extraction's batch (the whole set, 10,488 tokens) had moved it by 0.37,
+# so verify blamed correct states (docs/benchmarks.md, "verify's own path on the GPU").
 PROBE_TOKENS = 8192
 
 

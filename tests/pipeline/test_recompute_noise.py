@@ -60,8 +60,8 @@ class Batched:
 
 @pytest.mark.parametrize("length", [1, 2, 160, 4096, 5000, 20000])
 def test_the_probe_batch_is_extraction_sized_with_the_sample_first_and_longest(length):
-    """A failed file is computed again in a batch of about PROBE_TOKENS padded tokens (a 160-token sample
-    beside only its first half was bit-identical to itself alone on the H100), never less than two rows."""
+    """A failed file is computed again in a batch of about PROBE_TOKENS padded tokens (a sample beside only
+    its first half was bit-identical to itself alone on the H100), never less than two rows."""
     ids = list(range(length))
     rows = recompute.probe_batch(ids)
     assert rows[0] == ids and len(rows) >= 2
