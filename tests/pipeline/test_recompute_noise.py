@@ -89,6 +89,13 @@ def test_the_alignment_probe_sends_one_row_to_the_head_and_leaves_the_model_as_i
     assert seen == [(1, 1), (1, 1)]
     assert torch.equal(alone, beside)
     assert not head._forward_pre_hooks
+    # a model that names no output-head module: every row's logits, the same argmax for the sample's row
+    model.get_output_embeddings = lambda: None
+    seen.clear()
+    probe = head.register_forward_hook(lambda _, args, out: seen.append(out.shape[0]))
+    assert torch.equal(_target_argmax(model, ids, beside=True), alone)
+    probe.remove()
+    assert seen == [len(recompute.probe_batch(ids.tolist()))]
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.3])
