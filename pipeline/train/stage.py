@@ -365,6 +365,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 overwrite=cfg.overwrite,
                 log=log,
             )
+            # from here to the run's end rank 0 vouches for the states dir: a rank whose wait outlives a
+            # rank 0 killed with torchrun's agent ends instead of waiting forever (states.Heartbeat)
+            held.enter_context(states.Heartbeat(Path(cfg.data)))
             # loaded before the seed: a model load may draw from torch's generator, the draft's init must not
             # see it
             log(
@@ -478,11 +481,11 @@ def run(cfg: TrainConfig, log=print) -> dict:
             try:
                 epochs_run = trainer.run_training()
             except Exception:
-                from pipeline.train.states import reported_failure
+                from pipeline.train.states import rank0_gone, reported_failure
 
                 failure = reported_failure(cfg.data) if produced is not None else None
                 if failure is not None:  # a loader worker's report of it is many lines (a peer's gloo error)
-                    if not rt.is_main:
+                    if not rt.is_main and not rank0_gone(cfg.data):  # no rank 0 left to report it
                         _leave_the_report_to_rank0(train_loader, val_loader)
                     raise failure from None
                 raise

@@ -20,17 +20,21 @@ Owns, for the modes in which no finished hidden-states set exists:
   vllm engine's per-request files when its scratch folder is in the states dir: ``disk_bytes``) exceed the
   budget: it waits for the trainer to use and delete waiting files (back-pressure in bytes);
 * ``wait_for``: a reader's wait for a produced file (pipeline/train/datasets.py ``ProducedDataset``, the
-  trainer's dataset, reads it whole and deletes it when it is transient, in the trainer's loader workers).
+  trainer's dataset, reads it whole and deletes it when it is transient, in the trainer's loader workers);
+* ``Heartbeat``: rank 0's process, alive, as a file the readers of other processes watch (``wait_for``
+  ends when it stops moving: rank 0 was killed and nobody marked the run failed).
 
 It does not train (pipeline/train/stage.py) and does not change how states are computed: the backend
 (pipeline/backends/) and the file format (pipeline/ondisk/formats.py) are extract's. Data parallel
 (torchrun): one producer, in rank 0, for every rank's reads; each rank's readers wait for, read and delete
 its own files, and those of the other ranks learn of a failed producer from its FAILED file
-(``reported_failure``); the budget bounds the files of all ranks together.
+(``reported_failure``), or from its heartbeat when rank 0 died without writing one (SIGKILLed together with
+torchrun's agent, which would otherwise have ended them); the budget bounds the files of all ranks together.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import threading
@@ -48,6 +52,13 @@ MODES = ("offline", "online", "hybrid")
 FILE_OVERHEAD = 4096
 FAILED = ".producer-failed"  # the producer's error, for a reader waiting on a file that will not come
 DONE = ".producer-done"  # the producer finished its schedule: a file still missing then is an error
+ALIVE = ".producer-alive"  # rank 0's process touches it every HEARTBEAT_S while the run may produce
+HEARTBEAT_S = 2.0
+# a reader that sees ALIVE unmoved this long (by its own clock) ends its wait: 30 beats missed, far beyond a
+# loaded host's scheduling delays, and the most a rank orphaned by a killed rank 0 and agent now waits
+STALE_S = 60.0
+# how a reader's verdict on a silent heartbeat starts (``rank0_gone``)
+ORPHANED = "rank 0's process stopped without ending the run"
 WAIT_POLL_S = 0.005
 # a producer's error by states dir, for readers in its own process (the FAILED file is for worker processes,
 # and may not be writable on a full disk)
@@ -320,7 +331,7 @@ def prepare_states_dir(
                 "use --overwrite or another --data"
             )
     directory.mkdir(parents=True, exist_ok=True)
-    for name in (FAILED, DONE):
+    for name in (FAILED, DONE, ALIVE):
         (directory / name).unlink(missing_ok=True)
     remove_partials(directory)
     for stale in directory.glob(VLLM_SCRATCH_GLOB):  # the vllm backend's files of a killed run
@@ -353,7 +364,8 @@ def finish_states_dir(directory: Path, expected: formats.DataConfig) -> int:
     config's provenance stamped now; return the files on disk."""
     from pipeline.ondisk import provenance
 
-    (Path(directory) / DONE).unlink(missing_ok=True)
+    for name in (DONE, ALIVE):
+        (Path(directory) / name).unlink(missing_ok=True)
     formats.fold_checksums(directory, set(range(expected.num_samples)))
     formats.write_data_config(directory, replace(expected, provenance=provenance.record("train-states")))
     return len(formats.existing_data_indices(directory))
@@ -626,11 +638,82 @@ def reported_failure(directory: Path) -> StageError | None:
     return error
 
 
-def wait_for(path: Path, directory: Path, timeout: float | None = None, failed_flag=None) -> None:
+class Heartbeat:
+    """Rank 0's process vouches for the run: a daemon thread sets the states dir's ALIVE file's mtime to now
+    every ``period`` seconds, from when rank 0 has prepared the dir until the run ends (``with``; the file
+    then stays, unmoving, and ``finish_states_dir`` or the next run's ``prepare_states_dir`` removes it).
+
+    It is for the one death nothing else reports: torchrun's agent and rank 0 SIGKILLed together (an
+    operator's ``kill -9`` of the job's pids, the OOM killer). The agent then cannot end the other ranks, and
+    rank 0's producer (a thread in it) cannot mark the run failed, so a rank waiting for its next file would
+    wait forever; with this file unmoved for ``STALE_S`` it ends in one line (``wait_for``)."""
+
+    def __init__(self, directory: Path, period: float = HEARTBEAT_S):
+        self.path, self.period = Path(directory) / ALIVE, period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="states-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self.path.write_text(f"{os.getpid()}\n")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                os.utime(self.path)  # never re-created: once finish_states_dir removed it, the run is over
+            except OSError:  # gone, or a disk that refuses even this: the readers' other signals remain
+                pass
+
+
+class _Pulse:
+    """A reader's view of the heartbeat: when ALIVE's mtime last changed, on the reader's own monotonic clock
+    (no comparison with the writer's clock, so a skewed or coarse file-system clock cannot fake a stop). An
+    absent file says nothing: a run before this file existed, or rank 0 not yet there."""
+
+    def __init__(self, path: Path, stale_s: float):
+        self.path, self.stale_s = path, stale_s
+        self.mtime: int | None = None
+        self.since = time.monotonic()
+
+    def stopped(self) -> float | None:
+        """Seconds the heartbeat has not moved, once that is at least ``stale_s``; else None."""
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except OSError:
+            self.mtime = None
+            return None
+        now = time.monotonic()
+        if mtime != self.mtime:
+            self.mtime, self.since = mtime, now
+            return None
+        return now - self.since if now - self.since >= self.stale_s else None
+
+
+def rank0_gone(directory: Path) -> bool:
+    """The run failed because rank 0's process is gone (a reader's verdict on its silent heartbeat): no rank 0
+    is left to report it or to end the job."""
+    error = reported_failure(directory)
+    return error is not None and str(error).startswith(f"the states producer failed: {ORPHANED}")
+
+
+def wait_for(
+    path: Path,
+    directory: Path,
+    timeout: float | None = None,
+    failed_flag=None,
+    stale_s: float | None = None,
+) -> None:
     """Return once ``path`` exists; raise if the producer failed (``failed_flag`` set, its FAILED file, or
-    its error recorded in this process) or finished without it."""
+    its error recorded in this process), finished without it, or if rank 0's heartbeat stopped for
+    ``stale_s`` (default ``STALE_S``): then this reader marks the run failed for every other reader first."""
     t0 = time.monotonic()
     delay = WAIT_POLL_S / 5
+    pulse = _Pulse(directory / ALIVE, STALE_S if stale_s is None else stale_s)
     while not path.exists():
         if (error := reported_failure(directory)) is not None:
             raise error
@@ -638,6 +721,14 @@ def wait_for(path: Path, directory: Path, timeout: float | None = None, failed_f
             raise StageError("the states producer failed (the training process reports why)")
         if (directory / DONE).exists() and not path.exists():
             raise StageError(f"{path.name} was read but the producer's schedule did not make it (a bug)")
+        if (still := pulse.stopped()) is not None and not path.exists():
+            mark_failed(
+                directory,
+                f"{ORPHANED} ({ALIVE} in {directory} unmoved for "
+                f"{still:.0f} s: killed together with torchrun's agent?) while this rank waited for "
+                f"{path.name}; re-run with --resume",
+            )
+            raise reported_failure(directory)
         if timeout is not None and time.monotonic() - t0 > timeout:
             raise StageError(f"{path} did not appear within {timeout:.0f} s")
         time.sleep(delay)

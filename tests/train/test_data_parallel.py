@@ -3,8 +3,10 @@ the producer's merged schedule of every rank's batches, and real 2-rank runs off
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -193,6 +195,62 @@ def test_a_failed_producer_ends_every_rank_in_one_line(dp_inputs, small_disk, tm
     first = done.stderr[done.stderr.index("Root Cause (first observed failure)") :]
     assert "rank      : 0 (local_rank: 0)" in first and "exitcode  : 2" in first, first
     assert not list(small_disk.glob(".*partial"))
+
+
+@pytest.mark.slow
+def test_a_rank_orphaned_by_a_killed_rank0_and_agent_ends_in_one_line(dp_inputs, tmp_path):
+    """torchrun's agent and rank 0 SIGKILLed together while rank 1 waits for a state file that rank 0's
+    producer (a thread, stalled here before its first file) will now never write: nothing marks the run
+    failed and nobody is left to end rank 1, yet it ends on its own once rank 0's heartbeat has been silent
+    for STALE_S (3 s here), with one error line, leaving no process and the run marked failed for --resume.
+    Before the heartbeat it waited forever."""
+    import psutil
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    cfg = states_config(
+        dp_inputs, tmp_path / "states", tmp_path / "out", states_mode="online", states_budget="50M"
+    )
+    env = {**pipeline_env(), "STALL_MARKERS": str(markers), "STALL_STALE_S": "3"}
+    job = subprocess.Popen(
+        [*TORCHRUN, "-m", "tests.train.stalled_train", *cli_args(cfg)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    orphans: list[int] = []  # once the agent is killed, kill_job cannot find the ranks: the test kills them
+    try:
+        deadline = time.monotonic() + 300
+        while not all((markers / f"waiting-rank{r}").exists() for r in range(RANKS)):
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate(timeout=60)[1][-4000:]
+            time.sleep(0.2)
+        assert (markers / "producer").exists() and (cfg.data / states.ALIVE).is_file()
+        ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(job.pid).children()}
+        assert sorted(ranks) == list(range(RANKS)), ranks
+        rank1 = ranks[1]
+        rest = [p.pid for p in rank1.children(recursive=True)]
+        orphans = [rank1.pid, *rest]
+        for pid in (job.pid, ranks[0].pid):
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        # rank 1 holds the job's pipes: they close when it ends
+        _, err = job.communicate(timeout=states.HEARTBEAT_S + 3 + 120)
+        ended = time.monotonic() - t0
+    except BaseException:
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        kill_job(job)
+        raise
+    assert not still_alive(orphans, within=30), "rank 1 or a process of it outlived the job"
+    assert ended < stage.REPORT_GRACE_S, f"rank 1 waited {ended:.0f} s for a rank 0 that was gone"
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err[-4000:]
+    assert errors[0].startswith("error: the states producer failed: rank 0's process stopped without ending")
+    assert "--resume" in errors[0] and states.ALIVE in errors[0]
+    assert (cfg.data / states.FAILED).read_text().startswith(states.ORPHANED)
 
 
 @pytest.mark.slow

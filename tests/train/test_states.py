@@ -174,6 +174,36 @@ def test_a_reader_waiting_for_a_file_learns_why_it_will_not_come(tmp_path):
         states.wait_for(formats.data_file(tmp_path, 4), tmp_path, timeout=0.05)
 
 
+def test_a_reader_ends_its_wait_once_rank0s_heartbeat_stops(tmp_path):
+    """Rank 0's process beats (ALIVE's mtime moves): a reader keeps waiting however long. Once the beat stops
+    (rank 0 gone with nothing else marking the run failed), the reader ends after ``stale_s`` of its own
+    clock in one line, and marks the run failed so that every other reader ends at once in the same words.
+    An absent heartbeat (rank 0 not there yet, a run of an older version) says nothing."""
+    target = formats.data_file(tmp_path, 3)
+    with pytest.raises(StageError, match="did not appear"):  # no heartbeat file: no verdict from it
+        states.wait_for(target, tmp_path, timeout=0.5, stale_s=0.05)
+    try:
+        with states.Heartbeat(tmp_path, period=0.05) as beat:
+            first = beat.path.stat().st_mtime_ns
+            with pytest.raises(StageError, match="did not appear"):  # 2 s of waiting, 0.3 s stale_s
+                states.wait_for(target, tmp_path, timeout=2.0, stale_s=0.3)
+            assert beat.path.stat().st_mtime_ns > first
+        assert beat.path.is_file()  # left unmoving: a reader still waiting must learn that it stopped
+        t0 = time.monotonic()
+        with pytest.raises(StageError) as err:
+            states.wait_for(target, tmp_path, timeout=30, stale_s=0.5)
+        assert 0.5 <= time.monotonic() - t0 < 10
+        message = str(err.value)
+        assert message.startswith(f"the states producer failed: {states.ORPHANED} (")
+        assert "data_3.pt" in message and "--resume" in message and "\n" not in message
+        assert (tmp_path / states.FAILED).read_text().strip() in message
+        with pytest.raises(StageError) as again:  # another reader: at once, the same line
+            states.wait_for(formats.data_file(tmp_path, 4), tmp_path, timeout=0.05)
+        assert str(again.value) == message
+    finally:
+        states.clear_failure(tmp_path)
+
+
 def test_a_producer_that_fails_after_the_last_read_ends_the_run_in_the_readers_words(tmp_path):
     """A producer's error that surfaces only when the trainer is done (nothing was left to wait for: a
     producer process killed once every state was made) ends the run in the same one line as a reader that
@@ -345,6 +375,7 @@ def test_online_gives_the_offline_draft_bit_for_bit(stage_inputs, offline, tmp_p
     summary = run(cfg, log=lambda m: None)
     st = summary["train"]["states"]
     assert str(cfg.data) not in states._READER_FLAGS  # the run's readers' flags went with its producer
+    assert not (cfg.data / states.ALIVE).exists()  # rank 0's heartbeat went with the finished run
     assert summary["train"]["phase_seconds"]["states_finish"] >= 0  # a produced run's own phase
     # held-out 4 and the 4 training samples the acceptance baseline reads are kept: produced once
     assert st["peak_bytes"] <= int(budget) and st["produced_samples"] == 4 + 12 + 8 * (EPOCHS - 1)
