@@ -14,7 +14,10 @@ random conversations (bench/extract_bench.py's), then each row a fresh process o
 * ``bulk``, ``pool``, ``thread``, ``steps``: ``warm`` with the capture levers switched on one after the
   other, each row adding one (pipeline/backends/vllm_connector.py: EAGLE_VLLM_BULK_COPY=1, then
   EAGLE_VLLM_PINNED_POOL=4, EAGLE_VLLM_CONNECTOR_THREAD=1, then EAGLE_VLLM_STEP_TOKENS=--step-tokens);
-* ``hf``: ``pipeline extract --backend hf`` with its defaults and empty caches.
+* ``hf``: ``pipeline extract --backend hf`` with its defaults and empty caches; ``hf-compiled``: the same
+  with ``--compile on``, what ``--compile auto`` chooses for a dense model on runs of 4e16 decoder FLOPs and
+  more (16M tokens of llama-1b, 2.5M of llama-8b: a real run's), its caches empty: its compile runs in the
+  loop's first forwards and counts in its loop rate (the compiled loop's steady rate: bench/hf_levers.py).
 
 Each row's loop rate and its ratio to ``plain``; for the extraction rows where the difference goes: the engine
 thread's seconds in our connector, the bytes copied off the GPU and the copy stream's seconds, the writer
@@ -51,7 +54,8 @@ from bench.e2e_bench import GpuMemory, cache_environment, run_ours, timed_proces
 from bench.extract_bench import make_prepared
 from bench.gpu_models import build_model, save_model
 
-ROWS = ("cold", "plain", "capture", "warm", "bulk", "pool", "thread", "steps", "hf")
+ROWS = ("cold", "plain", "capture", "warm", "bulk", "pool", "thread", "steps", "hf", "hf-compiled")
+HF_ARGS = {"hf": [], "hf-compiled": ["--compile", "on"]}  # the hf rows' extract flags beyond the backend
 PRESETS = {
     # shape, samples, seq length; the tiny preset's rows are those the CPU build runs in a smoke test
     "gpu": dict(
@@ -81,8 +85,8 @@ def row_plan(row: str, step_tokens: int) -> tuple[str, str, dict[str, str]]:
         return "extract", "cold", {**OFF, **LEVERS["thread"], "EAGLE_VLLM_STEP_TOKENS": str(step_tokens)}
     if row in ("plain", "capture"):
         return "engine", "cold", dict(OFF)
-    if row == "hf":
-        return "hf", "hf", {}
+    if row in HF_ARGS:
+        return "hf", row, {}
     raise click.BadParameter(f"unknown row {row!r}: choose from {', '.join(ROWS)}", param_hint="--rows")
 
 
@@ -272,7 +276,7 @@ def run(
                     prepared,
                     model_dir,
                     out,
-                    ["--backend", backend, "--json-stats"],
+                    ["--backend", backend, "--json-stats", *HF_ARGS.get(row, [])],
                     cache,
                     row_env=env,
                     checks=False,

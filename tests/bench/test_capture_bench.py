@@ -46,3 +46,19 @@ def test_capture_bench_tiny_runs_every_kind_of_row(tmp_path):
     assert hf["writer_write_thread_seconds"] > 0 and "connector" not in rows["hf"]["stats"]["backend"]
     assert hf["hf_host"]["forward_queue_seconds"] > 0 and hf["hf_host"]["device_busy_seconds"] > 0
     assert "| tiny | thread |" in proc.stdout
+
+
+def test_every_row_has_a_plan_and_the_compiled_hf_row_asks_for_the_compile():
+    """Each row's kind and caches (pure): the vllm rows share cold's caches, each hf row has its own, and
+    hf-compiled is hf with --compile on; an unknown row is refused naming the choices."""
+    import click
+
+    from bench.capture_bench import HF_ARGS, ROWS, row_plan
+
+    kinds = {row: row_plan(row, 16384)[:2] for row in ROWS}
+    assert kinds["hf"] == ("hf", "hf") and kinds["hf-compiled"] == ("hf", "hf-compiled")
+    assert {kinds[r] for r in ("cold", "warm", "bulk", "pool", "thread", "steps")} == {("extract", "cold")}
+    assert {kinds[r] for r in ("plain", "capture")} == {("engine", "cold")}
+    assert HF_ARGS["hf-compiled"] == ["--compile", "on"] and HF_ARGS["hf"] == []
+    with pytest.raises(click.BadParameter, match="hf-compiled"):
+        row_plan("hf-eager", 16384)
