@@ -17,7 +17,8 @@ random conversations (bench/extract_bench.py's), then each row a fresh process o
 * ``hf``: ``pipeline extract --backend hf`` with its defaults and empty caches; ``hf-compiled``: the same
   with ``--compile on``, what ``--compile auto`` chooses for a dense model on runs of 4e16 decoder FLOPs and
   more (16M tokens of llama-1b, 2.5M of llama-8b: a real run's), its caches empty: its compile runs in the
-  loop's first forwards and counts in its loop rate (the compiled loop's steady rate: bench/hf_levers.py).
+  loop's first forwards and counts in its loop rate (the compiled loop's steady rate: bench/hf_levers.py);
+  ``hf-compiled-warm``: the same with ``hf-compiled``'s caches (a second run on a host).
 
 Each row's loop rate and its ratio to ``plain``; for the extraction rows where the difference goes: the engine
 thread's seconds in our connector, the bytes copied off the GPU and the copy stream's seconds, the writer
@@ -54,8 +55,22 @@ from bench.e2e_bench import GpuMemory, cache_environment, run_ours, timed_proces
 from bench.extract_bench import make_prepared
 from bench.gpu_models import build_model, save_model
 
-ROWS = ("cold", "plain", "capture", "warm", "bulk", "pool", "thread", "steps", "hf", "hf-compiled")
-HF_ARGS = {"hf": [], "hf-compiled": ["--compile", "on"]}  # the hf rows' extract flags beyond the backend
+ROWS = (
+    "cold",
+    "plain",
+    "capture",
+    "warm",
+    "bulk",
+    "pool",
+    "thread",
+    "steps",
+    "hf",
+    "hf-compiled",
+    "hf-compiled-warm",
+)
+# the hf rows' extract flags beyond the backend, and the row whose caches each uses
+HF_ARGS = {"hf": [], "hf-compiled": ["--compile", "on"], "hf-compiled-warm": ["--compile", "on"]}
+HF_CACHES = {"hf": "hf", "hf-compiled": "hf-compiled", "hf-compiled-warm": "hf-compiled"}
 PRESETS = {
     # shape, samples, seq length; the tiny preset's rows are those the CPU build runs in a smoke test
     "gpu": dict(
@@ -86,7 +101,7 @@ def row_plan(row: str, step_tokens: int) -> tuple[str, str, dict[str, str]]:
     if row in ("plain", "capture"):
         return "engine", "cold", dict(OFF)
     if row in HF_ARGS:
-        return "hf", row, {}
+        return "hf", HF_CACHES[row], {}
     raise click.BadParameter(f"unknown row {row!r}: choose from {', '.join(ROWS)}", param_hint="--rows")
 
 

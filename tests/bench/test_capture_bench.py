@@ -57,8 +57,11 @@ def test_every_row_has_a_plan_and_the_compiled_hf_row_asks_for_the_compile():
 
     kinds = {row: row_plan(row, 16384)[:2] for row in ROWS}
     assert kinds["hf"] == ("hf", "hf") and kinds["hf-compiled"] == ("hf", "hf-compiled")
+    assert kinds["hf-compiled-warm"] == ("hf", "hf-compiled")  # the compiled row's caches
     assert {kinds[r] for r in ("cold", "warm", "bulk", "pool", "thread", "steps")} == {("extract", "cold")}
     assert {kinds[r] for r in ("plain", "capture")} == {("engine", "cold")}
-    assert HF_ARGS["hf-compiled"] == ["--compile", "on"] and HF_ARGS["hf"] == []
+    assert (
+        HF_ARGS["hf-compiled"] == HF_ARGS["hf-compiled-warm"] == ["--compile", "on"] and HF_ARGS["hf"] == []
+    )
     with pytest.raises(click.BadParameter, match="hf-compiled"):
         row_plan("hf-eager", 16384)
