@@ -15,6 +15,11 @@ hf reached its first batch 15-17 s sooner (1b: 11.6 s against 26.6-27.0 s), so v
 shorter one from ~25M (1b warm) to ~44M (1b cold) tokens, ~8-18M on 8b: a large set on one GPU would gain up
 to ~8% with vLLM, while on several GPUs hf runs one process per GPU against vLLM's tensor parallelism, which
 is unmeasured (it needs two GPUs). The rule stands until that run.
+Those hf figures are its eager loop, while ``--compile auto`` compiles a dense model from 20.5M tokens (1b)
+and 2.9M (8b), below the lengths where vLLM would pay. Measured on one H100 on 2026-12-07 (docs/benchmarks.md,
+"The hf backend's dense loop compiled"), hf's compiled loop reaches an estimated ~0.89x (1b) and ~0.98x (8b)
+of the engine's plain prefill, against vLLM's 0.90x and 0.94x warm: level on 1b, ahead on 8b, so the ~8% a
+large set would have gained with vLLM is not there either.
 Those figures are dense Llamas'. An MoE target (routed experts in config.json, as contract/experts.py reads
 them) that fits one GPU goes to vLLM where the stage sees one GPU: on a DeepSeek-V3 layout of 9.3B parameters
 (1.3B met per token; bench/gpu_models.py's dsv3-9b) on one H100 (docs/benchmarks-history.md, "2026-12-05
@@ -46,8 +51,8 @@ BACKENDS = ("hf", "vllm")
 # activations (32,768 tokens by default) and the CUDA context.
 FIT_SHARE = 0.8
 MEASURED = (
-    "vLLM's loop ran 1.04-1.15x hf's there, hf starts 15-17 s sooner: vLLM pays from ~8-44M tokens on "
-    "one GPU (H100, docs/benchmarks.md)"
+    "vLLM's loop ran 1.04-1.15x hf's eager one there, hf starts 15-17 s sooner, and hf compiles from ~3-20M "
+    "tokens, then level with or ahead of warm vLLM (H100, docs/benchmarks.md)"
 )
 MEASURED_MOE = (
     "vLLM's fused-MoE loop ran 1.4-2.0x hf's warm (1.2-1.5x cold), hf starts 13-27 s sooner: "
