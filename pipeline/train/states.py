@@ -22,7 +22,8 @@ Owns, for the modes in which no finished hidden-states set exists:
 * ``wait_for``: a reader's wait for a produced file (pipeline/train/datasets.py ``ProducedDataset``, the
   trainer's dataset, reads it whole and deletes it when it is transient, in the trainer's loader workers);
 * ``Heartbeat``: rank 0's process, alive, as a file the readers of other processes watch (``wait_for``
-  ends when it stops moving: rank 0 was killed and nobody marked the run failed).
+  ends when it stops moving and the process it names is gone: rank 0 was killed and nobody marked the run
+  failed).
 
 It does not train (pipeline/train/stage.py) and does not change how states are computed: the backend
 (pipeline/backends/) and the file format (pipeline/ondisk/formats.py) are extract's. Data parallel
@@ -34,9 +35,11 @@ torchrun's agent, which would otherwise have ended them); the budget bounds the 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -54,9 +57,12 @@ FAILED = ".producer-failed"  # the producer's error, for a reader waiting on a f
 DONE = ".producer-done"  # the producer finished its schedule: a file still missing then is an error
 ALIVE = ".producer-alive"  # rank 0's process touches it every HEARTBEAT_S while the run may produce
 HEARTBEAT_S = 2.0
-# a reader that sees ALIVE unmoved this long (by its own clock) ends its wait: 30 beats missed, far beyond a
-# loaded host's scheduling delays, and the most a rank orphaned by a killed rank 0 and agent now waits
-STALE_S = 60.0
+# a reader that sees ALIVE unmoved this long (by its own clock) asks whether rank 0's process is still there
+# (same host: its pid and start time); only a gone process ends the wait, never a stopped or starved one
+STALE_S = 10.0
+# a reader on another host than rank 0 (a shared states dir) has no process to ask: this much silence decides,
+# 30 missed beats
+STALE_REMOTE_S = 60.0
 # how a reader's verdict on a silent heartbeat starts (``rank0_gone``)
 ORPHANED = "rank 0's process stopped without ending the run"
 WAIT_POLL_S = 0.005
@@ -641,12 +647,13 @@ def reported_failure(directory: Path) -> StageError | None:
 class Heartbeat:
     """Rank 0's process vouches for the run: a daemon thread sets the states dir's ALIVE file's mtime to now
     every ``period`` seconds, from when rank 0 has prepared the dir until the run ends (``with``; the file
-    then stays, unmoving, and ``finish_states_dir`` or the next run's ``prepare_states_dir`` removes it).
+    then stays, unmoving, and ``finish_states_dir`` or the next run's ``prepare_states_dir`` removes it). The
+    file names the process (pid, start time, host), so that a reader on its host can ask whether it is gone.
 
     It is for the one death nothing else reports: torchrun's agent and rank 0 SIGKILLed together (an
     operator's ``kill -9`` of the job's pids, the OOM killer). The agent then cannot end the other ranks, and
     rank 0's producer (a thread in it) cannot mark the run failed, so a rank waiting for its next file would
-    wait forever; with this file unmoved for ``STALE_S`` it ends in one line (``wait_for``)."""
+    wait forever; with this file silent and its process gone it ends in one line (``wait_for``)."""
 
     def __init__(self, directory: Path, period: float = HEARTBEAT_S):
         self.path, self.period = Path(directory) / ALIVE, period
@@ -654,7 +661,11 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._beat, name="states-heartbeat", daemon=True)
 
     def __enter__(self) -> Heartbeat:
-        self.path.write_text(f"{os.getpid()}\n")
+        import psutil
+
+        me = psutil.Process()
+        owner = {"pid": me.pid, "started": me.create_time(), "host": socket.gethostname()}
+        self.path.write_text(json.dumps(owner) + "\n")
         self._thread.start()
         return self
 
@@ -670,18 +681,36 @@ class Heartbeat:
                 pass
 
 
-class _Pulse:
-    """A reader's view of the heartbeat: when ALIVE's mtime last changed, on the reader's own monotonic clock
-    (no comparison with the writer's clock, so a skewed or coarse file-system clock cannot fake a stop). An
-    absent file says nothing: a run before this file existed, or rank 0 not yet there."""
+def _process_gone(owner: dict) -> bool:
+    """The process the heartbeat names is no longer there on this host: no such pid, a pid reused by a later
+    process (another start time), or a zombie nobody reaped."""
+    import psutil
 
-    def __init__(self, path: Path, stale_s: float):
-        self.path, self.stale_s = path, stale_s
+    try:
+        process = psutil.Process(int(owner["pid"]))
+        return abs(process.create_time() - float(owner["started"])) > 1e-3 or (
+            process.status() == psutil.STATUS_ZOMBIE
+        )
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:  # there, someone else's: not gone
+        return False
+
+
+class _Pulse:
+    """A reader's view of the heartbeat: how long ALIVE's mtime has not changed, on the reader's own monotonic
+    clock (no comparison with the writer's clock, so a skewed or coarse file-system clock cannot fake a stop),
+    and then whether its process is gone. An absent file says nothing: a run before this file existed, or
+    rank 0 not yet there."""
+
+    def __init__(self, path: Path, stale_s: float, remote_s: float):
+        self.path, self.stale_s, self.remote_s = path, stale_s, remote_s
         self.mtime: int | None = None
         self.since = time.monotonic()
 
-    def stopped(self) -> float | None:
-        """Seconds the heartbeat has not moved, once that is at least ``stale_s``; else None."""
+    def stopped(self) -> str | None:
+        """Why rank 0 is gone, once its heartbeat has been silent ``stale_s`` and its process is gone (on
+        this host), or silent ``remote_s`` (its process on another host, or not named); else None."""
         try:
             mtime = self.path.stat().st_mtime_ns
         except OSError:
@@ -691,7 +720,23 @@ class _Pulse:
         if mtime != self.mtime:
             self.mtime, self.since = mtime, now
             return None
-        return now - self.since if now - self.since >= self.stale_s else None
+        silent = now - self.since
+        if silent < self.stale_s:
+            return None
+        try:
+            owner = json.loads(self.path.read_text())
+            here = owner["host"] == socket.gethostname()
+        except (OSError, ValueError, TypeError, KeyError):  # unreadable, or a file without the fields
+            owner, here = None, False
+        if here:
+            if not _process_gone(owner):
+                return None  # stopped (SIGSTOP), or too busy to beat: it may still write the file
+            pid, folder = owner["pid"], self.path.parent
+            return f"its process {pid} is gone; {ALIVE} in {folder} unmoved for {silent:.0f} s"
+        if silent < self.remote_s:
+            return None
+        where = f" on host {owner['host']}" if owner else ""
+        return f"{ALIVE} in {self.path.parent} unmoved for {silent:.0f} s, rank 0{where} not asked"
 
 
 def rank0_gone(directory: Path) -> bool:
@@ -709,11 +754,13 @@ def wait_for(
     stale_s: float | None = None,
 ) -> None:
     """Return once ``path`` exists; raise if the producer failed (``failed_flag`` set, its FAILED file, or
-    its error recorded in this process), finished without it, or if rank 0's heartbeat stopped for
-    ``stale_s`` (default ``STALE_S``): then this reader marks the run failed for every other reader first."""
+    its error recorded in this process), finished without it, or if rank 0's process is gone (its heartbeat
+    silent for ``stale_s``, default ``STALE_S``, and no such process on its host; or silent
+    ``STALE_REMOTE_S`` where it cannot be asked): then this reader marks the run failed for every other
+    reader first."""
     t0 = time.monotonic()
     delay = WAIT_POLL_S / 5
-    pulse = _Pulse(directory / ALIVE, STALE_S if stale_s is None else stale_s)
+    pulse = _Pulse(directory / ALIVE, STALE_S if stale_s is None else stale_s, STALE_REMOTE_S)
     while not path.exists():
         if (error := reported_failure(directory)) is not None:
             raise error
@@ -721,11 +768,10 @@ def wait_for(
             raise StageError("the states producer failed (the training process reports why)")
         if (directory / DONE).exists() and not path.exists():
             raise StageError(f"{path.name} was read but the producer's schedule did not make it (a bug)")
-        if (still := pulse.stopped()) is not None and not path.exists():
+        if (gone := pulse.stopped()) is not None and not path.exists():
             mark_failed(
                 directory,
-                f"{ORPHANED} ({ALIVE} in {directory} unmoved for "
-                f"{still:.0f} s: killed together with torchrun's agent?) while this rank waited for "
+                f"{ORPHANED} ({gone}: killed together with torchrun's agent?) while this rank waited for "
                 f"{path.name}; re-run with --resume",
             )
             raise reported_failure(directory)

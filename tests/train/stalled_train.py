@@ -6,7 +6,8 @@ stalled before its first file, for the test of a rank orphaned by a killed rank 
   rank's first read waits for a file that will not come;
 * each rank's first wait for a state file writes ``waiting-rank{RANK}`` there, so that the test kills
   rank 0 only once the other rank is inside that wait (not in a collective, which gloo would end itself);
-* ``STALL_STALE_S`` replaces ``states.STALE_S``, the heartbeat's silence that ends such a wait."""
+* ``STALL_STALE_S`` replaces ``states.STALE_S``, the silence after which a waiting reader asks whether
+  rank 0's process is gone."""
 
 from __future__ import annotations
 

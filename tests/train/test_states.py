@@ -174,32 +174,72 @@ def test_a_reader_waiting_for_a_file_learns_why_it_will_not_come(tmp_path):
         states.wait_for(formats.data_file(tmp_path, 4), tmp_path, timeout=0.05)
 
 
-def test_a_reader_ends_its_wait_once_rank0s_heartbeat_stops(tmp_path):
-    """Rank 0's process beats (ALIVE's mtime moves): a reader keeps waiting however long. Once the beat stops
-    (rank 0 gone with nothing else marking the run failed), the reader ends after ``stale_s`` of its own
-    clock in one line, and marks the run failed so that every other reader ends at once in the same words.
-    An absent heartbeat (rank 0 not there yet, a run of an older version) says nothing."""
+BEATING = """
+import sys, time
+from pathlib import Path
+from pipeline.train import states
+with states.Heartbeat(Path(sys.argv[1]), period=0.05):
+    print("beating", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_reader_ends_its_wait_once_rank0s_process_is_gone(tmp_path):
+    """Rank 0 (a real process here) beats: a reader keeps waiting however long. Stopped (SIGSTOP), it is
+    silent but still there: the reader keeps waiting. SIGKILLed: the reader ends after ``stale_s`` of silence
+    in one line naming the gone pid, and marks the run failed so that every other reader ends at once in the
+    same words. An absent heartbeat (rank 0 not there yet, a run of an older version) says nothing."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
     target = formats.data_file(tmp_path, 3)
     with pytest.raises(StageError, match="did not appear"):  # no heartbeat file: no verdict from it
         states.wait_for(target, tmp_path, timeout=0.5, stale_s=0.05)
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", BEATING, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     try:
-        with states.Heartbeat(tmp_path, period=0.05) as beat:
-            first = beat.path.stat().st_mtime_ns
-            with pytest.raises(StageError, match="did not appear"):  # 2 s of waiting, 0.3 s stale_s
-                states.wait_for(target, tmp_path, timeout=2.0, stale_s=0.3)
-            assert beat.path.stat().st_mtime_ns > first
-        assert beat.path.is_file()  # left unmoving: a reader still waiting must learn that it stopped
+        assert rank0.stdout.readline().strip() == "beating"
+        with pytest.raises(StageError, match="did not appear"):  # 2 s of waiting, 0.3 s stale_s
+            states.wait_for(target, tmp_path, timeout=2.0, stale_s=0.3)
+        rank0.send_signal(signal.SIGSTOP)
+        with pytest.raises(StageError, match="did not appear"):  # silent, and there
+            states.wait_for(target, tmp_path, timeout=2.0, stale_s=0.3)
+        rank0.kill()
+        rank0.wait(timeout=30)
         t0 = time.monotonic()
         with pytest.raises(StageError) as err:
             states.wait_for(target, tmp_path, timeout=30, stale_s=0.5)
         assert 0.5 <= time.monotonic() - t0 < 10
         message = str(err.value)
-        assert message.startswith(f"the states producer failed: {states.ORPHANED} (")
+        assert message.startswith(
+            f"the states producer failed: {states.ORPHANED} (its process {rank0.pid} is gone"
+        )
         assert "data_3.pt" in message and "--resume" in message and "\n" not in message
         assert (tmp_path / states.FAILED).read_text().strip() in message
         with pytest.raises(StageError) as again:  # another reader: at once, the same line
             states.wait_for(formats.data_file(tmp_path, 4), tmp_path, timeout=0.05)
         assert str(again.value) == message
+    finally:
+        rank0.kill()
+        states.clear_failure(tmp_path)
+
+
+def test_a_heartbeat_of_another_host_is_judged_by_its_silence_alone(tmp_path, monkeypatch):
+    """A states dir shared with rank 0 on another host (or written by a version that named no process):
+    no process to ask, so ``STALE_REMOTE_S`` of silence decides, and the line says so."""
+    (tmp_path / states.ALIVE).write_text('{"pid": 1, "started": 0.0, "host": "another-host"}\n')
+    monkeypatch.setattr(states, "STALE_REMOTE_S", 0.8)
+    target = formats.data_file(tmp_path, 0)
+    try:
+        with pytest.raises(StageError, match="did not appear"):  # past stale_s, short of the remote bound
+            states.wait_for(target, tmp_path, timeout=0.5, stale_s=0.1)
+        t0 = time.monotonic()
+        with pytest.raises(StageError, match=r"unmoved for \d+ s, rank 0 on host another-host not asked"):
+            states.wait_for(target, tmp_path, timeout=30, stale_s=0.1)
+        assert 0.8 <= time.monotonic() - t0 < 10
     finally:
         states.clear_failure(tmp_path)
 
