@@ -664,7 +664,12 @@ class Heartbeat:
         import psutil
 
         me = psutil.Process()
-        owner = {"pid": me.pid, "started": me.create_time(), "host": socket.gethostname()}
+        owner = {
+            "pid": me.pid,
+            "started": me.create_time(),
+            "host": socket.gethostname(),
+            "pids": _pid_space(),
+        }
         self.path.write_text(json.dumps(owner) + "\n")
         self._thread.start()
         return self
@@ -679,6 +684,14 @@ class Heartbeat:
                 os.utime(self.path)  # never re-created: once finish_states_dir removed it, the run is over
             except OSError:  # gone, or a disk that refuses even this: the readers' other signals remain
                 pass
+
+
+def _pid_space() -> str | None:
+    """This process's pid namespace (``pid:[N]``): a pid means the same process only within one."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _process_gone(owner: dict) -> bool:
@@ -710,7 +723,8 @@ class _Pulse:
 
     def stopped(self) -> str | None:
         """Why rank 0 is gone, once its heartbeat has been silent ``stale_s`` and its process is gone (on
-        this host), or silent ``remote_s`` (its process on another host, or not named); else None."""
+        this host, in this pid namespace), or silent ``remote_s`` (its process elsewhere, or not named); else
+        None."""
         try:
             mtime = self.path.stat().st_mtime_ns
         except OSError:
@@ -725,7 +739,8 @@ class _Pulse:
             return None
         try:
             owner = json.loads(self.path.read_text())
-            here = owner["host"] == socket.gethostname()
+            # its pid can be asked only from its host and pid namespace (another container's is another space)
+            here = owner["host"] == socket.gethostname() and owner.get("pids") == _pid_space()
         except (OSError, ValueError, TypeError, KeyError):  # unreadable, or a file without the fields
             owner, here = None, False
         if here:
@@ -735,7 +750,7 @@ class _Pulse:
             return f"its process {pid} is gone; {ALIVE} in {folder} unmoved for {silent:.0f} s"
         if silent < self.remote_s:
             return None
-        where = f" on host {owner['host']}" if owner else ""
+        where = f" on host {owner['host']}" if owner else ""  # the host, or another pid namespace on this one
         return f"{ALIVE} in {self.path.parent} unmoved for {silent:.0f} s, rank 0{where} not asked"
 
 

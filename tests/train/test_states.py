@@ -227,17 +227,24 @@ def test_a_reader_ends_its_wait_once_rank0s_process_is_gone(tmp_path):
         states.clear_failure(tmp_path)
 
 
-def test_a_heartbeat_of_another_host_is_judged_by_its_silence_alone(tmp_path, monkeypatch):
-    """A states dir shared with rank 0 on another host (or written by a version that named no process):
-    no process to ask, so ``STALE_REMOTE_S`` of silence decides, and the line says so."""
-    (tmp_path / states.ALIVE).write_text('{"pid": 1, "started": 0.0, "host": "another-host"}\n')
+@pytest.mark.parametrize("where", ["another host", "another pid namespace"])
+def test_a_heartbeat_of_another_host_is_judged_by_its_silence_alone(tmp_path, monkeypatch, where):
+    """A states dir shared with rank 0 on another host, or in another container of this one (another pid
+    namespace: pid 1 there is not this one's init), or written by a version that named no process: no process
+    to ask, so ``STALE_REMOTE_S`` of silence decides, and the line says so."""
+    import json
+    import socket
+
+    host = "another-host" if where == "another host" else socket.gethostname()
+    owner = {"pid": 1, "started": 0.0, "host": host, "pids": "pid:[1]"}
+    (tmp_path / states.ALIVE).write_text(json.dumps(owner) + "\n")
     monkeypatch.setattr(states, "STALE_REMOTE_S", 0.8)
     target = formats.data_file(tmp_path, 0)
     try:
         with pytest.raises(StageError, match="did not appear"):  # past stale_s, short of the remote bound
             states.wait_for(target, tmp_path, timeout=0.5, stale_s=0.1)
         t0 = time.monotonic()
-        with pytest.raises(StageError, match=r"unmoved for \d+ s, rank 0 on host another-host not asked"):
+        with pytest.raises(StageError, match=rf"unmoved for \d+ s, rank 0 on host {host} not asked"):
             states.wait_for(target, tmp_path, timeout=30, stale_s=0.1)
         assert 0.8 <= time.monotonic() - t0 < 10
     finally:
