@@ -648,7 +648,8 @@ class Heartbeat:
     """Rank 0's process vouches for the run: a daemon thread sets the states dir's ALIVE file's mtime to now
     every ``period`` seconds, from when rank 0 has prepared the dir until the run ends (``with``; the file
     then stays, unmoving, and ``finish_states_dir`` or the next run's ``prepare_states_dir`` removes it). The
-    file names the process (pid, start time, host), so that a reader on its host can ask whether it is gone.
+    file names the process (pid, start time, host, pid namespace), so that a reader beside it can ask whether
+    it is gone.
 
     It is for the one death nothing else reports: torchrun's agent and rank 0 SIGKILLed together (an
     operator's ``kill -9`` of the job's pids, the OOM killer). The agent then cannot end the other ranks, and
