@@ -16,7 +16,7 @@ random conversations (bench/extract_bench.py's), then each row a fresh process o
   EAGLE_VLLM_PINNED_POOL=4, EAGLE_VLLM_CONNECTOR_THREAD=1, then EAGLE_VLLM_STEP_TOKENS=--step-tokens);
 * ``hf``: ``pipeline extract --backend hf`` with its defaults and empty caches; ``hf-compiled``: the same
   with ``--compile on``, what ``--compile auto`` chooses for a dense model on runs of 4e16 decoder FLOPs and
-  more (16M tokens of llama-1b, 2.5M of llama-8b: a real run's), its caches empty: its compile runs in the
+  more (20.5M tokens of llama-1b, 2.9M of llama-8b: a real run's), its caches empty: its compile runs in the
   loop's first forwards and counts in its loop rate (the compiled loop's steady rate: bench/hf_levers.py);
   ``hf-compiled-warm``: the same with ``hf-compiled``'s caches (a second run on a host).
 
