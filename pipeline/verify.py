@@ -314,10 +314,8 @@ def _target_argmax(model, ids: torch.Tensor, beside: bool = False) -> torch.Tens
     batch = ids[None]
     hook = None
     if beside:
-        rows = recompute.probe_batch(ids.tolist())
-        batch = torch.zeros(len(rows), len(ids), dtype=ids.dtype)
-        for r, row in enumerate(rows):
-            batch[r, : len(row)] = torch.tensor(row, dtype=ids.dtype)
+        rows = [torch.tensor(row, dtype=ids.dtype) for row in recompute.probe_batch(ids.tolist())]
+        batch = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # right-padded with 0
         if (head := model.get_output_embeddings()) is not None:  # else every row's logits: more memory
             hook = head.register_forward_pre_hook(lambda _, args: (args[0][:1], *args[1:]))
     try:
