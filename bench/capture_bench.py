@@ -68,9 +68,12 @@ ROWS = (
     "hf-compiled",
     "hf-compiled-warm",
 )
-# the hf rows' extract flags beyond the backend, and the row whose caches each uses
-HF_ARGS = {"hf": [], "hf-compiled": ["--compile", "on"], "hf-compiled-warm": ["--compile", "on"]}
-HF_CACHES = {"hf": "hf", "hf-compiled": "hf-compiled", "hf-compiled-warm": "hf-compiled"}
+# each hf row: the row whose compile caches it uses, and its extract flags beyond the backend
+HF_ROWS = {
+    "hf": ("hf", []),
+    "hf-compiled": ("hf-compiled", ["--compile", "on"]),
+    "hf-compiled-warm": ("hf-compiled", ["--compile", "on"]),
+}
 PRESETS = {
     # shape, samples, seq length; the tiny preset's rows are those the CPU build runs in a smoke test
     "gpu": dict(
@@ -100,8 +103,8 @@ def row_plan(row: str, step_tokens: int) -> tuple[str, str, dict[str, str]]:
         return "extract", "cold", {**OFF, **LEVERS["thread"], "EAGLE_VLLM_STEP_TOKENS": str(step_tokens)}
     if row in ("plain", "capture"):
         return "engine", "cold", dict(OFF)
-    if row in HF_ARGS:
-        return "hf", HF_CACHES[row], {}
+    if row in HF_ROWS:
+        return "hf", HF_ROWS[row][0], {}
     raise click.BadParameter(f"unknown row {row!r}: choose from {', '.join(ROWS)}", param_hint="--rows")
 
 
@@ -291,7 +294,7 @@ def run(
                     prepared,
                     model_dir,
                     out,
-                    ["--backend", backend, "--json-stats", *HF_ARGS.get(row, [])],
+                    ["--backend", backend, "--json-stats", *HF_ROWS.get(row, ("", []))[1]],
                     cache,
                     row_env=env,
                     checks=False,

@@ -53,15 +53,14 @@ def test_every_row_has_a_plan_and_the_compiled_hf_row_asks_for_the_compile():
     hf-compiled is hf with --compile on; an unknown row is refused naming the choices."""
     import click
 
-    from bench.capture_bench import HF_ARGS, ROWS, row_plan
+    from bench.capture_bench import HF_ROWS, ROWS, row_plan
 
     kinds = {row: row_plan(row, 16384)[:2] for row in ROWS}
     assert kinds["hf"] == ("hf", "hf") and kinds["hf-compiled"] == ("hf", "hf-compiled")
     assert kinds["hf-compiled-warm"] == ("hf", "hf-compiled")  # the compiled row's caches
     assert {kinds[r] for r in ("cold", "warm", "bulk", "pool", "thread", "steps")} == {("extract", "cold")}
     assert {kinds[r] for r in ("plain", "capture")} == {("engine", "cold")}
-    assert (
-        HF_ARGS["hf-compiled"] == HF_ARGS["hf-compiled-warm"] == ["--compile", "on"] and HF_ARGS["hf"] == []
-    )
+    flags = {row: args for row, (_, args) in HF_ROWS.items()}
+    assert flags == {"hf": [], "hf-compiled": ["--compile", "on"], "hf-compiled-warm": ["--compile", "on"]}
     with pytest.raises(click.BadParameter, match="hf-compiled"):
         row_plan("hf-eager", 16384)
