@@ -36,6 +36,7 @@ torchrun's agent, which would otherwise have ended them); the budget bounds the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -717,33 +718,37 @@ class _Pulse:
     and then whether its process is gone. An absent file says nothing: a run before this file existed, or
     rank 0 not yet there."""
 
+    CHECK_S = 0.25  # a reader's wait polls every 1-50 ms; the heartbeat moves every HEARTBEAT_S
+
     def __init__(self, path: Path, stale_s: float, remote_s: float):
         self.path, self.stale_s, self.remote_s = path, stale_s, remote_s
         self.mtime: int | None = None
         self.since = time.monotonic()
+        self.looked = -math.inf  # when the file was last looked at: at most every CHECK_S, not every poll
+        self.owner: tuple[dict | None, bool] | None = None  # the record, and whether beside us
 
     def stopped(self) -> str | None:
         """Why rank 0 is gone, once its heartbeat has been silent ``stale_s`` and its process is gone (on
         this host, in this pid namespace), or silent ``remote_s`` (its process elsewhere, or not named); else
         None."""
+        now = time.monotonic()
+        if now - self.looked < self.CHECK_S:
+            return None
+        self.looked = now
         try:
             mtime = self.path.stat().st_mtime_ns
         except OSError:
             self.mtime = None
             return None
-        now = time.monotonic()
         if mtime != self.mtime:
-            self.mtime, self.since = mtime, now
+            self.mtime, self.since, self.owner = mtime, now, None
             return None
         silent = now - self.since
         if silent < self.stale_s:
             return None
-        try:
-            owner = json.loads(self.path.read_text())
-            # its pid can be asked only from its host and pid namespace (another container's is another space)
-            here = owner["host"] == socket.gethostname() and owner.get("pids") == _pid_space()
-        except (OSError, ValueError, TypeError, KeyError):  # unreadable, or a file without the fields
-            owner, here = None, False
+        if self.owner is None:
+            self.owner = self._read_owner()
+        owner, here = self.owner
         if here:
             if not _process_gone(owner):
                 return None  # stopped (SIGSTOP), or too busy to beat: it may still write the file
@@ -753,6 +758,15 @@ class _Pulse:
             return None
         where = f" on host {owner['host']}" if owner else ""  # the host, or another pid namespace on this one
         return f"{ALIVE} in {self.path.parent} unmoved for {silent:.0f} s, rank 0{where} not asked"
+
+    def _read_owner(self) -> tuple[dict | None, bool]:
+        """The process the file names, and whether its pid can be asked from here: only from its host and
+        pid namespace (another container's pids are another space)."""
+        try:
+            owner = json.loads(self.path.read_text())
+            return owner, owner["host"] == socket.gethostname() and owner.get("pids") == _pid_space()
+        except (OSError, ValueError, TypeError, KeyError):  # unreadable, or a file without the fields
+            return None, False
 
 
 def rank0_gone(directory: Path) -> bool:
