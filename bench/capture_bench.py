@@ -18,7 +18,9 @@ random conversations (bench/extract_bench.py's), then each row a fresh process o
   with ``--compile on``, what ``--compile auto`` chooses for a dense model on runs of 4e16 decoder FLOPs and
   more (20.5M tokens of llama-1b, 2.9M of llama-8b: a real run's), its caches empty: its compile runs in the
   loop's first forwards and counts in its loop rate (the compiled loop's steady rate: bench/hf_levers.py);
-  ``hf-compiled-warm``: the same with ``hf-compiled``'s caches (a second run on a host).
+  ``hf-compiled-warm``: the same with ``hf-compiled``'s caches (a second run on a host); ``hf-unfused``:
+  ``hf`` with ``--fused-experts off``, an MoE's experts as transformers runs them (the default runs vLLM's
+  fused MoE kernel: pipeline/backends/fused_experts.py; on a dense model the two rows are the same).
 
 Each row's loop rate and its ratio to ``plain``; for the extraction rows where the difference goes: the engine
 thread's seconds in our connector, the bytes copied off the GPU and the copy stream's seconds, the writer
@@ -67,12 +69,14 @@ ROWS = (
     "hf",
     "hf-compiled",
     "hf-compiled-warm",
+    "hf-unfused",
 )
 # each hf row: the row whose compile caches it uses, and its extract flags beyond the backend
 HF_ROWS = {
     "hf": ("hf", []),
     "hf-compiled": ("hf-compiled", ["--compile", "on"]),
     "hf-compiled-warm": ("hf-compiled", ["--compile", "on"]),
+    "hf-unfused": ("hf", ["--fused-experts", "off"]),
 }
 PRESETS = {
     # shape, samples, seq length; the tiny preset's rows are those the CPU build runs in a smoke test

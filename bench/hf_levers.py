@@ -4,9 +4,11 @@ For each model shape (built on the GPU, never saved), every variant of the backe
 (random ids, lengths uniform in [seq/2, seq)) through ``capture_async`` as the extract loop does (the next
 batch queued before the previous batch's copies are waited for; no files): padded vs. packed batches,
 eager vs. ``torch.compile``d layers, eager RMSNorms vs. torch's fused kernel
-(pipeline/backends/fused_norms.py), and several ``max_batch_tokens``. Each variant reports tokens/s,
-the decoder roofline fraction (bench/roofline.py), the device's busy time, its first two batches' seconds
-(compilation included) and its worst relative error against the plain backend run one sample at a time.
+(pipeline/backends/fused_norms.py), an MoE's experts as transformers runs them vs. vLLM's fused MoE kernel
+(``-fx``: pipeline/backends/fused_experts.py), and several ``max_batch_tokens``. Each variant reports
+tokens/s, the decoder roofline fraction (bench/roofline.py), the device's busy time, its first two batches'
+seconds (compilation included) and its worst relative error against the plain backend run one sample at a
+time.
 CUDA graphs are measured at one recurring shape: the first batch's forward, eager or compiled, launched
 as it is and replayed from a captured graph.
 
@@ -38,16 +40,19 @@ from bench.gpu_models import build_model
 from bench.roofline import DecoderShape
 from pipeline.model.experts import is_decoder_param, is_routed_expert_param
 
-VARIANTS = {  # name: (packed, compile, max_batch_tokens, fused RMSNorms)
-    "plain-16k": (False, False, 16384, False),
-    "plain-32k": (False, False, 32768, False),
-    "plain-64k": (False, False, 65536, False),
-    "packed-32k": (True, False, 32768, False),
-    "packed-fused-32k": (True, False, 32768, True),
-    "compiled-32k": (False, True, 32768, False),
-    "packed-compiled-16k": (True, True, 16384, False),
-    "packed-compiled-32k": (True, True, 32768, False),
-    "packed-compiled-64k": (True, True, 65536, False),
+VARIANTS = {  # name: (packed, compile, max_batch_tokens, fused RMSNorms, an MoE's experts fused)
+    "plain-16k": (False, False, 16384, False, False),
+    "plain-32k": (False, False, 32768, False, False),
+    "plain-64k": (False, False, 65536, False, False),
+    "plain-fused-32k": (False, False, 32768, True, False),
+    "plain-fused-fx-32k": (False, False, 32768, True, True),
+    "plain-fused-fx-64k": (False, False, 65536, True, True),
+    "packed-32k": (True, False, 32768, False, False),
+    "packed-fused-32k": (True, False, 32768, True, False),
+    "compiled-32k": (False, True, 32768, False, False),
+    "packed-compiled-16k": (True, True, 16384, False, False),
+    "packed-compiled-32k": (True, True, 32768, False, False),
+    "packed-compiled-64k": (True, True, 65536, False, False),
 }
 
 
@@ -67,7 +72,14 @@ def samples(n: int, seq_length: int, vocab: int, seed: int = 0) -> list[list[int
     ]
 
 
-def backend_for(model, packed: bool, compiled: bool, max_batch_tokens: int, fused: bool = False):
+def backend_for(
+    model,
+    packed: bool,
+    compiled: bool,
+    max_batch_tokens: int,
+    fused: bool = False,
+    fused_experts: bool = False,
+):
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.hf import HFBackend
 
@@ -80,6 +92,7 @@ def backend_for(model, packed: bool, compiled: bool, max_batch_tokens: int, fuse
         packed=packed,
         compile=compiled,
         fused_norms=fused,
+        fused_experts=fused_experts,
     )
     return HFBackend(options, model=model)
 
@@ -223,11 +236,11 @@ def measure(
     from pipeline.extract.plan import plan_batches
 
     variant, experts = split_name(name)
-    packed, compiled, mbt, fused = VARIANTS[variant]
+    packed, compiled, mbt, fused, fx = VARIANTS[variant]
     if experts is not None:
         model.set_experts_implementation(experts)
     lengths = [len(s) for s in seqs]
-    backend = backend_for(model, packed, compiled, mbt, fused)
+    backend = backend_for(model, packed, compiled, mbt, fused, fx)
     try:
         batches = plan_batches(lengths, mbt, 64)
         graphs0 = counters["stats"]["unique_graphs"]
@@ -246,6 +259,9 @@ def measure(
             "compiled": compiled,
             "max_batch_tokens": mbt,
             "fused_norms": len(backend.fused_norms),
+            "fused_experts": len(backend.fused_experts),
+            "fused_experts_probe_error": backend.fused_experts_error,
+            "fused_experts_seconds": backend.startup.get("fused_experts_seconds"),
             "batches": len(batches),
             "first_two_batches_seconds": first,
             "tokens_per_s": sum(lengths) / wall,

@@ -300,8 +300,12 @@ def recompute_kernels(path: dict | None) -> dict:
     on the H200, against the bf16 tolerance of 0.1); eager otherwise (a set of the vllm backend, or written
     before the path was recorded): a compile never pays for a few samples. On the CPU both are off anyway."""
     if isinstance(path, dict) and path.get("backend") == "hf":
-        return {"compile": bool(path.get("compiled")), "fused_norms": bool(path.get("fused_norms"))}
-    return {"compile": False, "fused_norms": None}
+        return {
+            "compile": bool(path.get("compiled")),
+            "fused_norms": bool(path.get("fused_norms")),
+            "fused_experts": bool(path.get("fused_experts")),
+        }
+    return {"compile": False, "fused_norms": None, "fused_experts": None}
 
 
 def _target_argmax(model, ids: torch.Tensor, beside: bool = False) -> torch.Tensor:

@@ -50,6 +50,7 @@ class BackendOptions:
     packed: bool | None = None  # hf: samples end to end in one row, varlen attention; None = on a GPU only
     compile: bool | None = None  # hf: torch.compile each decoder layer; None = on a GPU, for long runs
     fused_norms: bool | None = None  # hf: RMSNorms through torch's fused kernel; None = on a GPU, when eager
+    fused_experts: bool | None = None  # hf: an MoE's experts through vLLM's fused kernel; None = on a GPU
     planned_tokens: int | None = None  # tokens the run will capture (None: unknown), for the compile decision
     enforce_eager: bool = False  # vllm only: no CUDA graphs / torch.compile (faster start, slower loop)
     expert_parallel: bool = False  # vllm only: an MoE's whole experts spread over the GPUs, not sliced

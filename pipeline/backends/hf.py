@@ -27,6 +27,10 @@ one on the H200). The first compiled batch pays the compilation (~8 s on the H20
 empty kernel cache, ~3.5 s with a warm one); against the fused eager loop it saves 0.58 us per token on a
 1.5B model and 2.4 us on an 8B one, so it pays from ~2.7e16 and ~4.7e16 decoder FLOPs: runs planned above
 ``COMPILE_MIN_FLOPS`` compile (docs/benchmarks.md measures each lever).
+
+On a GPU an MoE's routed experts run through vLLM's fused MoE kernel where vLLM is installed and a probe
+proves it equal to transformers' own experts (``fused_experts``; --fused-experts): transformers' experts spend
+a third of their time on the gather, sort and sum around their GEMMs, which vLLM's kernel does inside them.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pipeline.backends import fused_norms
+from pipeline.backends import fused_experts, fused_norms
 from pipeline.backends.base import (
     Backend,
     BackendOptions,
@@ -90,6 +94,11 @@ def should_fuse_norms(option: bool | None, on_gpu: bool, compiled: bool) -> bool
     if option is not None:
         return option
     return on_gpu and not compiled
+
+
+def should_fuse_experts(option: bool | None, on_gpu: bool) -> bool:
+    """The fused-experts decision: as asked; else on a GPU (vLLM's kernel is Triton's, for GPUs only)."""
+    return on_gpu if option is None else option
 
 
 def find_decoder(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.ModuleList]:
@@ -246,6 +255,17 @@ class HFBackend(Backend):
                 layer.forward = torch.compile(layer.forward, dynamic=True)
         fuse = should_fuse_norms(options.fused_norms, on_gpu, self.compiled)
         self.fused_norms = fused_norms.fuse(self.decoder) if fuse else []
+        self.fused_experts: list[str] = []
+        self.fused_experts_error: float | None = None  # the worst probe difference of the fused modules
+        if moe and should_fuse_experts(options.fused_experts, on_gpu):
+            with timed_part(self.startup, "fused_experts_seconds"):
+                self.fused_experts, self.fused_experts_error = fused_experts.fuse(self.decoder)
+            if options.fused_experts and not self.fused_experts:
+                raise StageError(
+                    "--fused-experts on, but no experts module of this model runs vLLM's fused MoE kernel "
+                    "(vLLM not importable, no GPU, a layout it does not read, or its probe disagreed): "
+                    "use --fused-experts auto or off"
+                )
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [layers[k].register_forward_hook(self._hook(k)) for k in options.layer_ids]
         self.pad_id = 0
@@ -358,6 +378,7 @@ class HFBackend(Backend):
         for layer in self._layers:
             layer.__dict__.pop("forward", None)  # the compiled forward, if any: back to the class's
         fused_norms.restore(self.decoder, self.fused_norms)
+        fused_experts.restore(self.decoder, self.fused_experts)
         self.decoder.config._attn_implementation = self._attn_before
         self.model = self.decoder = None
         if self.device.type == "cuda":

@@ -40,6 +40,12 @@ class ExtractConfig:
         help="torch.compile the model (auto: on a GPU, for runs long enough to repay it; vllm: never "
         "CUDA graphs).",
     )
+    fused_experts: str = opt(
+        "auto",
+        choices=("auto", "on", "off"),
+        help="hf backend, an MoE target: its routed experts through vLLM's fused MoE kernel, where a probe "
+        "proves it equal to transformers' experts (auto: on a GPU; on: fail if none can be).",
+    )
     max_batch_size: int = opt(64, help="Samples per forward at most.")
     limit: int | None = opt(None, low=1, help="Only the first N samples.")
     resume: bool = opt(False, help="Continue an interrupted run in --out.")

@@ -163,11 +163,12 @@ def process_age() -> float | None:
 
 def compute_path(backend: Backend) -> dict:
     """The backend and the kernels it ran (data_config.json's ``extra.compute_path``): the hf backend's
-    compiled layers or fused RMSNorms, the vllm backend's compile."""
+    compiled layers, fused RMSNorms or fused MoE experts, the vllm backend's compile."""
     return {
         "backend": backend.name,
         "compiled": bool(getattr(backend, "compiled", False)),
         "fused_norms": bool(getattr(backend, "fused_norms", None)),
+        "fused_experts": bool(getattr(backend, "fused_experts", None)),
     }
 
 

@@ -78,6 +78,7 @@ def run(cfg: ExtractConfig) -> dict:
         expert_parallel=cfg.expert_parallel,
         scratch_dir=cfg.out,
         compile={"auto": None, "on": True, "off": False}[cfg.compile],
+        fused_experts={"auto": None, "on": True, "off": False}[cfg.fused_experts],
     )
     from pipeline.backends.base import resolve_device, resolve_dtype
 

@@ -50,7 +50,8 @@ def test_capture_bench_tiny_runs_every_kind_of_row(tmp_path):
 
 def test_every_row_has_a_plan_and_the_compiled_hf_row_asks_for_the_compile():
     """Each row's kind and caches (pure): the vllm rows share cold's caches, each hf row has its own, and
-    hf-compiled is hf with --compile on; an unknown row is refused naming the choices."""
+    hf-compiled is hf with --compile on, hf-unfused hf with its MoE experts as transformers runs them; an
+    unknown row is refused naming the choices."""
     import click
 
     from bench.capture_bench import HF_ROWS, ROWS, row_plan
@@ -61,6 +62,12 @@ def test_every_row_has_a_plan_and_the_compiled_hf_row_asks_for_the_compile():
     assert {kinds[r] for r in ("cold", "warm", "bulk", "pool", "thread", "steps")} == {("extract", "cold")}
     assert {kinds[r] for r in ("plain", "capture")} == {("engine", "cold")}
     flags = {row: args for row, (_, args) in HF_ROWS.items()}
-    assert flags == {"hf": [], "hf-compiled": ["--compile", "on"], "hf-compiled-warm": ["--compile", "on"]}
+    assert flags == {
+        "hf": [],
+        "hf-compiled": ["--compile", "on"],
+        "hf-compiled-warm": ["--compile", "on"],
+        "hf-unfused": ["--fused-experts", "off"],
+    }
+    assert kinds["hf-unfused"] == ("hf", "hf")
     with pytest.raises(click.BadParameter, match="hf-compiled"):
         row_plan("hf-eager", 16384)

@@ -268,19 +268,27 @@ def test_extract_output_verifies_and_matches_prepared(extracted_llama, prepared_
     assert d["loss_mask"].tolist() == prepared.mask(7).tolist()
     assert not list(extracted_llama.glob("*.partial"))
     # the kernels it ran, for verify --model's re-computation (the CPU: eager, unfused)
-    assert cfg.extra["compute_path"] == {"backend": "hf", "compiled": False, "fused_norms": False}
+    assert cfg.extra["compute_path"] == {
+        "backend": "hf",
+        "compiled": False,
+        "fused_norms": False,
+        "fused_experts": False,
+    }
 
 
 def test_verify_recomputes_on_the_path_the_extraction_took():
-    """An hf set is recomputed with its own compile and fused-norm choices; a vllm set, or one written before
-    the path was recorded, eagerly with the default norms (never a compile for a few samples)."""
+    """An hf set is recomputed with its own compile, fused-norm and fused-experts choices (a set written
+    before fused experts were recorded ran transformers' own); a vllm set, or one written before the path was
+    recorded, eagerly with the default kernels (never a compile for a few samples)."""
     from pipeline.verify import recompute_kernels
 
-    compiled = {"backend": "hf", "compiled": True, "fused_norms": False}
-    fused = {"backend": "hf", "compiled": False, "fused_norms": True}
-    assert recompute_kernels(compiled) == {"compile": True, "fused_norms": False}
-    assert recompute_kernels(fused) == {"compile": False, "fused_norms": True}
-    eager = {"compile": False, "fused_norms": None}
+    compiled = {"backend": "hf", "compiled": True, "fused_norms": False, "fused_experts": False}
+    fused = {"backend": "hf", "compiled": False, "fused_norms": True, "fused_experts": True}
+    older = {"backend": "hf", "compiled": False, "fused_norms": True}
+    assert recompute_kernels(compiled) == {"compile": True, "fused_norms": False, "fused_experts": False}
+    assert recompute_kernels(fused) == {"compile": False, "fused_norms": True, "fused_experts": True}
+    assert recompute_kernels(older) == {"compile": False, "fused_norms": True, "fused_experts": False}
+    eager = {"compile": False, "fused_norms": None, "fused_experts": None}
     assert recompute_kernels({"backend": "vllm", "compiled": True}) == eager
     assert recompute_kernels(None) == recompute_kernels("damaged") == eager
 

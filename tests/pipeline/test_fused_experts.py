@@ -1,0 +1,151 @@
+"""The hf backend's fused MoE experts: which modules are candidates (transformers' experts in vLLM's layout),
+that only a kernel proven equal on the probe is taken, that the states stay what they were, that ``close()``
+gives every module its forward back, and that ``--fused-experts on`` without the kernel fails in one line.
+
+vLLM's kernel itself runs on a GPU only (tests/vllm/test_fused_experts.py, marked gpu); here a kernel written
+in torch from vLLM's definition of ``fused_experts`` (and one with gate and up swapped) stands in for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.backends import fused_experts
+from pipeline.backends.base import BackendOptions
+from pipeline.backends.hf import HFBackend, should_fuse_experts
+from pipeline.errors import StageError
+from pipeline.model.modeldir import read_model_dir
+from tests.pipeline.test_extract import FP32_ATOL, FP32_RTOL, SEQS
+
+
+def reference_kernel(hidden, w1, w2, weights, ids, swapped: bool = False):
+    """vLLM's ``fused_experts`` in torch: for each of a token's k experts, SiLU(gate) * up of w1 [E, 2I, H]
+    (gate rows first), then w2 [E, H, I], weighted by the routing weight and summed over the k."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32)
+    for j in range(ids.shape[1]):
+        e = ids[:, j].long()
+        h = torch.einsum("th,tih->ti", hidden, w1[e])
+        gate, up = h.chunk(2, dim=-1)
+        if swapped:
+            gate, up = up, gate
+        o = torch.einsum("ti,thi->th", nn.functional.silu(gate) * up, w2[e])
+        out += weights[:, j : j + 1].float() * o.float()
+    return out.to(hidden.dtype)
+
+
+def swapped_kernel(*args):
+    return reference_kernel(*args, swapped=True)
+
+
+def backend(model_dir, **kw) -> HFBackend:
+    model = read_model_dir(model_dir)
+    return HFBackend(BackendOptions(model=model, layer_ids=(0, 1, model.num_layers - 1), **kw))
+
+
+def experts_names(b: HFBackend) -> list[str]:
+    return [name for name, _ in fused_experts.candidates(b.decoder)]
+
+
+def test_transformers_experts_are_candidates_and_a_dense_model_has_none(tiny_deepseek, tiny_llama):
+    """Every routed-experts module of a DeepSeek-V3 (the layers after its dense ones) is a candidate; a Llama
+    has none."""
+    b = backend(tiny_deepseek, fused_experts=False)
+    try:
+        cfg = b.decoder.config
+        want = [f"layers.{i}.mlp.experts" for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers)]
+        assert experts_names(b) == want and want
+        assert b.fused_experts == []
+    finally:
+        b.close()
+    dense = backend(tiny_llama, fused_experts=False)
+    try:
+        assert experts_names(dense) == []
+    finally:
+        dense.close()
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["bias", "transposed", "gelu", "no_gate", "interleaved", "odd_shape"],
+)
+def test_a_layout_vllm_does_not_read_is_no_candidate(tiny_deepseek, change):
+    """Biases, transposed or interleaved weights, another activation, no gate or a down_proj of another shape
+    are not what vLLM's w1 / w2 are: such a module is left alone."""
+    b = backend(tiny_deepseek, fused_experts=False)
+    try:
+        name, module = fused_experts.candidates(b.decoder)[0]
+        if change == "bias":
+            module.has_bias = True
+        elif change == "transposed":
+            module.is_transposed = True
+        elif change == "gelu":
+            module.act_fn = nn.GELU()
+        elif change == "no_gate":
+            module.has_gate = False
+        elif change == "interleaved":
+            module.is_concatenated = False
+        else:
+            module.down_proj = nn.Parameter(module.down_proj.data[:, :, :-1].clone())
+        assert name not in experts_names(b)
+    finally:
+        b.close()
+
+
+def test_only_a_kernel_that_agrees_on_the_probe_is_taken(tiny_deepseek, monkeypatch):
+    """A kernel computing what transformers' experts compute is fused into every candidate; one with gate and
+    up swapped disagrees on the probe and nothing is fused."""
+    b = backend(tiny_deepseek, fused_experts=False)
+    try:
+        names = experts_names(b)
+        monkeypatch.setattr(fused_experts, "kernel", lambda: swapped_kernel)
+        assert fused_experts.fuse(b.decoder) == ([], None)
+        monkeypatch.setattr(fused_experts, "kernel", lambda: reference_kernel)
+        fused, worst = fused_experts.fuse(b.decoder)
+        assert fused == names
+        assert worst is not None and worst <= fused_experts.TOLERANCE[torch.float32]
+        fused_experts.restore(b.decoder, fused)
+        assert all("forward" not in m.__dict__ for _, m in fused_experts.candidates(b.decoder))
+    finally:
+        b.close()
+
+
+def test_fused_experts_leave_the_states_as_they_were(tiny_deepseek, monkeypatch):
+    """The backend with fused experts captures the states it captures without them (fp32 on the CPU), records
+    the modules it fused, and ``close()`` gives each its own forward back."""
+    plain = backend(tiny_deepseek, fused_experts=False)
+    try:
+        want = plain.capture(SEQS)
+    finally:
+        plain.close()
+    monkeypatch.setattr(fused_experts, "kernel", lambda: reference_kernel)
+    fused = backend(tiny_deepseek, fused_experts=True)
+    try:
+        assert fused.fused_experts == experts_names(fused) and fused.fused_experts
+        assert "fused_experts_seconds" in fused.startup
+        modules = [m for _, m in fused_experts.candidates(fused.decoder)]
+        assert all("forward" in m.__dict__ for m in modules)
+        got = fused.capture(SEQS)
+    finally:
+        fused.close()
+    assert all("forward" not in m.__dict__ for m in modules)
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            torch.testing.assert_close(a, b, atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+def test_fused_experts_on_without_the_kernel_fails_in_one_line(tiny_deepseek, monkeypatch):
+    """``--fused-experts on`` where no module can take vLLM's kernel (here: none importable) stops the
+    backend with one line naming the option and what to do."""
+    monkeypatch.setattr(fused_experts, "kernel", lambda: None)
+    with pytest.raises(StageError) as err:
+        backend(tiny_deepseek, fused_experts=True)
+    assert "--fused-experts on" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_fused_experts_default_to_gpu_runs_only():
+    """auto fuses on a GPU only (Triton's kernel); an explicit choice is kept."""
+    assert should_fuse_experts(None, on_gpu=True) is True
+    assert should_fuse_experts(None, on_gpu=False) is False
+    assert should_fuse_experts(False, on_gpu=True) is False
+    assert should_fuse_experts(True, on_gpu=False) is True
