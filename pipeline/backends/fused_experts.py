@@ -28,11 +28,16 @@ PROBE_TOKENS = 256
 
 
 def kernel():
-    """vLLM's fused experts function, or None where vLLM (or its fused MoE) cannot be imported."""
+    """vLLM's fused experts function, or None where vLLM (or its fused MoE) cannot be imported. Importing it
+    leaves torch's attention choice as it was: vLLM's CUDA platform module turns torch's cuDNN attention off
+    for the whole process (vllm/platforms/cuda.py), which moved dsv3-9b's attention to a kernel 4x slower."""
+    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         from vllm.model_executor.layers.fused_moe import fused_experts
     except Exception:  # noqa: BLE001 - no vLLM, or a build without the kernel: the experts keep their forward
         return None
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
     return fused_experts
 
 

@@ -67,7 +67,9 @@ def test_on_a_gpu_every_experts_module_is_fused_and_states_hold(tiny_deepseek):
         unfused = plain.capture(SEQS)
     finally:
         plain.close()
+    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
     fused = backend(tiny_deepseek, dtype="bfloat16")
+    assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_sdp  # vLLM's import turns it off; we keep it
     try:
         assert fused.fused_experts == [n for n, _ in fused_experts.candidates(fused.decoder)]
         assert fused.fused_experts and fused.fused_experts_error <= fused_experts.TOLERANCE[torch.bfloat16]
