@@ -168,3 +168,22 @@ def test_weights_are_bit_exact(quant):
 
 # extract --backend hf against an fp32 forward of the dequantized model, verify --model and train on the
 # states: tests/bench/test_quant_gpu.py (bench/quant_gpu.py's tiny preset runs exactly that chain).
+
+
+def test_the_dequantized_experts_are_candidates_for_vllm_s_fused_kernel(quant):
+    """transformers dequantizes the packed INT4 experts into its own experts modules, which are laid out as
+    vLLM's fused MoE kernel reads them: on a GPU the quantized target's hf path runs that kernel too."""
+    from pipeline.backends import fused_experts
+    from pipeline.backends.base import BackendOptions
+    from pipeline.backends.hf import HFBackend
+    from pipeline.model.modeldir import read_model_dir
+
+    model = read_model_dir(quant / "model")
+    b = HFBackend(BackendOptions(model=model, layer_ids=(0, 1), fused_experts=False))
+    try:
+        cfg = b.decoder.config
+        names = [name for name, _ in fused_experts.candidates(b.decoder)]
+        moe_layers = range(cfg.first_k_dense_replace, model.num_layers)
+        assert names == [f"layers.{i}.mlp.experts" for i in moe_layers]
+    finally:
+        b.close()
