@@ -20,7 +20,8 @@ random conversations (bench/extract_bench.py's), then each row a fresh process o
   loop's first forwards and counts in its loop rate (the compiled loop's steady rate: bench/hf_levers.py);
   ``hf-compiled-warm``: the same with ``hf-compiled``'s caches (a second run on a host); ``hf-unfused``:
   ``hf`` with ``--fused-experts off``, an MoE's experts as transformers runs them (the default runs vLLM's
-  fused MoE kernel: pipeline/backends/fused_experts.py; on a dense model the two rows are the same).
+  fused MoE kernel: pipeline/backends/fused_experts.py; on a dense model the two rows are the same);
+  ``hf-warm``: ``hf`` with ``hf``'s caches (its Triton kernels compiled by the first run).
 
 Each row's loop rate and its ratio to ``plain``; for the extraction rows where the difference goes: the engine
 thread's seconds in our connector, the bytes copied off the GPU and the copy stream's seconds, the writer
@@ -70,6 +71,7 @@ ROWS = (
     "hf-compiled",
     "hf-compiled-warm",
     "hf-unfused",
+    "hf-warm",
 )
 # each hf row: the row whose compile caches it uses, and its extract flags beyond the backend
 HF_ROWS = {
@@ -77,6 +79,7 @@ HF_ROWS = {
     "hf-compiled": ("hf-compiled", ["--compile", "on"]),
     "hf-compiled-warm": ("hf-compiled", ["--compile", "on"]),
     "hf-unfused": ("hf", ["--fused-experts", "off"]),
+    "hf-warm": ("hf", []),
 }
 PRESETS = {
     # shape, samples, seq length; the tiny preset's rows are those the CPU build runs in a smoke test

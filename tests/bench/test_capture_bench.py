@@ -67,7 +67,8 @@ def test_every_row_has_a_plan_and_the_compiled_hf_row_asks_for_the_compile():
         "hf-compiled": ["--compile", "on"],
         "hf-compiled-warm": ["--compile", "on"],
         "hf-unfused": ["--fused-experts", "off"],
+        "hf-warm": [],
     }
-    assert kinds["hf-unfused"] == ("hf", "hf")
+    assert kinds["hf-unfused"] == kinds["hf-warm"] == ("hf", "hf")
     with pytest.raises(click.BadParameter, match="hf-compiled"):
         row_plan("hf-eager", 16384)
