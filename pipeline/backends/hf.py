@@ -260,12 +260,12 @@ class HFBackend(Backend):
         if moe and should_fuse_experts(options.fused_experts, on_gpu):
             with timed_part(self.startup, "fused_experts_seconds"):
                 self.fused_experts, self.fused_experts_error = fused_experts.fuse(self.decoder)
-            if options.fused_experts and not self.fused_experts:
-                raise StageError(
-                    "--fused-experts on, but no experts module of this model runs vLLM's fused MoE kernel "
-                    "(vLLM not importable, no GPU, a layout it does not read, or its probe disagreed): "
-                    "use --fused-experts auto or off"
-                )
+        if options.fused_experts and not self.fused_experts:
+            raise StageError(
+                "--fused-experts on, but no experts module of this model runs vLLM's fused MoE kernel (a "
+                "dense model, vLLM not importable, no GPU, a layout it does not read, or its probe "
+                "disagreed): use --fused-experts auto or off"
+            )
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [layers[k].register_forward_hook(self._hook(k)) for k in options.layer_ids]
         self.pad_id = 0

@@ -105,6 +105,11 @@ class ExtractConfig:
             raise StageError(f"--data-parallel {self.data_parallel} must be at least 1")
         if self.expert_parallel and self.backend == "hf":  # auto is told apart once it has chosen (stage.py)
             raise StageError(expert_parallel_refusal(self.backend))
+        if self.fused_experts == "on" and self.backend == "vllm":  # vLLM's engine fuses its MoE by itself
+            raise StageError(
+                "--fused-experts on is the hf backend's (the vllm backend runs vLLM's fused MoE by itself): "
+                "drop --fused-experts or pass --backend hf"
+            )
         if self.data_parallel > 1 and self.device.startswith("cuda:"):
             raise StageError(
                 f"--data-parallel gives each worker one GPU of its own; drop --device {self.device} "

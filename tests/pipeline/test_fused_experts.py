@@ -16,6 +16,7 @@ from pipeline.backends.base import BackendOptions
 from pipeline.backends.hf import HFBackend, should_fuse_experts
 from pipeline.errors import StageError
 from pipeline.model.modeldir import read_model_dir
+from tests.conftest import run_extract, run_pipeline
 from tests.pipeline.test_extract import FP32_ATOL, FP32_RTOL, SEQS
 
 
@@ -134,13 +135,16 @@ def test_fused_experts_leave_the_states_as_they_were(tiny_deepseek, monkeypatch)
             torch.testing.assert_close(a, b, atol=FP32_ATOL, rtol=FP32_RTOL)
 
 
-def test_fused_experts_on_without_the_kernel_fails_in_one_line(tiny_deepseek, monkeypatch):
-    """``--fused-experts on`` where no module can take vLLM's kernel (here: none importable) stops the
-    backend with one line naming the option and what to do."""
+def test_fused_experts_on_without_the_kernel_fails_in_one_line(tiny_deepseek, tiny_llama, monkeypatch):
+    """``--fused-experts on`` where no module can take vLLM's kernel (here: none importable; a dense model,
+    even with a kernel) stops the backend with one line naming the option and what to do."""
     monkeypatch.setattr(fused_experts, "kernel", lambda: None)
     with pytest.raises(StageError) as err:
         backend(tiny_deepseek, fused_experts=True)
     assert "--fused-experts on" in str(err.value) and "\n" not in str(err.value)
+    monkeypatch.setattr(fused_experts, "kernel", lambda: reference_kernel)
+    with pytest.raises(StageError, match="--fused-experts on.*a dense model"):
+        backend(tiny_llama, fused_experts=True)
 
 
 def test_fused_experts_default_to_gpu_runs_only():
@@ -149,3 +153,20 @@ def test_fused_experts_default_to_gpu_runs_only():
     assert should_fuse_experts(None, on_gpu=False) is False
     assert should_fuse_experts(False, on_gpu=True) is False
     assert should_fuse_experts(True, on_gpu=False) is True
+
+
+def test_extract_refuses_fused_experts_on_where_it_cannot_run(tmp_path, tiny_deepseek, prepared_llama):
+    """Through the CLI: ``--fused-experts on`` on the CPU ends the hf run with one error line and no state
+    file written; check-args refuses it with ``--backend vllm``, whose engine runs its own fused MoE."""
+    out = tmp_path / "states"
+    proc = run_extract(
+        prepared_llama, tiny_deepseek, out, "--backend", "hf", "--fused-experts", "on", "--no-progress"
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and "--fused-experts on" in lines[0], proc.stderr
+    assert not list(out.glob("data_*.pt"))
+    proc = run_pipeline(
+        "check-args", "extract", "--prepared", "p", "--model", "m", "--out", "o", "--backend", "vllm",
+        "--fused-experts", "on",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--fused-experts on is the hf backend's" in proc.stdout, proc.stdout
