@@ -303,7 +303,8 @@ def recompute_kernels(path: dict | None) -> dict:
         return {
             "compile": bool(path.get("compiled")),
             "fused_norms": bool(path.get("fused_norms")),
-            "fused_experts": bool(path.get("fused_experts")),
+            # auto where they ran: fused wherever vLLM's kernel runs (in the image, on a GPU), never a refusal
+            "fused_experts": None if path.get("fused_experts") else False,
         }
     return {"compile": False, "fused_norms": None, "fused_experts": None}
 

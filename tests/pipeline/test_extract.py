@@ -286,7 +286,7 @@ def test_verify_recomputes_on_the_path_the_extraction_took():
     fused = {"backend": "hf", "compiled": False, "fused_norms": True, "fused_experts": True}
     older = {"backend": "hf", "compiled": False, "fused_norms": True}
     assert recompute_kernels(compiled) == {"compile": True, "fused_norms": False, "fused_experts": False}
-    assert recompute_kernels(fused) == {"compile": False, "fused_norms": True, "fused_experts": True}
+    assert recompute_kernels(fused) == {"compile": False, "fused_norms": True, "fused_experts": None}
     assert recompute_kernels(older) == {"compile": False, "fused_norms": True, "fused_experts": False}
     eager = {"compile": False, "fused_norms": None, "fused_experts": None}
     assert recompute_kernels({"backend": "vllm", "compiled": True}) == eager
