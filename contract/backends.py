@@ -33,6 +33,10 @@ keeps hf, one process per GPU: vLLM would run it tensor parallel over all of the
 Re-measured side by side on one H100 on 2026-12-06 (docs/benchmarks.md, "Extraction against plain prefill";
 1,024 conversations, 1.59M tokens): vLLM 148k tok/s warm and 134k cold against hf's 95k (1.56x, 1.41x), hf's
 first batch 13-16 s sooner (17.4 s against 30.6-33.3 s): vLLM pays from ~4-5M tokens. The rule stands.
+Those hf figures ran transformers' own experts. Since 2026-12-07 hf runs them through vLLM's fused MoE kernel
+on a GPU (pipeline/backends/fused_experts.py); on dsv3-9b's kernels that is an estimated ~1.18x (H100,
+docs/benchmarks.md, "The hf backend's MoE experts through vLLM's fused kernel"), not enough to close vLLM's
+1.4-2.0x lead; the rule stands, to be re-measured with it.
 Where vLLM is not installed the answer is hf; where the sizes are unknown (a dry run before the preflight)
 the answer waits for them.
 
@@ -55,7 +59,8 @@ MEASURED = (
     "tokens, then level with or ahead of warm vLLM (H100, docs/benchmarks.md)"
 )
 MEASURED_MOE = (
-    "vLLM's fused-MoE loop ran 1.4-2.0x hf's warm (1.2-1.5x cold), hf starts 13-27 s sooner: "
+    "vLLM's fused-MoE loop ran 1.4-2.0x hf's warm (1.2-1.5x cold; hf's experts then unfused), hf starts "
+    "13-27 s sooner: "
     "vLLM pays from ~4-5M tokens (H100, docs/benchmarks.md)"
 )
 
