@@ -18,8 +18,12 @@ and dtype; the rest keep their forward. The kernel needs vLLM and a GPU: without
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+
+from pipeline.backends.fused_norms import restore  # noqa: F401 - the same: each named module's own forward back
 
 # a probe agrees when the largest difference is within this share of the largest output: a few roundings of
 # the dtype (both paths accumulate each GEMM in fp32; they round the intermediate and the sum differently)
@@ -115,7 +119,7 @@ def probe_error(module: nn.Module, forward, seed: int = 0) -> float | None:
         return None
     scale = want.float().abs().max().clamp_min(1e-30)
     err = float((got.float() - want.float()).abs().max() / scale)
-    return err if err == err and err != float("inf") else None
+    return err if math.isfinite(err) else None
 
 
 def fuse(root: nn.Module) -> tuple[list[str], float | None]:
@@ -134,10 +138,3 @@ def fuse(root: nn.Module) -> tuple[list[str], float | None]:
             fused.append(name)
             worst = err if worst is None else max(worst, err)
     return fused, worst
-
-
-def restore(root: nn.Module, names: list[str]) -> None:
-    """Give the named modules back their class's forward."""
-    modules = dict(root.named_modules())
-    for name in names:
-        modules[name].__dict__.pop("forward", None)

@@ -12,6 +12,9 @@ from pipeline.model.experts import expert_parallel_refusal
 from pipeline.options import opt, validate
 from pipeline.extract.writer import WRITER_THREADS
 
+# an auto|on|off option's value as BackendOptions takes it (None: the backend decides)
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
+
 
 @dataclass(frozen=True)
 class ExtractConfig:
@@ -36,13 +39,13 @@ class ExtractConfig:
     max_batch_tokens: int = opt(32768, help="Padded tokens per forward.")
     compile: str = opt(
         "auto",
-        choices=("auto", "on", "off"),
+        choices=tuple(AUTO_ON_OFF),
         help="torch.compile the model (auto: on a GPU, for runs long enough to repay it; vllm: never "
         "CUDA graphs).",
     )
     fused_experts: str = opt(
         "auto",
-        choices=("auto", "on", "off"),
+        choices=tuple(AUTO_ON_OFF),
         help="hf backend, an MoE target: its routed experts through vLLM's fused MoE kernel, where a probe "
         "proves it equal to transformers' experts (auto: on a GPU; on: fail if none can be).",
     )

@@ -20,7 +20,7 @@ from pipeline.model.layers import validate_layer_ids
 from pipeline.model.experts import expert_parallel_refusal
 from pipeline.model import quantization
 from pipeline.model.modeldir import check_checkpoint, read_model_dir
-from pipeline.extract.config import ExtractConfig
+from pipeline.extract.config import AUTO_ON_OFF, ExtractConfig
 from pipeline.extract.plan import deal, plan_shard
 from pipeline.extract.resume import (
     pending_batches,
@@ -77,8 +77,8 @@ def run(cfg: ExtractConfig) -> dict:
         enforce_eager=cfg.enforce_eager,
         expert_parallel=cfg.expert_parallel,
         scratch_dir=cfg.out,
-        compile={"auto": None, "on": True, "off": False}[cfg.compile],
-        fused_experts={"auto": None, "on": True, "off": False}[cfg.fused_experts],
+        compile=AUTO_ON_OFF[cfg.compile],
+        fused_experts=AUTO_ON_OFF[cfg.fused_experts],
     )
     from pipeline.backends.base import resolve_device, resolve_dtype
 
