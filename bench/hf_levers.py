@@ -5,10 +5,10 @@ For each model shape (built on the GPU, never saved), every variant of the backe
 batch queued before the previous batch's copies are waited for; no files): padded vs. packed batches,
 eager vs. ``torch.compile``d layers, eager RMSNorms vs. torch's fused kernel
 (pipeline/backends/fused_norms.py), an MoE's experts as transformers runs them vs. vLLM's fused MoE kernel
-(``-fx``: pipeline/backends/fused_experts.py), and several ``max_batch_tokens``. Each variant reports
-tokens/s, the decoder roofline fraction (bench/roofline.py), the device's busy time, its first two batches'
-seconds (compilation included) and its worst relative error against the plain backend run one sample at a
-time.
+(``-fx``: pipeline/backends/fused_experts.py, with the tiles it times; ``-fxv``: with vLLM's own tiles),
+and several ``max_batch_tokens``. Each variant reports tokens/s, the decoder roofline fraction
+(bench/roofline.py), the device's busy time, its first two batches' seconds (compilation included) and its
+worst relative error against the plain backend run one sample at a time.
 CUDA graphs are measured at one recurring shape: the first batch's forward, eager or compiled, launched
 as it is and replayed from a captured graph.
 
@@ -31,6 +31,7 @@ import copy
 import json
 import time
 from pathlib import Path
+from unittest import mock
 
 import click
 import numpy as np
@@ -40,13 +41,17 @@ from bench.gpu_models import build_model
 from bench.roofline import DecoderShape
 from pipeline.model.experts import is_decoder_param, is_routed_expert_param
 
-VARIANTS = {  # name: (packed, compile, max_batch_tokens, fused RMSNorms, an MoE's experts fused)
+# name: (packed, compile, max_batch_tokens, fused RMSNorms, an MoE's experts fused: True with the tiles the
+# backend times (fused_experts.choose_tiles), "vllm-tiles" with vLLM's own choice of tiles)
+VARIANTS = {
     "plain-16k": (False, False, 16384, False, False),
     "plain-32k": (False, False, 32768, False, False),
     "plain-64k": (False, False, 65536, False, False),
     "plain-fused-32k": (False, False, 32768, True, False),
     "plain-fused-fx-32k": (False, False, 32768, True, True),
     "plain-fused-fx-64k": (False, False, 65536, True, True),
+    "plain-fused-fxv-32k": (False, False, 32768, True, "vllm-tiles"),
+    "plain-fused-fxv-64k": (False, False, 65536, True, "vllm-tiles"),
     "packed-32k": (True, False, 32768, False, False),
     "packed-fused-32k": (True, False, 32768, True, False),
     "compiled-32k": (False, True, 32768, False, False),
@@ -240,7 +245,10 @@ def measure(
     if experts is not None:
         model.set_experts_implementation(experts)
     lengths = [len(s) for s in seqs]
-    backend = backend_for(model, packed, compiled, mbt, fused, fx)
+    from pipeline.backends import fused_experts
+
+    with mock.patch.object(fused_experts, "TILES", () if fx == "vllm-tiles" else fused_experts.TILES):
+        backend = backend_for(model, packed, compiled, mbt, fused, bool(fx))
     try:
         batches = plan_batches(lengths, mbt, 64)
         graphs0 = counters["stats"]["unique_graphs"]
@@ -262,6 +270,7 @@ def measure(
             "fused_experts": len(backend.fused_experts),
             "fused_experts_probe_error": backend.fused_experts_error,
             "fused_experts_seconds": backend.startup.get("fused_experts_seconds"),
+            "fused_experts_tiles": backend.fused_experts_tiles,
             "batches": len(batches),
             "first_two_batches_seconds": first,
             "tokens_per_s": sum(lengths) / wall,

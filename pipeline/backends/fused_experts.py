@@ -14,6 +14,12 @@ A module is a candidate when it holds its experts as transformers lays them out
 layout. It is fused only when its own forward and the kernel agree on a probe batch on the model's device
 and dtype; the rest keep their forward. The kernel needs vLLM and a GPU: without either nothing is fused.
 ``restore`` puts every forward back.
+
+vLLM picks the kernel's tiles from a file tuned for the experts' shape on the GPU at hand, or from a generic
+default where it ships none (none for dsv3-9b's E=64, N=1408 on an H100, where that default made the fused
+GEMMs 42% slower than torch's grouped GEMMs). Where it has no file, ``choose_tiles`` times the default against
+the few tile sets of ``TILES`` on a batch of the loop's size and keeps the fastest, for batches of at least
+``TUNE_FROM`` tokens; the tiles change only the order of the fp32 sums inside each GEMM.
 """
 
 from __future__ import annotations
@@ -29,6 +35,22 @@ from pipeline.backends.fused_norms import restore  # noqa: F401 - the same: each
 # the dtype (both paths accumulate each GEMM in fp32; they round the intermediate and the sum differently)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 PROBE_TOKENS = 256
+# tile sets timed beside vLLM's default where vLLM ships no tuned file (its files for Hopper bf16 MoEs of 64
+# experts and N from 640 to 2560 pick the first for large batches); a set the GPU cannot run is skipped
+TILE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+TILES = tuple(
+    dict(zip(TILE_KEYS, values, strict=True))
+    for values in (
+        (128, 256, 64, 1, 8, 4),
+        (128, 256, 64, 16, 8, 4),
+        (256, 256, 64, 1, 8, 3),
+        (128, 128, 64, 1, 4, 4),
+    )
+)
+TUNE_FROM = 4096  # batches of fewer tokens keep vLLM's own choice
+TUNE_TOKENS = 65536  # the largest batch timed (a larger loop batch is timed at this size)
+TUNE_REPEATS = 3
+MIN_GAIN = 0.03  # a tile set replaces the default only when it is at least this much faster
 
 
 def kernel():
@@ -79,17 +101,37 @@ def candidates(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def fused_forward(module: nn.Module, fused_experts):
+def fused_forward(module: nn.Module, fused_experts, tiles: dict | None = None):
     """The fused kernel as ``module``'s forward: (hidden_states [T, H], top_k_index [T, k], top_k_weights
-    [T, k]) -> [T, H], as transformers' experts forward takes and returns them."""
+    [T, k]) -> [T, H], as transformers' experts forward takes and returns them. ``tiles``: the kernel's tile
+    set for batches of ``TUNE_FROM`` tokens or more (None: vLLM's own choice for every batch)."""
     w1, w2 = module.gate_up_proj, module.down_proj
+    override = tile_override() if tiles is not None else None
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        return fused_experts(
-            hidden_states.contiguous(), w1, w2, top_k_weights.float(), top_k_index.to(torch.int32)
-        )
+        args = (hidden_states.contiguous(), w1, w2, top_k_weights.float(), top_k_index.to(torch.int32))
+        if override is None or hidden_states.shape[0] < TUNE_FROM:
+            return fused_experts(*args)
+        with override(tiles):
+            return fused_experts(*args)
 
     return forward
+
+
+def tile_override():
+    """vLLM's context that makes the fused kernel run one tile set (the one its own tuning bench uses)."""
+    from vllm.model_executor.layers.fused_moe import override_config
+
+    return override_config
+
+
+def has_tuned_tiles(module: nn.Module) -> bool:
+    """Whether vLLM ships (or ``VLLM_TUNED_CONFIG_FOLDER`` holds) tiles tuned for ``module``'s experts on
+    this GPU."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import get_moe_configs
+
+    experts, two_i, _ = module.gate_up_proj.shape
+    return get_moe_configs(experts, two_i // 2, None) is not None
 
 
 def top_k(module: nn.Module) -> int:
@@ -99,18 +141,25 @@ def top_k(module: nn.Module) -> int:
     return min(k, experts) if isinstance(k, int) and k > 0 else min(2, experts)
 
 
+def routed_batch(module: nn.Module, tokens: int, seed: int = 0):
+    """``tokens`` random rows on ``module``'s device and dtype, each routed to k distinct random experts with
+    random positive weights: (hidden_states, top_k_index, top_k_weights)."""
+    w1 = module.gate_up_proj
+    experts, _, hidden = w1.shape
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(device=w1.device, dtype=w1.dtype)
+    k = top_k(module)
+    index = torch.rand(tokens, experts, generator=gen).topk(k, dim=-1).indices.to(w1.device)
+    weights = (torch.rand(tokens, k, generator=gen) + 0.1).to(w1.device)
+    return x, index, weights
+
+
 @torch.inference_mode()
 def probe_error(module: nn.Module, forward, seed: int = 0) -> float | None:
     """The largest difference between ``forward`` and ``module``'s own forward on a probe batch (random rows,
     each routed to k distinct random experts with random positive weights), as a share of the largest output;
     None where either cannot take the probe."""
-    w1 = module.gate_up_proj
-    experts, _, hidden = w1.shape
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(PROBE_TOKENS, hidden, generator=gen).to(device=w1.device, dtype=w1.dtype)
-    k = top_k(module)
-    index = torch.rand(PROBE_TOKENS, experts, generator=gen).topk(k, dim=-1).indices.to(w1.device)
-    weights = (torch.rand(PROBE_TOKENS, k, generator=gen) + 0.1).to(w1.device)
+    x, index, weights = routed_batch(module, PROBE_TOKENS, seed)
     try:
         want, got = module(x, index, weights), forward(x, index, weights)
     except Exception:  # noqa: BLE001 - a module of another signature (or one the kernel refuses) keeps its own
@@ -122,19 +171,93 @@ def probe_error(module: nn.Module, forward, seed: int = 0) -> float | None:
     return err if math.isfinite(err) else None
 
 
-def fuse(root: nn.Module) -> tuple[list[str], float | None]:
-    """Give every proven experts module under ``root`` the fused forward: the names of the modules fused, and
-    the worst probe error among them (None when none was fused)."""
+def gpu_ms(run, repeats: int = TUNE_REPEATS) -> float:
+    """The median milliseconds of ``run()`` on the current CUDA stream, after one call that compiles."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def pick(timings: dict[int | None, float]) -> int | None:
+    """The fastest of ``TILES`` by index where it beats the default (key None) by ``MIN_GAIN``, else None."""
+    default = timings.get(None)
+    tried = {i: ms for i, ms in timings.items() if i is not None}
+    if default is None or not tried:
+        return None
+    best = min(tried, key=tried.get)
+    return best if tried[best] <= default * (1 - MIN_GAIN) else None
+
+
+@torch.inference_mode()
+def choose_tiles(module: nn.Module, fused_experts, tokens: int) -> tuple[dict | None, dict]:
+    """The tile set for ``module``'s batches of ``tokens`` tokens, and what was timed: None (vLLM's own
+    choice) on the CPU, below ``TUNE_FROM`` tokens, outside bf16 / fp16, or where vLLM has tiles tuned for
+    this shape and GPU; else ``time_tiles``' choice on a routed batch of the loop's size."""
+    w1 = module.gate_up_proj
+    report: dict = {"tokens": min(tokens, TUNE_TOKENS)}
+    if w1.device.type != "cuda" or tokens < TUNE_FROM or w1.dtype not in (torch.bfloat16, torch.float16):
+        return None, report | {"skipped": "not a half-precision GPU run of large batches"}
+    try:
+        override = tile_override()
+        if has_tuned_tiles(module):
+            return None, report | {"skipped": "vLLM has tiles tuned for this shape and GPU"}
+    except Exception:  # noqa: BLE001 - a vLLM without these: its own choice
+        return None, report | {"skipped": "vLLM offers no tile override"}
+    batch = routed_batch(module, report["tokens"], seed=1)
+    chosen, timed = time_tiles(fused_forward(module, fused_experts), batch, override, TOLERANCE[w1.dtype])
+    return (TILES[chosen] if chosen is not None else None), report | timed
+
+
+def time_tiles(forward, batch, override, tolerance: float, timer=gpu_ms) -> tuple[int | None, dict]:
+    """Time ``forward(*batch)`` under vLLM's default tiles and under each of ``TILES`` (``override``: vLLM's
+    ``override_config``; ``timer``: the milliseconds of a call); a set that fails (shared memory the GPU
+    lacks, memory) is skipped. The choice (``pick``) must compute what the default computes, within
+    ``tolerance`` of the largest output, or the default stays. Returns the index chosen (None: the default)
+    and the timings."""
+    timings: dict[int | None, float] = {}
+    for i, tiles in [(None, None), *enumerate(TILES)]:
+        try:
+            with override(tiles):
+                timings[i] = timer(lambda: forward(*batch))
+        except Exception:  # noqa: BLE001 - tiles this GPU cannot run
+            continue
+    chosen = pick(timings)
+    report: dict = {"default_ms": timings.get(None), "tiles_ms": [timings.get(i) for i in range(len(TILES))]}
+    if chosen is not None:
+        with override(None):
+            want = forward(*batch).float()
+        with override(TILES[chosen]):
+            got = forward(*batch).float()
+        report["error"] = err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+        if not (math.isfinite(err) and err <= tolerance):
+            chosen = None
+    return chosen, report | {"chosen": chosen}
+
+
+def fuse(root: nn.Module, tokens: int = 0) -> tuple[list[str], float | None, dict]:
+    """Give every proven experts module under ``root`` the fused forward, with the tiles ``choose_tiles``
+    picks for batches of ``tokens`` tokens (once per shape of experts): the names of the modules fused, the
+    worst probe error among them (None when none was fused), and the tile timings by shape."""
     candidates_found = candidates(root)
     fused_experts = kernel() if candidates_found else None
     if fused_experts is None:
-        return [], None
-    fused, worst = [], None
+        return [], None, {}
+    fused, worst, tuned = [], None, {}
     for name, module in candidates_found:
-        forward = fused_forward(module, fused_experts)
+        shape = "x".join(map(str, (*module.gate_up_proj.shape, module.down_proj.shape[-1])))
+        if shape not in tuned:
+            tuned[shape] = choose_tiles(module, fused_experts, tokens)
+        forward = fused_forward(module, fused_experts, tuned[shape][0])
         err = probe_error(module, forward)
         if err is not None and err <= TOLERANCE.get(module.gate_up_proj.dtype, 1e-4):
             module.forward = forward
             fused.append(name)
             worst = err if worst is None else max(worst, err)
-    return fused, worst
+    return fused, worst, {shape: report for shape, (_, report) in tuned.items()}

@@ -257,9 +257,12 @@ class HFBackend(Backend):
         self.fused_norms = fused_norms.fuse(self.decoder) if fuse else []
         self.fused_experts: list[str] = []
         self.fused_experts_error: float | None = None  # the worst probe difference of the fused modules
+        self.fused_experts_tiles: dict = {}  # per shape of experts: the tile sets timed, the one chosen
         if moe and should_fuse_experts(options.fused_experts, on_gpu):
             with timed_part(self.startup, "fused_experts_seconds"):
-                self.fused_experts, self.fused_experts_error = fused_experts.fuse(self.decoder)
+                self.fused_experts, self.fused_experts_error, self.fused_experts_tiles = fused_experts.fuse(
+                    self.decoder, options.max_batch_tokens
+                )
         if options.fused_experts and not self.fused_experts:
             raise StageError(
                 "--fused-experts on, but no experts module of this model runs vLLM's fused MoE kernel (a "

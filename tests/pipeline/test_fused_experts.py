@@ -100,9 +100,11 @@ def test_only_a_kernel_that_agrees_on_the_probe_is_taken(tiny_deepseek, monkeypa
     try:
         names = experts_names(b)
         monkeypatch.setattr(fused_experts, "kernel", lambda: swapped_kernel)
-        assert fused_experts.fuse(b.decoder) == ([], None)
+        assert fused_experts.fuse(b.decoder)[:2] == ([], None)
         monkeypatch.setattr(fused_experts, "kernel", lambda: reference_kernel)
-        fused, worst = fused_experts.fuse(b.decoder)
+        fused, worst, tiles = fused_experts.fuse(b.decoder, tokens=65536)
+        # on the CPU the kernel's tiles are vLLM's own: one shape of experts, reported as not timed
+        assert [r.get("skipped") for r in tiles.values()] == ["not a half-precision GPU run of large batches"]
         assert fused == names
         assert worst is not None and worst <= fused_experts.TOLERANCE[torch.float32]
         fused_experts.restore(b.decoder, fused)
@@ -124,6 +126,9 @@ def test_fused_experts_leave_the_states_as_they_were(tiny_deepseek, monkeypatch)
     try:
         assert fused.fused_experts == experts_names(fused) and fused.fused_experts
         assert "fused_experts_seconds" in fused.startup
+        assert list(fused.fused_experts_tiles) and all(
+            "skipped" in r for r in fused.fused_experts_tiles.values()
+        )
         modules = [m for _, m in fused_experts.candidates(fused.decoder)]
         assert all("forward" in m.__dict__ for m in modules)
         got = fused.capture(SEQS)
@@ -197,3 +202,61 @@ def test_importing_the_kernel_leaves_torch_s_cudnn_attention_as_it_was(monkeypat
         assert torch.backends.cuda.cudnn_sdp_enabled() is True
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+class Tiled:
+    """A stand-in for vLLM's kernel under ``override_config``: its milliseconds and its output per tile set
+    (the index in ``TILES``; None: the default), and the sets it cannot run (raises, as Triton does when a
+    set wants more shared memory than the GPU has)."""
+
+    def __init__(self, ms: dict, wrong=(), fails=()):
+        self.ms, self.wrong, self.fails, self.current = ms, set(wrong), set(fails), None
+
+    def override(self, tiles):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            before, self.current = self.current, None if tiles is None else fused_experts.TILES.index(tiles)
+            try:
+                yield
+            finally:
+                self.current = before
+
+        return ctx()
+
+    def forward(self, x):
+        if self.current in self.fails:
+            raise RuntimeError("out of resources: shared memory")
+        return x * (2.0 if self.current in self.wrong else 1.0)
+
+    def timer(self, run):
+        run()
+        return self.ms[self.current]
+
+
+@pytest.mark.parametrize(
+    "ms, wrong, fails, chosen",
+    [
+        ({None: 10.0, 0: 7.0, 1: 8.0, 2: 9.0, 3: 12.0}, (), (), 0),  # the fastest set
+        ({None: 10.0, 0: 9.9, 1: 9.8, 2: 11.0, 3: 12.0}, (), (), None),  # within MIN_GAIN: the default stays
+        ({None: 10.0, 0: 7.0, 1: 8.0, 2: 9.0, 3: 12.0}, (), (0,), 1),  # a set the GPU cannot run is skipped
+        ({None: 10.0, 0: 7.0, 1: 8.0, 2: 9.0, 3: 12.0}, (0,), (), None),  # the fastest disagrees: the default
+        (
+            {None: 10.0, 0: 7.0, 1: 8.0, 2: 9.0, 3: 12.0},
+            (),
+            (None,),
+            None,
+        ),  # no default timed: nothing to beat
+    ],
+)
+def test_the_kernel_s_tiles_are_the_fastest_that_compute_what_the_default_computes(ms, wrong, fails, chosen):
+    """Tile sets replace vLLM's default only when measurably faster (``MIN_GAIN``) and equal in output; the
+    report keeps every timing (None for a set that failed)."""
+    kernel = Tiled(ms, wrong, fails)
+    x = torch.randn(64, 8)
+    got, report = fused_experts.time_tiles(kernel.forward, (x,), kernel.override, 2e-2, timer=kernel.timer)
+    assert got == chosen == report["chosen"]
+    assert report["tiles_ms"] == [None if i in fails else ms[i] for i in range(len(fused_experts.TILES))]
+    assert ("error" in report) == (chosen is not None or bool(wrong))
+    assert kernel.current is None  # every override undone

@@ -37,7 +37,7 @@ def test_on_the_cpu_nothing_is_fused_and_on_fails(tiny_deepseek):
     b = backend(tiny_deepseek, device="cpu", fused_experts=None)
     try:
         assert fused_experts.candidates(b.decoder)
-        assert fused_experts.fuse(b.decoder) == ([], None)
+        assert fused_experts.fuse(b.decoder, tokens=65536)[:2] == ([], None)
     finally:
         b.close()
     with pytest.raises(StageError, match="--fused-experts on"):
@@ -80,3 +80,31 @@ def test_on_a_gpu_every_experts_module_is_fused_and_states_hold(tiny_deepseek):
     probe = fused.fused_experts_error
     print(f"\nworst rel. error vs fp32: unfused {base:.3g}, fused {mine:.3g}; probe {probe:.3g}")
     assert mine <= 1.5 * base + 4e-3, (mine, base)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_tiles_are_timed_and_compute_what_the_default_computes(tiny_deepseek):
+    """Where vLLM ships no tiles for the experts' shape (none for a tiny model's), the backend times vLLM's
+    default against ``TILES`` on a batch of the loop's size and records it; a large batch through the fused
+    forward with the chosen tiles matches the default tiles within the bf16 tolerance."""
+    b = backend(tiny_deepseek, dtype="bfloat16", max_batch_tokens=8192)
+    try:
+        (report,) = b.fused_experts_tiles.values()
+        print(f"\ntiles timed: {report}")
+        assert report["tokens"] == 8192 and report["default_ms"] > 0
+        assert sum(ms is not None for ms in report["tiles_ms"]) >= 1  # at least one set runs on any CUDA GPU
+        _, module = fused_experts.candidates(b.decoder)[0]
+        batch = fused_experts.routed_batch(module, 8192, seed=3)
+        kernel, override = fused_experts.kernel(), fused_experts.tile_override()
+        with override(None):
+            want = fused_experts.fused_forward(module, kernel)(*batch).float()
+        for tiles in fused_experts.TILES:
+            try:
+                got = fused_experts.fused_forward(module, kernel, tiles)(*batch).float()
+            except Exception:  # noqa: BLE001 - a set this GPU cannot run (the tuner skips it too)
+                continue
+            assert (
+                float((got - want).abs().max() / want.abs().max()) <= fused_experts.TOLERANCE[torch.bfloat16]
+            )
+    finally:
+        b.close()
