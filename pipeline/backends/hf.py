@@ -61,6 +61,9 @@ from pipeline.model.layer_profile import token_scales
 
 PACKED_ATTENTION = "eagle_ops_packed"
 COMPILE_MIN_FLOPS = 4e16  # 2 x decoder parameters met x planned tokens above which compiling pays for itself
+# planned tokens from which fusing an MoE's experts pays for its start: 27.8 s more to the first batch, repaid
+# at 1 / 81,641 - 1 / 99,017 s a token (dsv3-9b, H100, 2026-12-07: docs/benchmarks.md)
+FUSE_EXPERTS_MIN_TOKENS = 13_000_000
 
 
 def flash_fits(config) -> bool:
@@ -96,9 +99,14 @@ def should_fuse_norms(option: bool | None, on_gpu: bool, compiled: bool) -> bool
     return on_gpu and not compiled
 
 
-def should_fuse_experts(option: bool | None, on_gpu: bool) -> bool:
-    """The fused-experts decision: as asked; else on a GPU (vLLM's kernel is Triton's, for GPUs only)."""
-    return on_gpu if option is None else option
+def should_fuse_experts(option: bool | None, on_gpu: bool, planned_tokens: int | None = None) -> bool:
+    """The fused-experts decision: as asked; else on a GPU (vLLM's kernel is Triton's, for GPUs only) for a
+    run of ``FUSE_EXPERTS_MIN_TOKENS`` or more (or of unknown length): the kernel's start (vLLM's import, the
+    tile timings and Triton's compiles) delayed dsv3-9b's first batch by 28 s for a loop 1.21x as fast (H100,
+    2026-12-07; docs/benchmarks.md "The hf backend's MoE experts through vLLM's fused kernel")."""
+    if option is not None:
+        return option
+    return on_gpu and (planned_tokens is None or planned_tokens >= FUSE_EXPERTS_MIN_TOKENS)
 
 
 def find_decoder(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.ModuleList]:
@@ -258,7 +266,7 @@ class HFBackend(Backend):
         self.fused_experts: list[str] = []
         self.fused_experts_error: float | None = None  # the worst probe difference of the fused modules
         self.fused_experts_tiles: dict = {}  # per shape of experts: the tile sets timed, the one chosen
-        if moe and should_fuse_experts(options.fused_experts, on_gpu):
+        if moe and should_fuse_experts(options.fused_experts, on_gpu, options.planned_tokens):
             with timed_part(self.startup, "fused_experts_seconds"):
                 self.fused_experts, self.fused_experts_error, self.fused_experts_tiles = fused_experts.fuse(
                     self.decoder, options.max_batch_tokens

@@ -13,7 +13,7 @@ from torch import nn
 
 from pipeline.backends import fused_experts
 from pipeline.backends.base import BackendOptions
-from pipeline.backends.hf import HFBackend, should_fuse_experts
+from pipeline.backends.hf import FUSE_EXPERTS_MIN_TOKENS, HFBackend, should_fuse_experts
 from pipeline.errors import StageError
 from pipeline.model.modeldir import read_model_dir
 from tests.conftest import run_extract, run_pipeline
@@ -153,8 +153,12 @@ def test_fused_experts_on_without_the_kernel_fails_in_one_line(tiny_deepseek, ti
 
 
 def test_fused_experts_default_to_gpu_runs_only():
-    """auto fuses on a GPU only (Triton's kernel); an explicit choice is kept."""
-    assert should_fuse_experts(None, on_gpu=True) is True
+    """auto fuses on a GPU only (Triton's kernel), for a run long enough to repay the kernel's start (or of
+    unknown length); an explicit choice is kept."""
+    assert should_fuse_experts(None, on_gpu=True) is True  # a run of unknown length
+    assert should_fuse_experts(None, on_gpu=True, planned_tokens=FUSE_EXPERTS_MIN_TOKENS) is True
+    assert should_fuse_experts(None, on_gpu=True, planned_tokens=FUSE_EXPERTS_MIN_TOKENS - 1) is False
+    assert should_fuse_experts(True, on_gpu=True, planned_tokens=1) is True
     assert should_fuse_experts(None, on_gpu=False) is False
     assert should_fuse_experts(False, on_gpu=True) is False
     assert should_fuse_experts(True, on_gpu=False) is True
@@ -238,12 +242,12 @@ class Tiled:
 @pytest.mark.parametrize(
     "ms, wrong, fails, chosen",
     [
-        ({None: 10.0, 0: 7.0, 1: 8.0, 2: 9.0, 3: 12.0}, (), (), 0),  # the fastest set
-        ({None: 10.0, 0: 9.9, 1: 9.8, 2: 11.0, 3: 12.0}, (), (), None),  # within MIN_GAIN: the default stays
-        ({None: 10.0, 0: 7.0, 1: 8.0, 2: 9.0, 3: 12.0}, (), (0,), 1),  # a set the GPU cannot run is skipped
-        ({None: 10.0, 0: 7.0, 1: 8.0, 2: 9.0, 3: 12.0}, (0,), (), None),  # the fastest disagrees: the default
+        ({None: 10.0, 0: 7.0, 1: 8.0, 2: 12.0}, (), (), 0),  # the fastest set
+        ({None: 10.0, 0: 9.9, 1: 9.8, 2: 11.0}, (), (), None),  # within MIN_GAIN: the default stays
+        ({None: 10.0, 0: 7.0, 1: 8.0, 2: 12.0}, (), (0,), 1),  # a set the GPU cannot run is skipped
+        ({None: 10.0, 0: 7.0, 1: 8.0, 2: 12.0}, (0,), (), None),  # the fastest disagrees: the default
         (
-            {None: 10.0, 0: 7.0, 1: 8.0, 2: 9.0, 3: 12.0},
+            {None: 10.0, 0: 7.0, 1: 8.0, 2: 12.0},
             (),
             (None,),
             None,
