@@ -19,9 +19,11 @@ random conversations (bench/extract_bench.py's), then each row a fresh process o
   more (20.5M tokens of llama-1b, 2.9M of llama-8b: a real run's), its caches empty: its compile runs in the
   loop's first forwards and counts in its loop rate (the compiled loop's steady rate: bench/hf_levers.py);
   ``hf-compiled-warm``: the same with ``hf-compiled``'s caches (a second run on a host); ``hf-unfused``:
-  ``hf`` with ``--fused-experts off``, an MoE's experts as transformers runs them (the default runs vLLM's
-  fused MoE kernel: pipeline/backends/fused_experts.py; on a dense model the two rows are the same);
-  ``hf-warm``: ``hf`` with ``hf``'s caches (its Triton kernels compiled by the first run).
+  ``hf`` with ``--fused-experts off``, an MoE's experts as transformers runs them; ``hf-fused``: ``hf`` with
+  ``--fused-experts on``, its experts through vLLM's fused MoE kernel (pipeline/backends/fused_experts.py;
+  what ``auto`` chooses on runs of 13M tokens and more), its caches empty; ``hf-fused-warm``: the same with
+  ``hf-fused``'s caches (its Triton kernels compiled by the first run). A dense model has no experts: the
+  fused rows are skipped there, and ``hf-unfused`` runs as ``hf`` does.
 
 Each row's loop rate and its ratio to ``plain``; for the extraction rows where the difference goes: the engine
 thread's seconds in our connector, the bytes copied off the GPU and the copy stream's seconds, the writer
@@ -57,6 +59,7 @@ import torch
 from bench.e2e_bench import GpuMemory, cache_environment, run_ours, timed_process
 from bench.extract_bench import make_prepared
 from bench.gpu_models import build_model, save_model
+from contract.experts import experts_met
 
 ROWS = (
     "cold",
@@ -71,7 +74,8 @@ ROWS = (
     "hf-compiled",
     "hf-compiled-warm",
     "hf-unfused",
-    "hf-warm",
+    "hf-fused",
+    "hf-fused-warm",
 )
 # each hf row: the row whose compile caches it uses, and its extract flags beyond the backend
 HF_ROWS = {
@@ -79,14 +83,19 @@ HF_ROWS = {
     "hf-compiled": ("hf-compiled", ["--compile", "on"]),
     "hf-compiled-warm": ("hf-compiled", ["--compile", "on"]),
     "hf-unfused": ("hf", ["--fused-experts", "off"]),
-    "hf-warm": ("hf", []),
+    "hf-fused": ("hf-fused", ["--fused-experts", "on"]),
+    "hf-fused-warm": ("hf-fused", ["--fused-experts", "on"]),
 }
+FUSED_ROWS = (
+    "hf-fused",
+    "hf-fused-warm",
+)  # an MoE's only: extract refuses --fused-experts on for a dense model
 PRESETS = {
     # shape, samples, seq length; the tiny preset's rows are those the CPU build runs in a smoke test
     "gpu": dict(
         shapes="llama-1b,llama-8b,dsv3-9b", samples="1024,256,384", seq_length=2048, rows=",".join(ROWS)
     ),
-    "tiny": dict(shapes="tiny", samples="12", seq_length=128, rows="cold,plain,capture,thread,hf"),
+    "tiny": dict(shapes="tiny", samples="12", seq_length=128, rows="cold,plain,capture,thread,hf,hf-fused"),
 }
 LEVERS = {  # each row's levers: the last row's plus one
     "bulk": {"EAGLE_VLLM_BULK_COPY": "1"},
@@ -274,6 +283,7 @@ def run(
         model = build_model(shape, "cuda" if gpu else "cpu")
         model_dir = save_model(model, workdir / f"model-{shape}")
         vocab = model.config.vocab_size
+        moe = experts_met(model.config.to_dict()) != (0, 0)
         del model
         if gpu:
             torch.cuda.empty_cache()
@@ -290,6 +300,9 @@ def run(
         }
         first: tuple[str, dict[str, str]] | None = None  # the first vllm extraction row's files
         for row in row_list:
+            if row in FUSED_ROWS and not moe:
+                print(f"{row}-{shape}: skipped (a dense model has no experts to fuse)", flush=True)
+                continue
             kind, cache_of, env = row_plan(row, step_tokens)
             cache = workdir / f"cache-{cache_of}-{shape}"
             out = workdir / f"{row}-{shape}"

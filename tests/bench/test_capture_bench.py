@@ -28,7 +28,14 @@ def test_capture_bench_tiny_runs_every_kind_of_row(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     tiny = json.loads(out.read_text())["shapes"]["tiny"]
     rows = tiny["rows"]
-    assert list(rows) == ["cold", "plain", "capture", "thread", "hf"]
+    assert list(rows) == [
+        "cold",
+        "plain",
+        "capture",
+        "thread",
+        "hf",
+    ]  # and hf-fused, skipped on a dense model
+    assert "hf-fused-tiny: skipped (a dense model has no experts to fuse)" in proc.stdout
     assert all(r["loop_tokens_per_s"] > 0 and r["vs_plain"] > 0 for r in rows.values())
     assert rows["plain"]["vs_plain"] == 1.0 and rows["plain"]["stats"]["tokens"] == tiny["tokens"]
     assert rows["capture"]["stats"]["connector"]["save_steps"] == 0  # the null connector copies nothing
@@ -50,8 +57,8 @@ def test_capture_bench_tiny_runs_every_kind_of_row(tmp_path):
 
 def test_every_row_has_a_plan_and_the_compiled_hf_row_asks_for_the_compile():
     """Each row's kind and caches (pure): the vllm rows share cold's caches, each hf row has its own, and
-    hf-compiled is hf with --compile on, hf-unfused hf with its MoE experts as transformers runs them; an
-    unknown row is refused naming the choices."""
+    hf-compiled is hf with --compile on, hf-unfused and hf-fused hf with an MoE's experts off and
+    through vLLM's kernel; an unknown row is refused naming the choices."""
     import click
 
     from bench.capture_bench import HF_ROWS, ROWS, row_plan
@@ -67,8 +74,10 @@ def test_every_row_has_a_plan_and_the_compiled_hf_row_asks_for_the_compile():
         "hf-compiled": ["--compile", "on"],
         "hf-compiled-warm": ["--compile", "on"],
         "hf-unfused": ["--fused-experts", "off"],
-        "hf-warm": [],
+        "hf-fused": ["--fused-experts", "on"],
+        "hf-fused-warm": ["--fused-experts", "on"],
     }
-    assert kinds["hf-unfused"] == kinds["hf-warm"] == ("hf", "hf")
+    assert kinds["hf-unfused"] == ("hf", "hf")
+    assert kinds["hf-fused"] == kinds["hf-fused-warm"] == ("hf", "hf-fused")  # the fused row's caches
     with pytest.raises(click.BadParameter, match="hf-compiled"):
         row_plan("hf-eager", 16384)
