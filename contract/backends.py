@@ -33,10 +33,12 @@ keeps hf, one process per GPU: vLLM would run it tensor parallel over all of the
 Re-measured side by side on one H100 on 2026-12-06 (docs/benchmarks.md, "Extraction against plain prefill";
 1,024 conversations, 1.59M tokens): vLLM 148k tok/s warm and 134k cold against hf's 95k (1.56x, 1.41x), hf's
 first batch 13-16 s sooner (17.4 s against 30.6-33.3 s): vLLM pays from ~4-5M tokens. The rule stands.
-Those hf figures ran transformers' own experts. Since 2026-12-07 hf runs them through vLLM's fused MoE kernel
-on a GPU (pipeline/backends/fused_experts.py); on dsv3-9b's kernels that is an estimated ~1.18x (H100,
-docs/benchmarks.md, "The hf backend's MoE experts through vLLM's fused kernel"), not enough to close vLLM's
-1.4-2.0x lead; the rule stands, to be re-measured with it.
+Those hf figures ran transformers' own experts. Since 2026-12-07 hf can run them through vLLM's fused MoE
+kernel (pipeline/backends/fused_experts.py; on a GPU for runs of 13M tokens and more). Measured side by side
+on one H100 on 2026-12-07 (docs/benchmarks.md, "The hf backend's MoE experts through vLLM's fused kernel";
+dsv3-9b, 1.59M tokens): the fused hf loop ran 1.21x the unfused one (99k against 82k tok/s), and vLLM's
+128k warm and 137k cold were still 1.30-1.51x the fused hf's 91-99k, while the kernel's start took hf's first
+batch from 25.5 s to 53 s, past vLLM's 42-43 s. The rule stands.
 Where vLLM is not installed the answer is hf; where the sizes are unknown (a dry run before the preflight)
 the answer waits for them.
 
@@ -59,9 +61,9 @@ MEASURED = (
     "tokens, then level with or ahead of warm vLLM (H100, docs/benchmarks.md)"
 )
 MEASURED_MOE = (
-    "vLLM's fused-MoE loop ran 1.4-2.0x hf's warm (1.2-1.5x cold; hf's experts then unfused), hf starts "
-    "13-27 s sooner: "
-    "vLLM pays from ~4-5M tokens (H100, docs/benchmarks.md)"
+    "vLLM's loop ran 1.3-1.5x hf's with hf's experts through vLLM's fused kernel (1.4-2.0x unfused), and "
+    "starts 10 s sooner than the fused hf, 13-27 s later than the unfused: vLLM pays from ~4-5M tokens "
+    "(H100, docs/benchmarks.md)"
 )
 
 

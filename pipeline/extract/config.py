@@ -47,7 +47,8 @@ class ExtractConfig:
         "auto",
         choices=tuple(AUTO_ON_OFF),
         help="hf backend, an MoE target: its routed experts through vLLM's fused MoE kernel, where a probe "
-        "proves it equal to transformers' experts (auto: on a GPU; on: fail if none can be).",
+        "proves it equal to transformers' experts (auto: on a GPU, for runs of 13M tokens or more, which "
+        "repay its ~30 s start; on: fail if none can be).",
     )
     max_batch_size: int = opt(64, help="Samples per forward at most.")
     limit: int | None = opt(None, low=1, help="Only the first N samples.")
