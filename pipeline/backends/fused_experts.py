@@ -16,8 +16,8 @@ and dtype; the rest keep their forward. The kernel needs vLLM and a GPU: without
 ``restore`` puts every forward back.
 
 vLLM picks the kernel's tiles from a file tuned for the experts' shape on the GPU at hand, or from a generic
-default where it ships none (none for dsv3-9b's E=64, N=1408 on an H100, where that default made the fused
-GEMMs 42% slower than torch's grouped GEMMs). Where it has no file, ``choose_tiles`` times the default against
+default where it ships none (none for dsv3-9b's E=64, N=1408 on an H100, where that default's GEMM took
+38-42% more time than torch's grouped GEMMs). Where it has no file, ``choose_tiles`` times the default against
 the few tile sets of ``TILES`` on a batch of the loop's size and keeps the fastest, for batches of at least
 ``TUNE_FROM`` tokens; the tiles change only the order of the fp32 sums inside each GEMM.
 """
