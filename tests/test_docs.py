@@ -1,6 +1,7 @@
 """The docs' facts that a test can hold against the code: the hosts-file sample (its keys and defaults), the
-exit codes, the backend rule's table, the make targets, and the flags of every `python -m pipeline` and
-`python -m ops` command the docs show, with the defaults they state. docs/ops.md's stage table is held by
+exit codes, the backend rule's table, the make targets, the flags of every `python -m pipeline` and
+`python -m ops` command the docs show, with the defaults they state, and the variants and rows the docs' bench
+commands name. docs/ops.md's stage table is held by
 tests/test_contract.py; docs/quickstart.md's commands run in tests/ops/test_ops_quickstart.py."""
 
 from __future__ import annotations
@@ -201,7 +202,9 @@ def test_every_make_target_the_docs_name_exists():
 
 # ------------------------------------------------------------------ flags of the commands the docs show
 
-COMMAND = re.compile(r"python3? -m (pipeline|ops) ([a-z][a-z-]*)((?:[^`\n|]|\\\n)*)")
+# a backslash-newline first: tried after any other character, it would never be, and a command's continued
+# lines would go unchecked
+COMMAND = re.compile(r"python3? -m (pipeline|ops) ([a-z][a-z-]*)((?:\\\n|[^`\n|])*)")
 
 
 def commands() -> dict[str, dict[str, click.Command]]:
@@ -294,6 +297,37 @@ def test_the_flag_checks_see_a_wrong_flag():
     line = "with `--closing-check full` (the default)"
     assert DEFAULT_NEAR.findall(line)[0][:2] == ("--closing-check", "full")
     assert "full" not in flag_defaults()["--closing-check"]
+
+
+# ------------------------------------------------------------------ benchmark commands (variants, rows)
+
+BENCH_CHOICES = re.compile(r"-m bench\.(hf_levers|capture_bench)\b((?:\\\n|[^`\n|])*)")
+
+
+def bench_choices(text: str) -> list[tuple[str, str]]:
+    """(bench, name) for each variant (``--variants``, an ``@experts`` suffix left off) or row (``--rows``)
+    that a ``python -m bench.hf_levers|capture_bench`` command in ``text`` names."""
+    found = []
+    for bench, rest in BENCH_CHOICES.findall(text):
+        flag = "--variants" if bench == "hf_levers" else "--rows"
+        for m in re.finditer(rf"{flag}[ =]([a-z0-9@_,-]+)", rest.replace("\\\n", " ")):
+            found += [(bench, name.split("@")[0]) for name in m[1].split(",")]
+    return found
+
+
+def test_every_variant_and_row_the_docs_name_exists():
+    """The benches' ``--variants`` and ``--rows`` in the docs' commands (the queued GPU runs among them) are
+    the benches' own: a command that names one they do not have costs a GPU call to find out (2026-12-07)."""
+    from bench.capture_bench import ROWS
+    from bench.hf_levers import VARIANTS
+
+    known = {"hf_levers": set(VARIANTS), "capture_bench": set(ROWS)}
+    named = [(page.name, *choice) for page in PAGES for choice in bench_choices(page.read_text())]
+    assert len(named) > 20
+    assert [n for n in named if n[2] not in known[n[1]]] == []
+    # the check sees a wrong name on a continued line (the command that cost a call, as it was queued)
+    queued = "python3 -m bench.hf_levers --shapes dsv3-9b \\\n    --variants plain-32k,plain-fused-64k@eager`"
+    assert [n for n in bench_choices(queued) if n[1] not in known[n[0]]] == [("hf_levers", "plain-fused-64k")]
 
 
 # ------------------------------------------------------------------ docs/quickstart.md
