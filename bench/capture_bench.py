@@ -22,8 +22,11 @@ random conversations (bench/extract_bench.py's), then each row a fresh process o
   ``hf`` with ``--fused-experts off``, an MoE's experts as transformers runs them; ``hf-fused``: ``hf`` with
   ``--fused-experts on``, its experts through vLLM's fused MoE kernel (pipeline/backends/fused_experts.py;
   what ``auto`` chooses on runs of 13M tokens and more), its caches empty; ``hf-fused-warm``: the same with
-  ``hf-fused``'s caches (its Triton kernels compiled by the first run). A dense model has no experts: the
-  fused rows are skipped there, and ``hf-unfused`` runs as ``hf`` does.
+  ``hf-fused``'s caches (its Triton kernels compiled by the first run); ``hf-fused-w4``, ``hf-fused-w2``: the
+  same with 4 and 2 writer threads instead of the default (whether the writers' threads hold back the thread
+  that launches the forward's kernels: the fused hf extraction of dsv3-9b left its GPU 32-36% idle where the
+  same kernels without files left it 1% idle, docs/benchmarks.md). A dense model has no experts: the fused
+  rows are skipped there, and ``hf-unfused`` runs as ``hf`` does.
 
 Each row's loop rate and its ratio to ``plain``; for the extraction rows where the difference goes: the engine
 thread's seconds in our connector, the bytes copied off the GPU and the copy stream's seconds, the writer
@@ -76,6 +79,8 @@ ROWS = (
     "hf-unfused",
     "hf-fused",
     "hf-fused-warm",
+    "hf-fused-w4",
+    "hf-fused-w2",
 )
 # each hf row: the row whose compile caches it uses, and its extract flags beyond the backend
 HF_ROWS = {
@@ -85,11 +90,13 @@ HF_ROWS = {
     "hf-unfused": ("hf", ["--fused-experts", "off"]),
     "hf-fused": ("hf-fused", ["--fused-experts", "on"]),
     "hf-fused-warm": ("hf-fused", ["--fused-experts", "on"]),
+    "hf-fused-w4": ("hf-fused", ["--fused-experts", "on", "--writer-threads", "4"]),
+    "hf-fused-w2": ("hf-fused", ["--fused-experts", "on", "--writer-threads", "2"]),
 }
-FUSED_ROWS = (
-    "hf-fused",
-    "hf-fused-warm",
-)  # an MoE's only: extract refuses --fused-experts on for a dense model
+# an MoE's only: extract refuses --fused-experts on for a dense model
+FUSED_ROWS = tuple(
+    row for row, (_, flags) in HF_ROWS.items() if ("--fused-experts", "on") in zip(flags, flags[1:])
+)
 PRESETS = {
     # shape, samples, seq length; the tiny preset's rows are those the CPU build runs in a smoke test
     "gpu": dict(

@@ -61,7 +61,7 @@ def test_every_row_has_a_plan_and_the_compiled_hf_row_asks_for_the_compile():
     through vLLM's kernel; an unknown row is refused naming the choices."""
     import click
 
-    from bench.capture_bench import HF_ROWS, ROWS, row_plan
+    from bench.capture_bench import FUSED_ROWS, HF_ROWS, ROWS, row_plan
 
     kinds = {row: row_plan(row, 16384)[:2] for row in ROWS}
     assert kinds["hf"] == ("hf", "hf") and kinds["hf-compiled"] == ("hf", "hf-compiled")
@@ -76,8 +76,16 @@ def test_every_row_has_a_plan_and_the_compiled_hf_row_asks_for_the_compile():
         "hf-unfused": ["--fused-experts", "off"],
         "hf-fused": ["--fused-experts", "on"],
         "hf-fused-warm": ["--fused-experts", "on"],
+        "hf-fused-w4": ["--fused-experts", "on", "--writer-threads", "4"],
+        "hf-fused-w2": ["--fused-experts", "on", "--writer-threads", "2"],
     }
     assert kinds["hf-unfused"] == ("hf", "hf")
-    assert kinds["hf-fused"] == kinds["hf-fused-warm"] == ("hf", "hf-fused")  # the fused row's caches
+    assert FUSED_ROWS == (
+        "hf-fused",
+        "hf-fused-warm",
+        "hf-fused-w4",
+        "hf-fused-w2",
+    )  # skipped on a dense model
+    assert {kinds[r] for r in FUSED_ROWS} == {("hf", "hf-fused")}  # the fused row's caches
     with pytest.raises(click.BadParameter, match="hf-compiled"):
         row_plan("hf-eager", 16384)
