@@ -539,12 +539,20 @@ def _state(chan, transport, out: bytearray, err: bytearray, stream: IO[str] | No
     a channel seen closed already holds any status it will get, and what was buffered before the close is
     read then. Looking at the status first let paramiko's transport thread take all three between the two
     looks, and a complete command read as a lost connection (seen under load: "connection lost during
-    `docker load` (no exit status came)")."""
+    `docker load` (no exit status came)"). An open channel is done only once its EOF came too: the status may
+    come before the last of the output (sshd sends it when the command exits, and what the command wrote
+    last may still be on its way), and reading it as done lost `docker image inspect`'s "No such image"
+    (seen under load: an empty stderr and exit 1)."""
     if chan.closed or not transport.is_active():
         _drain(chan.recv_ready, chan.recv, out, stream)
         _drain(chan.recv_stderr_ready, chan.recv_stderr, err, stream)
         return "done" if chan.exit_status_ready() else "lost"
-    if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+    if (
+        chan.exit_status_ready()
+        and chan.eof_received
+        and not chan.recv_ready()
+        and not chan.recv_stderr_ready()
+    ):
         return "done"
     return "running"
 

@@ -188,6 +188,51 @@ class _ClosingChannel:
         return self._pipe[0]
 
 
+class _LateStderrChannel(_ClosingChannel):
+    """A channel whose exit status comes first and its stderr, then EOF, two looks later, the channel left
+    open (sshd sends the status when the command exits; what it wrote last can still be on its way)."""
+
+    def __init__(self):
+        super().__init__()
+        self._out, self._err, self.eof_received = [], [], False
+
+    def exit_status_ready(self):
+        self.looks += 1
+        if self.looks == 3:
+            self._err, self.eof_received = [b"Error: No such image: x\n"], True
+        return True
+
+    def recv_stderr_ready(self):
+        return bool(self._err)
+
+    def recv_stderr(self, n):
+        return self._err.pop()
+
+    def recv_exit_status(self):
+        return 1
+
+
+def _fake_runner(chan):
+    from types import SimpleNamespace
+
+    import paramiko
+
+    from ops.connection import CommandLog
+
+    transport = SimpleNamespace(is_active=lambda: True, open_session=lambda: chan)
+    runner = object.__new__(RemoteRunner)
+    runner.label, runner.log, runner._paramiko = "t", CommandLog(), paramiko
+    runner._conn = SimpleNamespace(client=SimpleNamespace(get_transport=lambda: transport))
+    return runner
+
+
+def test_an_exit_status_before_the_last_stderr_waits_for_it():
+    """The race behind a false "`docker image inspect` failed: exit 1" with no message: the command's
+    "No such image" came after its exit status; the runner reads until the channel's EOF, and has it."""
+    result = _fake_runner(_LateStderrChannel()).run("docker image inspect x")
+    assert (result.exit_code, result.stderr) == (1, "Error: No such image: x\n")
+
+
 @pytest.mark.parametrize("how", ["run", "feed"])
 def test_a_close_right_after_the_exit_status_is_not_a_lost_connection(how):
     """The race behind a false "connection lost during `docker load` (no exit status came)" after a
