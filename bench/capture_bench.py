@@ -151,6 +151,35 @@ def run_engine(kind: str, prepared: Path, model: Path, cache: Path, env: dict[st
     }
 
 
+def trace_window_of(value: str) -> tuple[int, int]:
+    """``--trace-window``'s batches skipped and traced, or a usage error."""
+    try:
+        skip, batches = (int(x) for x in value.split(","))
+    except ValueError:
+        skip = batches = -1
+    if skip < 0 or batches < 1:
+        raise click.BadParameter(f"{value!r}: give SKIP,BATCHES (e.g. 8,6)", param_hint="--trace-window")
+    return skip, batches
+
+
+def trace_argv(out: Path, skip: int, batches: int) -> list[str]:
+    """The extraction row run through bench/loop_trace.py, its window's summary into ``out``."""
+    window = ["--skip", str(skip), "--batches", str(batches)]
+    return ["-m", "bench.loop_trace", "record", "--out", str(out), *window, "--sync-debug", "--"]
+
+
+def traced_window(path: Path) -> dict | None:
+    """A traced row's window (bench/loop_trace.py's summary), printed; None where the row wrote none."""
+    from bench import loop_trace
+
+    if not path.exists():
+        print(f"{path.stem}: no traced window (the loop ran fewer batches than --trace-window skips)")
+        return None
+    summary = json.loads(path.read_text())
+    print("\n".join([f"{path.stem}, traced:", *loop_trace.lines(summary)]), flush=True)
+    return summary
+
+
 def where_it_goes(row: dict) -> dict:
     """The extraction row's breakdown out of its stats (the backend's figures, the writer's)."""
     stats = row.get("stats") or {}
@@ -248,6 +277,19 @@ def cli() -> None:
 )
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("/dev/shm/capture-bench"))
 @click.option("--json-out", type=click.Path(path_type=Path), required=True)
+@click.option(
+    "--trace",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Trace a window of every extraction row's loop (bench/loop_trace.py, --sync-debug) into "
+    "DIR/ROW-SHAPE.json; a traced row's tok/s is slowed by it.",
+)
+@click.option(
+    "--trace-window",
+    default="8,6",
+    show_default=True,
+    help="The traced window: batches skipped, batches traced.",
+)
 def run(
     preset: str,
     shapes: str | None,
@@ -257,8 +299,11 @@ def run(
     step_tokens: int,
     workdir: Path,
     json_out: Path,
+    trace: Path | None,
+    trace_window: str,
 ) -> None:
     """Every row on each shape's set, side by side (module docstring)."""
+    skip, traced = trace_window_of(trace_window)
     p = PRESETS[preset]
     shape_list = (shapes or p["shapes"]).split(",")
     counts = [int(c) for c in (samples or p["samples"]).split(",")]
@@ -325,8 +370,13 @@ def run(
                     cache,
                     row_env=env,
                     checks=False,
+                    wrapper=None
+                    if trace is None
+                    else trace_argv(trace / f"{row}-{shape}.json", skip, traced),
                 )
                 result["where"] = where_it_goes(result)
+                if trace is not None:
+                    result["trace"] = traced_window(trace / f"{row}-{shape}.json")
                 if kind == "extract":
                     sums = checksums(out)
                     first = first or (row, sums)

@@ -187,24 +187,24 @@ def run_ours(
     cache: Path,
     tree: Path | None = None,
     row_env: dict[str, str] | None = None,
-    stacks: Path | None = None,
+    wrapper: list[str] | None = None,
     checks: bool = True,
 ) -> dict:
     """`pipeline extract` with its defaults (plus ``extra``, with ``row_env`` in its environment) as a fresh
     process, from this checkout or, with ``tree``, from another source tree (the baseline: its own pipeline/
-    and contract/ come first); with ``stacks``, sampled by bench/stacks.py into that file. ``checks``: time
-    both closing checks again on its set afterwards. With ``--json-stats`` among ``extra`` the run prints
-    its figures instead of the closing line (and runs no closing check): they are returned as ``stats``, and
-    the GPU's busy share over its loop as ``gpu_busy_share``."""
+    and contract/ come first); with ``wrapper`` (``-m MODULE ARGS... --``), run through that module:
+    bench/stacks.py's sampler, bench/loop_trace.py's window. ``checks``: time both closing checks again on
+    its set afterwards. With ``--json-stats`` among ``extra`` the run prints its figures instead of the
+    closing line (and runs no closing check): they are returned as ``stats``, and the GPU's busy share over
+    its loop as ``gpu_busy_share``."""
     env = cache_environment(cache, row_env)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
-    sampled = [] if stacks is None else ["-m", "bench.stacks", "record", "--out", str(stacks), "--"]
     with GpuMemory() as mem:
         wall, lines = timed_process(
             [
                 sys.executable,
-                *sampled,
+                *(wrapper or []),
                 "-m",
                 "pipeline",
                 "extract",
@@ -447,8 +447,9 @@ def main(
     if stacks is not None:
         stacks.mkdir(parents=True, exist_ok=True)
 
-    def sampled(row: str, shape: str) -> Path | None:
-        return None if stacks is None else stacks / f"{row}-{shape}.json.gz"
+    def sampled(row: str, shape: str) -> list[str] | None:
+        out = None if stacks is None else stacks / f"{row}-{shape}.json.gz"
+        return None if out is None else ["-m", "bench.stacks", "record", "--out", str(out), "--"]
 
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -481,7 +482,7 @@ def main(
             workdir / f"ours-{shape}",
             extract_args.split(),
             workdir / f"cache-ours-{shape}",
-            stacks=sampled("ours", shape),
+            wrapper=sampled("ours", shape),
         )
         runs = {"ours": ours}
         keep_compared(workdir / f"ours-{shape}")
@@ -505,7 +506,7 @@ def main(
                 flags,
                 workdir / f"cache-{cache_of}-{shape}",
                 row_env=row_env,
-                stacks=sampled(name, shape),
+                wrapper=sampled(name, shape),
             )
             keep_compared(workdir / f"{name}-{shape}")
         if naive:

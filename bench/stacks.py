@@ -148,13 +148,25 @@ def cli() -> None:
 @click.argument("program", nargs=-1, type=click.UNPROCESSED, required=True)
 def record(out: Path, interval: float, program: tuple[str, ...]) -> None:
     """Run PROGRAM (``-m module args...`` or ``script.py args...``) here, sampled."""
+    args = program_args(program)
+    sampler = Sampler(interval).start()
+    atexit.register(lambda: write(out, sampler.stop()))
+    run_program(args)
+
+
+def program_args(program: tuple[str, ...]) -> list[str]:
+    """``-m MODULE [ARGS]`` or ``SCRIPT [ARGS]`` from a command's trailing arguments (a leading ``--``
+    dropped), or a usage error."""
     args = list(program)
     if args and args[0] == "--":
         args = args[1:]
     if not args or (args[0] == "-m" and len(args) < 2):
         raise click.UsageError("name the program: -m MODULE [ARGS] or SCRIPT [ARGS]")
-    sampler = Sampler(interval).start()
-    atexit.register(lambda: write(out, sampler.stop()))
+    return args
+
+
+def run_program(args: list[str]) -> None:
+    """Run ``program_args``' program in this interpreter as its ``__main__``, with its own argv."""
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
