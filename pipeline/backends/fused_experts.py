@@ -203,8 +203,12 @@ def choose_tiles(module: nn.Module, fused_experts, tokens: int) -> tuple[dict | 
     this shape and GPU; else ``time_tiles``' choice on a routed batch of the loop's size."""
     w1 = module.gate_up_proj
     report: dict = {"tokens": min(tokens, TUNE_TOKENS)}
-    if w1.device.type != "cuda" or tokens < TUNE_FROM or w1.dtype not in (torch.bfloat16, torch.float16):
-        return None, report | {"skipped": "not a half-precision GPU run of large batches"}
+    if tokens < TUNE_FROM:
+        return None, report | {"skipped": f"batches of {tokens} tokens, under {TUNE_FROM}"}
+    if w1.dtype not in (torch.bfloat16, torch.float16):
+        return None, report | {"skipped": f"{str(w1.dtype).removeprefix('torch.')} experts, not bf16 or fp16"}
+    if w1.device.type != "cuda":
+        return None, report | {"skipped": "not on a GPU"}
     try:
         override = tile_override()
         if has_tuned_tiles(module):

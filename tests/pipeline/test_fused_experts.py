@@ -103,12 +103,31 @@ def test_only_a_kernel_that_agrees_on_the_probe_is_taken(tiny_deepseek, monkeypa
         assert fused_experts.fuse(b.decoder)[:2] == ([], None)
         monkeypatch.setattr(fused_experts, "kernel", lambda: reference_kernel)
         fused, worst, tiles = fused_experts.fuse(b.decoder, tokens=65536)
-        # on the CPU the kernel's tiles are vLLM's own: one shape of experts, reported as not timed
-        assert [r.get("skipped") for r in tiles.values()] == ["not a half-precision GPU run of large batches"]
+        # fp32 experts keep vLLM's own tiles: one shape of experts, reported as not timed, and why
+        assert [r.get("skipped") for r in tiles.values()] == ["float32 experts, not bf16 or fp16"]
         assert fused == names
         assert worst is not None and worst <= fused_experts.TOLERANCE[torch.float32]
         fused_experts.restore(b.decoder, fused)
         assert all("forward" not in m.__dict__ for _, m in fused_experts.candidates(b.decoder))
+    finally:
+        b.close()
+
+
+def test_tiles_are_timed_only_for_large_half_precision_batches_on_a_gpu(tiny_deepseek):
+    """Each reason to keep vLLM's own tiles is said for itself: small batches, full-precision experts, the
+    CPU (checked in that order, so that each shows here)."""
+    b = backend(tiny_deepseek, fused_experts=False)
+    try:
+        _, module = fused_experts.candidates(b.decoder)[0]
+        skipped = [fused_experts.choose_tiles(module, reference_kernel, 100)[1]["skipped"]]
+        skipped.append(fused_experts.choose_tiles(module, reference_kernel, 65536)[1]["skipped"])
+        module.to(torch.bfloat16)
+        skipped.append(fused_experts.choose_tiles(module, reference_kernel, 65536)[1]["skipped"])
+        assert skipped == [
+            "batches of 100 tokens, under 4096",
+            "float32 experts, not bf16 or fp16",
+            "not on a GPU",
+        ]
     finally:
         b.close()
 
