@@ -191,6 +191,8 @@ def where_it_goes(row: dict) -> dict:
         "writer_ready_thread_seconds": stats.get("writer_ready_seconds"),
         "writer_write_thread_seconds": stats.get("writer_write_seconds"),
         "writer_wait_main_seconds": stats.get("writer_wait_seconds"),
+        "writer_cpu_thread_seconds": stats.get("writer_cpu_seconds"),
+        "main_thread_cpu_seconds": stats.get("main_thread_cpu_seconds"),
         "gpu_busy_share": row.get("gpu_busy_share"),
         "device_idle_own_clock": stats.get("device_idle_fraction"),
     }

@@ -55,9 +55,12 @@ def run_loop(
     """Capture every pending batch (whole, so results never depend on what was done before) and write the
     samples not already on disk; return throughput figures."""
     writer = Writer(out, threads=writer_threads)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     try:
-        return _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, done, progress, t0)
+        stats = _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, done, progress, t0)
+        # the main thread's CPU seconds in the loop: near its wall time, it computed or spun (in a launch or a
+        # synchronize); far below, it waited (for the GIL, a blocking call)
+        return stats | {"main_thread_cpu_seconds": time.thread_time() - cpu0}
     except BaseException:
         writer.abort()
         raise
@@ -101,6 +104,8 @@ def _loop(backend, prepared, batches, writer, hidden_size, num_layers, total, do
         # and writing it (facts, torch.save, sha256)
         "writer_ready_seconds": writer.ready_seconds,
         "writer_write_seconds": writer.write_seconds,
+        # their CPU seconds, summed (the rest of their write seconds they waited: for the disk, the GIL)
+        "writer_cpu_seconds": writer.cpu_seconds,
     }
     figures = backend.figures()
     if figures:

@@ -63,6 +63,7 @@ class Writer:
         self.wait_seconds = 0.0  # main-thread time spent waiting for room: the run was write-bound then
         # thread-seconds summed over the writer threads: in each sample's ``ready``, and writing it
         self.ready_seconds = self.write_seconds = 0.0
+        self.cpu_seconds = 0.0  # the threads' CPU time, summed
         self._pending = 0
         self._room = threading.Condition()
         self.journal = formats.ChecksumJournal(out)  # each file's sha256, recorded once the file is complete
@@ -74,6 +75,13 @@ class Writer:
             t.start()
 
     def _loop(self) -> None:
+        try:
+            self._write_each()
+        finally:
+            with self._room:
+                self.cpu_seconds += time.thread_time()
+
+    def _write_each(self) -> None:
         while (item := self.queue.get()) is not None:
             nbytes = _nbytes(item.states)
             try:

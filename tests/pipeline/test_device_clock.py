@@ -38,8 +38,8 @@ def test_cpu_clock_sums_only_the_started_intervals():
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_extract_reports_device_busy_time_and_idle_fraction(tmp_path, tiny_llama, prepared_llama, workers):
-    """A real run (one process or two workers) reports busy seconds within its wall time and prints the idle
-    share."""
+    """A real run (one process or two workers) reports busy seconds within its wall time, its threads' CPU
+    seconds, and prints the idle share."""
     argv = [
         "extract",
         "--prepared",
@@ -60,6 +60,10 @@ def test_extract_reports_device_busy_time_and_idle_fraction(tmp_path, tiny_llama
     )
     assert 0 < stats["device_busy_seconds"] <= stats["seconds"] * workers
     assert 0 <= stats["device_idle_fraction"] < 1
+    # each loop's thread times: the main thread's CPU within its loop's wall time, the writers' above zero
+    for loop in stats["workers"] if workers > 1 else [stats]:
+        assert 0 < loop["main_thread_cpu_seconds"] <= loop["seconds"] + 0.02  # the clock's tick
+        assert 0 < loop["writer_cpu_seconds"]
     printed = run_pipeline(*argv, "--out", tmp_path / "p", check=True).stdout
     assert "device idle" in printed and "%" in printed.split("device idle")[1]
 
