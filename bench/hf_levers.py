@@ -6,9 +6,11 @@ batch queued before the previous batch's copies are waited for; no files): padde
 eager vs. ``torch.compile``d layers, eager RMSNorms vs. torch's fused kernel
 (pipeline/backends/fused_norms.py), an MoE's experts as transformers runs them vs. vLLM's fused MoE kernel
 (``-fx``: pipeline/backends/fused_experts.py, with the tiles it times; ``-fxv``: with vLLM's own tiles),
-and several ``max_batch_tokens``. Each variant reports tokens/s, the decoder roofline fraction
-(bench/roofline.py), the device's busy time, its first two batches' seconds (compilation included) and its
-worst relative error against the plain backend run one sample at a time.
+and several ``max_batch_tokens``; and, as ``pipeline extract`` runs it, the same loop with every sample
+written to a file by the extract loop's writer threads (``FILES``: ``-files``, ``-files-w2``). Each variant
+reports tokens/s, the decoder roofline fraction (bench/roofline.py), the device's busy time, its first two
+batches' seconds (compilation included) and its worst relative error against the plain backend run one
+sample at a time.
 CUDA graphs are measured at one recurring shape: the first batch's forward, eager or compiled, launched
 as it is and replayed from a captured graph.
 
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -58,6 +62,17 @@ VARIANTS = {
     "packed-compiled-16k": (True, True, 16384, False, False),
     "packed-compiled-32k": (True, True, 32768, False, False),
     "packed-compiled-64k": (True, True, 65536, False, False),
+}
+
+
+# name: (the variant whose backend it runs, writer threads): the same loop with each sample written to a file
+# by the extract loop's Writer (pipeline/extract/writer.py, in a temporary folder of /dev/shm), as
+# ``pipeline extract`` does; side by side with the variant without files, it isolates what writing costs the
+# loop (the thread that launches the forward's kernels shares the GIL with the writers)
+FILES = {
+    "plain-32k-files": ("plain-32k", 8),
+    "plain-fused-fx-32k-files": ("plain-fused-fx-32k", 8),
+    "plain-fused-fx-32k-files-w2": ("plain-fused-fx-32k", 2),
 }
 
 
@@ -107,8 +122,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_loop(backend, seqs: list[list[int]], batches) -> tuple[float, float]:
-    """Wall seconds and device-busy seconds of capturing every batch the way the extract loop does."""
+def run_loop(backend, seqs: list[list[int]], batches, files: int = 0) -> tuple[float, float, int]:
+    """Wall seconds, device-busy seconds and files written of capturing every batch the way the extract loop
+    does; with ``files`` writer threads, each batch's samples handed to the extract loop's Writer once the
+    next batch is queued, and the loop ends when the last file is written."""
+    if files:
+        return _written_loop(backend, seqs, batches, files)
     _sync()
     busy0 = backend.clock.seconds
     t0 = time.perf_counter()
@@ -120,7 +139,40 @@ def run_loop(backend, seqs: list[list[int]], batches) -> tuple[float, float]:
         previous = captured
     previous.ready()
     _sync()
-    return time.perf_counter() - t0, backend.clock.seconds - busy0
+    return time.perf_counter() - t0, backend.clock.seconds - busy0, 0
+
+
+def _written_loop(backend, seqs: list[list[int]], batches, threads: int) -> tuple[float, float, int]:
+    from pipeline.extract.writer import Sample, Writer
+
+    shm = Path("/dev/shm")
+    out = Path(tempfile.mkdtemp(prefix="hf-levers-", dir=shm if shm.is_dir() else None))
+    try:
+        _sync()
+        busy0 = backend.clock.seconds
+        t0 = time.perf_counter()
+        writer = Writer(out, threads=threads)
+        pending: list = []
+        for b in batches:
+            batch = [seqs[i] for i in b.indices]
+            captured = backend.capture_async(batch)
+            scales = captured.scales or [None] * len(batch)
+            items = [
+                Sample(
+                    i, torch.tensor(s), states, torch.ones(len(s), dtype=torch.long), captured.ready_of(k), sc
+                )
+                for k, (i, s, states, sc) in enumerate(
+                    zip(b.indices, batch, captured.states, scales, strict=True)
+                )
+            ]
+            writer.put(pending)
+            pending = items
+        writer.put(pending)
+        writer.close()
+        _sync()
+        return time.perf_counter() - t0, backend.clock.seconds - busy0, writer.written
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def layer_errors(states, reference) -> list[float]:
@@ -214,21 +266,21 @@ def kernel_profile(events, top: int = 12) -> dict:
     }
 
 
-def profiled_loop(backend, seqs, batches, gpu: bool) -> dict:
+def profiled_loop(backend, seqs, batches, gpu: bool, files: int = 0) -> dict:
     """``run_loop`` under torch's profiler: its kernels by kind (``kernel_profile``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with profile(activities=activities) as prof:
-        run_loop(backend, seqs, batches)
+        run_loop(backend, seqs, batches, files)
     return kernel_profile(prof.key_averages())
 
 
 def split_name(name: str) -> tuple[str, str | None]:
     """``variant@experts`` into the variant and the experts implementation (None: the model's own)."""
     variant, _, experts = name.partition("@")
-    if variant not in VARIANTS:
-        raise click.BadParameter(f"unknown variant {variant!r}: choose from {', '.join(VARIANTS)}")
+    if variant not in VARIANTS and variant not in FILES:
+        raise click.BadParameter(f"unknown variant {variant!r}: choose from {', '.join([*VARIANTS, *FILES])}")
     return variant, experts or None
 
 
@@ -241,6 +293,7 @@ def measure(
     from pipeline.extract.plan import plan_batches
 
     variant, experts = split_name(name)
+    variant, files = FILES.get(variant, (variant, 0))
     packed, compiled, mbt, fused, fx = VARIANTS[variant]
     if experts is not None:
         model.set_experts_implementation(experts)
@@ -253,11 +306,11 @@ def measure(
         batches = plan_batches(lengths, mbt, 64)
         graphs0 = counters["stats"]["unique_graphs"]
         t1 = time.perf_counter()
-        run_loop(backend, seqs, batches[:2])  # compiles (when compiled), first shapes
+        run_loop(backend, seqs, batches[:2], files)  # compiles (when compiled), first shapes
         first = time.perf_counter() - t1
         if gpu:
             torch.cuda.reset_peak_memory_stats()
-        wall, busy = run_loop(backend, seqs, batches)
+        wall, busy, written = run_loop(backend, seqs, batches, files)
         peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
         states = backend.capture(probe)
         err = max(layer_errors(states, reference))
@@ -272,6 +325,8 @@ def measure(
             "fused_experts_seconds": backend.startup.get("fused_experts_seconds"),
             "fused_experts_tiles": backend.fused_experts_tiles,
             "batches": len(batches),
+            "writer_threads": files,
+            "files_written": written,
             "first_two_batches_seconds": first,
             "tokens_per_s": sum(lengths) / wall,
             "roofline": roof.roofline_fraction(lengths, wall),
@@ -284,7 +339,7 @@ def measure(
             "experts_implementation": getattr(model.config, "_experts_implementation", None),
         }
         if profiled:
-            row.update(profiled_loop(backend, seqs, batches, gpu))
+            row.update(profiled_loop(backend, seqs, batches, gpu, files))
         if gpu and variant in ("plain-32k", "packed-compiled-32k"):
             try:
                 row.update(graph_gain(backend, [seqs[i] for i in batches[0].indices]))
@@ -299,7 +354,7 @@ def measure(
 
 @click.command()
 @click.option("--shapes", default="llama-1b,llama-8b", show_default=True)
-@click.option("--variants", default=",".join(VARIANTS), show_default=True)
+@click.option("--variants", default=",".join(VARIANTS), show_default=True, help=f"Also: {', '.join(FILES)}.")
 @click.option(
     "--samples", "counts", default="256,96", show_default=True, help="Samples per shape, in --shapes order."
 )

@@ -319,9 +319,9 @@ def test_every_variant_and_row_the_docs_name_exists():
     """The benches' ``--variants`` and ``--rows`` in the docs' commands (the queued GPU runs among them) are
     the benches' own: a command that names one they do not have costs a GPU call to find out (2026-12-07)."""
     from bench.capture_bench import ROWS
-    from bench.hf_levers import VARIANTS
+    from bench.hf_levers import FILES, VARIANTS
 
-    known = {"hf_levers": set(VARIANTS), "capture_bench": set(ROWS)}
+    known = {"hf_levers": {*VARIANTS, *FILES}, "capture_bench": set(ROWS)}
     named = [(page.name, *choice) for page in PAGES for choice in bench_choices(page.read_text())]
     assert len(named) > 20
     assert [n for n in named if n[2] not in known[n[1]]] == []

@@ -62,7 +62,7 @@ def test_hf_levers_runs_each_variant_and_holds_it_to_the_one_by_one_reference(tm
         "--shapes",
         "tiny",
         "--variants",
-        "plain-16k,packed-32k",
+        "plain-16k,packed-32k,plain-32k-files",
         "--samples",
         "6",
         "--seq-length",
@@ -70,11 +70,15 @@ def test_hf_levers_runs_each_variant_and_holds_it_to_the_one_by_one_reference(tm
         "--fp32-reference",
     )
     rows = r["shapes"]["tiny"]["variants"]
-    assert set(rows) == {"plain-16k", "packed-32k"}
+    assert set(rows) == {"plain-16k", "packed-32k", "plain-32k-files"}
     for row in rows.values():
         assert "error" not in row, row
         assert row["tokens_per_s"] > 0 and row["worst_rel_err_vs_one_by_one"] < 1e-4  # fp32 on the CPU
         assert len(row["rel_err_vs_fp32_per_layer"]) == 4
+    # the variant with files runs plain-32k's backend with the extract loop's writer threads
+    assert rows["plain-32k-files"]["writer_threads"] == 8 and rows["plain-16k"]["writer_threads"] == 0
+    assert rows["plain-32k-files"]["files_written"] == 6 and rows["plain-16k"]["files_written"] == 0
+    assert rows["plain-32k-files"]["max_batch_tokens"] == 32768
 
 
 def test_hf_levers_runs_an_moe_once_per_experts_implementation_with_its_kernels(tmp_path):
