@@ -212,7 +212,7 @@ def where_it_goes(row: dict) -> dict:
             pool_misses=connector["pool_misses"],
         )
     if "inputs_seconds" in backend:  # the hf backend's host side: main-thread seconds queuing each part
-        out.update(hf_host={k: v for k, v in backend.items() if k.endswith("_seconds")})
+        out.update(hf_host={k: v for k, v in backend.items() if k.endswith("_seconds") or k == "pinned_pool"})
     elif backend:
         out.update(
             max_num_batched_tokens=backend.get("max_num_batched_tokens"),

@@ -109,6 +109,18 @@ def should_fuse_experts(option: bool | None, on_gpu: bool, planned_tokens: int |
     return on_gpu and (planned_tokens is None or planned_tokens >= FUSE_EXPERTS_MIN_TOKENS)
 
 
+def pinned_pool(stats: dict) -> dict:
+    """What torch's pinned host allocator did (``torch.cuda.host_memory_stats()``): the blocks it pinned to
+    grow its pool, their peak bytes (each rounded up to a power of two), and the seconds its CUDA calls took.
+    Pinning runs on the thread that asks for a block: in the hf loop, the one that queues the copies, until
+    the pool holds what a few batches in flight need (pure)."""
+    return {
+        "blocks_pinned": int(stats.get("num_host_alloc", 0)),
+        "peak_bytes": int(stats.get("allocated_bytes.peak", 0)),
+        "pin_seconds": float(stats.get("host_alloc_time.total", 0)) / 1e6,
+    }
+
+
 def find_decoder(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.ModuleList]:
     """The module that runs the decoder stack, and its list of decoder layers."""
     candidates = []
@@ -344,9 +356,13 @@ class HFBackend(Backend):
 
     def figures(self) -> dict:
         """The loop's host side (issue #52): the main thread's seconds in each part of capture_async (on a
-        GPU each part only queues work; on the CPU the forward runs in ``forward_queue_seconds``), and the
-        device's busy seconds (its clock: the forward stream between each batch's start and stop)."""
-        return {**self._host, "device_busy_seconds": self.clock.seconds}
+        GPU each part only queues work; on the CPU the forward runs in ``forward_queue_seconds``), the
+        device's busy seconds (its clock: the forward stream between each batch's start and stop), and on a
+        GPU the pinned host pool the copies grew (``pinned_pool``)."""
+        figures = {**self._host, "device_busy_seconds": self.clock.seconds}
+        if self.device.type == "cuda":
+            figures["pinned_pool"] = pinned_pool(torch.cuda.host_memory_stats())
+        return figures
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
         captured = self.capture_async(batch)

@@ -64,6 +64,7 @@ def test_extract_reports_device_busy_time_and_idle_fraction(tmp_path, tiny_llama
     for loop in stats["workers"] if workers > 1 else [stats]:
         assert 0 < loop["main_thread_cpu_seconds"] <= loop["seconds"] + 0.02  # the clock's tick
         assert 0 < loop["writer_cpu_seconds"]
+        assert "forward_queue_seconds" in loop["backend"] and "pinned_pool" not in loop["backend"]  # the CPU
     printed = run_pipeline(*argv, "--out", tmp_path / "p", check=True).stdout
     assert "device idle" in printed and "%" in printed.split("device idle")[1]
 

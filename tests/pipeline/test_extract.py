@@ -222,6 +222,16 @@ def test_compile_auto_credits_an_moe_only_with_the_experts_a_token_meets(tiny_de
     assert should_compile(True, True, met, 1, moe=True)
 
 
+def test_the_pinned_pool_figures_read_torchs_host_allocator_stats():
+    """What the hf backend reports of the pinned host pool on a GPU, from torch's host allocator stats
+    (microseconds to seconds); the CPU backend reports none (it pins nothing)."""
+    from pipeline.backends.hf import pinned_pool
+
+    stats = {"num_host_alloc": 12, "allocated_bytes.peak": 3 << 30, "host_alloc_time.total": 1_250_000}
+    assert pinned_pool(stats) == {"blocks_pinned": 12, "peak_bytes": 3 << 30, "pin_seconds": 1.25}
+    assert pinned_pool({}) == {"blocks_pinned": 0, "peak_bytes": 0, "pin_seconds": 0.0}
+
+
 def test_packing_is_left_to_models_whose_heads_flash_attention_takes(tiny_llama, tiny_deepseek):
     """Llama's heads fit flash attention's varlen kernel; an MLA config fits only while its query-key and
     value head sizes are equal (DeepSeek-V3's and the tiny DeepSeek's: 192 and 128)."""
