@@ -35,7 +35,6 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 import click
 import numpy as np
@@ -99,6 +98,7 @@ def backend_for(
     max_batch_tokens: int,
     fused: bool = False,
     fused_experts: bool = False,
+    expert_tiles: tuple | None = None,
 ):
     from pipeline.backends.base import BackendOptions
     from pipeline.backends.hf import HFBackend
@@ -113,6 +113,7 @@ def backend_for(
         compile=compiled,
         fused_norms=fused,
         fused_experts=fused_experts,
+        expert_tiles=expert_tiles,
     )
     return HFBackend(options, model=model)
 
@@ -298,10 +299,7 @@ def measure(
     if experts is not None:
         model.set_experts_implementation(experts)
     lengths = [len(s) for s in seqs]
-    from pipeline.backends import fused_experts
-
-    with mock.patch.object(fused_experts, "TILES", () if fx == "vllm-tiles" else fused_experts.TILES):
-        backend = backend_for(model, packed, compiled, mbt, fused, bool(fx))
+    backend = backend_for(model, packed, compiled, mbt, fused, bool(fx), () if fx == "vllm-tiles" else None)
     try:
         batches = plan_batches(lengths, mbt, 64)
         graphs0 = counters["stats"]["unique_graphs"]

@@ -51,6 +51,8 @@ class BackendOptions:
     compile: bool | None = None  # hf: torch.compile each decoder layer; None = on a GPU, for long runs
     fused_norms: bool | None = None  # hf: RMSNorms through torch's fused kernel; None = on a GPU, when eager
     fused_experts: bool | None = None  # hf: an MoE's experts through vLLM's fused kernel; None = on a GPU
+    # hf, fused experts: the tile sets timed beside vLLM's default (None: fused_experts.TILES; (): vLLM's own)
+    expert_tiles: tuple[dict, ...] | None = None
     planned_tokens: int | None = None  # tokens the run will capture (None: unknown), for the compile decision
     enforce_eager: bool = False  # vllm only: no CUDA graphs / torch.compile (faster start, slower loop)
     expert_parallel: bool = False  # vllm only: an MoE's whole experts spread over the GPUs, not sliced

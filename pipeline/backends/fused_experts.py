@@ -197,10 +197,12 @@ def pick(timings: dict[int | None, float]) -> int | None:
 
 
 @torch.inference_mode()
-def choose_tiles(module: nn.Module, fused_experts, tokens: int) -> tuple[dict | None, dict]:
+def choose_tiles(
+    module: nn.Module, fused_experts, tokens: int, tiles: tuple[dict, ...] = TILES
+) -> tuple[dict | None, dict]:
     """The tile set for ``module``'s batches of ``tokens`` tokens, and what was timed: None (vLLM's own
     choice) on the CPU, below ``TUNE_FROM`` tokens, outside bf16 / fp16, or where vLLM has tiles tuned for
-    this shape and GPU; else ``time_tiles``' choice on a routed batch of the loop's size."""
+    this shape and GPU; else ``time_tiles``' choice among ``tiles`` on a routed batch of the loop's size."""
     w1 = module.gate_up_proj
     report: dict = {"tokens": min(tokens, TUNE_TOKENS)}
     if tokens < TUNE_FROM:
@@ -216,29 +218,32 @@ def choose_tiles(module: nn.Module, fused_experts, tokens: int) -> tuple[dict | 
     except Exception:  # noqa: BLE001 - a vLLM without these: its own choice
         return None, report | {"skipped": "vLLM offers no tile override"}
     batch = routed_batch(module, report["tokens"], seed=1)
-    chosen, timed = time_tiles(fused_forward(module, fused_experts), batch, override, TOLERANCE[w1.dtype])
-    return (TILES[chosen] if chosen is not None else None), report | timed
+    forward = fused_forward(module, fused_experts)
+    chosen, timed = time_tiles(forward, batch, override, TOLERANCE[w1.dtype], tiles=tiles)
+    return (tiles[chosen] if chosen is not None else None), report | timed
 
 
-def time_tiles(forward, batch, override, tolerance: float, timer=gpu_ms) -> tuple[int | None, dict]:
-    """Time ``forward(*batch)`` under vLLM's default tiles and under each of ``TILES`` (``override``: vLLM's
+def time_tiles(
+    forward, batch, override, tolerance: float, timer=gpu_ms, tiles: tuple[dict, ...] = TILES
+) -> tuple[int | None, dict]:
+    """Time ``forward(*batch)`` under vLLM's default tiles and under each of ``tiles`` (``override``: vLLM's
     ``override_config``; ``timer``: the milliseconds of a call); a set that fails (shared memory the GPU
     lacks, memory) is skipped. The choice (``pick``) must compute what the default computes, within
     ``tolerance`` of the largest output, or the default stays. Returns the index chosen (None: the default)
     and the timings."""
     timings: dict[int | None, float] = {}
-    for i, tiles in [(None, None), *enumerate(TILES)]:
+    for i, tile_set in [(None, None), *enumerate(tiles)]:
         try:
-            with override(tiles):
+            with override(tile_set):
                 timings[i] = timer(lambda: forward(*batch))
         except Exception:  # noqa: BLE001 - tiles this GPU cannot run
             continue
     chosen = pick(timings)
-    report: dict = {"default_ms": timings.get(None), "tiles_ms": [timings.get(i) for i in range(len(TILES))]}
+    report: dict = {"default_ms": timings.get(None), "tiles_ms": [timings.get(i) for i in range(len(tiles))]}
     if chosen is not None:
         with override(None):
             want = forward(*batch).float()
-        with override(TILES[chosen]):
+        with override(tiles[chosen]):
             got = forward(*batch).float()
         report["error"] = err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
         if not (math.isfinite(err) and err <= tolerance):
@@ -246,10 +251,13 @@ def time_tiles(forward, batch, override, tolerance: float, timer=gpu_ms) -> tupl
     return chosen, report | {"chosen": chosen}
 
 
-def fuse(root: nn.Module, tokens: int = 0) -> tuple[list[str], float | None, dict]:
+def fuse(
+    root: nn.Module, tokens: int = 0, tiles: tuple[dict, ...] | None = None
+) -> tuple[list[str], float | None, dict]:
     """Give every proven experts module under ``root`` the fused forward, with the tiles ``choose_tiles``
-    picks for batches of ``tokens`` tokens (once per shape of experts): the names of the modules fused, the
-    worst probe error among them (None when none was fused), and the tile timings by shape."""
+    picks among ``tiles`` (None: ``TILES``; (): vLLM's own choice) for batches of ``tokens`` tokens (once per
+    shape of experts): the names of the modules fused, the worst probe error among them (None when none was
+    fused), and the tile timings by shape."""
     candidates_found = candidates(root)
     fused_experts = kernel() if candidates_found else None
     if fused_experts is None:
@@ -258,7 +266,7 @@ def fuse(root: nn.Module, tokens: int = 0) -> tuple[list[str], float | None, dic
     for name, module in candidates_found:
         shape = "x".join(map(str, (*module.gate_up_proj.shape, module.down_proj.shape[-1])))
         if shape not in tuned:
-            tuned[shape] = choose_tiles(module, fused_experts, tokens)
+            tuned[shape] = choose_tiles(module, fused_experts, tokens, TILES if tiles is None else tiles)
         forward = fused_forward(module, fused_experts, tuned[shape][0])
         err = probe_error(module, forward)
         if err is not None and err <= TOLERANCE.get(module.gate_up_proj.dtype, 1e-4):

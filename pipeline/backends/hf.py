@@ -281,7 +281,7 @@ class HFBackend(Backend):
         if moe and should_fuse_experts(options.fused_experts, on_gpu, options.planned_tokens):
             with timed_part(self.startup, "fused_experts_seconds"):
                 self.fused_experts, self.fused_experts_error, self.fused_experts_tiles = fused_experts.fuse(
-                    self.decoder, options.max_batch_tokens
+                    self.decoder, options.max_batch_tokens, options.expert_tiles
                 )
         if options.fused_experts and not self.fused_experts:
             raise StageError(

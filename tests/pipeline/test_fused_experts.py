@@ -283,3 +283,12 @@ def test_the_kernel_s_tiles_are_the_fastest_that_compute_what_the_default_comput
     assert report["tiles_ms"] == [None if i in fails else ms[i] for i in range(len(fused_experts.TILES))]
     assert ("error" in report) == (chosen is not None or bool(wrong))
     assert kernel.current is None  # every override undone
+
+
+def test_no_tile_sets_keep_vllms_own_choice():
+    """``expert_tiles=()`` (hf_levers' ``-fxv`` rows): only vLLM's default is timed, and it stays."""
+    kernel = Tiled({None: 10.0, 0: 1.0, 1: 1.0, 2: 1.0}, (), ())
+    got, report = fused_experts.time_tiles(
+        kernel.forward, (torch.randn(4, 8),), kernel.override, 2e-2, timer=kernel.timer, tiles=()
+    )
+    assert got is None and report == {"default_ms": 10.0, "tiles_ms": [], "chosen": None}
