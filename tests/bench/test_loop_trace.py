@@ -153,3 +153,20 @@ def test_capture_bench_traces_its_extraction_rows_through_the_window(tmp_path, c
     (tmp_path / "hf-tiny.json").write_text(json.dumps({**summary, "main_thread_ops": []}))
     assert capture_bench.traced_window(tmp_path / "hf-tiny.json")["tokens"] == 9
     assert "4 batches, 9 tokens in 0.50 s" in capsys.readouterr().out
+
+
+def test_the_sync_counter_counts_each_synchronizing_call_by_thread_and_caller():
+    """What torch's sync debug mode warns of is counted by thread and by the innermost frame outside torch;
+    any other warning is shown as it would be."""
+    counter, shown = loop_trace.SyncCounter(), []
+    counter._show = lambda message, *args: shown.append(str(message))
+
+    def launches_a_sync():
+        counter._count("called a synchronizing CUDA operation", UserWarning, "x.py", 1)
+
+    launches_a_sync()
+    launches_a_sync()
+    counter._count("something else", UserWarning, "x.py", 1)
+    assert shown == ["something else"]
+    [(where, n)] = counter.where.items()
+    assert n == 2 and where.startswith("MainThread: ") and where.endswith(" launches_a_sync"), where
