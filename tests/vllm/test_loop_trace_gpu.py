@@ -1,0 +1,47 @@
+"""bench/loop_trace.py on a GPU: a real hf extraction's window has its kernels, their streams, the main
+thread's launches and the synchronizing calls counted; the loop's stats carry the pinned pool and the threads'
+CPU seconds. Run by `make test-vllm-gpu` before a traced bench spends a GPU call on it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_gpu_extraction_window_has_its_kernels_streams_launches_and_syncs(
+    tmp_path, tiny_llama, prepared_llama
+):
+    summary = tmp_path / "w.json"
+    argv = [sys.executable, "-m", "bench.loop_trace", "record", "--out", str(summary), "--skip", "1"]
+    argv += [
+        "--batches",
+        "2",
+        "--sync-debug",
+        "--",
+        "-m",
+        "pipeline",
+        "extract",
+        "--prepared",
+        str(prepared_llama),
+    ]
+    argv += ["--model", str(tiny_llama), "--out", str(tmp_path / "s"), "--no-progress", "--backend", "hf"]
+    argv += ["--device", "cuda", "--max-batch-tokens", "512", "--json-stats"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["batches"] == 2 and s["kernels"] > 0 and 0 < s["kernel_busy_share"] <= 1
+    # the forward's stream and the copies' stream, each busy
+    assert len(s["streams"]) >= 2 and any(kinds.get("copies", 0) > 0 for kinds in s["streams"].values())
+    calls = {r["name"] for r in s["runtime_calls"]}
+    assert "MainThread: cudaLaunchKernel" in calls or any(c.startswith("MainThread: cuLaunch") for c in calls)
+    assert isinstance(s["syncs_by_caller"], dict)
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stats["backend"]["pinned_pool"]["blocks_pinned"] > 0 and stats["main_thread_cpu_seconds"] > 0
