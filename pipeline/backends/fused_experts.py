@@ -19,12 +19,20 @@ vLLM picks the kernel's tiles from a file tuned for the experts' shape on the GP
 default where it ships none (none for dsv3-9b's E=64, N=1408 on an H100, where that default's GEMM took
 38-42% more time than torch's grouped GEMMs). Where it has no file, ``choose_tiles`` times the default against
 the few tile sets of ``TILES`` on a batch of the loop's size and keeps the fastest, for batches of at least
-``TUNE_FROM`` tokens; the tiles change only the order of the fp32 sums inside each GEMM.
+``TUNE_FROM`` tokens; the tiles change only the order of the fp32 sums inside each GEMM. The choice is kept
+on the host (``remembered``: a JSON file under vLLM's cache root, which compose.yaml persists), keyed by the
+GPU, the versions of vLLM, Triton and torch, the experts' shape and dtype, the batch timed and the sets
+tried: a rerun or a resumed run takes the same tiles, so its states are computed as the first run's were,
+without timing them again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -52,6 +60,7 @@ TUNE_FROM = 4096  # batches of fewer tokens keep vLLM's own choice
 TUNE_TOKENS = 65536  # the largest batch timed (a larger loop batch is timed at this size)
 TUNE_REPEATS = 3
 MIN_GAIN = 0.03  # a tile set replaces the default only when it is at least this much faster
+TILES_FILE = "eagle-ops/fused-experts-tiles.json"  # under vLLM's cache root: the choices made on this host
 
 
 def kernel():
@@ -217,10 +226,72 @@ def choose_tiles(
             return None, report | {"skipped": "vLLM has tiles tuned for this shape and GPU"}
     except Exception:  # noqa: BLE001 - a vLLM without these: its own choice
         return None, report | {"skipped": "vLLM offers no tile override"}
-    batch = routed_batch(module, report["tokens"], seed=1)
-    forward = fused_forward(module, fused_experts)
-    chosen, timed = time_tiles(forward, batch, override, TOLERANCE[w1.dtype], tiles=tiles)
-    return (tiles[chosen] if chosen is not None else None), report | timed
+
+    def timed() -> dict:
+        batch = routed_batch(module, report["tokens"], seed=1)
+        forward = fused_forward(module, fused_experts)
+        return time_tiles(forward, batch, override, TOLERANCE[w1.dtype], tiles=tiles)[1]
+
+    kept = remembered(tiles_file(), tiles_key(module, report["tokens"], tiles), timed)
+    chosen = kept.get("chosen")
+    return (tiles[chosen] if chosen is not None else None), report | kept
+
+
+def tiles_file() -> Path | None:
+    """Where this host keeps its tile choices: under vLLM's cache root (``VLLM_CACHE_ROOT``), or None."""
+    try:
+        from vllm import envs
+
+        return Path(envs.VLLM_CACHE_ROOT) / TILES_FILE
+    except Exception:  # noqa: BLE001 - a vLLM without it: every run times its tiles
+        return None
+
+
+def tiles_key(module: nn.Module, tokens: int, tiles: tuple[dict, ...]) -> str:
+    """What a tile choice depends on: the GPU, vLLM's, Triton's and torch's versions, the experts' shape and
+    dtype, the batch timed, and the sets tried (by hash)."""
+    import triton
+    import vllm
+
+    w1 = module.gate_up_proj
+    shape = "x".join(map(str, (*w1.shape, module.down_proj.shape[-1])))
+    sets = hashlib.sha256(json.dumps(tiles, sort_keys=True).encode()).hexdigest()[:16]
+    return " | ".join(
+        [
+            torch.cuda.get_device_name(w1.device),
+            f"vllm {vllm.__version__}, triton {triton.__version__}, torch {torch.__version__}",
+            f"{shape} {str(w1.dtype).removeprefix('torch.')}",
+            f"{tokens} tokens",
+            f"sets {sets}",
+        ]
+    )
+
+
+def remembered(path: Path | None, key: str, compute: Callable[[], dict]) -> dict:
+    """The report kept under ``key`` in ``path`` (a JSON object of reports), marked ``"kept": True``; else
+    ``compute()``'s, then kept there (temp name, then rename). A file that cannot be read is computed over;
+    one that cannot be written leaves the report unkept, with the reason in ``"not_kept"``."""
+    known: dict = {}
+    if path is not None:
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if not isinstance(known, dict):
+            known = {}
+        if isinstance(known.get(key), dict) and "chosen" in known[key]:
+            return known[key] | {"kept": True}
+    report = compute()
+    if path is None:
+        return report | {"not_kept": "vLLM names no cache root"}
+    try:
+        from pipeline.ondisk.atomic import write_json
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, known | {key: report})
+    except OSError as exc:
+        return report | {"not_kept": f"{path}: {exc.strerror or exc}"}
+    return report
 
 
 def time_tiles(

@@ -7,6 +7,8 @@ in torch from vLLM's definition of ``fused_experts`` (and one with gate and up s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -292,3 +294,34 @@ def test_no_tile_sets_keep_vllms_own_choice():
         kernel.forward, (torch.randn(4, 8),), kernel.override, 2e-2, timer=kernel.timer, tiles=()
     )
     assert got is None and report == {"default_ms": 10.0, "tiles_ms": [], "chosen": None}
+
+
+def test_a_tile_choice_is_kept_on_the_host_and_taken_again(tmp_path):
+    """The first run times and keeps its choice; a rerun (a resume) takes it without timing, so its states
+    are computed with the same tiles; another key (GPU, versions, shape, batch, sets) is timed and kept
+    beside it; a file that cannot be read is timed over, one that cannot be written leaves the choice
+    unkept and says why."""
+    path, runs = tmp_path / "cache" / "eagle-ops" / "tiles.json", []
+
+    def timed(chosen):
+        def compute():
+            runs.append(chosen)
+            return {"default_ms": 10.0, "tiles_ms": [7.0], "chosen": chosen}
+
+        return compute
+
+    first = fused_experts.remembered(path, "H100 | a", timed(0))
+    assert first == {"default_ms": 10.0, "tiles_ms": [7.0], "chosen": 0} and runs == [0]
+    again = fused_experts.remembered(path, "H100 | a", timed(None))  # the timing would now pick the default
+    assert again == first | {"kept": True} and runs == [0]
+    fused_experts.remembered(path, "H100 | b", timed(None))
+    assert runs == [0, None] and set(json.loads(path.read_text())) == {"H100 | a", "H100 | b"}
+    assert not list(path.parent.glob(".*.partial"))  # written under a temporary name, then renamed
+    path.write_text("{not json")
+    assert fused_experts.remembered(path, "H100 | a", timed(0))["chosen"] == 0 and runs == [0, None, 0]
+    assert json.loads(path.read_text()) == {"H100 | a": first}
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    unkept = fused_experts.remembered(blocked / "tiles.json", "H100 | a", timed(0))
+    assert unkept["chosen"] == 0 and "not_kept" in unkept
+    assert fused_experts.remembered(None, "k", timed(0))["not_kept"] == "vLLM names no cache root"

@@ -6,6 +6,8 @@ as close to fp32 ones as transformers' own experts' are."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -83,15 +85,26 @@ def test_on_a_gpu_every_experts_module_is_fused_and_states_hold(tiny_deepseek):
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_tiles_are_timed_and_compute_what_the_default_computes(tiny_deepseek):
+def test_on_a_gpu_the_tiles_are_timed_and_compute_what_the_default_computes(
+    tiny_deepseek, tmp_path, monkeypatch
+):
     """Where vLLM ships no tiles for the experts' shape (none for a tiny model's), the backend times vLLM's
-    default against ``TILES`` on a batch of the loop's size and records it; a large batch through the fused
-    forward with the chosen tiles matches the default tiles within the bf16 tolerance."""
+    default against ``TILES`` on a batch of the loop's size and records it, and keeps the choice under vLLM's
+    cache root, where a second backend takes it; a large batch through the fused forward with the chosen
+    tiles matches the default tiles within the bf16 tolerance."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     b = backend(tiny_deepseek, dtype="bfloat16", max_batch_tokens=8192)
     try:
         (report,) = b.fused_experts_tiles.values()
         print(f"\ntiles timed: {report}")
-        assert report["tokens"] == 8192 and report["default_ms"] > 0
+        assert report["tokens"] == 8192 and report["default_ms"] > 0 and "kept" not in report
+        assert len(json.loads((tmp_path / fused_experts.TILES_FILE).read_text())) == 1
+        again = backend(tiny_deepseek, dtype="bfloat16", max_batch_tokens=8192)  # a rerun on this host
+        try:
+            (kept,) = again.fused_experts_tiles.values()
+            assert kept == report | {"kept": True}
+        finally:
+            again.close()
         assert sum(ms is not None for ms in report["tiles_ms"]) >= 1  # at least one set runs on any CUDA GPU
         _, module = fused_experts.candidates(b.decoder)[0]
         batch = fused_experts.routed_batch(module, 8192, seed=3)
