@@ -23,11 +23,12 @@ the few tile sets of ``TILES`` on a batch of the loop's size and keeps the faste
 on the host (``remembered``: a JSON file under vLLM's cache root, which compose.yaml persists), keyed by the
 GPU, the versions of vLLM, Triton and torch, the experts' shape and dtype, the batch timed and the sets
 tried: a rerun or a resumed run takes the same tiles, so its states are computed as the first run's were,
-without timing them again.
+without timing them again, and a host's data-parallel workers take the first one's choice.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from pipeline.backends.fused_norms import restore  # noqa: F401 - the same: each named module's own forward back
+from pipeline.ondisk.atomic import write_json
 
 # a probe agrees when the largest difference is within this share of the largest output: a few roundings of
 # the dtype (both paths accumulate each GEMM in fp32; they round the intermediate and the sum differently)
@@ -269,29 +271,32 @@ def tiles_key(module: nn.Module, tokens: int, tiles: tuple[dict, ...]) -> str:
 
 def remembered(path: Path | None, key: str, compute: Callable[[], dict]) -> dict:
     """The report kept under ``key`` in ``path`` (a JSON object of reports), marked ``"kept": True``; else
-    ``compute()``'s, then kept there (temp name, then rename). A file that cannot be read is computed over;
-    one that cannot be written leaves the report unkept, with the reason in ``"not_kept"``."""
-    known: dict = {}
-    if path is not None:
+    ``compute()``'s, then kept there (temp name, then rename). One process at a time looks and computes (a
+    lock file beside it): the data-parallel workers of a host wait for the first one's choice and take it.
+    A file that cannot be read is computed over; where it cannot be written (or locked) the report is
+    computed and left unkept, with the reason in ``"not_kept"``."""
+    if path is None:
+        return compute() | {"not_kept": "vLLM names no cache root"}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 - held across the computation
+    except OSError as exc:
+        return compute() | {"not_kept": f"{path}: {exc.strerror or exc}"}
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             known = json.loads(path.read_text())
         except (OSError, ValueError):
             known = {}
-        if not isinstance(known, dict):
-            known = {}
+        known = known if isinstance(known, dict) else {}
         if isinstance(known.get(key), dict) and "chosen" in known[key]:
             return known[key] | {"kept": True}
-    report = compute()
-    if path is None:
-        return report | {"not_kept": "vLLM names no cache root"}
-    try:
-        from pipeline.ondisk.atomic import write_json
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, known | {key: report})
-    except OSError as exc:
-        return report | {"not_kept": f"{path}: {exc.strerror or exc}"}
-    return report
+        report = compute()
+        try:
+            write_json(path, known | {key: report})
+        except OSError as exc:
+            return report | {"not_kept": f"{path}: {exc.strerror or exc}"}
+        return report
 
 
 def time_tiles(

@@ -325,3 +325,31 @@ def test_a_tile_choice_is_kept_on_the_host_and_taken_again(tmp_path):
     unkept = fused_experts.remembered(blocked / "tiles.json", "H100 | a", timed(0))
     assert unkept["chosen"] == 0 and "not_kept" in unkept
     assert fused_experts.remembered(None, "k", timed(0))["not_kept"] == "vLLM names no cache root"
+
+
+def test_the_workers_of_a_host_take_the_first_ones_tile_choice(tmp_path):
+    """Data-parallel workers start together: one times the tiles while the others wait on the lock, then take
+    its choice, so every worker computes with the same tiles (threads here; each opens the lock file itself,
+    as a process does)."""
+    import threading
+    import time
+
+    path, runs, results = tmp_path / "tiles.json", [], []
+
+    def compute():
+        runs.append(threading.current_thread().name)
+        time.sleep(0.3)  # the timing: the others arrive meanwhile
+        return {"chosen": len(runs)}
+
+    workers = [
+        threading.Thread(
+            target=lambda: results.append(fused_experts.remembered(path, "H100 | a", compute)), name=f"w{n}"
+        )
+        for n in range(3)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(runs) == 1 and [r["chosen"] for r in results] == [1, 1, 1]
+    assert sum(r.get("kept", False) for r in results) == 2
