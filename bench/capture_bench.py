@@ -43,6 +43,10 @@ On a GPU (llama-1b alone: ~5-6 minutes on an H100; the shapes, sets and rows are
     . .gpu/env.sh; python3 -m bench.capture_bench run --preset gpu --shapes llama-1b --samples 1024 \\
         --workdir /dev/shm/cb --json-out $OUT/capture-bench.json
 
+``--trace DIR`` runs every extraction row through bench/loop_trace.py: torch's profiler over a window of its
+loop's batches (``--trace-window SKIP,BATCHES``), its summary printed after the row and kept in the row's
+``trace`` and in DIR/ROW-SHAPE.json; a traced row's loop rate is slowed by the window.
+
 The CPU smoke run (tests/bench/test_capture_bench.py, the vLLM CPU build): ``make bench-capture``
 (``run --preset tiny``).
 """
