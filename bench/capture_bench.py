@@ -309,7 +309,7 @@ def run(
     trace_window: str,
 ) -> None:
     """Every row on each shape's set, side by side (module docstring)."""
-    skip, traced = trace_window_of(trace_window)
+    skip, batches_traced = trace_window_of(trace_window)
     p = PRESETS[preset]
     shape_list = (shapes or p["shapes"]).split(",")
     counts = [int(c) for c in (samples or p["samples"]).split(",")]
@@ -368,6 +368,7 @@ def run(
                 result = run_engine(row, prepared, model_dir, cache, env)
             else:
                 backend = "vllm" if kind == "extract" else "hf"
+                traced = None if trace is None else trace / f"{row}-{shape}.json"
                 result = run_ours(
                     prepared,
                     model_dir,
@@ -376,13 +377,11 @@ def run(
                     cache,
                     row_env=env,
                     checks=False,
-                    wrapper=None
-                    if trace is None
-                    else trace_argv(trace / f"{row}-{shape}.json", skip, traced),
+                    wrapper=None if traced is None else trace_argv(traced, skip, batches_traced),
                 )
                 result["where"] = where_it_goes(result)
-                if trace is not None:
-                    result["trace"] = traced_window(trace / f"{row}-{shape}.json")
+                if traced is not None:
+                    result["trace"] = traced_window(traced)
                 if kind == "extract":
                     sums = checksums(out)
                     first = first or (row, sums)

@@ -448,8 +448,9 @@ def main(
         stacks.mkdir(parents=True, exist_ok=True)
 
     def sampled(row: str, shape: str) -> list[str] | None:
-        out = None if stacks is None else stacks / f"{row}-{shape}.json.gz"
-        return None if out is None else ["-m", "bench.stacks", "record", "--out", str(out), "--"]
+        if stacks is None:
+            return None
+        return ["-m", "bench.stacks", "record", "--out", str(stacks / f"{row}-{shape}.json.gz"), "--"]
 
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import gzip
 import json
 import sys
 import tempfile
@@ -46,7 +45,8 @@ from pathlib import Path
 
 import click
 
-from bench.stacks import program_args, run_program
+from bench import stacks
+from pipeline.ondisk.atomic import write_json
 
 GAP_BUCKETS_US = (10, 100, 1000, 10_000)  # the gaps' histogram edges
 GPU_CATEGORIES = {"kernel": "kernels", "gpu_memcpy": "copies", "gpu_memset": "memsets"}
@@ -276,21 +276,12 @@ class Window:
         }
         if syncs is not None:
             summary["syncs_by_caller"] = syncs
+        self.out.parent.mkdir(parents=True, exist_ok=True)
         write_json(self.out, summary)
         if self.chrome is not None:
-            tmp = self.chrome.with_name(self.chrome.name + ".tmp")
-            with gzip.open(tmp, "wt") as fh:
-                json.dump(trace, fh)
-            tmp.replace(self.chrome)
+            stacks.write(self.chrome, trace)
         self.prof = None
         print(f"loop_trace: {self.batches} batches traced into {self.out}", flush=True)
-
-
-def write_json(path: Path, record: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def install(window: Window) -> None:
@@ -372,11 +363,11 @@ def record(
 ) -> None:
     """Run PROGRAM (``-m pipeline extract ...``) here, its loop's batches ``--skip`` to ``--skip + --batches``
     traced."""
-    args = program_args(program)
+    args = stacks.program_args(program)
     window = Window(out, skip, batches, chrome, sync_debug)
     install(window)
     atexit.register(window.close)
-    run_program(args)
+    stacks.run_program(args)
 
 
 @cli.command()
