@@ -125,55 +125,54 @@ def _sync() -> None:
 
 def run_loop(backend, seqs: list[list[int]], batches, files: int = 0) -> tuple[float, float, int]:
     """Wall seconds, device-busy seconds and files written of capturing every batch the way the extract loop
-    does; with ``files`` writer threads, each batch's samples handed to the extract loop's Writer once the
-    next batch is queued, and the loop ends when the last file is written."""
-    if files:
-        return _written_loop(backend, seqs, batches, files)
-    _sync()
-    busy0 = backend.clock.seconds
-    t0 = time.perf_counter()
-    previous = None
-    for b in batches:
-        captured = backend.capture_async([seqs[i] for i in b.indices])
-        if previous is not None:
-            previous.ready()
-        previous = captured
-    previous.ready()
-    _sync()
-    return time.perf_counter() - t0, backend.clock.seconds - busy0, 0
-
-
-def _written_loop(backend, seqs: list[list[int]], batches, threads: int) -> tuple[float, float, int]:
-    from pipeline.extract.writer import Sample, Writer
+    does: the next batch queued before the previous one is waited for; with ``files`` writer threads, each
+    batch's samples handed then to the extract loop's Writer (in a temporary folder of /dev/shm), and the
+    loop ends when the last file is written."""
+    from pipeline.extract.writer import Writer
 
     shm = Path("/dev/shm")
-    out = Path(tempfile.mkdtemp(prefix="hf-levers-", dir=shm if shm.is_dir() else None))
+    out = Path(tempfile.mkdtemp(prefix="hf-levers-", dir=shm if shm.is_dir() else None)) if files else None
     try:
         _sync()
         busy0 = backend.clock.seconds
         t0 = time.perf_counter()
-        writer = Writer(out, threads=threads)
-        pending: list = []
+        writer = Writer(out, threads=files) if files else None
+        previous = None
         for b in batches:
             batch = [seqs[i] for i in b.indices]
             captured = backend.capture_async(batch)
-            scales = captured.scales or [None] * len(batch)
-            items = [
-                Sample(
-                    i, torch.tensor(s), states, torch.ones(len(s), dtype=torch.long), captured.ready_of(k), sc
-                )
-                for k, (i, s, states, sc) in enumerate(
-                    zip(b.indices, batch, captured.states, scales, strict=True)
-                )
-            ]
-            writer.put(pending)
-            pending = items
-        writer.put(pending)
-        writer.close()
+            if writer is not None:
+                writer.put(previous or [])
+                previous = samples_of(b, batch, captured)
+            else:
+                if previous is not None:
+                    previous.ready()
+                previous = captured
+        if writer is not None:
+            writer.put(previous)
+            writer.close()
+        else:
+            previous.ready()
         _sync()
-        return time.perf_counter() - t0, backend.clock.seconds - busy0, writer.written
+        return (
+            time.perf_counter() - t0,
+            backend.clock.seconds - busy0,
+            writer.written if writer is not None else 0,
+        )
     finally:
-        shutil.rmtree(out, ignore_errors=True)
+        if out is not None:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def samples_of(b, batch: list[list[int]], captured) -> list:
+    """The Writer's items for one captured batch, as the extract loop makes them (a mask of ones)."""
+    from pipeline.extract.writer import Sample
+
+    scales = captured.scales or [None] * len(batch)
+    return [
+        Sample(i, torch.tensor(s), states, torch.ones(len(s), dtype=torch.long), captured.ready_of(k), sc)
+        for k, (i, s, states, sc) in enumerate(zip(b.indices, batch, captured.states, scales, strict=True))
+    ]
 
 
 def layer_errors(states, reference) -> list[float]:
