@@ -239,6 +239,11 @@ def choose_tiles(
     return (tiles[chosen] if chosen is not None else None), report | kept
 
 
+def experts_shape(module: nn.Module) -> str:
+    """An experts module's shape as the tile choices name it: experts x 2I x H x I."""
+    return "x".join(map(str, (*module.gate_up_proj.shape, module.down_proj.shape[-1])))
+
+
 def tiles_file() -> Path | None:
     """Where this host keeps its tile choices: under vLLM's cache root (``VLLM_CACHE_ROOT``), or None."""
     try:
@@ -256,13 +261,12 @@ def tiles_key(module: nn.Module, tokens: int, tiles: tuple[dict, ...]) -> str:
     import vllm
 
     w1 = module.gate_up_proj
-    shape = "x".join(map(str, (*w1.shape, module.down_proj.shape[-1])))
     sets = hashlib.sha256(json.dumps(tiles, sort_keys=True).encode()).hexdigest()[:16]
     return " | ".join(
         [
             torch.cuda.get_device_name(w1.device),
             f"vllm {vllm.__version__}, triton {triton.__version__}, torch {torch.__version__}",
-            f"{shape} {str(w1.dtype).removeprefix('torch.')}",
+            f"{experts_shape(module)} {str(w1.dtype).removeprefix('torch.')}",
             f"{tokens} tokens",
             f"sets {sets}",
         ]
@@ -340,7 +344,7 @@ def fuse(
         return [], None, {}
     fused, worst, tuned = [], None, {}
     for name, module in candidates_found:
-        shape = "x".join(map(str, (*module.gate_up_proj.shape, module.down_proj.shape[-1])))
+        shape = experts_shape(module)
         if shape not in tuned:
             tuned[shape] = choose_tiles(module, fused_experts, tokens, TILES if tiles is None else tiles)
         forward = fused_forward(module, fused_experts, tuned[shape][0])
