@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import pytest
 
-from bench import capture_bench, loop_trace
+from bench import capture_bench, loop_trace, stacks
 from pipeline.ondisk import formats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,44 +70,34 @@ def test_merged_joins_overlapping_and_touching_intervals():
     assert loop_trace.merged([(5, 6), (0, 2), (2, 3), (1, 1.5)]) == [(0, 3), (5, 6)]
 
 
+def traced_extract(
+    summary, prepared, model, out, window: list, device: str, *more
+) -> subprocess.CompletedProcess:
+    """``pipeline extract`` with the hf backend on ``device``, run through ``loop_trace record`` with the
+    ``window`` options, its summary into ``summary``."""
+    argv = [sys.executable, "-m", "bench.loop_trace", "record", "--out", str(summary), *window, "--"]
+    argv += [
+        "-m",
+        "pipeline",
+        "extract",
+        "--prepared",
+        str(prepared),
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+    ]
+    argv += ["--no-progress", "--backend", "hf", "--device", device, *more]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def test_a_real_extraction_is_traced_over_its_window_and_still_completes(
     tmp_path, tiny_llama, prepared_llama
 ):
     out, summary = tmp_path / "states", tmp_path / "trace" / "w.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.loop_trace",
-            "record",
-            "--out",
-            str(summary),
-            "--skip",
-            "1",
-            "--batches",
-            "2",
-            "--",
-            "-m",
-            "pipeline",
-            "extract",
-            "--prepared",
-            str(prepared_llama),
-            "--model",
-            str(tiny_llama),
-            "--out",
-            str(out),
-            "--no-progress",
-            "--backend",
-            "hf",
-            "--device",
-            "cpu",
-            "--max-batch-tokens",
-            "512",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    window = ["--skip", "1", "--batches", "2", "--chrome", str(tmp_path / "trace.json.gz")]
+    proc = traced_extract(
+        summary, prepared_llama, tiny_llama, out, window, "cpu", "--max-batch-tokens", "512"
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "2 batches traced" in proc.stdout
@@ -116,6 +106,8 @@ def test_a_real_extraction_is_traced_over_its_window_and_still_completes(
     assert s["wall_seconds"] > 0 and "kernels" not in s  # the CPU: no device events
     ops = {r["name"] for r in s["main_thread_ops"]}
     assert any(name.startswith("aten::") for name in ops), ops
+    chrome = stacks.load(tmp_path / "trace.json.gz")  # the whole trace, kept as asked
+    assert any(e.get("cat") == "cpu_op" for e in chrome["traceEvents"])
     # the program went on past the window: every sample on disk, checked
     prepared = formats.read_prepared(prepared_llama)[0]
     assert len(list(out.glob("data_*.pt"))) == len(prepared.lengths())
@@ -123,15 +115,7 @@ def test_a_real_extraction_is_traced_over_its_window_and_still_completes(
 
 def test_a_window_past_the_loop_says_nothing_was_traced(tmp_path, tiny_llama, prepared_llama):
     summary = tmp_path / "w.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.loop_trace", "record", "--out", str(summary), "--skip", "999", "--"]
-        + ["-m", "pipeline", "extract", "--prepared", str(prepared_llama), "--model", str(tiny_llama)]
-        + ["--out", str(tmp_path / "s"), "--no-progress", "--backend", "hf", "--device", "cpu"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = traced_extract(summary, prepared_llama, tiny_llama, tmp_path / "s", ["--skip", "999"], "cpu")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "none after --skip 999: nothing traced (lower --skip)" in proc.stderr
     assert not summary.exists()

@@ -5,36 +5,20 @@ CPU seconds. Run by `make test-vllm-gpu` before a traced bench spends a GPU call
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+from tests.bench.test_loop_trace import traced_extract
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.gpu
 
 
 def test_a_gpu_extraction_window_has_its_kernels_streams_launches_and_syncs(
     tmp_path, tiny_llama, prepared_llama
 ):
-    summary = tmp_path / "w.json"
-    argv = [sys.executable, "-m", "bench.loop_trace", "record", "--out", str(summary), "--skip", "1"]
-    argv += [
-        "--batches",
-        "2",
-        "--sync-debug",
-        "--",
-        "-m",
-        "pipeline",
-        "extract",
-        "--prepared",
-        str(prepared_llama),
-    ]
-    argv += ["--model", str(tiny_llama), "--out", str(tmp_path / "s"), "--no-progress", "--backend", "hf"]
-    argv += ["--device", "cuda", "--max-batch-tokens", "512", "--json-stats"]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    summary, window = tmp_path / "w.json", ["--skip", "1", "--batches", "2", "--sync-debug"]
+    more = ["--max-batch-tokens", "512", "--json-stats"]
+    proc = traced_extract(summary, prepared_llama, tiny_llama, tmp_path / "s", window, "cuda", *more)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["batches"] == 2 and s["kernels"] > 0 and 0 < s["kernel_busy_share"] <= 1
