@@ -179,6 +179,15 @@ def cache_environment(cache: Path, row_env: dict[str, str] | None = None) -> dic
     )
 
 
+def extract_argv(
+    prepared: Path, model: Path, out: Path, extra: list[str], wrapper: list[str] | None = None
+) -> list[str]:
+    """The command line of one `pipeline extract` row (no progress bar; ``extra`` last), run through
+    ``wrapper`` (``-m MODULE ARGS... --``) where one is given."""
+    argv = [sys.executable, *(wrapper or []), "-m", "pipeline", "extract", "--prepared", str(prepared)]
+    return [*argv, "--model", str(model), "--out", str(out), "--no-progress", *extra]
+
+
 def run_ours(
     prepared: Path,
     model: Path,
@@ -201,25 +210,7 @@ def run_ours(
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
     with GpuMemory() as mem:
-        wall, lines = timed_process(
-            [
-                sys.executable,
-                *(wrapper or []),
-                "-m",
-                "pipeline",
-                "extract",
-                "--prepared",
-                str(prepared),
-                "--model",
-                str(model),
-                "--out",
-                str(out),
-                "--no-progress",
-                *extra,
-            ],
-            env,
-            cwd=tree,
-        )
+        wall, lines = timed_process(extract_argv(prepared, model, out, extra, wrapper), env, cwd=tree)
     stats = next((json.loads(line) for _, line in reversed(lines) if line.startswith('{"tokens"')), None)
     if stats is not None:
         return stats_row(stats, wall, lines, mem, out, cache)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import click
 import pytest
 
-from bench import capture_bench, loop_trace, stacks
+from bench import capture_bench, e2e_bench, loop_trace, stacks
 from pipeline.ondisk import formats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,19 +74,9 @@ def traced_extract(
 ) -> subprocess.CompletedProcess:
     """``pipeline extract`` with the hf backend on ``device``, run through ``loop_trace record`` with the
     ``window`` options, its summary into ``summary``."""
-    argv = [sys.executable, "-m", "bench.loop_trace", "record", "--out", str(summary), *window, "--"]
-    argv += [
-        "-m",
-        "pipeline",
-        "extract",
-        "--prepared",
-        str(prepared),
-        "--model",
-        str(model),
-        "--out",
-        str(out),
-    ]
-    argv += ["--no-progress", "--backend", "hf", "--device", device, *more]
+    wrapper = ["-m", "bench.loop_trace", "record", "--out", str(summary), *window, "--"]
+    extra = ["--backend", "hf", "--device", device, *more]
+    argv = e2e_bench.extract_argv(prepared, model, out, extra, wrapper)
     return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
